@@ -1,0 +1,73 @@
+// Host-side API of the CUDA MLA attention family (kernels/mla_attention.cu launches, device code
+// in kernels/mla_attention.cuh). Plain C++: includable from .cpp files; pointers are device
+// pointers unless named host_.
+//
+// Shapes (H = num_heads, Dc = 512, Dr = 64, D = 576, S = slots = num_pages * page_size):
+//   q_nope : [num_rows, H, Dc] bf16 bits     q_pe : [num_rows, H, Dr] bf16 bits
+//   new_kv : [num_rows, D] bf16 bits          new_kv_slots : [num_rows] int32
+//   pool   : [S, D] e4m3 codes (Fp8) or bf16 bits (Bf16)
+//   out    : [num_rows, H, Dc] bf16 bits     lse : [num_rows, H] fp32 (natural log)
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "src/backend.hpp"
+#include "src/result.hpp"
+
+typedef struct CUstream_st* cudaStream_t;
+
+namespace kvaudit::cuda {
+
+enum class PoolElement : std::uint8_t { kFp8E4m3, kBf16 };
+
+struct MlaAttentionProblem {
+  // Requests and their pages (kvdump-v1 semantics, after this step's writes).
+  const std::int32_t* qo_indptr = nullptr;         // [batch + 1]
+  const std::int32_t* kv_indptr = nullptr;         // [batch + 1]
+  const std::int32_t* kv_indices = nullptr;        // [nnz_pages]
+  const std::int32_t* kv_last_page_len = nullptr;  // [batch]
+  int batch = 0;
+  int num_rows = 0;
+  int num_heads = 0;
+  int kv_lora_rank = 512;
+  int qk_rope_head_dim = 64;
+  int page_size = 1;
+  std::int64_t num_slots = 0;
+  int max_kv_len = 0;  // upper bound over requests (host knows it); sizes the split-KV grid
+  float sm_scale = 0.f;
+  float kv_scale = 1.f;  // dequantization multiplier of the pool (1 for bf16)
+  PoolElement pool_element = PoolElement::kFp8E4m3;
+  const void* pool = nullptr;
+  const std::uint16_t* q_nope = nullptr;
+  const std::uint16_t* q_pe = nullptr;
+  std::uint16_t* out = nullptr;
+  float* lse = nullptr;
+};
+
+// Scratch for split-KV partial (out, lse); sized by mla_attention_workspace_bytes.
+std::size_t mla_attention_workspace_bytes(const MlaAttentionProblem& problem);
+
+// Runs attention. Unsupported shapes (Dc != 512, Dr != 64, H > 128, ...) return an
+// `unsupported` Error naming the shape; CUDA failures an internal Error.
+Status launch_mla_attention(const MlaAttentionProblem& problem, void* workspace,
+                            std::size_t workspace_bytes, cudaStream_t stream);
+
+// kvdump write rule on the device: pool[new_kv_slots[i], :] = e4m3_rne_satfinite(new_kv / scale)
+// (cvt.rn.satfinite.e4m3x2.f32) for an fp8 pool, or the bf16 bits unchanged for a bf16 pool.
+Status launch_kv_write(const std::uint16_t* new_kv, const std::int32_t* new_kv_slots, int num_rows,
+                       int row_width, float kv_scale, PoolElement pool_element, void* pool,
+                       cudaStream_t stream);
+
+// The seed's bug, kept on purpose for cuda-cast-bf16: decode every code of the pool into a bf16
+// buffer ([S, D], values without kv_scale: e4m3 -> bf16 is exact).
+Status launch_cast_pool_to_bf16(const std::uint8_t* pool, std::int64_t num_elements,
+                                std::uint16_t* pool_bf16, cudaStream_t stream);
+
+// Backends for `kvaudit check` (src/backend.cpp dispatches to these).
+Result<std::unique_ptr<Backend>> make_cuda_fp8_backend(const BackendOptions& options);
+Result<std::unique_ptr<Backend>> make_cuda_cast_bf16_backend(const BackendOptions& options);
+
+}  // namespace kvaudit::cuda
