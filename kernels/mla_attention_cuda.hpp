@@ -38,7 +38,7 @@ struct MlaAttentionProblem {
   std::int64_t num_slots = 0;
   int max_kv_len = 0;  // upper bound over requests (host knows it); sizes the split-KV grid
   float sm_scale = 0.f;
-  float kv_scale = 1.f;  // dequantization multiplier of the pool (1 for bf16)
+  float kv_scale = 1.f;  // multiplier applied to pool values (a cast pool keeps the fp8 scale)
   PoolElement pool_element = PoolElement::kFp8E4m3;
   const void* pool = nullptr;
   const std::uint16_t* q_nope = nullptr;
