@@ -1,0 +1,78 @@
+// Error metrics between a reference tensor and a candidate (DESIGN.md "Numerics").
+//
+// Inputs, for one (step, layer, comparison):
+//   reference_out : [num_rows, num_heads, kv_lora_rank] (double; R8 or Rs)
+//   candidate_out : same shape (double; a bf16 backend output, a captured output, or R8)
+//   reference_lse, candidate_lse : [num_rows, num_heads], natural log
+// Metrics, each with the (row, head, dim) of its worst element:
+//   max_abs      = max |a - b|
+//   max_rel      = max |a - b| / max(|a|, rel_floor)       (rel_floor stated in the result)
+//   rms          = sqrt(mean (a - b)^2)
+//   rel_l2       = ||a - b||_2 / ||a||_2
+//   cos_diff     = 1 - 2 sum(a b) / sum(a^2 + b^2)          (FlashMLA's)
+//   max_ulp_bf16 = max distance in bf16 ULPs between bf16(a) and bf16(b) (ordered bit distance)
+//   lse_max_abs  = max |lse_a - lse_b|
+//   NaN/Inf counts in each and the number of positions where they disagree (a NaN in one but not
+//   the other); these fail a comparison before any norm is looked at. Norms are taken over the
+//   elements where both are finite.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+namespace kvaudit {
+
+struct TensorShape3 {
+  int rows = 0;
+  int heads = 0;
+  int dims = 0;
+  std::size_t size() const { return static_cast<std::size_t>(rows) * heads * dims; }
+};
+
+struct ElementLocation {
+  int row = -1;  // step-global query row
+  int head = -1;
+  int dim = -1;  // -1 for lse
+  double reference = 0.0;
+  double candidate = 0.0;
+};
+
+struct ComparisonMetrics {
+  std::size_t elements = 0;
+  double max_abs = 0.0;
+  ElementLocation max_abs_at;
+  double max_rel = 0.0;
+  double rel_floor = 0.0;
+  ElementLocation max_rel_at;
+  double rms = 0.0;
+  double rel_l2 = 0.0;
+  double cos_diff = 0.0;
+  double max_ulp_bf16 = 0.0;
+  ElementLocation max_ulp_at;
+  double reference_max_abs = 0.0;  // max |a|, the scale the errors are read against
+  bool has_lse = false;
+  double lse_max_abs = 0.0;
+  ElementLocation lse_max_abs_at;
+  std::size_t reference_nonfinite = 0;  // NaN or Inf in out and lse
+  std::size_t candidate_nonfinite = 0;
+  std::size_t nonfinite_mismatches = 0;  // positions finite in one, not the other (or NaN vs Inf)
+  ElementLocation first_nonfinite_mismatch;
+};
+
+// rel_floor: denominators below it are replaced by it (so near-zero outputs do not dominate).
+ComparisonMetrics compare_outputs(TensorShape3 shape, std::span<const double> reference_out,
+                                  std::span<const double> candidate_out,
+                                  std::span<const double> reference_lse,
+                                  std::span<const double> candidate_lse, double rel_floor);
+
+nlohmann::json to_json(const ComparisonMetrics& metrics);
+nlohmann::json to_json(const ElementLocation& location);
+
+// Ordered distance in bf16 units in the last place between two finite values after rounding each
+// to bf16 (adjacent bf16 values are 1 apart, +0 and -0 are 0 apart).
+double bf16_ulp_distance(double a, double b);
+
+}  // namespace kvaudit

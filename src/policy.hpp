@@ -1,0 +1,54 @@
+// The one place that turns metrics into pass/fail (DESIGN.md "one place that turns results into a
+// verdict"). Limits are per comparison; the defaults and where each number comes from are
+// documented in policy.cpp and the README.
+#pragma once
+
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "src/metrics.hpp"
+#include "src/result.hpp"
+
+namespace kvaudit {
+
+enum class Comparison { kKernel, kQuantization, kTotal, kCaptured };
+const char* comparison_name(Comparison comparison);  // "kernel" | "quantization" | ...
+
+// A limit that is absent (std::nullopt) is not checked. NaN/Inf mismatches always fail.
+struct ComparisonLimits {
+  std::optional<double> max_abs_over_ref_max;  // max_abs / max|reference out|
+  std::optional<double> rel_l2;
+  std::optional<double> cos_diff;
+  std::optional<double> max_ulp_bf16;
+  std::optional<double> lse_max_abs;
+};
+
+struct Policy {
+  std::string name;  // "default", "signoff", or the policy file's name
+  double rel_floor = 0.0;  // floor for max_rel denominators (reported, not judged)
+  ComparisonLimits kernel;
+  ComparisonLimits captured;
+  ComparisonLimits quantization;  // sign-off limits
+  ComparisonLimits total;
+  bool quantization_sets_exit = false;  // true under --signoff or when a policy file asks
+};
+
+struct Judgement {
+  bool pass = true;
+  std::vector<std::string> reasons;  // "rel_l2 0.031 > 0.0156 (kernel limit)"
+};
+
+Policy default_policy();
+Policy signoff_policy();
+Result<Policy> load_policy(const std::filesystem::path& path);  // JSON, same keys as to_json
+nlohmann::json to_json(const Policy& policy);
+
+Judgement judge(const Policy& policy, Comparison comparison, const ComparisonMetrics& metrics);
+// Whether a failing comparison of this kind sets the exit status under this policy.
+bool comparison_sets_exit(const Policy& policy, Comparison comparison);
+
+}  // namespace kvaudit
