@@ -24,8 +24,8 @@ namespace kvaudit::mla {
 inline constexpr int kKvTileTokens = 64;
 
 // MLA widths the kernels are specialised for (DeepSeek-V2/V3, GLM-5).
-inline constexpr int kKvLoraRank = 512;     // Dc
-inline constexpr int kQkRopeHeadDim = 64;   // Dr
+inline constexpr int kKvLoraRank = 512;                         // Dc
+inline constexpr int kQkRopeHeadDim = 64;                       // Dr
 inline constexpr int kRowWidth = kKvLoraRank + kQkRopeHeadDim;  // 576
 
 inline constexpr double kLog2e = 1.4426950408889634074;

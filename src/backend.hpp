@@ -9,11 +9,10 @@
 
 #include <cstdint>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "src/kvdump.hpp"
 #include "src/result.hpp"
@@ -26,8 +25,8 @@ struct AttentionOutput {
 };
 
 struct BackendOptions {
-  int threads = 0;              // 0: every core
-  std::string injection;        // empty: none; else a name from list_injections()
+  int threads = 0;                // 0: every core
+  std::string injection;          // empty: none; else a name from list_injections()
   bool reciprocal_scale = false;  // write with x * (1/scale) instead of x / scale (named option)
 };
 

@@ -4,10 +4,9 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "src/metrics.hpp"
 #include "src/policy.hpp"
@@ -15,8 +14,8 @@
 namespace kvaudit {
 
 struct ComparisonResult {
-  int step = 0;       // step index (S### number)
-  int layer_id = 0;   // model layer id (L### number)
+  int step = 0;      // step index (S### number)
+  int layer_id = 0;  // model layer id (L### number)
   Comparison comparison = Comparison::kKernel;
   ComparisonMetrics metrics;
   Judgement judgement;
@@ -31,10 +30,10 @@ struct IntegrityFinding {
   std::string check;  // "storage", "written_slots", "unwritten_slots", "nan_written",
                       // "captured_pool", "read_consistency"
   bool pass = true;
-  std::string message;                // one line naming step, layer and slots
-  std::vector<std::int64_t> slots;    // first offending slots (at most a few dozen)
-  std::string classification;         // "nan_code", "bf16_high_byte", "off_by_one_code",
-                                      // "wrong_slot", "other" (captured pools)
+  std::string message;              // one line naming step, layer and slots
+  std::vector<std::int64_t> slots;  // first offending slots (at most a few dozen)
+  std::string classification;       // "nan_code", "bf16_high_byte", "off_by_one_code",
+                                    // "wrong_slot", "other" (captured pools)
 };
 
 struct CheckRun {

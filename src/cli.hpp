@@ -3,10 +3,9 @@
 // 3 internal error (DESIGN.md).
 #pragma once
 
+#include <CLI/CLI.hpp>
 #include <functional>
 #include <iosfwd>
-
-#include <CLI/CLI.hpp>
 
 #include "src/result.hpp"
 

@@ -12,8 +12,9 @@ CudaDeviceInfo cuda_device_info() {
   int count = 0;
   const cudaError_t status = cudaGetDeviceCount(&count);
   if (status != cudaSuccess || count == 0) {
-    info.reason = status != cudaSuccess ? std::string("no CUDA device: ") + cudaGetErrorString(status)
-                                        : std::string("no CUDA device found");
+    info.reason = status != cudaSuccess
+                      ? std::string("no CUDA device: ") + cudaGetErrorString(status)
+                      : std::string("no CUDA device found");
     return info;
   }
   cudaDeviceProp prop{};

@@ -8,8 +8,8 @@ namespace kvaudit {
 
 struct CudaDeviceInfo {
   bool present = false;
-  std::string reason;  // why not present
-  std::string name;    // "NVIDIA H200"
+  std::string reason;          // why not present
+  std::string name;            // "NVIDIA H200"
   int compute_capability = 0;  // 90
   int driver_version = 0;      // cudaDriverGetVersion, e.g. 13000
   int runtime_version = 0;     // cudaRuntimeGetVersion

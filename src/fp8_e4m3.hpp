@@ -30,8 +30,8 @@ namespace kvaudit {
 inline constexpr std::uint8_t kE4m3NanCode = 0x7F;
 inline constexpr std::uint8_t kE4m3MaxFiniteCode = 0x7E;  // 448
 inline constexpr float kE4m3MaxFinite = 448.0f;
-inline constexpr double kE4m3UnitRoundoff = 0.0625;         // 2^-4
-inline constexpr double kBf16UnitRoundoff = 0.00390625;     // 2^-8
+inline constexpr double kE4m3UnitRoundoff = 0.0625;                  // 2^-4
+inline constexpr double kBf16UnitRoundoff = 0.00390625;              // 2^-8
 inline constexpr double kFp32UnitRoundoff = 5.9604644775390625e-08;  // 2^-24
 
 enum class E4m3Overflow : std::uint8_t { kSatFinite, kNoSat };
@@ -101,7 +101,7 @@ KVAUDIT_HOST_DEVICE constexpr std::uint8_t e4m3_round_fields(bool negative, int 
   // Quantum of the e4m3 binade holding |x|: 2^(e-3) for normals, 2^-9 below 2^-6.
   const int quantum_exponent = (exponent < -6 ? -6 : exponent) - 3;
   const int shift = kMantBits + quantum_exponent - exponent;  // >= kMantBits - 3 > 0
-  if (shift > kMantBits + 1) return sign;                       // |x| < quantum / 2
+  if (shift > kMantBits + 1) return sign;                     // |x| < quantum / 2
   UInt multiple = significand >> shift;
   const UInt remainder = significand & ((UInt{1} << shift) - 1);
   const UInt half = UInt{1} << (shift - 1);

@@ -29,7 +29,7 @@ namespace kvaudit {
 enum class KvDtype : std::uint8_t { kFloat8E4m3fn, kBfloat16 };
 enum class StepKind : std::uint8_t { kPrefill, kDecode };
 
-const char* kv_dtype_name(KvDtype dtype);  // "float8_e4m3fn" | "bfloat16"
+const char* kv_dtype_name(KvDtype dtype);   // "float8_e4m3fn" | "bfloat16"
 const char* step_kind_name(StepKind kind);  // "prefill" | "decode"
 
 struct DumpAttributes {
@@ -100,7 +100,9 @@ struct KvPool {
 
   static KvPool zeros(KvDtype dtype, std::int64_t num_slots, int row_width);
   int bytes_per_element() const { return dtype == KvDtype::kBfloat16 ? 2 : 1; }
-  std::size_t row_bytes() const { return static_cast<std::size_t>(row_width) * bytes_per_element(); }
+  std::size_t row_bytes() const {
+    return static_cast<std::size_t>(row_width) * bytes_per_element();
+  }
   std::uint8_t* row(std::int64_t slot) { return bytes.data() + slot * row_bytes(); }
   const std::uint8_t* row(std::int64_t slot) const { return bytes.data() + slot * row_bytes(); }
   // Decoded element, before the kv_scale multiplier (e4m3 value or bf16 value).
@@ -113,9 +115,9 @@ struct KvPool {
 };
 
 struct StepLayerTensors {
-  std::vector<float> q_nope;  // [Nq, H, Dc]
-  std::vector<float> q_pe;    // [Nq, H, Dr]
-  std::vector<float> new_kv;  // [Nq, D]
+  std::vector<float> q_nope;              // [Nq, H, Dc]
+  std::vector<float> q_pe;                // [Nq, H, Dr]
+  std::vector<float> new_kv;              // [Nq, D]
   std::optional<std::vector<float>> out;  // [Nq, H, Dc], captured
   std::optional<std::vector<float>> lse;  // [Nq, H], captured, natural log
   std::optional<KvPool> kv_cache_after;   // captured pool after the step
@@ -133,8 +135,8 @@ class DumpReader {
   const DumpLayout& layout() const;
   const std::filesystem::path& path() const;
 
-  Result<KvPool> read_pool(std::size_t layer_index) const;                 // kv_cache
-  Result<std::vector<float>> read_source(std::size_t layer_index) const;   // kv_source [S, D]
+  Result<KvPool> read_pool(std::size_t layer_index) const;                // kv_cache
+  Result<std::vector<float>> read_source(std::size_t layer_index) const;  // kv_source [S, D]
   Result<StepLayerTensors> read_step_layer(std::size_t step_index, std::size_t layer_index) const;
 
  private:

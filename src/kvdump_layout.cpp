@@ -12,7 +12,9 @@ const char* kv_dtype_name(KvDtype dtype) {
   return dtype == KvDtype::kBfloat16 ? "bfloat16" : "float8_e4m3fn";
 }
 
-const char* step_kind_name(StepKind kind) { return kind == StepKind::kDecode ? "decode" : "prefill"; }
+const char* step_kind_name(StepKind kind) {
+  return kind == StepKind::kDecode ? "decode" : "prefill";
+}
 
 std::string layer_group_name(int layer_id) {
   char name[32];

@@ -4,11 +4,10 @@
 #pragma once
 
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "src/metrics.hpp"
 #include "src/result.hpp"
@@ -28,7 +27,7 @@ struct ComparisonLimits {
 };
 
 struct Policy {
-  std::string name;  // "default", "signoff", or the policy file's name
+  std::string name;        // "default", "signoff", or the policy file's name
   double rel_floor = 0.0;  // floor for max_rel denominators (reported, not judged)
   ComparisonLimits kernel;
   ComparisonLimits captured;

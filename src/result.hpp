@@ -58,9 +58,9 @@ inline Error internal_error(std::string where, std::string what) {
 }
 
 // Propagate an error from an expression returning Result<...>.
-#define KVAUDIT_TRY(expr)                                 \
-  do {                                                    \
-    auto kvaudit_try_result_ = (expr);                    \
+#define KVAUDIT_TRY(expr)                                              \
+  do {                                                                 \
+    auto kvaudit_try_result_ = (expr);                                 \
     if (!kvaudit_try_result_.ok()) return kvaudit_try_result_.error(); \
   } while (0)
 

@@ -6,12 +6,12 @@
 
 #include "src/cuda_device.hpp"
 
-#define KVAUDIT_REQUIRE_GPU()                                                              \
-  do {                                                                                     \
-    const auto kvaudit_device_ = kvaudit::cuda_device_info();                             \
-    if (!kvaudit_device_.present) {                                                        \
-      WARN("SKIPPED " << Catch::getResultCapture().getCurrentTestName() << ": "           \
-                      << kvaudit_device_.reason);                                          \
-      return;                                                                              \
-    }                                                                                      \
+#define KVAUDIT_REQUIRE_GPU()                                                   \
+  do {                                                                          \
+    const auto kvaudit_device_ = kvaudit::cuda_device_info();                   \
+    if (!kvaudit_device_.present) {                                             \
+      WARN("SKIPPED " << Catch::getResultCapture().getCurrentTestName() << ": " \
+                      << kvaudit_device_.reason);                               \
+      return;                                                                   \
+    }                                                                           \
   } while (0)

@@ -2,7 +2,6 @@
 // says why they are skipped, and exits 77 (CTest's SKIP_RETURN_CODE for gpu_tests).
 #define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
-
 #include <cstring>
 #include <iostream>
 
@@ -17,9 +16,10 @@ int main(int argc, char** argv) {
     const kvaudit::CudaDeviceInfo device = kvaudit::cuda_device_info();
     if (!device.present) {
       std::cout << "SKIPPED [gpu] tests (" << device.reason << "):\n";
-      const auto spec = Catch::TestSpecParser(Catch::ITagAliasRegistry::get()).parse("[gpu]").testSpec();
-      for (const auto& test : Catch::filterTests(Catch::getAllTestCasesSorted(session.config()), spec,
-                                                 session.config())) {
+      const auto spec =
+          Catch::TestSpecParser(Catch::ITagAliasRegistry::get()).parse("[gpu]").testSpec();
+      for (const auto& test : Catch::filterTests(Catch::getAllTestCasesSorted(session.config()),
+                                                 spec, session.config())) {
         std::cout << "  skipped: " << test.name << "\n";
       }
       return 77;
