@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Builds kvaudit (scripts/setup.sh), runs every test through CTest, and checks that every C++/CUDA
+# source is clang-format clean. Exits non-zero when any test or the format check fails.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+bash scripts/setup.sh
+build_dir=${KVAUDIT_BUILD_DIR:-build}
+
+status=0
+echo "== clang-format check"
+mapfile -t sources < <(find src kernels references tests -type f \
+  \( -name '*.cpp' -o -name '*.hpp' -o -name '*.cu' -o -name '*.cuh' \) 2>/dev/null | sort)
+if ((${#sources[@]} > 0)) && ! clang-format --dry-run --Werror "${sources[@]}"; then
+  echo "clang-format: the files above differ from .clang-format; run clang-format -i on them" >&2
+  status=1
+fi
+
+echo "== tests"
+if ! ctest --test-dir "$build_dir" --output-on-failure -j"${KVAUDIT_TEST_JOBS:-2}"; then
+  status=1
+fi
+exit "$status"
