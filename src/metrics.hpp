@@ -40,7 +40,8 @@ struct ElementLocation {
 };
 
 struct ComparisonMetrics {
-  std::size_t elements = 0;
+  std::size_t elements = 0;         // out elements compared (rows * heads * dims)
+  std::size_t finite_elements = 0;  // out elements where both are finite: the norms' domain
   double max_abs = 0.0;
   ElementLocation max_abs_at;
   double max_rel = 0.0;
@@ -67,11 +68,20 @@ ComparisonMetrics compare_outputs(TensorShape3 shape, std::span<const double> re
                                   std::span<const double> reference_lse,
                                   std::span<const double> candidate_lse, double rel_floor);
 
+// JSON has no NaN or infinity: a finite double is written as a number, others as the strings
+// "nan", "inf", "-inf" (docs/report-schema.md).
+nlohmann::json json_number(double value);
+
 nlohmann::json to_json(const ComparisonMetrics& metrics);
 nlohmann::json to_json(const ElementLocation& location);
 
 // Ordered distance in bf16 units in the last place between two finite values after rounding each
 // to bf16 (adjacent bf16 values are 1 apart, +0 and -0 are 0 apart).
+// NaN in either gives +inf; an infinity sits one step past the largest finite bf16.
 double bf16_ulp_distance(double a, double b);
+
+// x rounded to the nearest bf16 value, ties to even, in one rounding (no float intermediate);
+// overflow gives +-inf as IEEE does. Used by bf16_ulp_distance.
+double round_to_bf16(double x);
 
 }  // namespace kvaudit
