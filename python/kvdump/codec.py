@@ -76,7 +76,9 @@ def quantize_e4m3(values_float32, kv_scale):
     x = np.asarray(values_float32)
     if x.dtype != np.float32:
         raise ValueError(f"quantize_e4m3: values must be float32, got {x.dtype}")
-    return encode_e4m3(x / np.float32(kv_scale))
+    with np.errstate(over="ignore"):  # a quotient past float32's range is inf, which saturates
+        quotient = x / np.float32(kv_scale)
+    return encode_e4m3(quotient)
 
 
 def bf16_bits_from_float32(values):
