@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "src/backend.hpp"
@@ -69,5 +70,15 @@ Status launch_cast_pool_to_bf16(const std::uint8_t* pool, std::int64_t num_eleme
 // Backends for `kvaudit check` (src/backend.cpp dispatches to these).
 Result<std::unique_ptr<Backend>> make_cuda_fp8_backend(const BackendOptions& options);
 Result<std::unique_ptr<Backend>> make_cuda_cast_bf16_backend(const BackendOptions& options);
+
+// Device bytes a cuda-* backend holds, by role: the FP8 (or bf16) pool it attends on, a bf16 copy
+// of the whole pool (cuda-cast-bf16 only), and everything else (indices, q, new_kv, out/lse,
+// split-KV workspace: sized by the step, never by the pool). nullopt for other backends.
+struct CudaBackendAllocations {
+  std::size_t pool_bytes = 0;
+  std::size_t pool_bf16_bytes = 0;
+  std::size_t other_bytes = 0;
+};
+std::optional<CudaBackendAllocations> cuda_backend_allocations(const Backend& backend);
 
 }  // namespace kvaudit::cuda

@@ -1,0 +1,232 @@
+// Host launcher of the CUDA MLA attention family: the only place that chooses grid shapes and
+// template arguments (device code in kernels/mla_attention.cuh, the math it computes in
+// kernels/mla_attention_model.hpp).
+//
+// Grid of the attention kernel: num_rows * head_blocks * num_splits blocks of 256 threads, one
+// block per (query row, block of 16 * kMTiles heads, split of the row's 64-token tiles), one block
+// per SM (shared memory ~205-225 KB: Q, a bf16 KV tile, three FP8 staging tiles). Heads: H <= 16
+// -> kMTiles = 1 (one m16 tile, 8 warps split the 64 tokens / 512 dims eight ways); H > 16 ->
+// kMTiles = 2 (32 heads per block, 4 warps per m16 tile), ceil(H / 32) head blocks.
+// Split-KV (flash-decoding): when rows * head_blocks alone leaves SMs idle, each row's tiles are
+// split over several blocks and mla_merge_kernel combines the partial (out, lse) exactly.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "kernels/mla_attention.cuh"
+#include "kernels/mla_attention_cuda.hpp"
+
+namespace kvaudit::cuda {
+
+namespace {
+
+constexpr const char* kWhere = "cuda mla_attention";
+
+Status cuda_status(cudaError_t status, const char* what) {
+  if (status == cudaSuccess) return ok_status();
+  return internal_error(kWhere, std::string(what) + ": " + cudaGetErrorString(status));
+}
+
+int device_multiprocessors() {
+  int device = 0;
+  int count = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      count <= 0) {
+    return 132;  // H100/H200 SXM
+  }
+  return count;
+}
+
+struct LaunchShape {
+  int m_tiles = 1;
+  int head_blocks = 1;
+  int num_splits = 1;
+};
+
+// Splits: with base = rows * head_blocks blocks and one block per SM, choose the split count in
+// 1 .. max_tiles (each split keeps >= 2 tiles when it can) whose last wave is fullest; ties go to
+// fewer splits (less merge traffic). Rows that are shorter than max_kv_len get empty splits,
+// which exit at once.
+LaunchShape launch_shape(const MlaAttentionProblem& problem) {
+  LaunchShape shape;
+  shape.m_tiles = problem.num_heads <= 16 ? 1 : 2;
+  const int heads_per_block = 16 * shape.m_tiles;
+  shape.head_blocks = (problem.num_heads + heads_per_block - 1) / heads_per_block;
+  const long long base = static_cast<long long>(problem.num_rows) * shape.head_blocks;
+  const int max_tiles = std::max(1, (problem.max_kv_len + mla::kKvTileTokens - 1) /
+                                        mla::kKvTileTokens);
+  const int sms = device_multiprocessors();
+  if (base <= 0 || base >= sms) return shape;
+  const int max_splits = std::max(1, std::min(max_tiles / 2, 2 * sms));
+  double best = 0.0;
+  for (int s = 1; s <= max_splits; ++s) {
+    const long long blocks = base * s;
+    const long long waves = (blocks + sms - 1) / sms;
+    const double fill = static_cast<double>(blocks) / static_cast<double>(waves * sms);
+    // Prefer more parallelism only while it fills the machine noticeably better.
+    if (fill > best + 0.02) {
+      best = fill;
+      shape.num_splits = s;
+    }
+  }
+  return shape;
+}
+
+Status check_problem(const MlaAttentionProblem& problem) {
+  if (problem.kv_lora_rank != mla::kKvLoraRank || problem.qk_rope_head_dim != mla::kQkRopeHeadDim) {
+    return unsupported(kWhere, "MLA shape kv_lora_rank=" + std::to_string(problem.kv_lora_rank) +
+                                   ", qk_rope_head_dim=" +
+                                   std::to_string(problem.qk_rope_head_dim) +
+                                   " (the CUDA kernels support 512 + 64 only)");
+  }
+  if (problem.num_heads < 1 || problem.num_heads > 128) {
+    return unsupported(kWhere, "num_heads=" + std::to_string(problem.num_heads) +
+                                   " (the CUDA kernels support 1..128)");
+  }
+  if (problem.page_size < 1) {
+    return unsupported(kWhere, "page_size=" + std::to_string(problem.page_size));
+  }
+  if (problem.num_slots < 0 ||
+      problem.num_slots > static_cast<std::int64_t>(0x7FFFFFFF)) {
+    return unsupported(kWhere, "num_slots=" + std::to_string(problem.num_slots) +
+                                   " (slots are 32-bit in the CUDA kernels)");
+  }
+  if (problem.batch < 0 || problem.num_rows < 0 || problem.max_kv_len < 0) {
+    return unsupported(kWhere, "negative batch, num_rows or max_kv_len");
+  }
+  return ok_status();
+}
+
+float score_scale_of(const MlaAttentionProblem& problem) {
+  return static_cast<float>(static_cast<double>(problem.sm_scale) *
+                            static_cast<double>(problem.kv_scale) * mla::kLog2e);
+}
+
+template <int kMTiles, bool kBf16Pool>
+Status launch_attention_kernel(const detail::MlaAttentionParams& params, long long blocks,
+                               cudaStream_t stream) {
+  using Layout = detail::MlaSmemLayout<kMTiles, kBf16Pool>;
+  auto* kernel = detail::mla_attention_kernel<kMTiles, kBf16Pool>;
+  KVAUDIT_TRY(cuda_status(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Layout::kBytes),
+      "cudaFuncSetAttribute"));
+  kernel<<<static_cast<unsigned>(blocks), detail::kThreads, Layout::kBytes, stream>>>(params);
+  return cuda_status(cudaGetLastError(), "mla_attention_kernel launch");
+}
+
+}  // namespace
+
+std::size_t mla_attention_workspace_bytes(const MlaAttentionProblem& problem) {
+  if (!check_problem(problem).ok()) return 0;
+  const LaunchShape shape = launch_shape(problem);
+  if (shape.num_splits <= 1) return 0;
+  const std::size_t partial_rows = static_cast<std::size_t>(problem.num_rows) *
+                                   static_cast<std::size_t>(shape.num_splits) *
+                                   static_cast<std::size_t>(problem.num_heads);
+  return partial_rows * (mla::kKvLoraRank + 1) * sizeof(float);
+}
+
+Status launch_mla_attention(const MlaAttentionProblem& problem, void* workspace,
+                            std::size_t workspace_bytes, cudaStream_t stream) {
+  KVAUDIT_TRY(check_problem(problem));
+  if (problem.num_rows == 0 || problem.batch == 0) return ok_status();
+  const LaunchShape shape = launch_shape(problem);
+
+  detail::MlaAttentionParams params{};
+  params.qo_indptr = problem.qo_indptr;
+  params.kv_indptr = problem.kv_indptr;
+  params.kv_indices = problem.kv_indices;
+  params.kv_last_page_len = problem.kv_last_page_len;
+  params.batch = problem.batch;
+  params.num_rows = problem.num_rows;
+  params.num_heads = problem.num_heads;
+  params.page_size = problem.page_size;
+  params.num_splits = shape.num_splits;
+  params.head_blocks = shape.head_blocks;
+  params.score_scale = score_scale_of(problem);
+  params.kv_scale = problem.kv_scale;
+  params.pool = static_cast<const std::uint8_t*>(problem.pool);
+  params.q_nope = problem.q_nope;
+  params.q_pe = problem.q_pe;
+  params.out = problem.out;
+  params.lse = problem.lse;
+  if (shape.num_splits > 1) {
+    const std::size_t needed = mla_attention_workspace_bytes(problem);
+    if (workspace == nullptr || workspace_bytes < needed) {
+      return internal_error(kWhere, "workspace of " + std::to_string(workspace_bytes) +
+                                        " bytes, need " + std::to_string(needed));
+    }
+    const std::size_t partial_rows = static_cast<std::size_t>(problem.num_rows) *
+                                     static_cast<std::size_t>(shape.num_splits) *
+                                     static_cast<std::size_t>(problem.num_heads);
+    params.partial_out = static_cast<float*>(workspace);
+    params.partial_lse = params.partial_out + partial_rows * mla::kKvLoraRank;
+  }
+
+  const long long blocks = static_cast<long long>(problem.num_rows) * shape.head_blocks *
+                           shape.num_splits;
+  if (blocks > 0x7FFFFFFFLL) {
+    return unsupported(kWhere, "grid of " + std::to_string(blocks) + " blocks");
+  }
+  // Runtime -> compile-time dispatch: (pool element, m16 tiles per block).
+  const bool bf16_pool = problem.pool_element == PoolElement::kBf16;
+  const int key = (bf16_pool ? 10 : 0) + shape.m_tiles;
+  switch (key) {
+    case 1:
+      KVAUDIT_TRY((launch_attention_kernel<1, false>(params, blocks, stream)));
+      break;
+    case 2:
+      KVAUDIT_TRY((launch_attention_kernel<2, false>(params, blocks, stream)));
+      break;
+    case 11:
+      KVAUDIT_TRY((launch_attention_kernel<1, true>(params, blocks, stream)));
+      break;
+    case 12:
+      KVAUDIT_TRY((launch_attention_kernel<2, true>(params, blocks, stream)));
+      break;
+    default:
+      return unsupported(kWhere, "no kernel for pool element " +
+                                     std::string(bf16_pool ? "bf16" : "e4m3") + " with " +
+                                     std::to_string(shape.m_tiles) + " m16 tiles per block");
+  }
+  if (shape.num_splits > 1) {
+    detail::mla_merge_kernel<<<static_cast<unsigned>(static_cast<long long>(problem.num_rows) *
+                                                     problem.num_heads),
+                               mla::kKvLoraRank / 4, 0, stream>>>(params);
+    KVAUDIT_TRY(cuda_status(cudaGetLastError(), "mla_merge_kernel launch"));
+  }
+  return ok_status();
+}
+
+Status launch_kv_write(const std::uint16_t* new_kv, const std::int32_t* new_kv_slots, int num_rows,
+                       int row_width, float kv_scale, PoolElement pool_element, void* pool,
+                       cudaStream_t stream) {
+  if (num_rows <= 0 || row_width <= 0) return ok_status();
+  const long long total = static_cast<long long>(num_rows) * row_width;
+  const int threads = 256;
+  const long long blocks = std::min<long long>((total + threads - 1) / threads, 65535);
+  if (pool_element == PoolElement::kFp8E4m3) {
+    detail::kv_write_fp8_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+        new_kv, new_kv_slots, num_rows, row_width, kv_scale, static_cast<std::uint8_t*>(pool));
+  } else {
+    detail::kv_write_bf16_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+        new_kv, new_kv_slots, num_rows, row_width, static_cast<std::uint16_t*>(pool));
+  }
+  return cuda_status(cudaGetLastError(), "kv_write kernel launch");
+}
+
+Status launch_cast_pool_to_bf16(const std::uint8_t* pool, std::int64_t num_elements,
+                                std::uint16_t* pool_bf16, cudaStream_t stream) {
+  if (num_elements <= 0) return ok_status();
+  const int threads = 256;
+  const long long blocks =
+      std::min<long long>((num_elements / 4 + threads - 1) / threads + 1, 132LL * 16);
+  detail::cast_pool_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+      pool, num_elements, pool_bf16);
+  return cuda_status(cudaGetLastError(), "cast_pool kernel launch");
+}
+
+}  // namespace kvaudit::cuda

@@ -1,0 +1,600 @@
+// Device code of the CUDA MLA attention family: the KV write rule, the whole-pool cast (the seed's
+// bug, kept for cuda-cast-bf16), and paged MLA attention (decode and prefill/extend) reading the
+// FP8 e4m3 pool directly. Only kernels/mla_attention.cu launches these.
+//
+// Math (kernels/mla_attention_model.hpp is the contract; the CPU model mirrors it):
+//   per query row i, head h, over the visible tokens t of the row's request, (c_t, r_t) the pool
+//   row decoded exactly to bf16 *without* kv_scale:
+//     dot_t = q_nope[i,h,:] . c_t + q_pe[i,h,:] . r_t        (bf16 x bf16 -> fp32, tensor cores)
+//     s_t   = dot_t * score_scale,  score_scale = fp32(sm_scale * kv_scale * log2 e)
+//   online softmax in base 2 over tiles of kKvTileTokens = 64 token positions (tile k holds
+//   positions 64k .. 64k + 63 of the request), P rounded to bf16 before P.V, fp32 accumulation,
+//   out = bf16(acc * (kv_scale / l)),  lse = (m + log2 l) * ln 2.
+//
+// Shapes (H = num_heads, Dc = 512, Dr = 64, D = 576, S = slots):
+//   q_nope : [num_rows, H, Dc] bf16     q_pe : [num_rows, H, Dr] bf16
+//   pool   : [S, D] e4m3 codes (or bf16 bits)
+//   out    : [num_rows, H, Dc] bf16     lse  : [num_rows, H] fp32
+//   partial_out : [num_rows, num_splits, H, Dc] fp32 (acc / l), partial_lse : [.., H] fp32 (base 2)
+//
+// Work decomposition. One thread block handles one query row, a block of 16 * kMTiles heads (the
+// MMA M dimension; heads past H are zero rows) and one split (a contiguous range of 64-token
+// tiles) of that row's visible tokens. Every M row of a block sees the same tokens, so a token the
+// row may not see is never loaded: its shared-memory row is zeroed, and its score is -inf. NaN
+// codes in unused or masked slots therefore never enter an MMA (0 * NaN would leak them).
+// Per tile: the 64 FP8 rows (576 bytes each, 16-byte cp.async, coalesced per token, so page size
+// 1 costs no more than 64) land in a multi-stage staging buffer, are decoded once into a bf16
+// tile, and that one tile serves both Q.K^T (576 columns) and P.V (its first 512 columns) through
+// mma.sync.m16n8k16 bf16 -> fp32.
+//
+// Where the GPU differs from the CPU model, and by how much (the tests' tolerances):
+//   * tensor-core fp32 accumulation of the 576-term dot products and of P.V is not sequential fp32
+//     addition: each differs by at most ~n * 2^-24 relative to the sum of |terms| (n = 576 or
+//     64 per tile), far below the bf16 output rounding (2^-8 relative).
+//   * exp2f is ex2.approx (<= 2 ulp): p_t differs by ~2^-22 relative before its bf16 rounding,
+//     which can flip that rounding (a change of one bf16 ulp, 2^-8 relative, in rare p_t).
+//   * split-KV: each split runs its own online softmax (its own running max), so P is rounded to
+//     bf16 relative to a different max than the CPU's single pass; each p_t then carries its own
+//     rounding of <= 2^-9 relative either way, and the exact merge of the partial (out, lse) adds
+//     fp32 rounding only. The difference to the model is bounded by ~2^-8 * max|v| per output.
+//   * the final bf16 rounding of out can then land on the neighbouring bf16 value (1 bf16 ulp).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/mla_attention_model.hpp"
+
+namespace kvaudit::cuda::detail {
+
+inline constexpr int kThreads = 256;  // 8 warps per block
+inline constexpr int kWarps = kThreads / 32;
+inline constexpr int kTile = mla::kKvTileTokens;  // 64
+inline constexpr int kDc = mla::kKvLoraRank;       // 512
+inline constexpr int kDr = mla::kQkRopeHeadDim;    // 64
+inline constexpr int kD = mla::kRowWidth;          // 576
+// bf16 rows in shared memory are padded by 16 bytes: 1168 bytes = 292 words, 292 mod 32 = 4, so
+// the 8 rows one ldmatrix phase reads start in 8 different 4-bank groups (no bank conflicts).
+inline constexpr int kSmemRow = kD + 8;           // bf16 elements per shared row
+inline constexpr int kPRow = kTile + 8;           // bf16 elements per row of P (144 bytes)
+inline constexpr int kFp8RowVectors = kD / 16;    // 36 16-byte vectors per FP8 row
+inline constexpr int kBf16RowVectors = kD * 2 / 16;  // 72 per bf16 row
+
+struct MlaAttentionParams {
+  using QElement = std::uint16_t;  // bf16 bits
+  using OutElement = std::uint16_t;
+
+  const std::int32_t* qo_indptr;
+  const std::int32_t* kv_indptr;
+  const std::int32_t* kv_indices;
+  const std::int32_t* kv_last_page_len;
+  int batch;
+  int num_rows;
+  int num_heads;
+  int page_size;
+  int num_splits;
+  int head_blocks;
+  float score_scale;  // fp32(sm_scale * kv_scale * log2 e)
+  float kv_scale;
+  const std::uint8_t* pool;
+  const QElement* q_nope;
+  const QElement* q_pe;
+  OutElement* out;
+  float* lse;
+  float* partial_out;  // used when num_splits > 1
+  float* partial_lse;
+};
+
+// Shared-memory carve-up of one block; the launcher sizes the dynamic allocation with it.
+template <int kMTiles, bool kBf16Pool>
+struct MlaSmemLayout {
+  static constexpr int kRows = 16 * kMTiles;
+  static constexpr int kWarpsPerMTile = kWarps / kMTiles;
+  static constexpr int kStages = kBf16Pool ? 0 : 3;
+  static constexpr int kQOffset = 0;
+  static constexpr int kKvOffset = kQOffset + kRows * kSmemRow * 2;
+  static constexpr int kStageOffset = kKvOffset + kTile * kSmemRow * 2;
+  static constexpr int kStageBytes = kTile * kD;
+  static constexpr int kPOffset = kStageOffset + kStages * kStageBytes;
+  static constexpr int kMaxOffset = kPOffset + kRows * kPRow * 2;
+  static constexpr int kSumOffset = kMaxOffset + kRows * kWarpsPerMTile * 4;
+  static constexpr int kSlotOffset = kSumOffset + kRows * kWarpsPerMTile * 4;
+  static constexpr int kBytes = kSlotOffset + (kStages > 0 ? kStages : 1) * kTile * 4;
+  static_assert(kBytes <= 227 * 1024, "shared memory of one block exceeds the sm_90 limit");
+};
+
+// ---- small device primitives ------------------------------------------------------------------
+
+__device__ __forceinline__ std::uint32_t smem_address(const void* pointer) {
+  return static_cast<std::uint32_t>(__cvta_generic_to_shared(pointer));
+}
+
+__device__ __forceinline__ void cp_async_16(std::uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&r)[4], std::uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(std::uint32_t (&r)[4], std::uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
+// d += a * b, m16n8k16, bf16 operands, fp32 accumulators.
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const std::uint32_t (&a)[4],
+                                               std::uint32_t b0, std::uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two e4m3 codes (low byte first) -> two bf16 (low half first), exactly: e4m3 -> f16 is exact
+// (cvt.rn.f16x2.e4m3x2), f16 -> f32 exact, and every e4m3 value is a bf16 value, so the final
+// rounding is exact too. NaN codes stay NaN.
+__device__ __forceinline__ std::uint32_t e4m3x2_to_bf16x2(std::uint16_t codes) {
+  std::uint32_t halves;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(halves) : "h"(codes));
+  float lo, hi;
+  asm("{ .reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;\n}\n"
+      : "=f"(lo), "=f"(hi)
+      : "r"(halves));
+  std::uint32_t out;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(out) : "f"(hi), "f"(lo));
+  return out;
+}
+
+__device__ __forceinline__ uint4 e4m3x4_to_bf16x4(std::uint32_t codes) {
+  uint4 r;
+  r.x = e4m3x2_to_bf16x2(static_cast<std::uint16_t>(codes & 0xFFFF));
+  r.y = e4m3x2_to_bf16x2(static_cast<std::uint16_t>(codes >> 16));
+  return r;
+}
+
+__device__ __forceinline__ std::uint32_t pack_bf16x2(float lo, float hi) {
+  std::uint32_t out;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(out) : "f"(hi), "f"(lo));
+  return out;
+}
+
+// ---- KV write and pool cast -------------------------------------------------------------------
+
+// pool[slots[i], c] = e4m3_rne_satfinite(fp32(new_kv[i, c]) / kv_scale): one IEEE fp32 division
+// (nvcc's default -prec-div=true), then cvt.rn.satfinite.e4m3x2.f32, as kvdump_quantize.
+__global__ void kv_write_fp8_kernel(const std::uint16_t* __restrict__ new_kv,
+                                    const std::int32_t* __restrict__ slots, int num_rows,
+                                    int row_width, float kv_scale, std::uint8_t* __restrict__ pool) {
+  const std::int64_t total = static_cast<std::int64_t>(num_rows) * row_width;
+  for (std::int64_t e = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+       e < total; e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t row = e / row_width;
+    const int col = static_cast<int>(e - row * row_width);
+    const float value = __uint_as_float(static_cast<std::uint32_t>(new_kv[e]) << 16);
+    const float quotient = __fdiv_rn(value, kv_scale);
+    const __nv_fp8_storage_t code = __nv_cvt_float_to_fp8(quotient, __NV_SATFINITE, __NV_E4M3);
+    pool[static_cast<std::int64_t>(slots[row]) * row_width + col] = code;
+  }
+}
+
+__global__ void kv_write_bf16_kernel(const std::uint16_t* __restrict__ new_kv,
+                                     const std::int32_t* __restrict__ slots, int num_rows,
+                                     int row_width, std::uint16_t* __restrict__ pool) {
+  const std::int64_t total = static_cast<std::int64_t>(num_rows) * row_width;
+  for (std::int64_t e = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+       e < total; e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t row = e / row_width;
+    const int col = static_cast<int>(e - row * row_width);
+    pool[static_cast<std::int64_t>(slots[row]) * row_width + col] = new_kv[e];
+  }
+}
+
+// pool_bf16[e] = bf16(decode(pool[e])), every element of the pool (the whole-pool cast).
+__global__ void cast_pool_kernel(const std::uint8_t* __restrict__ pool, std::int64_t num_elements,
+                                 std::uint16_t* __restrict__ pool_bf16) {
+  const std::int64_t vectors = num_elements / 4;
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t v = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+       v < vectors; v += stride) {
+    const std::uint32_t codes = reinterpret_cast<const std::uint32_t*>(pool)[v];
+    const uint4 r = e4m3x4_to_bf16x4(codes);
+    reinterpret_cast<uint2*>(pool_bf16)[v] = make_uint2(r.x, r.y);
+  }
+  for (std::int64_t e = vectors * 4 + blockIdx.x * static_cast<std::int64_t>(blockDim.x) +
+                        threadIdx.x;
+       e < num_elements; e += stride) {
+    pool_bf16[e] = static_cast<std::uint16_t>(e4m3x2_to_bf16x2(pool[e]) & 0xFFFF);
+  }
+}
+
+// ---- attention --------------------------------------------------------------------------------
+
+struct RowRange {
+  int request;
+  std::int64_t kv_begin;  // first entry of the request in kv_indices
+  int visible;            // tokens this row sees: positions 0 .. visible - 1
+};
+
+__device__ __forceinline__ RowRange locate_row(const MlaAttentionParams& p, int row) {
+  // Request owning `row`: the last b with qo_indptr[b] <= row (requests without rows skipped).
+  int lo = 0, hi = p.batch;  // answer in [lo, hi)
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (p.qo_indptr[mid] <= row) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  while (lo + 1 < p.batch && p.qo_indptr[lo + 1] <= row) ++lo;
+  RowRange r;
+  r.request = lo;
+  r.kv_begin = p.kv_indptr[lo];
+  const int pages = p.kv_indptr[lo + 1] - p.kv_indptr[lo];
+  const int kv_len = pages == 0 ? 0 : (pages - 1) * p.page_size + p.kv_last_page_len[lo];
+  const int rows_of_request = p.qo_indptr[lo + 1] - p.qo_indptr[lo];
+  r.visible = kv_len - rows_of_request + (row - p.qo_indptr[lo]) + 1;
+  return r;
+}
+
+__device__ __forceinline__ std::int32_t slot_of(const MlaAttentionParams& p, const RowRange& r,
+                                                int position) {
+  const std::int32_t page = p.kv_indices[r.kv_begin + position / p.page_size];
+  return page * p.page_size + position % p.page_size;
+}
+
+// grid: num_rows * head_blocks * num_splits blocks (split fastest), kThreads threads.
+template <int kMTiles, bool kBf16Pool>
+__global__ void __launch_bounds__(kThreads, 1)
+    mla_attention_kernel(const __grid_constant__ MlaAttentionParams p) {
+  using Layout = MlaSmemLayout<kMTiles, kBf16Pool>;
+  constexpr int kRows = Layout::kRows;
+  constexpr int kWn = Layout::kWarpsPerMTile;     // warps sharing one m16 tile
+  constexpr int kQkTiles = kTile / 8 / kWn;       // n8 token tiles per warp in Q.K^T
+  constexpr int kPvTiles = kDc / 8 / kWn;         // n8 dim tiles per warp in P.V
+  constexpr int kStages = Layout::kStages;
+  static_assert(kQkTiles >= 1 && kPvTiles % 2 == 0, "warp tiling");
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  std::uint16_t* q_s = reinterpret_cast<std::uint16_t*>(smem + Layout::kQOffset);
+  std::uint16_t* kv_s = reinterpret_cast<std::uint16_t*>(smem + Layout::kKvOffset);
+  std::uint8_t* stage_s = smem + Layout::kStageOffset;
+  std::uint16_t* p_s = reinterpret_cast<std::uint16_t*>(smem + Layout::kPOffset);
+  float* max_s = reinterpret_cast<float*>(smem + Layout::kMaxOffset);
+  float* sum_s = reinterpret_cast<float*>(smem + Layout::kSumOffset);
+  std::int32_t* slot_s = reinterpret_cast<std::int32_t*>(smem + Layout::kSlotOffset);
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int mt = warp / kWn;  // this warp's m16 tile
+  const int wn = warp % kWn;  // its part of the tokens (Q.K^T) and of the dims (P.V)
+  const int group = lane / 4;
+  const int quad = lane % 4;
+
+  const int split = blockIdx.x % p.num_splits;
+  const int head_block = (blockIdx.x / p.num_splits) % p.head_blocks;
+  const int row = blockIdx.x / (p.num_splits * p.head_blocks);
+  const int head0 = head_block * kRows;
+
+  const RowRange range = locate_row(p, row);
+  const int num_tiles = (range.visible + kTile - 1) / kTile;
+  const int tiles_per_split = (num_tiles + p.num_splits - 1) / p.num_splits;
+  const int tile_begin = split * tiles_per_split;
+  const int tile_end = min(num_tiles, tile_begin + tiles_per_split);
+
+  if (tile_begin >= tile_end) {  // an empty split (short row): it contributes nothing
+    if (p.num_splits > 1) {
+      for (int r = tid; r < kRows; r += kThreads) {
+        const int head = head0 + r;
+        if (head < p.num_heads) {
+          p.partial_lse[(static_cast<std::int64_t>(row) * p.num_splits + split) * p.num_heads +
+                        head] = -INFINITY;
+        }
+      }
+    }
+    return;
+  }
+
+  // Stage Q (bf16) for this block's heads: rows [q_nope (512) | q_pe (64)], zero past H.
+  for (int v = tid; v < kRows * kBf16RowVectors; v += kThreads) {
+    const int r = v / kBf16RowVectors;
+    const int c = (v % kBf16RowVectors) * 8;  // element column
+    const int head = head0 + r;
+    uint4 value = make_uint4(0, 0, 0, 0);
+    if (head < p.num_heads) {
+      const std::int64_t qrow = static_cast<std::int64_t>(row) * p.num_heads + head;
+      value = c < kDc ? *reinterpret_cast<const uint4*>(p.q_nope + qrow * kDc + c)
+                      : *reinterpret_cast<const uint4*>(p.q_pe + qrow * kDr + (c - kDc));
+    }
+    *reinterpret_cast<uint4*>(q_s + r * kSmemRow + c) = value;
+  }
+
+  // Slot of token `token` of tile `tile`, or -1 past the row's visible range.
+  auto tile_slot = [&](int tile, int token) -> std::int32_t {
+    const int position = tile * kTile + token;
+    return (tile < tile_end && position < range.visible) ? slot_of(p, range, position) : -1;
+  };
+  auto issue_tile = [&](int tile, int stage) {  // FP8 rows of a tile -> staging buffer
+    if (tile < tile_end) {
+      const std::int32_t* slots = slot_s + stage * kTile;
+      const std::uint32_t base = smem_address(stage_s + stage * Layout::kStageBytes);
+      for (int v = tid; v < kTile * kFp8RowVectors; v += kThreads) {
+        const int token = v / kFp8RowVectors;
+        const int chunk = v % kFp8RowVectors;
+        const std::int32_t slot = slots[token];
+        if (slot >= 0) {
+          cp_async_16(base + token * kD + chunk * 16,
+                      p.pool + static_cast<std::int64_t>(slot) * kD + chunk * 16);
+        }
+      }
+    }
+    cp_async_commit();
+  };
+
+  if constexpr (kStages > 0) {
+    if (tid < kTile) {
+      for (int s = 0; s < kStages; ++s) slot_s[s * kTile + tid] = tile_slot(tile_begin + s, tid);
+    }
+    __syncthreads();
+    for (int s = 0; s < kStages - 1; ++s) issue_tile(tile_begin + s, s);
+  }
+
+  // Online-softmax state of this thread's two rows (group, group + 8 of tile mt); every warp of
+  // the m16 tile holds the same values (same inputs, same order).
+  float m_run[2] = {-INFINITY, -INFINITY};
+  float l_run[2] = {0.f, 0.f};
+  float acc[kPvTiles][4];
+#pragma unroll
+  for (int j = 0; j < kPvTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+
+  const std::uint32_t q_base = smem_address(q_s);
+  const std::uint32_t kv_base = smem_address(kv_s);
+  const std::uint32_t p_base = smem_address(p_s);
+
+  for (int tile = tile_begin; tile < tile_end; ++tile) {
+    const int i = tile - tile_begin;
+    const int valid = min(kTile, range.visible - tile * kTile);  // tokens of this tile in range
+    if constexpr (kStages > 0) {
+      cp_async_wait<kStages - 2>();
+      __syncthreads();  // tile i staged; everyone done with the previous tile's kv_s, p_s, sums
+      issue_tile(tile + kStages - 1, (i + kStages - 1) % kStages);
+      std::int32_t next_slot = -1;
+      if (tid < kTile) next_slot = tile_slot(tile + kStages, tid);
+      // Decode the staged FP8 rows into the bf16 tile; rows past `valid` become zeros.
+      const std::uint8_t* stage = stage_s + (i % kStages) * Layout::kStageBytes;
+      for (int v = tid; v < kTile * kFp8RowVectors; v += kThreads) {
+        const int token = v / kFp8RowVectors;
+        const int chunk = v % kFp8RowVectors;
+        uint4 lo = make_uint4(0, 0, 0, 0), hi = make_uint4(0, 0, 0, 0);
+        if (token < valid) {
+          const uint4 codes = *reinterpret_cast<const uint4*>(stage + token * kD + chunk * 16);
+          const uint4 a = e4m3x4_to_bf16x4(codes.x), b = e4m3x4_to_bf16x4(codes.y);
+          const uint4 c = e4m3x4_to_bf16x4(codes.z), d = e4m3x4_to_bf16x4(codes.w);
+          lo = make_uint4(a.x, a.y, b.x, b.y);
+          hi = make_uint4(c.x, c.y, d.x, d.y);
+        }
+        uint4* dst = reinterpret_cast<uint4*>(kv_s + token * kSmemRow + chunk * 16);
+        dst[0] = lo;
+        dst[1] = hi;
+      }
+      if (tid < kTile) slot_s[(i % kStages) * kTile + tid] = next_slot;
+    } else {
+      __syncthreads();  // everyone done with the previous tile
+      for (int v = tid; v < kTile * kBf16RowVectors; v += kThreads) {
+        const int token = v / kBf16RowVectors;
+        const int chunk = v % kBf16RowVectors;
+        uint4* dst = reinterpret_cast<uint4*>(kv_s + token * kSmemRow + chunk * 8);
+        if (token < valid) {
+          const std::int32_t slot = slot_of(p, range, tile * kTile + token);
+          cp_async_16(smem_address(dst), p.pool + (static_cast<std::int64_t>(slot) * kD) * 2 +
+                                             chunk * 16);
+        } else {
+          *dst = make_uint4(0, 0, 0, 0);
+        }
+      }
+      cp_async_commit();
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // bf16 tile ready
+
+    // ---- S = Q K^T for rows of tile mt, tokens [wn * 8 * kQkTiles, +8 * kQkTiles) ----
+    float s[kQkTiles][4];
+#pragma unroll
+    for (int j = 0; j < kQkTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+    const int token0 = wn * 8 * kQkTiles;
+    {
+      // ldmatrix addresses: A (Q) x4 = rows 0-7/8-15 x k 0-7/8-15; B (K) x4 = two k16 steps of
+      // one n8 tile: matrices (k 0-7), (k 8-15), (k 16-23), (k 24-31).
+      const int a_row = mt * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
+      const std::uint32_t a_addr = q_base + (a_row * kSmemRow + 8 * (lane / 16)) * 2;
+      const std::uint32_t b_addr = kv_base + ((token0 + lane % 8) * kSmemRow + 8 * (lane / 8)) * 2;
+#pragma unroll 2
+      for (int kk = 0; kk < kD / 32; ++kk) {
+        std::uint32_t a0[4], a1[4];
+        ldmatrix_x4(a0, a_addr + kk * 64);
+        ldmatrix_x4(a1, a_addr + kk * 64 + 32);
+#pragma unroll
+        for (int j = 0; j < kQkTiles; ++j) {
+          std::uint32_t b[4];
+          ldmatrix_x4(b, b_addr + j * 8 * kSmemRow * 2 + kk * 64);
+          mma_bf16_16816(s[j], a0, b[0], b[1]);
+          mma_bf16_16816(s[j], a1, b[2], b[3]);
+        }
+      }
+    }
+    // Scale, mask past `valid`, row max over this warp's tokens.
+    float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < kQkTiles; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int token = token0 + j * 8 + 2 * quad + (e % 2);
+        s[j][e] = token < valid ? s[j][e] * p.score_scale : -INFINITY;
+        tile_max[e / 2] = fmaxf(tile_max[e / 2], s[j][e]);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
+      tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
+    }
+    if (quad == 0) {
+      max_s[(mt * 16 + group) * kWn + wn] = tile_max[0];
+      max_s[(mt * 16 + group + 8) * kWn + wn] = tile_max[1];
+    }
+    __syncthreads();
+    float m_new[2], m_use[2], alpha[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float m = m_run[h];
+      for (int w = 0; w < kWn; ++w) m = fmaxf(m, max_s[(mt * 16 + group + 8 * h) * kWn + w]);
+      m_new[h] = m;
+      m_use[h] = m == -INFINITY ? 0.f : m;  // a row whose scores are all -inf stays all zero
+      alpha[h] = m_run[h] == -INFINITY ? 0.f : exp2f(m_run[h] - m_use[h]);
+    }
+    // P = exp2(s - m), rounded to bf16 for P.V; the row sums use the unrounded values.
+    float part_sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < kQkTiles; ++j) {
+      const float p0 = exp2f(s[j][0] - m_use[0]), p1 = exp2f(s[j][1] - m_use[0]);
+      const float p2 = exp2f(s[j][2] - m_use[1]), p3 = exp2f(s[j][3] - m_use[1]);
+      part_sum[0] += p0 + p1;
+      part_sum[1] += p2 + p3;
+      const int col = token0 + j * 8 + 2 * quad;
+      *reinterpret_cast<std::uint32_t*>(p_s + (mt * 16 + group) * kPRow + col) =
+          pack_bf16x2(p0, p1);
+      *reinterpret_cast<std::uint32_t*>(p_s + (mt * 16 + group + 8) * kPRow + col) =
+          pack_bf16x2(p2, p3);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      part_sum[h] += __shfl_xor_sync(0xffffffffu, part_sum[h], 1);
+      part_sum[h] += __shfl_xor_sync(0xffffffffu, part_sum[h], 2);
+    }
+    if (quad == 0) {
+      sum_s[(mt * 16 + group) * kWn + wn] = part_sum[0];
+      sum_s[(mt * 16 + group + 8) * kWn + wn] = part_sum[1];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float tile_sum = 0.f;
+      for (int w = 0; w < kWn; ++w) tile_sum += sum_s[(mt * 16 + group + 8 * h) * kWn + w];
+      l_run[h] = l_run[h] * alpha[h] + tile_sum;
+      m_run[h] = m_new[h];
+    }
+#pragma unroll
+    for (int j = 0; j < kPvTiles; ++j) {
+      acc[j][0] *= alpha[0];
+      acc[j][1] *= alpha[0];
+      acc[j][2] *= alpha[1];
+      acc[j][3] *= alpha[1];
+    }
+
+    // ---- acc += P V for dims [wn * 8 * kPvTiles, +8 * kPvTiles) ----
+    {
+      const int dim0 = wn * 8 * kPvTiles;
+      const int a_row = mt * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
+      const std::uint32_t a_addr = p_base + (a_row * kPRow + 8 * (lane / 16)) * 2;
+      // V^T fragments via ldmatrix.trans: matrices (tokens 0-7, dims 0-7), (tokens 8-15, dims
+      // 0-7), (tokens 0-7, dims 8-15), (tokens 8-15, dims 8-15) -> b0, b1 of two n8 tiles.
+      const int v_token = (lane % 8) + 8 * ((lane / 8) % 2);
+      const std::uint32_t v_addr = kv_base + (v_token * kSmemRow + dim0 + 8 * (lane / 16)) * 2;
+#pragma unroll
+      for (int kt = 0; kt < kTile / 16; ++kt) {
+        std::uint32_t a[4];
+        ldmatrix_x4(a, a_addr + kt * 32);
+#pragma unroll
+        for (int j = 0; j < kPvTiles; j += 2) {
+          std::uint32_t b[4];
+          ldmatrix_x4_trans(b, v_addr + (kt * 16 * kSmemRow + j * 8) * 2);
+          mma_bf16_16816(acc[j], a, b[0], b[1]);
+          mma_bf16_16816(acc[j + 1], a, b[2], b[3]);
+        }
+      }
+    }
+  }
+  if constexpr (kStages > 0) cp_async_wait<0>();  // drain (empty groups) before exit
+
+  // ---- epilogue ----
+  const int dim0 = wn * 8 * kPvTiles;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int head = head0 + mt * 16 + group + 8 * h;
+    if (head >= p.num_heads) continue;
+    const std::int64_t out_row = static_cast<std::int64_t>(row) * p.num_heads + head;
+    if (p.num_splits == 1) {
+      const float factor = p.kv_scale / l_run[h];
+      std::uint16_t* out = p.out + out_row * kDc + dim0 + 2 * quad;
+#pragma unroll
+      for (int j = 0; j < kPvTiles; ++j) {
+        *reinterpret_cast<std::uint32_t*>(out + j * 8) =
+            pack_bf16x2(acc[j][2 * h] * factor, acc[j][2 * h + 1] * factor);
+      }
+      if (wn == 0 && quad == 0) p.lse[out_row] = (m_run[h] + log2f(l_run[h])) * 0.69314718055994531f;
+    } else {
+      const float inverse = 1.f / l_run[h];
+      const std::int64_t part_row =
+          (static_cast<std::int64_t>(row) * p.num_splits + split) * p.num_heads + head;
+      float* out = p.partial_out + part_row * kDc + dim0 + 2 * quad;
+#pragma unroll
+      for (int j = 0; j < kPvTiles; ++j) {
+        *reinterpret_cast<float2*>(out + j * 8) =
+            make_float2(acc[j][2 * h] * inverse, acc[j][2 * h + 1] * inverse);
+      }
+      if (wn == 0 && quad == 0) p.partial_lse[part_row] = m_run[h] + log2f(l_run[h]);
+    }
+  }
+}
+
+// Exact merge of split-KV partials: with L = max_i lse_i (base 2), w_i = exp2(lse_i - L),
+//   out = bf16(kv_scale * sum_i w_i out_i / sum_i w_i),  lse = (L + log2 sum_i w_i) * ln 2.
+// Splits that saw no tokens carry lse = -inf and are skipped (their out_i is never read).
+// grid: num_rows * num_heads blocks of 128 threads, 4 dims each.
+__global__ void mla_merge_kernel(const __grid_constant__ MlaAttentionParams p) {
+  const std::int64_t row_head = blockIdx.x;
+  const std::int64_t row = row_head / p.num_heads;
+  const int head = static_cast<int>(row_head % p.num_heads);
+  float lse_max = -INFINITY;
+  for (int s = 0; s < p.num_splits; ++s) {
+    lse_max = fmaxf(lse_max, p.partial_lse[(row * p.num_splits + s) * p.num_heads + head]);
+  }
+  float weight_sum = 0.f;
+  float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+  const int dim = threadIdx.x * 4;
+  for (int s = 0; s < p.num_splits; ++s) {
+    const std::int64_t part_row = (row * p.num_splits + s) * p.num_heads + head;
+    const float part_lse = p.partial_lse[part_row];
+    if (part_lse == -INFINITY) continue;
+    const float w = exp2f(part_lse - lse_max);
+    weight_sum += w;
+    const float4 v = *reinterpret_cast<const float4*>(p.partial_out + part_row * kDc + dim);
+    sum.x += w * v.x;
+    sum.y += w * v.y;
+    sum.z += w * v.z;
+    sum.w += w * v.w;
+  }
+  const float factor = p.kv_scale / weight_sum;
+  std::uint16_t* out = p.out + row_head * kDc + dim;
+  *reinterpret_cast<uint2*>(out) =
+      make_uint2(pack_bf16x2(sum.x * factor, sum.y * factor),
+                 pack_bf16x2(sum.z * factor, sum.w * factor));
+  if (threadIdx.x == 0) p.lse[row_head] = (lse_max + log2f(weight_sum)) * 0.69314718055994531f;
+}
+
+}  // namespace kvaudit::cuda::detail

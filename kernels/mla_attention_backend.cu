@@ -1,0 +1,321 @@
+// The `cuda-fp8` and `cuda-cast-bf16` backends (src/backend.hpp) on the CUDA MLA attention family.
+//
+// Per run_step (one step, one layer): upload the layer's pool bytes [S, D], the step's indices and
+// q_nope [Nq, H, Dc], q_pe [Nq, H, Dr], new_kv [Nq, D] (floats that are bf16 values -> bf16 bits),
+// run launch_kv_write (the kvdump write rule on the device) then attention, and copy out
+// [Nq, H, Dc] bf16, lse [Nq, H] and the pool back into the KvPool (the harness checks its
+// integrity). cuda-fp8 attends on the FP8 pool directly; cuda-cast-bf16 reproduces the seed's bug:
+// every call casts the whole pool into a bf16 buffer [S, D] and attends on that (same math: the
+// cast is exact and kv_scale is kept, so only accumulation order differs).
+//
+// Device memory is held in buffers that grow on demand and are counted by role (pool, bf16 copy,
+// everything else), so a test can show that cuda-fp8 holds nothing pool-sized besides the pool.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "kernels/mla_attention_cuda.hpp"
+#include "kernels/mla_attention_model.hpp"
+#include "src/cuda_device.hpp"
+#include "src/fp8_e4m3.hpp"
+#include "src/injection.hpp"
+
+namespace kvaudit::cuda {
+
+namespace {
+
+Status cuda_check(cudaError_t status, const std::string& where, const char* what) {
+  if (status == cudaSuccess) return ok_status();
+  return internal_error(where, std::string(what) + ": " + cudaGetErrorString(status));
+}
+
+// A device allocation that only grows; `held` counts the bytes of the role it serves.
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(std::size_t* held) : held_(held) {}
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() { release(); }
+
+  Status reserve(std::size_t bytes, const std::string& where) {
+    if (bytes <= capacity_) return ok_status();
+    release();
+    void* data = nullptr;
+    KVAUDIT_TRY(cuda_check(cudaMalloc(&data, bytes), where, "cudaMalloc"));
+    data_ = data;
+    capacity_ = bytes;
+    *held_ += bytes;
+    return ok_status();
+  }
+  void* data() const { return data_; }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(data_);
+  }
+
+ private:
+  void release() {
+    if (data_ != nullptr) {
+      cudaFree(data_);
+      *held_ -= capacity_;
+    }
+    data_ = nullptr;
+    capacity_ = 0;
+  }
+  std::size_t* held_;
+  void* data_ = nullptr;
+  std::size_t capacity_ = 0;
+};
+
+std::vector<std::uint16_t> to_bf16_bits(const std::vector<float>& values) {
+  std::vector<std::uint16_t> bits(values.size());
+  for (std::size_t i = 0; i < values.size(); ++i) bits[i] = bf16_from_float(values[i]);
+  return bits;
+}
+
+class CudaMlaBackend final : public Backend {
+ public:
+  CudaMlaBackend(bool cast_whole_pool, CudaDeviceInfo device, BackendOptions options,
+                 Injection injection)
+      : cast_whole_pool_(cast_whole_pool),
+        device_(std::move(device)),
+        options_(std::move(options)),
+        injection_(injection) {}
+
+  std::string name() const override { return cast_whole_pool_ ? "cuda-cast-bf16" : "cuda-fp8"; }
+
+  nlohmann::json describe() const override {
+    nlohmann::json j;
+    j["backend"] = name();
+    j["device"] = device_.name;
+    j["compute_capability"] = std::to_string(device_.compute_capability / 10) + "." +
+                              std::to_string(device_.compute_capability % 10);
+    j["driver_version"] = device_.driver_version;
+    j["runtime_version"] = device_.runtime_version;
+    j["multiprocessors"] = device_.multiprocessors;
+    j["kernel"] = cast_whole_pool_
+                      ? "whole pool cast to bf16 every call, then bf16 attention (mma.sync bf16)"
+                      : "fp8 e4m3 pool read directly, decoded to bf16 in shared memory, mma.sync "
+                        "m16n8k16 bf16 -> fp32, split-KV with exact merge";
+    j["kv_tile_tokens"] = mla::kKvTileTokens;
+    j["write_rule"] = "cvt.rn.satfinite.e4m3x2.f32 of fp32(x) / fp32(kv_scale)";
+    if (injection_ != Injection::kNone) j["injection"] = injection_info(injection_).name;
+    j["device_bytes"] = {{"pool", allocations_.pool_bytes},
+                         {"pool_bf16", allocations_.pool_bf16_bytes},
+                         {"other", allocations_.other_bytes}};
+    return j;
+  }
+
+  Result<AttentionOutput> run_step(const StepLayerInput& input, KvPool& pool) override;
+
+  CudaBackendAllocations allocations() const { return allocations_; }
+
+ private:
+  bool cast_whole_pool_;
+  CudaDeviceInfo device_;
+  BackendOptions options_;
+  Injection injection_;
+  CudaBackendAllocations allocations_;
+  DeviceBuffer pool_{&allocations_.pool_bytes};
+  DeviceBuffer pool_bf16_{&allocations_.pool_bf16_bytes};
+  DeviceBuffer indices_{&allocations_.other_bytes};
+  DeviceBuffer q_{&allocations_.other_bytes};
+  DeviceBuffer new_kv_{&allocations_.other_bytes};
+  DeviceBuffer out_{&allocations_.other_bytes};
+  DeviceBuffer workspace_{&allocations_.other_bytes};
+};
+
+Result<AttentionOutput> CudaMlaBackend::run_step(const StepLayerInput& input, KvPool& pool) {
+  const std::string where = name() + ": step " + input.step.group + " layer " + input.layer.group;
+  const DumpAttributes& attrs = input.attrs;
+  const StepMeta& step = input.step;
+  const int heads = attrs.num_heads;
+  const int dc = attrs.kv_lora_rank;
+  const int dr = attrs.qk_rope_head_dim;
+  const int width = attrs.row_width();
+  const int rows = step.num_rows();
+  const int batch = step.batch_size();
+  const int page_size = attrs.page_size;
+
+  if (dc != mla::kKvLoraRank || dr != mla::kQkRopeHeadDim) {
+    return unsupported(where, "MLA shape kv_lora_rank=" + std::to_string(dc) +
+                                  ", qk_rope_head_dim=" + std::to_string(dr) +
+                                  " (the CUDA kernels support 512 + 64 only)");
+  }
+  if (pool.row_width != width) {
+    return bad_input(where, "pool row width " + std::to_string(pool.row_width) + " != " +
+                                std::to_string(width));
+  }
+  const std::size_t rows_z = static_cast<std::size_t>(rows);
+  const std::size_t heads_z = static_cast<std::size_t>(heads);
+  if (input.tensors.q_nope.size() != rows_z * heads_z * dc ||
+      input.tensors.q_pe.size() != rows_z * heads_z * dr ||
+      input.tensors.new_kv.size() != rows_z * width || step.new_kv_slots.size() != rows_z) {
+    return bad_input(where, "tensor sizes disagree with the step's rows");
+  }
+  // The device writes through these indices: refuse anything out of range here.
+  const std::int64_t num_pages = page_size > 0 ? pool.num_slots / page_size : 0;
+  for (const std::int32_t page : step.kv_indices) {
+    if (page < 0 || page >= num_pages) return bad_input(where, "kv_indices entry out of range");
+  }
+  for (const std::int32_t slot : step.new_kv_slots) {
+    if (slot < 0 || slot >= pool.num_slots) return bad_input(where, "new_kv_slots out of range");
+  }
+  if (step.kv_indptr.size() != static_cast<std::size_t>(batch) + 1 ||
+      step.qo_indptr.size() != static_cast<std::size_t>(batch) + 1) {
+    return bad_input(where, "indptr sizes disagree with the batch");
+  }
+  int max_kv_len = 0;
+  for (int b = 0; b < batch; ++b) {
+    if (step.rows_of(b) > 0) {
+      max_kv_len = std::max<int>(max_kv_len, static_cast<int>(step.kv_len(b, page_size)));
+    }
+  }
+
+  const bool fp8_pool = pool.dtype == KvDtype::kFloat8E4m3fn;
+  const PoolElement element = fp8_pool ? PoolElement::kFp8E4m3 : PoolElement::kBf16;
+  const std::size_t pool_bytes = pool.bytes.size();
+
+  // Device buffers: pool; int32 indices; q (nope then pe); new_kv; out (bf16) then lse (fp32).
+  const std::size_t n_qo = step.qo_indptr.size(), n_kvp = step.kv_indptr.size(),
+                    n_idx = step.kv_indices.size(), n_last = step.kv_last_page_len.size(),
+                    n_slots = step.new_kv_slots.size();
+  std::vector<std::int32_t> host_indices;
+  host_indices.reserve(n_qo + n_kvp + n_idx + n_last + n_slots);
+  for (const auto* v : {&step.qo_indptr, &step.kv_indptr, &step.kv_indices,
+                        &step.kv_last_page_len, &step.new_kv_slots}) {
+    host_indices.insert(host_indices.end(), v->begin(), v->end());
+  }
+  std::vector<std::uint16_t> host_q = to_bf16_bits(input.tensors.q_nope);
+  const std::vector<std::uint16_t> host_q_pe = to_bf16_bits(input.tensors.q_pe);
+  const std::size_t q_nope_elems = host_q.size();
+  host_q.insert(host_q.end(), host_q_pe.begin(), host_q_pe.end());
+  const std::vector<std::uint16_t> host_new_kv = to_bf16_bits(input.tensors.new_kv);
+  const std::size_t out_elems = rows_z * heads_z * dc;
+  const std::size_t out_bytes = (out_elems * 2 + 15) / 16 * 16;
+
+  KVAUDIT_TRY(pool_.reserve(std::max<std::size_t>(pool_bytes, 16), where));
+  KVAUDIT_TRY(indices_.reserve(std::max<std::size_t>(host_indices.size() * 4, 16), where));
+  KVAUDIT_TRY(q_.reserve(std::max<std::size_t>(host_q.size() * 2, 16), where));
+  KVAUDIT_TRY(new_kv_.reserve(std::max<std::size_t>(host_new_kv.size() * 2, 16), where));
+  KVAUDIT_TRY(out_.reserve(out_bytes + rows_z * heads_z * 4 + 16, where));
+
+  cudaStream_t stream = nullptr;
+  KVAUDIT_TRY(cuda_check(cudaMemcpy(pool_.data(), pool.bytes.data(), pool_bytes,
+                                    cudaMemcpyHostToDevice),
+                         where, "pool upload"));
+  KVAUDIT_TRY(cuda_check(cudaMemcpy(indices_.data(), host_indices.data(),
+                                    host_indices.size() * 4, cudaMemcpyHostToDevice),
+                         where, "index upload"));
+  KVAUDIT_TRY(cuda_check(
+      cudaMemcpy(q_.data(), host_q.data(), host_q.size() * 2, cudaMemcpyHostToDevice), where,
+      "q upload"));
+  KVAUDIT_TRY(cuda_check(cudaMemcpy(new_kv_.data(), host_new_kv.data(), host_new_kv.size() * 2,
+                                    cudaMemcpyHostToDevice),
+                         where, "new_kv upload"));
+  const std::int32_t* d_idx = indices_.as<std::int32_t>();
+  const std::int32_t* d_qo = d_idx;
+  const std::int32_t* d_kvp = d_qo + n_qo;
+  const std::int32_t* d_pages = d_kvp + n_kvp;
+  const std::int32_t* d_last = d_pages + n_idx;
+  const std::int32_t* d_slots = d_last + n_last;
+
+  const float kv_scale = input.layer.kv_scale;
+  KVAUDIT_TRY(launch_kv_write(new_kv_.as<std::uint16_t>(), d_slots, rows, width, kv_scale, element,
+                              pool_.data(), stream));
+
+  MlaAttentionProblem problem;
+  problem.qo_indptr = d_qo;
+  problem.kv_indptr = d_kvp;
+  problem.kv_indices = d_pages;
+  problem.kv_last_page_len = d_last;
+  problem.batch = batch;
+  problem.num_rows = rows;
+  problem.num_heads = heads;
+  problem.kv_lora_rank = dc;
+  problem.qk_rope_head_dim = dr;
+  problem.page_size = page_size;
+  problem.num_slots = pool.num_slots;
+  problem.max_kv_len = max_kv_len;
+  problem.sm_scale = static_cast<float>(attrs.sm_scale);
+  problem.kv_scale = injection_ == Injection::kScaleMismatch ? power_of_two_scale(kv_scale)
+                                                             : kv_scale;
+  problem.pool_element = element;
+  problem.pool = pool_.data();
+  problem.q_nope = q_.as<std::uint16_t>();
+  problem.q_pe = q_.as<std::uint16_t>() + q_nope_elems;
+  problem.out = out_.as<std::uint16_t>();
+  problem.lse = reinterpret_cast<float*>(out_.as<unsigned char>() + out_bytes);
+
+  const bool cast = fp8_pool && (cast_whole_pool_ || injection_ == Injection::kWholePoolCast);
+  if (cast) {
+    const std::int64_t elements = pool.num_slots * width;
+    KVAUDIT_TRY(pool_bf16_.reserve(static_cast<std::size_t>(std::max<std::int64_t>(elements, 8)) * 2,
+                                   where));
+    KVAUDIT_TRY(launch_cast_pool_to_bf16(pool_.as<std::uint8_t>(), elements,
+                                         pool_bf16_.as<std::uint16_t>(), stream));
+    problem.pool_element = PoolElement::kBf16;
+    problem.pool = pool_bf16_.data();
+  }
+  const std::size_t workspace_bytes = mla_attention_workspace_bytes(problem);
+  if (workspace_bytes > 0) KVAUDIT_TRY(workspace_.reserve(workspace_bytes, where));
+  KVAUDIT_TRY(launch_mla_attention(problem, workspace_.data(), workspace_bytes, stream));
+  KVAUDIT_TRY(cuda_check(cudaDeviceSynchronize(), where, "attention"));
+
+  AttentionOutput output;
+  output.out_bf16.resize(out_elems);
+  output.lse.resize(rows_z * heads_z);
+  KVAUDIT_TRY(cuda_check(cudaMemcpy(output.out_bf16.data(), problem.out, out_elems * 2,
+                                    cudaMemcpyDeviceToHost),
+                         where, "out download"));
+  KVAUDIT_TRY(cuda_check(cudaMemcpy(output.lse.data(), problem.lse, output.lse.size() * 4,
+                                    cudaMemcpyDeviceToHost),
+                         where, "lse download"));
+  KVAUDIT_TRY(cuda_check(cudaMemcpy(pool.bytes.data(), pool_.data(), pool_bytes,
+                                    cudaMemcpyDeviceToHost),
+                         where, "pool download"));
+  return output;
+}
+
+Result<std::unique_ptr<Backend>> make_backend_on_device(bool cast_whole_pool,
+                                                        const BackendOptions& options) {
+  const char* flag = cast_whole_pool ? "--backend cuda-cast-bf16" : "--backend cuda-fp8";
+  CudaDeviceInfo device = cuda_device_info();
+  if (!device.present) return bad_input(flag, "no CUDA device: " + device.reason);
+  auto injection = parse_injection(options.injection);
+  if (!injection.ok()) return injection.error();
+  switch (*injection) {
+    case Injection::kNone:
+    case Injection::kScaleMismatch:
+    case Injection::kWholePoolCast:
+      break;
+    default:
+      return unsupported(flag, "injection '" + options.injection +
+                                   "' is not implemented by the CUDA backends");
+  }
+  if (options.reciprocal_scale) {
+    return unsupported(flag, "--reciprocal-scale is not implemented by the CUDA backends");
+  }
+  return std::unique_ptr<Backend>(
+      new CudaMlaBackend(cast_whole_pool, std::move(device), options, *injection));
+}
+
+}  // namespace
+
+std::optional<CudaBackendAllocations> cuda_backend_allocations(const Backend& backend) {
+  if (const auto* cuda = dynamic_cast<const CudaMlaBackend*>(&backend)) return cuda->allocations();
+  return std::nullopt;
+}
+
+Result<std::unique_ptr<Backend>> make_cuda_fp8_backend(const BackendOptions& options) {
+  return make_backend_on_device(false, options);
+}
+
+Result<std::unique_ptr<Backend>> make_cuda_cast_bf16_backend(const BackendOptions& options) {
+  return make_backend_on_device(true, options);
+}
+
+}  // namespace kvaudit::cuda
