@@ -159,7 +159,7 @@ def validate_step_indices(path, kind, qo_indptr, kv_indptr, kv_indices, kv_last_
     short = np.flatnonzero(rows > kv_len)
     if short.size:
         b = int(short[0])
-        _fail(f"{path}/kv_indptr", f"request {b} has {rows[b]} query rows but {kv_len[b]} tokens; "
+        _fail(f"{path}/kv_indptr", f"request {b} has {rows[b]} query rows but kv_len {kv_len[b]}; "
                                    "each row's own token must be in its pages")
     request = np.repeat(np.arange(batch), rows)
     position = kv_len[request] - rows[request] + (np.arange(num_rows) - qo_indptr[request])
