@@ -4,6 +4,7 @@
 #pragma once
 
 #include <filesystem>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -24,7 +25,14 @@ struct ComparisonLimits {
   std::optional<double> cos_diff;
   std::optional<double> max_ulp_bf16;
   std::optional<double> lse_max_abs;
+  // Where each number comes from, by limit name ("rel_l2", ...): written into reports.
+  std::map<std::string, std::string> derivations;
 };
+
+// The limit names, in report order: max_abs_over_ref_max, rel_l2, cos_diff, max_ulp_bf16,
+// lse_max_abs.
+const std::vector<std::string>& limit_names();
+std::optional<double> limit_value(const ComparisonLimits& limits, const std::string& name);
 
 struct Policy {
   std::string name;        // "default", "signoff", or the policy file's name
@@ -34,7 +42,10 @@ struct Policy {
   ComparisonLimits quantization;  // sign-off limits
   ComparisonLimits total;
   bool quantization_sets_exit = false;  // true under --signoff or when a policy file asks
+  std::string rel_floor_derivation;
 };
+
+const ComparisonLimits& limits_for(const Policy& policy, Comparison comparison);
 
 struct Judgement {
   bool pass = true;
@@ -47,7 +58,8 @@ Result<Policy> load_policy(const std::filesystem::path& path);  // JSON, same ke
 nlohmann::json to_json(const Policy& policy);
 
 Judgement judge(const Policy& policy, Comparison comparison, const ComparisonMetrics& metrics);
-// Whether a failing comparison of this kind sets the exit status under this policy.
+// Whether a failing comparison of this kind sets the exit status under this policy. A NaN/Inf
+// mismatch sets it whatever the kind (CheckRun::pass, fails_run in src/check_result.hpp).
 bool comparison_sets_exit(const Policy& policy, Comparison comparison);
 
 }  // namespace kvaudit

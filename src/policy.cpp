@@ -1,0 +1,508 @@
+// Policy: the one place that turns metrics into pass/fail, with every default limit derived from
+// the number formats involved.
+//
+// ---- What the kernel under test rounds (kernels/mla_attention_model.hpp) ----------------------
+// Per row i, head h, over visible tokens t with v_t = kv_scale * c_t (c_t exact e4m3 values):
+//   out = sum_t p_t v_t / l,   p_t = exp2(s_t - m),  l = sum_t p_t.
+// K - R8 (kernel error) has three sources, with unit roundoffs u_bf16 = 2^-8, u_fp32 = 2^-24:
+//   (a) P rounded to bf16 before P.V: p_t (1 + e_t), |e_t| <= 2^-8, so
+//         |d out| = |sum_t p_t e_t v_t| / l <= 2^-8 max_t |v_t|               (per element)
+//   (b) the output rounded to bf16:  |d out| <= 2^-8 |out|                        (per element)
+//   (c) fp32 arithmetic: dot products of D = 576 exact bf16*e4m3 products (12-bit significands,
+//       exact in fp32), score scaling, exp2, the running sums. Worst case ~D 2^-24 = 2^-14.8
+//       relative to the summed magnitudes, typically sqrt(D) 2^-24 = 2^-19.4: negligible next to
+//       (a) and (b) for out, and the only source of error in lse (l sums the unrounded p).
+// A sound per-element bound is therefore |K - R8| <= 2^-8 (|out| + max_t |v_t|), but the metrics
+// do not see max |v|, and max |v| can exceed max |out| by any factor (heads whose values cancel).
+// The limits below are statistical with stated margins, not worst-case bounds:
+//   Rounding to nearest leaves an error spread evenly over +-half a quantum, whose RMS relative
+//   to the value is about 2^-8 / sqrt(3) * 0.72 ~ 2^-9.3 for bf16 (0.72: the value sits anywhere
+//   in its binade); (a) and (b) are independent, so clean rel_l2 ~ sqrt(2) 2^-9.3 ~ 2^-8.8.
+// Bugs the limits must catch (tests/src/test_policy.cpp builds metrics for each):
+//   * P rounded to e4m3 instead of bf16: 16x the bf16 roundoff (2^-4), RMS ~2^-5.3 per weight
+//     (normal range), and weights below 2^-6 lose all relative precision (e4m3 subnormals) or
+//     flush to zero below 2^-10, which also biases out low: rel_l2 >= ~2^-5.3 = 0.025.
+//   * the pool dequantized with kv_scale rounded to a power of two: every v_t scaled by up to
+//     2^(+-1/2), out off by up to a factor sqrt(2): rel_l2 ~0.2-0.4; the score scale carries the
+//     same factor (kv_scale is folded into it), so lse moves by up to ~0.4 |s|.
+//
+// ---- Kernel limits (K vs R8) --------------------------------------------------------------------
+//   rel_l2               <= 2^-6  : 2^2.8 = 7x the clean estimate 2^-8.8 (room for heads whose
+//                                   outputs cancel), below the e4m3-P signature (~2^-5.3) and the
+//                                   power-of-two scale (~2^-2).
+//   cos_diff             <= 2^-13 : (2^-6)^2 / 2. For small errors cos_diff = sum d^2 /
+//                                   sum(a^2 + b^2) ~ rel_l2^2 / 2, so this says what the rel_l2
+//                                   limit says, in FlashMLA's measure.
+//   max_abs_over_ref_max <= 2^-5  : the per-element bound 2^-8 (|out| + max|v|) relative to
+//                                   max|out|, for max|v| up to 7 max|out| (8 * 2^-8 = 2^-5).
+//   max_ulp_bf16         : none   : no sound count exists: an output near zero (values that
+//                                   cancel) has a tiny bf16 quantum while its error is
+//                                   2^-8 max|v|, so clean kernels reach thousands of ULPs there.
+//                                   Reported, not judged.
+//   lse_max_abs          <= 2^-10 : lse is fp32 only, (c). With score magnitudes sum_i |q_i c_i|
+//                                   * scale up to ~100 (natural log units), the dot product error
+//                                   is typically sqrt(576) 2^-24 * 100 ~ 2^-12.8, the running sum
+//                                   of l sqrt(N) 2^-24 (2^-15.5 at N = 128K): 2^-10 is ~7x that.
+//                                   A wrong scale moves lse by O(|s|) >> 2^-10.
+//
+// ---- Captured limits (a production kernel's out/lse from the dump vs R8) ----------------------
+// A server kernel (FlashInfer, FlashMLA) also rounds P and out to bf16, and may apply kv_scale to
+// bf16 copies of K and V (one more bf16 rounding of every k and v element). Allowing for that:
+//   rel_l2 <= 2^-5 (2x kernel), cos_diff <= 2^-11 ((2^-5)^2 / 2), max_abs_over_ref_max <= 2^-4
+//   (2x kernel), lse_max_abs <= 2^-6: a bf16-rounded k moves a score by ~2^-9.3 * scale *
+//   sqrt(sum_i (q_i k_i)^2) ~ 2^-9.3 * 100 / sqrt(576) ~ 2^-7.2; 2^-6 is 2.3x that. These stay
+//   far below what a wrong scale, garbage or NaN reads (O(1)). A kernel that rounds P to e4m3 on
+//   purpose (FP8 attention) sits near 2^-5 and may fail; use a policy file for such a server.
+//
+// ---- Sign-off limits (quantization R8 vs Rs; a policy choice) ---------------------------------
+// "FP8 storage may cost no more than one e4m3 unit roundoff (2^-4) of the output":
+//   rel_l2 <= 2^-4. Expected: V rounding ~2^-5.3 RMS relative plus score changes from K rounding
+//            of similar size: ~2^-4.8. A layer near or above 2^-4 is worth a look before FP8 KV
+//            is turned on.
+//   cos_diff <= 2^-9 ((2^-4)^2 / 2, the same statement).
+//   max_abs_over_ref_max <= 2^-2: the per-element V bound 2^-4 max|v| for max|v| up to
+//            4 max|out|.
+//   lse_max_abs <= 2^-2: the softmax normalizer within e^(1/4); K rounding moves a score by
+//            ~2^-5.3 * 100 / sqrt(576) ~ 2^-3.2 RMS at the score magnitudes above.
+// ---- Total (K vs Rs) ----------------------------------------------------------------------------
+// Triangle inequality: ||K - Rs|| <= ||K - R8|| + ||R8 - Rs||, and ||R8|| <= (1 + q) ||Rs|| with
+// q the quantization rel_l2 limit, so rel_l2(total) <= q + k (1 + q) with k the kernel limit;
+// likewise max_abs_over_ref_max and lse (whose errors add). cos_diff: (rel_l2 limit)^2 / 2.
+//
+// The default policy judges every comparison, but only kernel and captured failures (and any
+// NaN/Inf mismatch) set the exit status; sign-off (--signoff) makes quantization and total count
+// too. rel_floor (max_rel's denominator floor) is reported, not judged.
+#include "src/policy.hpp"
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <limits>
+#include <sstream>
+
+namespace kvaudit {
+namespace {
+
+constexpr double kBf16 = 0.00390625;  // 2^-8, bf16 unit roundoff
+
+// Kernel (K vs R8).
+constexpr double kKernelRelL2 = 0.015625;                           // 2^-6
+constexpr double kKernelCosDiff = kKernelRelL2 * kKernelRelL2 / 2;  // 2^-13
+constexpr double kKernelMaxAbsOverRefMax = 8 * kBf16;               // 2^-5
+constexpr double kKernelLseMaxAbs = 0.0009765625;                   // 2^-10
+// Captured (production out/lse vs R8).
+constexpr double kCapturedRelL2 = 2 * kKernelRelL2;                        // 2^-5
+constexpr double kCapturedCosDiff = kCapturedRelL2 * kCapturedRelL2 / 2;   // 2^-11
+constexpr double kCapturedMaxAbsOverRefMax = 2 * kKernelMaxAbsOverRefMax;  // 2^-4
+constexpr double kCapturedLseMaxAbs = 0.015625;                            // 2^-6
+// Sign-off: quantization (R8 vs Rs).
+constexpr double kQuantRelL2 = 0.0625;                           // 2^-4, e4m3 unit roundoff
+constexpr double kQuantCosDiff = kQuantRelL2 * kQuantRelL2 / 2;  // 2^-9
+constexpr double kQuantMaxAbsOverRefMax = 0.25;                  // 2^-2
+constexpr double kQuantLseMaxAbs = 0.25;                         // 2^-2
+// Sign-off: total (K vs Rs), by the triangle inequality.
+constexpr double kTotalRelL2 = kQuantRelL2 + kKernelRelL2 * (1 + kQuantRelL2);
+constexpr double kTotalCosDiff = kTotalRelL2 * kTotalRelL2 / 2;
+constexpr double kTotalMaxAbsOverRefMax =
+    kQuantMaxAbsOverRefMax + kKernelMaxAbsOverRefMax * (1 + kQuantMaxAbsOverRefMax);
+constexpr double kTotalLseMaxAbs = kQuantLseMaxAbs + kKernelLseMaxAbs;
+// max_rel denominator floor.
+constexpr double kRelFloor = kBf16;  // 2^-8
+
+const char* const kNoUlpLimit =
+    "none: an output near zero (values that cancel) has a tiny bf16 quantum while its error is "
+    "~2^-8 max|v|, so no ULP count bounds a clean kernel; reported, not judged";
+
+ComparisonLimits kernel_limits() {
+  ComparisonLimits l;
+  l.max_abs_over_ref_max = kKernelMaxAbsOverRefMax;
+  l.rel_l2 = kKernelRelL2;
+  l.cos_diff = kKernelCosDiff;
+  l.lse_max_abs = kKernelLseMaxAbs;
+  l.derivations = {
+      {"max_abs_over_ref_max",
+       "2^-5: per element |K-R8| <= 2^-8 (|out| + max|v|) (bf16 P and bf16 out), relative to "
+       "max|out| for max|v| up to 7 max|out|"},
+      {"rel_l2",
+       "2^-6: 7x the clean estimate sqrt(2) * 2^-9.3 (RMS of bf16 rounding of P and of out); "
+       "below P rounded to e4m3 (~2^-5.3) and kv_scale rounded to a power of two (~2^-2)"},
+      {"cos_diff", "2^-13 = (rel_l2 limit)^2 / 2, since cos_diff ~ rel_l2^2 / 2 for small errors"},
+      {"max_ulp_bf16", kNoUlpLimit},
+      {"lse_max_abs",
+       "2^-10: lse is fp32 only; dot error ~sqrt(576) 2^-24 * |s| ~ 2^-12.8 at |s| ~ 100, sum of l "
+       "~sqrt(N) 2^-24; 7x margin. A wrong scale moves lse by O(|s|)"}};
+  return l;
+}
+
+ComparisonLimits captured_limits() {
+  ComparisonLimits l;
+  l.max_abs_over_ref_max = kCapturedMaxAbsOverRefMax;
+  l.rel_l2 = kCapturedRelL2;
+  l.cos_diff = kCapturedCosDiff;
+  l.lse_max_abs = kCapturedLseMaxAbs;
+  l.derivations = {
+      {"max_abs_over_ref_max",
+       "2^-4: 2x the kernel limit, for a server kernel that also rounds kv_scale * k and "
+       "kv_scale * v to bf16"},
+      {"rel_l2", "2^-5: 2x the kernel limit, for one more bf16 rounding of K and V"},
+      {"cos_diff", "2^-11 = (rel_l2 limit)^2 / 2"},
+      {"max_ulp_bf16", kNoUlpLimit},
+      {"lse_max_abs",
+       "2^-6: a bf16-rounded k moves a score by ~2^-9.3 * 100 / sqrt(576) ~ 2^-7.2 RMS; 2.3x "
+       "margin"}};
+  return l;
+}
+
+ComparisonLimits quantization_limits() {
+  ComparisonLimits l;
+  l.max_abs_over_ref_max = kQuantMaxAbsOverRefMax;
+  l.rel_l2 = kQuantRelL2;
+  l.cos_diff = kQuantCosDiff;
+  l.lse_max_abs = kQuantLseMaxAbs;
+  l.derivations = {
+      {"max_abs_over_ref_max",
+       "2^-2 (policy): per element |R8-Rs| from V is <= 2^-4 max|v|, for max|v| up to 4 "
+       "max|out|"},
+      {"rel_l2",
+       "2^-4 (policy): FP8 storage may cost at most one e4m3 unit roundoff of the output; "
+       "expected ~2^-4.8 (V rounding ~2^-5.3 RMS plus K-induced score changes)"},
+      {"cos_diff", "2^-9 = (rel_l2 limit)^2 / 2"},
+      {"max_ulp_bf16", kNoUlpLimit},
+      {"lse_max_abs",
+       "2^-2 (policy): normalizer within e^(1/4); e4m3 k moves a score by ~2^-5.3 * 100 / "
+       "sqrt(576) ~ 2^-3.2 RMS at |s| ~ 100"}};
+  return l;
+}
+
+ComparisonLimits total_limits() {
+  ComparisonLimits l;
+  l.max_abs_over_ref_max = kTotalMaxAbsOverRefMax;
+  l.rel_l2 = kTotalRelL2;
+  l.cos_diff = kTotalCosDiff;
+  l.lse_max_abs = kTotalLseMaxAbs;
+  l.derivations = {
+      {"max_abs_over_ref_max",
+       "quantization + kernel * (1 + quantization) = 2^-2 + 2^-5 * 1.25 (triangle inequality; "
+       "max|R8| <= 1.25 max|Rs|)"},
+      {"rel_l2",
+       "quantization + kernel * (1 + quantization) = 2^-4 + 2^-6 * (1 + 2^-4) (triangle "
+       "inequality; ||R8|| <= (1 + 2^-4) ||Rs||)"},
+      {"cos_diff", "(rel_l2 limit)^2 / 2"},
+      {"max_ulp_bf16", kNoUlpLimit},
+      {"lse_max_abs", "quantization + kernel = 2^-2 + 2^-10 (the errors add)"}};
+  return l;
+}
+
+template <typename Limits>  // ComparisonLimits or const ComparisonLimits
+auto limit_slot(Limits& limits, const std::string& name) -> decltype(&limits.rel_l2) {
+  if (name == "max_abs_over_ref_max") return &limits.max_abs_over_ref_max;
+  if (name == "rel_l2") return &limits.rel_l2;
+  if (name == "cos_diff") return &limits.cos_diff;
+  if (name == "max_ulp_bf16") return &limits.max_ulp_bf16;
+  if (name == "lse_max_abs") return &limits.lse_max_abs;
+  return nullptr;
+}
+
+std::string format_number(double value) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.3g", value);
+  return text;
+}
+
+std::string describe_location(const ElementLocation& at) {
+  std::ostringstream text;
+  text << "row " << at.row << " head " << at.head;
+  if (at.dim >= 0) {
+    text << " dim " << at.dim;
+  } else {
+    text << " (lse)";
+  }
+  text << ": reference " << format_number(at.reference) << ", candidate "
+       << format_number(at.candidate);
+  return text.str();
+}
+
+// ---- policy files ------------------------------------------------------------------------------
+
+struct FileContext {
+  std::string file;
+  std::string where(const std::string& pointer) const { return file + ":" + pointer; }
+};
+
+Result<double> read_nonnegative_number(const FileContext& context, const std::string& pointer,
+                                       const nlohmann::json& value) {
+  if (!value.is_number()) {
+    return bad_input(context.where(pointer),
+                     std::string("expected a number, got ") + value.type_name());
+  }
+  const double number = value.get<double>();
+  if (!std::isfinite(number) || number < 0) {
+    return bad_input(context.where(pointer),
+                     "expected a finite number >= 0, got " + format_number(number));
+  }
+  return number;
+}
+
+// A limit: a number, null (not checked), or {"limit": number|null, "derivation": string}.
+Status read_limit(const FileContext& context, const std::string& pointer,
+                  const nlohmann::json& value, std::optional<double>& limit,
+                  std::string& derivation) {
+  const nlohmann::json* limit_value = &value;
+  derivation = "set in policy file " + context.file;
+  if (value.is_object()) {
+    limit_value = nullptr;
+    for (const auto& [key, item] : value.items()) {
+      if (key == "limit") {
+        limit_value = &item;
+      } else if (key == "derivation") {
+        if (!item.is_string()) {
+          return bad_input(context.where(pointer + "/derivation"),
+                           std::string("expected a string, got ") + item.type_name());
+        }
+        derivation = item.get<std::string>();
+      } else {
+        return bad_input(context.where(pointer + "/" + key),
+                         "unknown key (expected limit, derivation)");
+      }
+    }
+    if (limit_value == nullptr) {
+      return bad_input(context.where(pointer), "missing key limit (a number or null)");
+    }
+  }
+  if (limit_value->is_null()) {
+    limit.reset();
+    return ok_status();
+  }
+  const std::string value_pointer = value.is_object() ? pointer + "/limit" : pointer;
+  const Result<double> number = read_nonnegative_number(context, value_pointer, *limit_value);
+  if (!number.ok()) return number.error();
+  limit = *number;
+  return ok_status();
+}
+
+Status read_limits(const FileContext& context, const std::string& pointer,
+                   const nlohmann::json& value, ComparisonLimits& limits) {
+  if (!value.is_object()) {
+    return bad_input(context.where(pointer),
+                     std::string("expected an object of limits, got ") + value.type_name());
+  }
+  for (const auto& [key, item] : value.items()) {
+    std::optional<double>* slot = limit_slot(limits, key);
+    if (slot == nullptr) {
+      return bad_input(context.where(pointer + "/" + key),
+                       "unknown limit (expected max_abs_over_ref_max, rel_l2, cos_diff, "
+                       "max_ulp_bf16, lse_max_abs)");
+    }
+    KVAUDIT_TRY(read_limit(context, pointer + "/" + key, item, *slot, limits.derivations[key]));
+  }
+  return ok_status();
+}
+
+}  // namespace
+
+const char* comparison_name(Comparison comparison) {
+  switch (comparison) {
+    case Comparison::kKernel:
+      return "kernel";
+    case Comparison::kQuantization:
+      return "quantization";
+    case Comparison::kTotal:
+      return "total";
+    case Comparison::kCaptured:
+      return "captured";
+  }
+  return "unknown";
+}
+
+const std::vector<std::string>& limit_names() {
+  static const std::vector<std::string> kNames = {"max_abs_over_ref_max", "rel_l2", "cos_diff",
+                                                  "max_ulp_bf16", "lse_max_abs"};
+  return kNames;
+}
+
+std::optional<double> limit_value(const ComparisonLimits& limits, const std::string& name) {
+  const std::optional<double>* slot = limit_slot(limits, name);
+  return slot == nullptr ? std::nullopt : *slot;
+}
+
+const ComparisonLimits& limits_for(const Policy& policy, Comparison comparison) {
+  switch (comparison) {
+    case Comparison::kKernel:
+      return policy.kernel;
+    case Comparison::kQuantization:
+      return policy.quantization;
+    case Comparison::kTotal:
+      return policy.total;
+    case Comparison::kCaptured:
+      return policy.captured;
+  }
+  return policy.kernel;
+}
+
+Policy default_policy() {
+  Policy policy;
+  policy.name = "default";
+  policy.rel_floor = kRelFloor;
+  policy.rel_floor_derivation =
+      "2^-8: below it a bf16 output's own quantum (<= 2^-16) is far under the kernel's absolute "
+      "error (~2^-8 max|v|), so max_rel there would measure cancellation, not the element; "
+      "max_rel is reported, not judged";
+  policy.kernel = kernel_limits();
+  policy.captured = captured_limits();
+  policy.quantization = quantization_limits();
+  policy.total = total_limits();
+  policy.quantization_sets_exit = false;
+  return policy;
+}
+
+Policy signoff_policy() {
+  Policy policy = default_policy();
+  policy.name = "signoff";
+  policy.quantization_sets_exit = true;
+  return policy;
+}
+
+nlohmann::json to_json(const Policy& policy) {
+  auto limits_json = [](const ComparisonLimits& limits) {
+    nlohmann::json j = nlohmann::json::object();
+    for (const std::string& name : limit_names()) {
+      const std::optional<double> value = limit_value(limits, name);
+      const auto derivation = limits.derivations.find(name);
+      j[name] = {{"limit", value ? nlohmann::json(*value) : nlohmann::json(nullptr)},
+                 {"derivation",
+                  derivation == limits.derivations.end() ? std::string() : derivation->second}};
+    }
+    return j;
+  };
+  nlohmann::json j;
+  j["name"] = policy.name;
+  j["rel_floor"] = {{"value", policy.rel_floor}, {"derivation", policy.rel_floor_derivation}};
+  j["kernel"] = limits_json(policy.kernel);
+  j["captured"] = limits_json(policy.captured);
+  j["quantization"] = limits_json(policy.quantization);
+  j["total"] = limits_json(policy.total);
+  j["quantization_sets_exit"] = policy.quantization_sets_exit;
+  return j;
+}
+
+Result<Policy> load_policy(const std::filesystem::path& path) {
+  const FileContext context{path.string()};
+  std::ifstream in(path);
+  if (!in) return bad_input(path.string(), "cannot open policy file");
+  nlohmann::json root;
+  try {
+    root = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::parse_error& e) {
+    return bad_input(path.string(), std::string("not valid JSON: ") + e.what());
+  }
+  if (!root.is_object()) {
+    return bad_input(context.where("/"),
+                     std::string("expected a JSON object, got ") + root.type_name());
+  }
+  // A file overrides the default policy key by key; a limit set to null is not checked.
+  Policy policy = default_policy();
+  policy.name = path.stem().string();
+  for (const auto& [key, value] : root.items()) {
+    const std::string pointer = "/" + key;
+    if (key == "name") {
+      if (!value.is_string()) {
+        return bad_input(context.where(pointer),
+                         std::string("expected a string, got ") + value.type_name());
+      }
+      policy.name = value.get<std::string>();
+    } else if (key == "rel_floor") {
+      if (value.is_object()) {
+        bool has_value = false;
+        for (const auto& [inner, item] : value.items()) {
+          if (inner == "value") {
+            const Result<double> number =
+                read_nonnegative_number(context, pointer + "/value", item);
+            if (!number.ok()) return number.error();
+            policy.rel_floor = *number;
+            has_value = true;
+          } else if (inner == "derivation") {
+            if (!item.is_string()) {
+              return bad_input(context.where(pointer + "/derivation"),
+                               std::string("expected a string, got ") + item.type_name());
+            }
+            policy.rel_floor_derivation = item.get<std::string>();
+          } else {
+            return bad_input(context.where(pointer + "/" + inner),
+                             "unknown key (expected value, derivation)");
+          }
+        }
+        if (!has_value) return bad_input(context.where(pointer), "missing key value (a number)");
+      } else {
+        const Result<double> number = read_nonnegative_number(context, pointer, value);
+        if (!number.ok()) return number.error();
+        policy.rel_floor = *number;
+        policy.rel_floor_derivation = "set in policy file " + context.file;
+      }
+    } else if (key == "kernel") {
+      KVAUDIT_TRY(read_limits(context, pointer, value, policy.kernel));
+    } else if (key == "captured") {
+      KVAUDIT_TRY(read_limits(context, pointer, value, policy.captured));
+    } else if (key == "quantization") {
+      KVAUDIT_TRY(read_limits(context, pointer, value, policy.quantization));
+    } else if (key == "total") {
+      KVAUDIT_TRY(read_limits(context, pointer, value, policy.total));
+    } else if (key == "quantization_sets_exit") {
+      if (!value.is_boolean()) {
+        return bad_input(context.where(pointer),
+                         std::string("expected true or false, got ") + value.type_name());
+      }
+      policy.quantization_sets_exit = value.get<bool>();
+    } else {
+      return bad_input(context.where(pointer),
+                       "unknown key (expected name, rel_floor, kernel, captured, quantization, "
+                       "total, quantization_sets_exit)");
+    }
+  }
+  return policy;
+}
+
+Judgement judge(const Policy& policy, Comparison comparison, const ComparisonMetrics& metrics) {
+  Judgement judgement;
+  const std::string limit_tag = std::string(" (") + comparison_name(comparison) + " limit)";
+  // Non-finite disagreements fail before any norm is looked at.
+  if (metrics.nonfinite_mismatches > 0) {
+    judgement.pass = false;
+    judgement.reasons.push_back(std::to_string(metrics.nonfinite_mismatches) +
+                                " NaN/Inf mismatches, first at " +
+                                describe_location(metrics.first_nonfinite_mismatch));
+  }
+  const ComparisonLimits& limits = limits_for(policy, comparison);
+  // `!(value <= limit)` so that a NaN metric fails too.
+  auto check = [&](const char* name, double value, const std::optional<double>& limit) {
+    if (!limit || value <= *limit) return;
+    judgement.pass = false;
+    judgement.reasons.push_back(std::string(name) + " " + format_number(value) + " > " +
+                                format_number(*limit) + limit_tag);
+  };
+  double over_ref_max = 0.0;
+  if (metrics.reference_max_abs > 0.0) {
+    over_ref_max = metrics.max_abs / metrics.reference_max_abs;
+  } else if (metrics.max_abs > 0.0) {
+    over_ref_max = std::numeric_limits<double>::infinity();
+  }
+  check("max_abs/ref_max", over_ref_max, limits.max_abs_over_ref_max);
+  check("rel_l2", metrics.rel_l2, limits.rel_l2);
+  check("cos_diff", metrics.cos_diff, limits.cos_diff);
+  check("max_ulp_bf16", metrics.max_ulp_bf16, limits.max_ulp_bf16);
+  if (metrics.has_lse) check("lse_max_abs", metrics.lse_max_abs, limits.lse_max_abs);
+  return judgement;
+}
+
+bool comparison_sets_exit(const Policy& policy, Comparison comparison) {
+  switch (comparison) {
+    case Comparison::kKernel:
+    case Comparison::kCaptured:
+      return true;
+    case Comparison::kQuantization:
+    case Comparison::kTotal:
+      return policy.quantization_sets_exit;
+  }
+  return true;
+}
+
+}  // namespace kvaudit
