@@ -126,7 +126,8 @@ def validate_step_indices(path, kind, qo_indptr, kv_indptr, kv_indices, kv_last_
     _check_indptr(qo_indptr, f"{path}/qo_indptr")
     batch = qo_indptr.size - 1
     if kv_indptr.size != qo_indptr.size:
-        _fail(f"{path}/kv_indptr", f"length {kv_indptr.size} != {qo_indptr.size} (B+1 of qo_indptr)")
+        _fail(f"{path}/kv_indptr",
+              f"length {kv_indptr.size} != {qo_indptr.size} (B+1 of qo_indptr)")
     _check_indptr(kv_indptr, f"{path}/kv_indptr")
     if kv_indptr[-1] != kv_indices.size:
         _fail(f"{path}/kv_indptr", f"ends at {kv_indptr[-1]}, but kv_indices has "

@@ -113,7 +113,8 @@ class RoundTripTest(WriterTestCase):
             self.assertEqual(cache.attrs["dtype"], "float8_e4m3fn")
             np.testing.assert_array_equal(cache[()], pool0)
             kv_source = f["layers/L000/kv_source"]
-            self.assertEqual((kv_source.dtype, kv_source.attrs["dtype"]), (np.dtype("<u2"), "bfloat16"))
+            self.assertEqual((kv_source.dtype, kv_source.attrs["dtype"]),
+                             (np.dtype("<u2"), "bfloat16"))
             np.testing.assert_array_equal(kv_source[()], source)
 
             self.assertEqual(sorted(f["steps"]), ["S000", "S001"])
@@ -288,9 +289,12 @@ class RefusalTest(WriterTestCase):
             dump.add_step(**DECODE).add_layer(0, np.zeros((2, 8, 512), np.uint16),
                                               np.zeros((2, 8, DR), np.uint16),
                                               np.zeros((2, 512 + DR), np.uint16))
+            # One request, pages [2, 5] full: 8 tokens, 4 new rows at positions 4..7 = slots 20..23.
             step = dump.add_step(kind="prefill", qo_indptr=[0, 4], kv_indptr=[0, 2],
-                                 kv_indices=[2, 5], kv_last_page_len=[4], new_kv_slots=[20, 21, 22, 23])
-            good = dict(q_nope=np.zeros((4, 8, 512), np.uint16), q_pe=np.zeros((4, 8, DR), np.uint16),
+                                 kv_indices=[2, 5], kv_last_page_len=[4],
+                                 new_kv_slots=[20, 21, 22, 23])
+            good = dict(q_nope=np.zeros((4, 8, 512), np.uint16),
+                        q_pe=np.zeros((4, 8, DR), np.uint16),
                         new_kv=np.zeros((4, 512 + DR), np.uint16))
             with self.assertRaisesRegex(ValueError, "^" + re.escape(
                     "/steps/S001/L000/q_nope: shape (4, 16, 512) != (4, 8, 512)") + "$"):
