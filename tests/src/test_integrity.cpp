@@ -1,0 +1,164 @@
+// Integrity checks on hand-made pools: every expected pool here is built with the kvdump write
+// rule from fp8_e4m3.hpp (kvdump_quantize), never by the code under test.
+#include <algorithm>
+#include <catch2/catch.hpp>
+#include <cstdint>
+#include <vector>
+
+#include "src/fp8_e4m3.hpp"
+#include "src/integrity.hpp"
+
+namespace kvaudit {
+namespace {
+
+constexpr int kWidth = 6;
+constexpr std::int64_t kSlots = 8;
+constexpr float kScale = 0.125f;
+
+struct Scenario {
+  std::vector<std::int32_t> slots = {2, 5};
+  std::vector<float> new_kv;  // [2, kWidth]
+  KvPool before;
+  KvPool expected;
+  StepLayerWrites writes() const { return {3, 7, slots, new_kv, kScale}; }
+};
+
+Scenario make_scenario() {
+  Scenario s;
+  s.new_kv = {0.5f, -1.25f, 3.0f,  70.0f, -0.0625f, 1.0f,  // row 0: 70 / 0.125 = 560 > 464: 448
+              2.0f, 0.75f,  -3.5f, 0.25f, 1.5f,     -0.5f};
+  s.before = KvPool::zeros(KvDtype::kFloat8E4m3fn, kSlots, kWidth);
+  for (std::int64_t slot = 0; slot < kSlots; ++slot) {
+    for (int c = 0; c < kWidth; ++c)
+      s.before.row(slot)[c] = static_cast<std::uint8_t>(slot * 8 + c);
+  }
+  s.expected = s.before;
+  for (std::size_t i = 0; i < s.slots.size(); ++i) {
+    for (int c = 0; c < kWidth; ++c) {
+      s.expected.row(s.slots[i])[c] = kvdump_quantize(s.new_kv[i * kWidth + c], kScale);
+    }
+  }
+  return s;
+}
+
+const IntegrityFinding& finding(const std::vector<IntegrityFinding>& findings,
+                                const std::string& check) {
+  const auto it = std::find_if(findings.begin(), findings.end(),
+                               [&](const IntegrityFinding& f) { return f.check == check; });
+  REQUIRE(it != findings.end());
+  return *it;
+}
+
+}  // namespace
+
+TEST_CASE("backend pool that wrote exactly the step's slots passes every check", "[integrity]") {
+  const Scenario s = make_scenario();
+  REQUIRE(s.expected.row(2)[3] == 0x7E);  // saturated, not NaN
+  const auto findings = check_backend_pool(s.writes(), s.before, s.expected, s.expected);
+  REQUIRE(findings.size() == 5);
+  for (const IntegrityFinding& f : findings) {
+    INFO(f.check << ": " << f.message);
+    CHECK(f.pass);
+    CHECK(f.step == 3);
+    CHECK(f.layer_id == 7);
+  }
+}
+
+TEST_CASE("write to the neighbouring slot fails written and unwritten checks naming slots",
+          "[integrity]") {
+  const Scenario s = make_scenario();
+  KvPool after = s.before;
+  // Slot 5's row lands in slot 6; slot 2 is written correctly.
+  std::copy_n(s.expected.row(2), kWidth, after.row(2));
+  std::copy_n(s.expected.row(5), kWidth, after.row(6));
+  const auto findings = check_backend_pool(s.writes(), s.before, after, s.expected);
+  const IntegrityFinding& written = finding(findings, "written_slots");
+  CHECK_FALSE(written.pass);
+  CHECK(written.slots == std::vector<std::int64_t>{5});
+  CHECK_THAT(written.message, Catch::Contains("S003 L007") && Catch::Contains("slot 5"));
+  const IntegrityFinding& unwritten = finding(findings, "unwritten_slots");
+  CHECK_FALSE(unwritten.pass);
+  CHECK(unwritten.slots == std::vector<std::int64_t>{6});
+  const IntegrityFinding& consistency = finding(findings, "read_consistency");
+  CHECK_FALSE(consistency.pass);
+  CHECK(consistency.slots == std::vector<std::int64_t>{5, 6});
+  CHECK(finding(findings, "storage").pass);
+  CHECK(finding(findings, "nan_written").pass);
+}
+
+TEST_CASE("NaN code written for a finite value is named", "[integrity]") {
+  const Scenario s = make_scenario();
+  KvPool after = s.expected;
+  after.row(2)[3] = 0x7F;  // a no-saturation encoder: 560 -> NaN
+  const auto findings = check_backend_pool(s.writes(), s.before, after, s.expected);
+  CHECK(finding(findings, "nan_written").slots == std::vector<std::int64_t>{2});
+  CHECK_FALSE(finding(findings, "nan_written").pass);
+  CHECK_FALSE(finding(findings, "written_slots").pass);
+  CHECK(finding(findings, "unwritten_slots").pass);
+}
+
+TEST_CASE("a pool whose storage became bf16 fails storage", "[integrity]") {
+  const Scenario s = make_scenario();
+  const KvPool after = KvPool::zeros(KvDtype::kBfloat16, kSlots, kWidth);
+  const auto findings = check_backend_pool(s.writes(), s.before, after, s.expected);
+  const IntegrityFinding& storage = finding(findings, "storage");
+  CHECK_FALSE(storage.pass);
+  CHECK_THAT(storage.message, Catch::Contains("bfloat16"));
+  CHECK(std::none_of(findings.begin(), findings.end(), [](const auto& f) { return f.pass; }));
+}
+
+TEST_CASE("captured pool: equal passes, corruptions are classified per slot", "[integrity]") {
+  const Scenario s = make_scenario();
+  SECTION("equal") {
+    const auto findings = check_captured_pool(s.writes(), s.expected, s.expected);
+    REQUIRE(findings.size() == 1);
+    CHECK(findings[0].pass);
+  }
+  SECTION("bf16 high bytes in a written slot") {
+    KvPool captured = s.expected;
+    for (int c = 0; c < kWidth; ++c) {
+      captured.row(5)[c] = static_cast<std::uint8_t>(bf16_from_float(s.new_kv[kWidth + c]) >> 8);
+    }
+    const auto findings = check_captured_pool(s.writes(), captured, s.expected);
+    REQUIRE(findings.size() == 1);
+    CHECK_FALSE(findings[0].pass);
+    CHECK(findings[0].classification == "bf16_high_byte");
+    CHECK(findings[0].slots == std::vector<std::int64_t>{5});
+  }
+  SECTION("NaN where satfinite stores 448") {
+    KvPool captured = s.expected;
+    captured.row(2)[3] = 0x7F;
+    const auto findings = check_captured_pool(s.writes(), captured, s.expected);
+    REQUIRE(findings.size() == 1);
+    CHECK(findings[0].classification == "nan_code");
+    CHECK(findings[0].slots == std::vector<std::int64_t>{2});
+  }
+  SECTION("rounded toward zero") {
+    KvPool captured = s.expected;
+    // 1.5 / 0.125 = 12 is exact; make one element one code smaller in magnitude.
+    captured.row(5)[4] = static_cast<std::uint8_t>(captured.row(5)[4] - 1);
+    const auto findings = check_captured_pool(s.writes(), captured, s.expected);
+    REQUIRE(findings.size() == 1);
+    CHECK(findings[0].classification == "off_by_one_code");
+  }
+  SECTION("row written to the neighbouring slot") {
+    KvPool captured = s.expected;
+    std::copy_n(s.before.row(5), kWidth, captured.row(5));
+    std::copy_n(s.expected.row(5), kWidth, captured.row(6));
+    const auto findings = check_captured_pool(s.writes(), captured, s.expected);
+    REQUIRE(findings.size() == 1);
+    CHECK(findings[0].classification == "wrong_slot");
+    CHECK(findings[0].slots == std::vector<std::int64_t>{5, 6});
+    CHECK_THAT(findings[0].message, Catch::Contains("S003 L007"));
+  }
+  SECTION("an unwritten slot that changed") {
+    KvPool captured = s.expected;
+    captured.row(0)[0] = 0x55;
+    const auto findings = check_captured_pool(s.writes(), captured, s.expected);
+    REQUIRE(findings.size() == 1);
+    CHECK(findings[0].classification == "other");
+    CHECK(findings[0].slots == std::vector<std::int64_t>{0});
+  }
+}
+
+}  // namespace kvaudit
