@@ -1,0 +1,441 @@
+// The high-precision MLA reference (math, shapes and error targets: mla_reference.hpp).
+//
+// Work is split over (row, head) pairs, claimed from an atomic counter by every thread. Each pair
+// makes two passes over its visible tokens: scores s_t, then, with m = max_t s_t,
+//   l = sum_t exp(s_t - m),  acc = sum_t exp(s_t - m) c_t,  out = scale * acc / l,  lse = m + ln l.
+// Subtracting m changes nothing mathematically; it keeps exp in range.
+#include "references/mla_reference.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <thread>
+
+namespace kvaudit {
+
+// ---- KvRows ------------------------------------------------------------------------------------
+
+KvRows KvRows::from_values(std::span<const float> values, int row_width, double scale) {
+  KvRows rows;
+  rows.values_ = values.data();
+  rows.row_width_ = row_width;
+  rows.num_slots_ = row_width > 0 ? static_cast<std::int64_t>(values.size()) / row_width : 0;
+  rows.scale_ = scale;
+  return rows;
+}
+
+namespace {
+
+void decode_pool_row(const KvPool& pool, std::int64_t slot, float* dst) {
+  if (pool.dtype == KvDtype::kBfloat16) {
+    for (int c = 0; c < pool.row_width; ++c) dst[c] = bf16_to_float(pool.bf16_bits(slot, c));
+  } else {
+    const std::uint8_t* codes = pool.row(slot);
+    for (int c = 0; c < pool.row_width; ++c) dst[c] = e4m3_decode(codes[c]);
+  }
+}
+
+}  // namespace
+
+KvRows KvRows::from_pool(const KvPool& pool, float kv_scale) {
+  KvRows rows;
+  rows.row_width_ = pool.row_width;
+  rows.num_slots_ = pool.num_slots;
+  rows.scale_ = kv_scale;
+  rows.owned_.resize(static_cast<std::size_t>(pool.num_slots) * pool.row_width);
+  for (std::int64_t s = 0; s < pool.num_slots; ++s) {
+    decode_pool_row(pool, s, rows.owned_.data() + s * pool.row_width);
+  }
+  rows.values_ = rows.owned_.data();
+  return rows;
+}
+
+KvRows KvRows::from_pool_slots(const KvPool& pool, float kv_scale,
+                               std::span<const std::int64_t> slots) {
+  KvRows rows;
+  rows.row_width_ = pool.row_width;
+  rows.num_slots_ = pool.num_slots;
+  rows.scale_ = kv_scale;
+  rows.compact_row_.assign(static_cast<std::size_t>(pool.num_slots), -1);
+  std::int64_t held = 0;
+  for (const std::int64_t s : slots) {
+    if (s >= 0 && s < pool.num_slots && rows.compact_row_[s] < 0) rows.compact_row_[s] = held++;
+  }
+  rows.owned_.resize(static_cast<std::size_t>(held) * pool.row_width);
+  for (std::int64_t s = 0; s < pool.num_slots; ++s) {
+    if (rows.compact_row_[s] >= 0) {
+      decode_pool_row(pool, s, rows.owned_.data() + rows.compact_row_[s] * pool.row_width);
+    }
+  }
+  rows.values_ = rows.owned_.data();
+  return rows;
+}
+
+const float* KvRows::row(std::int64_t slot) const {
+  if (slot < 0 || slot >= num_slots_) return nullptr;
+  if (compact_row_.empty()) return values_ + slot * row_width_;
+  const std::int64_t r = compact_row_[slot];
+  return r < 0 ? nullptr : values_ + r * row_width_;
+}
+
+// ---- step indices ------------------------------------------------------------------------------
+
+Status check_step_indices(const StepMeta& step, int page_size, std::int64_t num_slots) {
+  const std::string where = "step " + step.group;
+  const std::size_t batch = step.kv_last_page_len.size();
+  if (page_size < 1) return bad_input(where, "page_size must be >= 1");
+  if (step.qo_indptr.size() != batch + 1 || step.kv_indptr.size() != batch + 1) {
+    return bad_input(
+        where, "qo_indptr/kv_indptr must have B+1 = " + std::to_string(batch + 1) + " entries");
+  }
+  if (step.qo_indptr[0] != 0 || step.kv_indptr[0] != 0) {
+    return bad_input(where, "qo_indptr and kv_indptr must start at 0");
+  }
+  for (std::size_t b = 0; b < batch; ++b) {
+    if (step.qo_indptr[b + 1] < step.qo_indptr[b] || step.kv_indptr[b + 1] < step.kv_indptr[b]) {
+      return bad_input(where, "indptr decreases at request " + std::to_string(b));
+    }
+  }
+  if (static_cast<std::size_t>(step.kv_indptr.back()) > step.kv_indices.size()) {
+    return bad_input(where, "kv_indptr ends past kv_indices");
+  }
+  if (step.new_kv_slots.size() != static_cast<std::size_t>(step.num_rows())) {
+    return bad_input(where, "new_kv_slots must have one entry per query row");
+  }
+  const std::int64_t num_pages = num_slots / page_size;
+  for (const std::int32_t page : step.kv_indices) {
+    if (page < 0 || page >= num_pages) {
+      return bad_input(where, "page id " + std::to_string(page) + " out of range");
+    }
+  }
+  for (std::size_t b = 0; b < batch; ++b) {
+    const int pages = step.kv_indptr[b + 1] - step.kv_indptr[b];
+    const int last = step.kv_last_page_len[b];
+    if (pages > 0 ? (last < 1 || last > page_size) : last != 0) {
+      return bad_input(where, "kv_last_page_len of request " + std::to_string(b) + " is " +
+                                  std::to_string(last));
+    }
+    if (step.rows_of(static_cast<int>(b)) > step.kv_len(static_cast<int>(b), page_size)) {
+      return bad_input(where, "request " + std::to_string(b) + " has more rows than tokens");
+    }
+  }
+  for (const std::int32_t slot : step.new_kv_slots) {
+    if (slot < 0 || slot >= num_slots) {
+      return bad_input(where, "new_kv_slots entry " + std::to_string(slot) + " out of range");
+    }
+  }
+  return ok_status();
+}
+
+std::vector<std::int64_t> visible_slots(const StepMeta& step, int page_size) {
+  std::vector<std::int64_t> slots;
+  for (int b = 0; b < step.batch_size(); ++b) {
+    if (step.rows_of(b) == 0) continue;
+    const std::int64_t len = step.kv_len(b, page_size);
+    for (std::int64_t p = 0; p < len; ++p) slots.push_back(step.slot_of(b, p, page_size));
+  }
+  std::sort(slots.begin(), slots.end());
+  slots.erase(std::unique(slots.begin(), slots.end()), slots.end());
+  return slots;
+}
+
+namespace {
+
+// Everything a (row, head) pair reads, resolved once per call.
+struct Problem {
+  int num_heads = 0;
+  int dc = 0;  // kv_lora_rank
+  int dr = 0;  // qk_rope_head_dim
+  double sm_scale = 0.0;
+  double scale = 1.0;  // kv multiplier
+  std::span<const float> q_nope;
+  std::span<const float> q_pe;
+  std::span<double> out;
+  std::span<double> lse;
+  std::vector<int> request_of_row;
+  std::vector<std::int64_t> visible_of_row;           // pos + 1
+  std::vector<std::vector<const float*>> token_rows;  // per request: row of each position
+  int max_visible = 0;
+
+  int width() const { return dc + dr; }
+  const float* q_nope_of(int row, int head) const {
+    return q_nope.data() + (static_cast<std::size_t>(row) * num_heads + head) * dc;
+  }
+  const float* q_pe_of(int row, int head) const {
+    return q_pe.data() + (static_cast<std::size_t>(row) * num_heads + head) * dr;
+  }
+  double* out_of(int row, int head) const {
+    return out.data() + (static_cast<std::size_t>(row) * num_heads + head) * dc;
+  }
+  void write_nan(int row, int head) const {
+    const double nan = std::numeric_limits<double>::quiet_NaN();
+    std::fill_n(out_of(row, head), dc, nan);
+    lse[static_cast<std::size_t>(row) * num_heads + head] = nan;
+  }
+};
+
+// The formulas evaluated as written, in Acc (a multiprecision type, or double).
+template <class Acc>
+class NaiveKernel {
+ public:
+  explicit NaiveKernel(const Problem& problem)
+      : p_(problem), q_(problem.width()), s_(problem.max_visible), acc_(problem.dc) {}
+
+  void run(int row, int head) {
+    using std::exp;
+    using std::isnan;
+    using std::log;
+    const int dc = p_.dc;
+    const int width = p_.width();
+    const float* qn = p_.q_nope_of(row, head);
+    const float* qp = p_.q_pe_of(row, head);
+    for (int j = 0; j < dc; ++j) q_[j] = Acc(qn[j]);
+    for (int j = 0; j < p_.dr; ++j) q_[dc + j] = Acc(qp[j]);
+    const auto& rows = p_.token_rows[p_.request_of_row[row]];
+    const std::int64_t n = p_.visible_of_row[row];
+    const Acc factor = Acc(p_.sm_scale) * Acc(p_.scale);
+    for (std::int64_t t = 0; t < n; ++t) {
+      const float* v = rows[t];
+      Acc dot = 0;
+      for (int j = 0; j < width; ++j) dot += q_[j] * Acc(v[j]);
+      s_[t] = factor * dot;
+      if (isnan(s_[t])) {
+        p_.write_nan(row, head);
+        return;
+      }
+    }
+    Acc m = s_[0];
+    for (std::int64_t t = 1; t < n; ++t) {
+      if (s_[t] > m) m = s_[t];
+    }
+    Acc l = 0;
+    for (int d = 0; d < dc; ++d) acc_[d] = 0;
+    for (std::int64_t t = 0; t < n; ++t) {
+      const Acc e = exp(Acc(s_[t] - m));
+      l += e;
+      const float* v = rows[t];
+      for (int d = 0; d < dc; ++d) acc_[d] += e * Acc(v[d]);
+    }
+    double* out = p_.out_of(row, head);
+    const Acc out_scale = Acc(p_.scale) / l;
+    for (int d = 0; d < dc; ++d) out[d] = static_cast<double>(Acc(acc_[d] * out_scale));
+    p_.lse[static_cast<std::size_t>(row) * p_.num_heads + head] =
+        static_cast<double>(Acc(m + log(l)));
+  }
+
+ private:
+  const Problem& p_;
+  std::vector<Acc> q_;
+  std::vector<Acc> s_;
+  std::vector<Acc> acc_;
+};
+
+// sum_j q_j v_j with each product exact in binary64 (float * float) and the sum compensated:
+// kLanes independent TwoSum accumulators (their error terms summed in plain double: error
+// <= n u^2 sum_j |q_j v_j|, u = 2^-53), combined in double-double.
+dd::DoubleDouble compensated_dot(const double* q, const float* v, int n) {
+  constexpr int kLanes = 8;
+  double hi[kLanes] = {};
+  double lo[kLanes] = {};
+  int j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int k = 0; k < kLanes; ++k) {
+      const double prod = q[j + k] * static_cast<double>(v[j + k]);
+      const double s = hi[k] + prod;
+      const double bb = s - hi[k];
+      lo[k] += (hi[k] - (s - bb)) + (prod - bb);
+      hi[k] = s;
+    }
+  }
+  for (; j < n; ++j) {
+    const double prod = q[j] * static_cast<double>(v[j]);
+    const double s = hi[0] + prod;
+    const double bb = s - hi[0];
+    lo[0] += (hi[0] - (s - bb)) + (prod - bb);
+    hi[0] = s;
+  }
+  dd::DoubleDouble sum{0.0, 0.0};
+  for (int k = 0; k < kLanes; ++k) sum = dd::add(sum, dd::two_sum(hi[k], lo[k]));
+  return sum;
+}
+
+// The default: double-double with exact products (see mla_reference.hpp).
+class DoubleDoubleKernel {
+ public:
+  explicit DoubleDoubleKernel(const Problem& problem)
+      : p_(problem),
+        q_(problem.width()),
+        s_(problem.max_visible),
+        acc_hi_(problem.dc),
+        acc_lo_(problem.dc) {}
+
+  void run(int row, int head) {
+    const int dc = p_.dc;
+    const int width = p_.width();
+    const float* qn = p_.q_nope_of(row, head);
+    const float* qp = p_.q_pe_of(row, head);
+    for (int j = 0; j < dc; ++j) q_[j] = qn[j];
+    for (int j = 0; j < p_.dr; ++j) q_[dc + j] = qp[j];
+    const auto& rows = p_.token_rows[p_.request_of_row[row]];
+    const std::int64_t n = p_.visible_of_row[row];
+    const dd::DoubleDouble factor = dd::two_prod(p_.sm_scale, p_.scale);
+    double m = -std::numeric_limits<double>::infinity();
+    for (std::int64_t t = 0; t < n; ++t) {
+      s_[t] = dd::mul(compensated_dot(q_.data(), rows[t], width), factor);
+      if (std::isnan(s_[t].hi)) {
+        p_.write_nan(row, head);
+        return;
+      }
+      m = std::max(m, s_[t].hi);
+    }
+    std::fill(acc_hi_.begin(), acc_hi_.end(), 0.0);
+    std::fill(acc_lo_.begin(), acc_lo_.end(), 0.0);
+    double* acc_hi = acc_hi_.data();
+    double* acc_lo = acc_lo_.data();
+    dd::DoubleDouble l{0.0, 0.0};
+    for (std::int64_t t = 0; t < n; ++t) {
+      const dd::DoubleDouble e = dd::exp(dd::add(s_[t], -m));
+      l = dd::add(l, e);
+      // e.hi = h1 + h2 with <= 26 bits each: h1 * c and h2 * c are exact (c is a float), and are
+      // added with TwoSum; e.lo * c is 2^-53 smaller, so its rounding is below 2^-106.
+      double h1, h2;
+      dd::split(e.hi, h1, h2);
+      const double el = e.lo;
+      const float* v = rows[t];
+      for (int d = 0; d < dc; ++d) {
+        const double c = v[d];
+        const double p1 = h1 * c;
+        const double p2 = h2 * c;
+        const double s1 = acc_hi[d] + p1;
+        double bb = s1 - acc_hi[d];
+        const double e1 = (acc_hi[d] - (s1 - bb)) + (p1 - bb);
+        const double s2 = s1 + p2;
+        bb = s2 - s1;
+        const double e2 = (s1 - (s2 - bb)) + (p2 - bb);
+        acc_hi[d] = s2;
+        acc_lo[d] += (e1 + e2) + el * c;
+      }
+    }
+    double* out = p_.out_of(row, head);
+    for (int d = 0; d < dc; ++d) {
+      const dd::DoubleDouble acc = dd::two_sum(acc_hi[d], acc_lo[d]);
+      out[d] = dd::to_double(dd::mul(dd::div(acc, l), p_.scale));
+    }
+    p_.lse[static_cast<std::size_t>(row) * p_.num_heads + head] =
+        dd::to_double(dd::add(dd::log(l), m));
+  }
+
+ private:
+  const Problem& p_;
+  std::vector<double> q_;
+  std::vector<dd::DoubleDouble> s_;
+  std::vector<double> acc_hi_;
+  std::vector<double> acc_lo_;
+};
+
+template <class Acc>
+struct KernelFor {
+  using type = NaiveKernel<Acc>;
+};
+template <>
+struct KernelFor<dd::DoubleDouble> {
+  using type = DoubleDoubleKernel;
+};
+
+}  // namespace
+
+template <class Acc>
+Result<std::int64_t> mla_reference_attention(const DumpAttributes& attrs, const StepMeta& step,
+                                             std::span<const float> q_nope,
+                                             std::span<const float> q_pe, const KvRows& kv,
+                                             std::span<double> out, std::span<double> lse,
+                                             int threads) {
+  const std::string where = "reference step " + step.group;
+  const int page_size = attrs.page_size;
+  KVAUDIT_TRY(check_step_indices(step, page_size, kv.num_slots()));
+  const std::size_t rows = static_cast<std::size_t>(step.num_rows());
+  const std::size_t heads = static_cast<std::size_t>(attrs.num_heads);
+  const std::size_t dc = static_cast<std::size_t>(attrs.kv_lora_rank);
+  const std::size_t dr = static_cast<std::size_t>(attrs.qk_rope_head_dim);
+  if (kv.row_width() != attrs.row_width()) {
+    return bad_input(where, "KV rows have width " + std::to_string(kv.row_width()) +
+                                ", expected Dc + Dr = " + std::to_string(attrs.row_width()));
+  }
+  if (q_nope.size() != rows * heads * dc || q_pe.size() != rows * heads * dr ||
+      out.size() != rows * heads * dc || lse.size() != rows * heads) {
+    return bad_input(where, "q_nope/q_pe/out/lse sizes disagree with [Nq, H, Dc/Dr]");
+  }
+
+  Problem problem;
+  problem.num_heads = attrs.num_heads;
+  problem.dc = attrs.kv_lora_rank;
+  problem.dr = attrs.qk_rope_head_dim;
+  problem.sm_scale = attrs.sm_scale;
+  problem.scale = kv.scale();
+  problem.q_nope = q_nope;
+  problem.q_pe = q_pe;
+  problem.out = out;
+  problem.lse = lse;
+  problem.token_rows.resize(step.batch_size());
+  for (int b = 0; b < step.batch_size(); ++b) {
+    if (step.rows_of(b) == 0) continue;  // kvdump-v1: a request with no rows is skipped
+    const std::int64_t len = step.kv_len(b, page_size);
+    auto& token_rows = problem.token_rows[b];
+    token_rows.resize(static_cast<std::size_t>(len));
+    for (std::int64_t p = 0; p < len; ++p) {
+      const std::int64_t slot = step.slot_of(b, p, page_size);
+      token_rows[p] = kv.row(slot);
+      if (token_rows[p] == nullptr) {
+        return internal_error(where, "KV rows do not hold slot " + std::to_string(slot) +
+                                         " (position " + std::to_string(p) + " of request " +
+                                         std::to_string(b) + ")");
+      }
+    }
+  }
+  std::int64_t work = 0;
+  problem.request_of_row.resize(rows);
+  problem.visible_of_row.resize(rows);
+  for (std::size_t i = 0; i < rows; ++i) {
+    const int row = static_cast<int>(i);
+    problem.request_of_row[i] = step.request_of_row(row);
+    problem.visible_of_row[i] = step.position_of_row(row, page_size) + 1;
+    problem.max_visible = std::max<std::int64_t>(problem.max_visible, problem.visible_of_row[i]);
+    work += problem.visible_of_row[i] * static_cast<std::int64_t>(heads);
+  }
+
+  const std::size_t pairs = rows * heads;
+  int workers = threads > 0 ? threads : static_cast<int>(std::thread::hardware_concurrency());
+  workers = static_cast<int>(std::clamp<std::size_t>(workers, 1, std::max<std::size_t>(pairs, 1)));
+  std::atomic<std::size_t> next{0};
+  auto worker = [&] {
+    typename KernelFor<Acc>::type kernel(problem);
+    for (std::size_t pair = next++; pair < pairs; pair = next++) {
+      kernel.run(static_cast<int>(pair / heads), static_cast<int>(pair % heads));
+    }
+  };
+  if (workers == 1) {
+    worker();
+  } else {
+    std::vector<std::thread> pool;
+    pool.reserve(workers);
+    for (int w = 0; w < workers; ++w) pool.emplace_back(worker);
+    for (auto& thread : pool) thread.join();
+  }
+  return work;
+}
+
+#define KVAUDIT_INSTANTIATE_REFERENCE(Acc)                                                    \
+  template Result<std::int64_t> mla_reference_attention<Acc>(                                 \
+      const DumpAttributes&, const StepMeta&, std::span<const float>, std::span<const float>, \
+      const KvRows&, std::span<double>, std::span<double>, int);
+
+KVAUDIT_INSTANTIATE_REFERENCE(dd::DoubleDouble)
+KVAUDIT_INSTANTIATE_REFERENCE(double)
+KVAUDIT_INSTANTIATE_REFERENCE(Float50)
+KVAUDIT_INSTANTIATE_REFERENCE(Float100)
+
+#undef KVAUDIT_INSTANTIATE_REFERENCE
+
+}  // namespace kvaudit

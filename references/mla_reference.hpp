@@ -1,0 +1,112 @@
+// The high-precision CPU reference for MLA attention (kvdump-v1.md "Semantics"). No CUDA here.
+//
+// For one (step, layer), query row i (token position pos(i), kvdump-v1 causal rule), head h, and
+// the visible tokens t = 0 .. pos(i) of the row's request, with (c_t, r_t) the KV row of token t:
+//   s_t      = sm_scale * (q_nope[i,h,:] . c_t + q_pe[i,h,:] . r_t)
+//   lse[i,h] = ln sum_t exp(s_t)
+//   out[i,h] = sum_t exp(s_t - lse) c_t
+// Shapes:
+//   q_nope : [num_rows, num_heads, kv_lora_rank]     q_pe : [num_rows, num_heads, qk_rope_head_dim]
+//   kv rows: [num_slots, kv_lora_rank + qk_rope_head_dim]  (row of slot s; element = value * scale)
+//   out    : [num_rows, num_heads, kv_lora_rank]     lse  : [num_rows, num_heads]   (double)
+// Tokens a row does not see are never read. A NaN in a visible row is the truth and gives NaN.
+//
+// Exactness. Every input is a float: q (bf16 or fp32 values), KV values (decoded e4m3 codes,
+// bf16 values, or fp32 source values), and the per-tensor multiplier `scale` (kv_scale, a float)
+// is kept apart and applied in double-double. Products of two floats are exact in binary64
+// (24 + 24 <= 53 bits), so the score dot products need only a compensated sum.
+//
+// Accumulation type Acc (CUTLASS-style reference: templated on the compute type, separately from
+// the storage types):
+//   dd::DoubleDouble (the default) — exact float products, TwoSum-compensated dot products,
+//       exp/log/div in double-double (~106 bits, references/double_double.hpp). The value
+//       before the final rounding to double has relative error ~1e-28 on out (relative to
+//       sum_t w_t |c_t|) and absolute ~1e-28 on lse, so the result is the double nearest the
+//       truth up to that: target relative <= 1e-15 on out, absolute <= 1e-15 on lse (plus the
+//       final rounding to double), checked against Boost cpp_bin_float at 50 and 100 digits.
+//   Float50 / Float100 (boost::multiprecision::cpp_bin_float_50/_100) — the same formulas
+//       evaluated naively in the multiprecision type; slow; they check the default.
+//   double — the same naive formulas in binary64; its error (~|s| * 2^-53 in the scores) is
+//       what the tests show the default avoids.
+#pragma once
+
+#include <boost/multiprecision/cpp_bin_float.hpp>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "references/double_double.hpp"
+#include "src/kvdump.hpp"
+#include "src/result.hpp"
+
+namespace kvaudit {
+
+using Float50 = boost::multiprecision::cpp_bin_float_50;
+using Float100 = boost::multiprecision::cpp_bin_float_100;
+
+// The KV rows the reference reads: element (slot, j) = double(row(slot)[j]) * scale(), exactly.
+// Rows are stored as floats, which holds every kvdump KV value without loss (e4m3 values, bf16
+// values, fp32 source values); the per-tensor kv_scale is kept as the separate multiplier so that
+// code * kv_scale is never rounded.
+class KvRows {
+ public:
+  // A view of `values` ([num_slots, row_width], e.g. kv_source), multiplier `scale`. The values
+  // must outlive the KvRows.
+  static KvRows from_values(std::span<const float> values, int row_width, double scale = 1.0);
+  // The pool decoded exactly: e4m3 codes (NaN codes stay NaN) or bf16 values, multiplier
+  // kv_scale. Holds num_slots * row_width floats.
+  static KvRows from_pool(const KvPool& pool, float kv_scale);
+  // As from_pool, but only the listed slots (e.g. visible_slots(step)), so memory follows the
+  // step, not the pool. Reading another slot is an error of the caller (row() returns nullptr).
+  static KvRows from_pool_slots(const KvPool& pool, float kv_scale,
+                                std::span<const std::int64_t> slots);
+
+  int row_width() const { return row_width_; }
+  std::int64_t num_slots() const { return num_slots_; }
+  double scale() const { return scale_; }
+  // nullptr for a slot out of range or not held.
+  const float* row(std::int64_t slot) const;
+
+ private:
+  std::vector<float> owned_;
+  const float* values_ = nullptr;
+  std::vector<std::int64_t> compact_row_;  // slot -> row of owned_ (-1: absent); empty: identity
+  std::int64_t num_slots_ = 0;
+  int row_width_ = 0;
+  double scale_ = 1.0;
+};
+
+// Checks the index arrays of an in-memory step (kvdump-v1 rules the reader enforces on files):
+// sizes B+1/B/Nq, monotone indptrs, page ids and slots in range, every row at a position >= 0.
+// where = "step <group>". Used by the reference and by the cpu-fp8 backend before they index.
+Status check_step_indices(const StepMeta& step, int page_size, std::int64_t num_slots);
+
+// Slots seen by at least one query row of the step (requests with no rows contribute none),
+// sorted, without duplicates. The step must pass check_step_indices.
+std::vector<std::int64_t> visible_slots(const StepMeta& step, int page_size);
+
+// Runs the reference for one (step, layer). Writes out [Nq, H, Dc] and lse [Nq, H]; returns the
+// work done in row*head*token units (sum over rows of visible tokens, times H) for throughput.
+// threads = 0 uses std::thread::hardware_concurrency(). Sizes that disagree with attrs/step, a
+// visible slot that kv does not hold, or a row whose position is negative give an error.
+template <class Acc = dd::DoubleDouble>
+Result<std::int64_t> mla_reference_attention(const DumpAttributes& attrs, const StepMeta& step,
+                                             std::span<const float> q_nope,
+                                             std::span<const float> q_pe, const KvRows& kv,
+                                             std::span<double> out, std::span<double> lse,
+                                             int threads = 0);
+
+extern template Result<std::int64_t> mla_reference_attention<dd::DoubleDouble>(
+    const DumpAttributes&, const StepMeta&, std::span<const float>, std::span<const float>,
+    const KvRows&, std::span<double>, std::span<double>, int);
+extern template Result<std::int64_t> mla_reference_attention<double>(
+    const DumpAttributes&, const StepMeta&, std::span<const float>, std::span<const float>,
+    const KvRows&, std::span<double>, std::span<double>, int);
+extern template Result<std::int64_t> mla_reference_attention<Float50>(
+    const DumpAttributes&, const StepMeta&, std::span<const float>, std::span<const float>,
+    const KvRows&, std::span<double>, std::span<double>, int);
+extern template Result<std::int64_t> mla_reference_attention<Float100>(
+    const DumpAttributes&, const StepMeta&, std::span<const float>, std::span<const float>,
+    const KvRows&, std::span<double>, std::span<double>, int);
+
+}  // namespace kvaudit
