@@ -120,7 +120,19 @@ def _check_indptr(arr, path):
 
 def validate_step_indices(path, kind, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
                           new_kv_slots, num_pages, page_size):
-    """Checks the index rules of kvdump-v1 for one step; int32 vectors in, ValueError out."""
+    """Checks the index rules of kvdump-v1 for the step at `path` ("/steps/S000"); raises
+    ValueError naming the offending object, else returns the five arrays as int32, by name."""
+    arrays = {}
+    for name, value in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr),
+                        ("kv_indices", kv_indices), ("kv_last_page_len", kv_last_page_len),
+                        ("new_kv_slots", new_kv_slots)):
+        arrays[name] = _int32_vector(value, f"{path}/{name}")
+    _check_step_arrays(path, kind, num_pages, page_size, **arrays)
+    return arrays
+
+
+def _check_step_arrays(path, kind, num_pages, page_size, qo_indptr, kv_indptr, kv_indices,
+                       kv_last_page_len, new_kv_slots):
     if kind not in STEP_KINDS:
         _fail(path, f'kind "{kind}" is not "prefill" or "decode" (an extend step is "prefill")')
     _check_indptr(qo_indptr, f"{path}/qo_indptr")
@@ -257,7 +269,7 @@ class KvDumpWriter:
             _fail(path, f"layer {layer_id} was already added")
         if self._steps:
             _fail(path, "layers must be added before the first step (every step holds every layer)")
-        scale = np.float32(kv_scale)
+        scale = np.float32(float(kv_scale))
         if not (math.isfinite(scale) and scale > 0):
             _fail(path, f"kv_scale = {float(kv_scale)} is not finite and > 0 (as float32)")
         if self.kv_dtype == "bfloat16" and scale != 1:
@@ -294,13 +306,9 @@ class KvDumpWriter:
         self._require_open(path)
         if not self._layers:
             _fail(path, "add the layers' pools (add_layer) before the first step")
-        arrays = {}
-        for name, value in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr),
-                            ("kv_indices", kv_indices), ("kv_last_page_len", kv_last_page_len),
-                            ("new_kv_slots", new_kv_slots)):
-            arrays[name] = _int32_vector(value, f"{path}/{name}")
-        validate_step_indices(path, kind, num_pages=self.num_pages, page_size=self.page_size,
-                              **arrays)
+        arrays = validate_step_indices(path, kind, qo_indptr, kv_indptr, kv_indices,
+                                       kv_last_page_len, new_kv_slots, self.num_pages,
+                                       self.page_size)
         group = self._file.require_group("steps").create_group(path.rsplit("/", 1)[1])
         group.attrs["kind"] = kind
         for name, arr in arrays.items():

@@ -275,6 +275,15 @@ class RefusalTest(WriterTestCase):
                         new_kv_slots=[11, 20, 21, 0, 1])
         self.check_step("/steps/S000/qo_indptr", **{**PREFILL, "kind": "decode"})
 
+    def test_validate_step_indices_alone(self):
+        arrays = kvdump.validate_step_indices("/steps/S007", num_pages=PAGES, page_size=PAGE,
+                                              **PREFILL)
+        for name, value in arrays.items():
+            self.assertEqual(value.dtype, np.dtype("<i4"), name)
+            np.testing.assert_array_equal(value, PREFILL[name])
+        self.assert_refused("/steps/S007/kv_indices", kvdump.validate_step_indices, "/steps/S007",
+                            num_pages=5, page_size=PAGE, **PREFILL)
+
     def test_new_kv_slots_message(self):
         with self.writer() as dump:
             dump.add_layer(0, 1.0, self.pool())
