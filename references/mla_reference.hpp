@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "references/double_double.hpp"
+#include "references/step_indices.hpp"
 #include "src/kvdump.hpp"
 #include "src/result.hpp"
 
@@ -75,11 +76,6 @@ class KvRows {
   int row_width_ = 0;
   double scale_ = 1.0;
 };
-
-// Checks the index arrays of an in-memory step (kvdump-v1 rules the reader enforces on files):
-// sizes B+1/B/Nq, monotone indptrs, page ids and slots in range, every row at a position >= 0.
-// where = "step <group>". Used by the reference and by the cpu-fp8 backend before they index.
-Status check_step_indices(const StepMeta& step, int page_size, std::int64_t num_slots);
 
 // Slots seen by at least one query row of the step (requests with no rows contribute none),
 // sorted, without duplicates. The step must pass check_step_indices.

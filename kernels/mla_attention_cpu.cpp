@@ -1,0 +1,362 @@
+// The cpu-fp8 backend: CPU model of the FP8 MLA attention kernels (math and rounding points in
+// kernels/mla_attention_cpu.hpp and kernels/mla_attention_model.hpp).
+//
+// Work is split over (query row, block of heads) units, claimed from an atomic counter. A unit
+// walks its row's visible tokens one 64-token tile at a time (the GPU's tile, mla::kKvTileTokens),
+// decodes the tile once into fp32 in two layouts, and updates every head of its block:
+//   tile_rows : [tile, D]  for P.V (acc[d] += p_t * v_t[d], vectorised over d)
+//   tile_cols : [D, tile]  for the scores (s[t] += q_j * k_t[j], vectorised over t, so that each
+//                          token's dot product is still summed in index order j = 0, 1, ...)
+// Both products are exact in fp32 (see the header), so fused or separate multiply-add give the
+// same bits there.
+#include "kernels/mla_attention_cpu.hpp"
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kernels/mla_attention_model.hpp"
+#include "references/step_indices.hpp"
+#include "src/fp8_e4m3.hpp"
+
+namespace kvaudit {
+
+Result<CpuInjection> parse_cpu_injection(std::string_view name) {
+  if (name.empty()) return CpuInjection::kNone;
+  return unsupported("--inject " + std::string(name),
+                     "the cpu-fp8 backend has no fault injection named '" + std::string(name) +
+                         "' (fault injection is not implemented yet)");
+}
+
+const char* cpu_injection_name(CpuInjection injection) {
+  switch (injection) {
+    case CpuInjection::kNone:
+      return "none";
+  }
+  return "unknown";
+}
+
+float mla_score_scale(double sm_scale, float kv_scale) {
+  return static_cast<float>(sm_scale * static_cast<double>(kv_scale) * mla::kLog2e);
+}
+
+Status write_new_kv(const StepMeta& step, std::span<const float> new_kv, float kv_scale,
+                    bool reciprocal_scale, KvPool& pool) {
+  const std::string where = "write step " + step.group;
+  const int width = pool.row_width;
+  const std::size_t rows = step.new_kv_slots.size();
+  if (new_kv.size() != rows * static_cast<std::size_t>(width)) {
+    return bad_input(where, "new_kv has " + std::to_string(new_kv.size()) + " values, expected " +
+                                std::to_string(rows) + " rows of " + std::to_string(width));
+  }
+  for (std::size_t i = 0; i < rows; ++i) {
+    const std::int64_t slot = step.new_kv_slots[i];
+    if (slot < 0 || slot >= pool.num_slots) {
+      return bad_input(where, "new_kv_slots[" + std::to_string(i) + "] = " +
+                                  std::to_string(slot) + " is outside the pool");
+    }
+    const float* values = new_kv.data() + i * width;
+    if (pool.dtype == KvDtype::kFloat8E4m3fn && reciprocal_scale) {
+      std::uint8_t* dst = pool.row(slot);
+      for (int c = 0; c < width; ++c) dst[c] = kvdump_quantize_reciprocal(values[c], kv_scale);
+    } else {
+      pool.write_row(slot, values, kv_scale);
+    }
+  }
+  return ok_status();
+}
+
+namespace {
+
+constexpr int kTile = mla::kKvTileTokens;
+
+std::array<float, 256> make_e4m3_table() {
+  std::array<float, 256> table{};
+  for (int code = 0; code < 256; ++code) table[code] = e4m3_decode(static_cast<std::uint8_t>(code));
+  return table;
+}
+
+const std::array<float, 256>& e4m3_table() {
+  static const std::array<float, 256> table = make_e4m3_table();
+  return table;
+}
+
+struct CpuProblem {
+  const StepMeta* step = nullptr;
+  const KvPool* pool = nullptr;
+  int page_size = 1;
+  int num_heads = 0;
+  int dc = 0;
+  int dr = 0;
+  int heads_per_unit = 1;
+  int units_per_row = 1;
+  float score_scale = 0.0f;
+  float kv_scale = 1.0f;
+  std::span<const float> q_nope;
+  std::span<const float> q_pe;
+  AttentionOutput* output = nullptr;
+
+  int width() const { return dc + dr; }
+};
+
+class TileWorker {
+ public:
+  explicit TileWorker(const CpuProblem& p)
+      : p_(p),
+        tile_rows_(static_cast<std::size_t>(kTile) * p.width()),
+        tile_cols_(static_cast<std::size_t>(kTile) * p.width()),
+        q_(static_cast<std::size_t>(p.heads_per_unit) * p.width()),
+        acc_(static_cast<std::size_t>(p.heads_per_unit) * p.dc),
+        m_(p.heads_per_unit),
+        l_(p.heads_per_unit) {}
+
+  void run(int row, int head_begin, int head_end) {
+    const StepMeta& step = *p_.step;
+    const int width = p_.width();
+    const int dc = p_.dc;
+    const int heads = head_end - head_begin;
+    const int request = step.request_of_row(row);
+    const std::int64_t visible = step.position_of_row(row, p_.page_size) + 1;
+
+    for (int h = 0; h < heads; ++h) {
+      const std::size_t qi = static_cast<std::size_t>(row) * p_.num_heads + head_begin + h;
+      float* q = q_.data() + static_cast<std::size_t>(h) * width;
+      for (int j = 0; j < dc; ++j) q[j] = bf16_round(p_.q_nope[qi * dc + j]);
+      for (int j = 0; j < p_.dr; ++j) q[dc + j] = bf16_round(p_.q_pe[qi * p_.dr + j]);
+      m_[h] = -std::numeric_limits<float>::infinity();
+      l_[h] = 0.0f;
+    }
+    std::fill(acc_.begin(), acc_.end(), 0.0f);
+
+    for (std::int64_t t0 = 0; t0 < visible; t0 += kTile) {
+      const int n = static_cast<int>(std::min<std::int64_t>(kTile, visible - t0));
+      load_tile(request, t0, n);
+      for (int h = 0; h < heads; ++h) update_head(h, n);
+    }
+
+    AttentionOutput& out = *p_.output;
+    const float ln2 = static_cast<float>(mla::kLn2);
+    for (int h = 0; h < heads; ++h) {
+      const std::size_t oi = static_cast<std::size_t>(row) * p_.num_heads + head_begin + h;
+      const float factor = p_.kv_scale / l_[h];
+      const float* acc = acc_.data() + static_cast<std::size_t>(h) * dc;
+      std::uint16_t* o = out.out_bf16.data() + oi * dc;
+      for (int d = 0; d < dc; ++d) o[d] = bf16_from_float(acc[d] * factor);
+      out.lse[oi] = (m_[h] + std::log2(l_[h])) * ln2;
+    }
+  }
+
+ private:
+  // Decodes visible positions t0 .. t0 + n - 1 of the request (never more: a slot past the row's
+  // position, or past the last page's used length, is not read).
+  void load_tile(int request, std::int64_t t0, int n) {
+    const KvPool& pool = *p_.pool;
+    const int width = p_.width();
+    const auto& table = e4m3_table();
+    for (int t = 0; t < n; ++t) {
+      const std::int64_t slot = p_.step->slot_of(request, t0 + t, p_.page_size);
+      float* dst = tile_rows_.data() + static_cast<std::size_t>(t) * width;
+      if (pool.dtype == KvDtype::kBfloat16) {
+        for (int j = 0; j < width; ++j) dst[j] = bf16_to_float(pool.bf16_bits(slot, j));
+      } else {
+        const std::uint8_t* codes = pool.row(slot);
+        for (int j = 0; j < width; ++j) dst[j] = table[codes[j]];
+      }
+    }
+    for (int t = 0; t < n; ++t) {
+      const float* src = tile_rows_.data() + static_cast<std::size_t>(t) * width;
+      for (int j = 0; j < width; ++j) tile_cols_[static_cast<std::size_t>(j) * kTile + t] = src[j];
+    }
+  }
+
+  void update_head(int h, int n) {
+    const int width = p_.width();
+    const int dc = p_.dc;
+    const float* q = q_.data() + static_cast<std::size_t>(h) * width;
+    float s[kTile];
+    float p[kTile];
+    for (int t = 0; t < n; ++t) s[t] = 0.0f;
+    for (int j = 0; j < width; ++j) {
+      const float qj = q[j];
+      const float* col = tile_cols_.data() + static_cast<std::size_t>(j) * kTile;
+      for (int t = 0; t < n; ++t) s[t] += qj * col[t];
+    }
+    // fmaxf ignores NaN, as the GPU's max does; a NaN score still poisons p, l and out.
+    float tile_max = -std::numeric_limits<float>::infinity();
+    for (int t = 0; t < n; ++t) {
+      s[t] *= p_.score_scale;
+      tile_max = std::fmax(tile_max, s[t]);
+    }
+    const float m_old = m_[h];
+    const float m_new = std::fmax(m_old, tile_max);
+    const float alpha =
+        m_old == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp2(m_old - m_new);
+    float tile_sum = 0.0f;
+    for (int t = 0; t < n; ++t) {
+      p[t] = std::exp2(s[t] - m_new);
+      tile_sum += p[t];
+    }
+    l_[h] = l_[h] * alpha + tile_sum;
+    float* acc = acc_.data() + static_cast<std::size_t>(h) * dc;
+    for (int d = 0; d < dc; ++d) acc[d] *= alpha;
+    for (int t = 0; t < n; ++t) {
+      const float pb = bf16_round(p[t]);  // mla::kRoundProbabilitiesToBf16
+      const float* v = tile_rows_.data() + static_cast<std::size_t>(t) * width;
+      for (int d = 0; d < dc; ++d) acc[d] += pb * v[d];
+    }
+    m_[h] = m_new;
+  }
+
+  const CpuProblem& p_;
+  std::vector<float> tile_rows_;
+  std::vector<float> tile_cols_;
+  std::vector<float> q_;
+  std::vector<float> acc_;
+  std::vector<float> m_;
+  std::vector<float> l_;
+};
+
+int resolve_threads(int threads) {
+  if (threads > 0) return threads;
+  return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+}
+
+}  // namespace
+
+Result<AttentionOutput> mla_attention_cpu(const DumpAttributes& attrs, const StepMeta& step,
+                                          float kv_scale, std::span<const float> q_nope,
+                                          std::span<const float> q_pe, const KvPool& pool,
+                                          const MlaAttentionCpuOptions& options) {
+  const std::string where = "cpu-fp8 step " + step.group;
+  if (pool.row_width != attrs.row_width()) {
+    return bad_input(where, "pool rows have " + std::to_string(pool.row_width) +
+                                " elements, expected Dc + Dr = " +
+                                std::to_string(attrs.row_width()));
+  }
+  if (pool.dtype != attrs.kv_dtype) {
+    return bad_input(where, std::string("pool holds ") + kv_dtype_name(pool.dtype) +
+                                " but the dump's kv_dtype is " + kv_dtype_name(attrs.kv_dtype));
+  }
+  KVAUDIT_TRY(check_step_indices(step, attrs.page_size, pool.num_slots));
+  const std::size_t rows = static_cast<std::size_t>(step.num_rows());
+  const std::size_t heads = static_cast<std::size_t>(attrs.num_heads);
+  if (q_nope.size() != rows * heads * attrs.kv_lora_rank ||
+      q_pe.size() != rows * heads * attrs.qk_rope_head_dim) {
+    return bad_input(where, "q_nope/q_pe sizes disagree with [Nq, H, Dc/Dr]");
+  }
+
+  AttentionOutput output;
+  output.out_bf16.assign(rows * heads * attrs.kv_lora_rank, 0);
+  output.lse.assign(rows * heads, 0.0f);
+  if (rows == 0 || heads == 0) return output;
+
+  const int threads = resolve_threads(options.threads);
+  CpuProblem problem;
+  problem.step = &step;
+  problem.pool = &pool;
+  problem.page_size = attrs.page_size;
+  problem.num_heads = attrs.num_heads;
+  problem.dc = attrs.kv_lora_rank;
+  problem.dr = attrs.qk_rope_head_dim;
+  problem.score_scale = mla_score_scale(attrs.sm_scale, kv_scale);
+  problem.kv_scale = kv_scale;
+  problem.q_nope = q_nope;
+  problem.q_pe = q_pe;
+  problem.output = &output;
+  // Split heads only when rows alone cannot keep every thread busy (a decode of few requests);
+  // each unit decodes its tiles once for all heads of its block.
+  const int want_units_per_row =
+      static_cast<int>((2 * static_cast<std::size_t>(threads) + rows - 1) / rows);
+  problem.units_per_row = std::clamp(want_units_per_row, 1, attrs.num_heads);
+  problem.heads_per_unit = (attrs.num_heads + problem.units_per_row - 1) / problem.units_per_row;
+  problem.units_per_row = (attrs.num_heads + problem.heads_per_unit - 1) / problem.heads_per_unit;
+
+  const std::size_t units = rows * problem.units_per_row;
+  const int workers = static_cast<int>(std::min<std::size_t>(threads, units));
+  std::atomic<std::size_t> next{0};
+  auto work = [&] {
+    TileWorker worker(problem);
+    for (std::size_t u = next++; u < units; u = next++) {
+      const int row = static_cast<int>(u / problem.units_per_row);
+      const int head_begin = static_cast<int>(u % problem.units_per_row) * problem.heads_per_unit;
+      const int head_end = std::min(attrs.num_heads, head_begin + problem.heads_per_unit);
+      worker.run(row, head_begin, head_end);
+    }
+  };
+  if (workers <= 1) {
+    work();
+  } else {
+    std::vector<std::thread> pool_threads;
+    pool_threads.reserve(workers);
+    for (int w = 0; w < workers; ++w) pool_threads.emplace_back(work);
+    for (auto& thread : pool_threads) thread.join();
+  }
+  return output;
+}
+
+namespace {
+
+class CpuFp8Backend final : public Backend {
+ public:
+  CpuFp8Backend(const BackendOptions& options, CpuInjection injection)
+      : options_(options), injection_(injection) {}
+
+  std::string name() const override { return "cpu-fp8"; }
+
+  nlohmann::json describe() const override {
+    return {
+        {"name", "cpu-fp8"},
+        {"device", "cpu"},
+        {"threads", resolve_threads(options_.threads)},
+        {"kv_tile_tokens", mla::kKvTileTokens},
+        {"injection", cpu_injection_name(injection_)},
+        {"write_rule", options_.reciprocal_scale
+                           ? "e4m3_rne_satfinite(x * fp32(1 / kv_scale)) (reciprocal_scale)"
+                           : "e4m3_rne_satfinite(fp32(x) / fp32(kv_scale)) (kvdump)"},
+        {"rounding",
+         {{"q", "bf16"},
+          {"kv", "codes decoded exactly, kv_scale folded into the score and the output"},
+          {"dot", "fp32, sequential in index order"},
+          {"score_scale", "fp32(sm_scale * kv_scale * log2 e)"},
+          {"softmax", "online, base 2, 64-token tiles in token order, exp2f, fp32 l"},
+          {"p", "bf16 before P.V"},
+          {"acc", "fp32"},
+          {"out", "bf16(acc * (kv_scale / l))"},
+          {"lse", "fp32 (m + log2 l) * ln 2"}}},
+    };
+  }
+
+  Result<AttentionOutput> run_step(const StepLayerInput& input, KvPool& pool) override {
+    const std::string where = "cpu-fp8 " + input.step.group + "/" + input.layer.group;
+    if (pool.dtype != input.attrs.kv_dtype || pool.row_width != input.attrs.row_width()) {
+      return bad_input(where, "pool type or row width disagrees with the dump attributes");
+    }
+    KVAUDIT_TRY(check_step_indices(input.step, input.attrs.page_size, pool.num_slots));
+    KVAUDIT_TRY(write_new_kv(input.step, input.tensors.new_kv, input.layer.kv_scale,
+                             options_.reciprocal_scale, pool));
+    MlaAttentionCpuOptions options;
+    options.threads = options_.threads;
+    options.injection = injection_;
+    return mla_attention_cpu(input.attrs, input.step, input.layer.kv_scale, input.tensors.q_nope,
+                             input.tensors.q_pe, pool, options);
+  }
+
+ private:
+  BackendOptions options_;
+  CpuInjection injection_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Backend>> make_cpu_fp8_backend(const BackendOptions& options) {
+  auto injection = parse_cpu_injection(options.injection);
+  if (!injection.ok()) return injection.error();
+  return std::unique_ptr<Backend>(std::make_unique<CpuFp8Backend>(options, *injection));
+}
+
+}  // namespace kvaudit
