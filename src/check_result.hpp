@@ -36,6 +36,19 @@ struct IntegrityFinding {
                                     // "wrong_slot", "other" (captured pools)
 };
 
+// Where and how a run was made, for the report. Empty fields are filled with this process's
+// values (current_provenance) when the run is written out.
+struct Provenance {
+  std::string host;
+  std::string date_utc;      // ISO-8601, "2026-11-29T09:30:00Z"
+  std::string command_line;  // as typed, arguments shell-quoted where needed
+  std::string kvaudit_version;
+};
+
+// This process: host name, the time now (UTC), its command line (from /proc/self/cmdline where
+// there is one), KVAUDIT_VERSION.
+Provenance current_provenance();
+
 struct CheckRun {
   std::string dump_path;
   std::string dump_sha256;
@@ -49,8 +62,26 @@ struct CheckRun {
   double reference_rows_heads_tokens = 0.0;  // work done, for throughput
   double backend_seconds = 0.0;
   double total_seconds = 0.0;
+  Provenance provenance;
   bool pass() const;  // no failing comparison that sets exit, no failing integrity finding
 };
+
+// Whether this comparison fails the run: it failed and either its kind sets the exit status under
+// the policy or it has a NaN/Inf mismatch (those always do, DESIGN.md "Numerics").
+bool fails_run(const ComparisonResult& result);
+// The element a reader should look at first: the first NaN/Inf mismatch, else the max_abs one.
+const ElementLocation& worst_location(const ComparisonResult& result);
+// max_abs / max|reference| as the policy judges it (0 for 0/0, inf for x/0).
+double max_abs_over_ref_max(const ComparisonMetrics& metrics);
+
+struct RunCounts {
+  std::size_t comparisons = 0;
+  std::size_t failed = 0;              // failing and failing the run
+  std::size_t failed_report_only = 0;  // failing, but reported only under this policy
+  std::size_t integrity_checks = 0;
+  std::size_t integrity_failed = 0;
+};
+RunCounts count_results(const CheckRun& run);
 
 nlohmann::json to_json(const CheckRun& run);  // the report.json schema (docs/report-schema.md)
 
