@@ -57,8 +57,8 @@ Status write_new_kv(const StepMeta& step, std::span<const float> new_kv, float k
   for (std::size_t i = 0; i < rows; ++i) {
     const std::int64_t slot = step.new_kv_slots[i];
     if (slot < 0 || slot >= pool.num_slots) {
-      return bad_input(where, "new_kv_slots[" + std::to_string(i) + "] = " +
-                                  std::to_string(slot) + " is outside the pool");
+      return bad_input(where, "new_kv_slots[" + std::to_string(i) + "] = " + std::to_string(slot) +
+                                  " is outside the pool");
     }
     const float* values = new_kv.data() + i * width;
     if (pool.dtype == KvDtype::kFloat8E4m3fn && reciprocal_scale) {
@@ -234,9 +234,9 @@ Result<AttentionOutput> mla_attention_cpu(const DumpAttributes& attrs, const Ste
                                           const MlaAttentionCpuOptions& options) {
   const std::string where = "cpu-fp8 step " + step.group;
   if (pool.row_width != attrs.row_width()) {
-    return bad_input(where, "pool rows have " + std::to_string(pool.row_width) +
-                                " elements, expected Dc + Dr = " +
-                                std::to_string(attrs.row_width()));
+    return bad_input(where,
+                     "pool rows have " + std::to_string(pool.row_width) +
+                         " elements, expected Dc + Dr = " + std::to_string(attrs.row_width()));
   }
   if (pool.dtype != attrs.kv_dtype) {
     return bad_input(where, std::string("pool holds ") + kv_dtype_name(pool.dtype) +
