@@ -18,7 +18,7 @@ How tensors map (names as in SGLang 0.4/0.5; check them against your version):
   new_kv [Nq,D]     cat(k_nope, k_rope) of the call: `k` [T,1,Dc] and keyword `k_rope` [T,1,Dr];
                     else the concatenated `k` [T,1,Dc+Dr]. bf16, before the pool's fp8 cast
   out    [Nq,H,Dc]  the call's return value [T, H*Dc], viewed [T, H, Dc] (before w_vc)
-  lse    [Nq,H]     not returned by attn_mqa: left out
+  lse    [Nq,H]     recorded only when the call returns (out, lse); the absorbed path does not
   kv_cache          forward_batch.token_to_kv_pool.get_key_buffer(layer_id): [size + page_size,
                     1, Dc+Dr], float8_e4m3fn (stored as uint8); reshaped [num_pages, page_size, D]
   new_kv_slots      forward_batch.out_cache_loc
@@ -122,37 +122,45 @@ class MlaLayerCapture:
             return None
         attn = self.attn
         heads, dc = attn.tp_q_head_num, attn.v_head_dim
+        q = _argument(args, kwargs, 0, "q")
+        k = _argument(args, kwargs, 1, "k")
+        q_rope, k_rope = kwargs.get("q_rope"), kwargs.get("k_rope")
+        if k is None or (q_rope is not None and k_rope is None):
+            # Rope fused into the cache write: no new_kv to record. Stop rather than break the
+            # server's forward pass; the file keeps the steps captured so far.
+            print("sglang_capture_hook: attn_mqa called without k/k_rope; capture stopped",
+                  file=sys.stderr)
+            self.remove()
+            return None
+        rows = q.shape[0]
+        if q_rope is not None:  # rope passed separately: q [T, H, Dc], k [T, 1, Dc]
+            q_nope = q.reshape(rows, heads, dc)
+            q_pe = q_rope.reshape(rows, heads, -1)
+            new_kv = torch.cat([k.reshape(rows, dc), k_rope.reshape(rows, -1)], dim=-1)
+        else:  # concatenated: q [T, H, Dc + Dr], k [T, 1, Dc + Dr]
+            q_full = q.reshape(rows, heads, -1)
+            q_nope, q_pe = q_full[..., :dc], q_full[..., dc:]
+            new_kv = k.reshape(rows, -1)
+        lse = None
+        if isinstance(output, tuple):  # the variants that also return lse [T, H]
+            output, lse = output[0], output[1].float().reshape(rows, heads)
+        out = output.reshape(rows, heads, dc)
+
         page_size = forward_batch.token_to_kv_pool.page_size
         if self._writer is None:
             kv_scale = self.kv_scale
             if kv_scale is None:
-                kv_scale = attn.k_scale_float if attn.k_scale_float is not None else 1.0
+                kv_scale = getattr(attn, "k_scale_float", None) or 1.0
             self._writer = kvdump.KvDumpWriter(
                 self.path, model=self.model, producer=self.producer, num_heads=heads,
                 kv_lora_rank=dc, qk_rope_head_dim=attn.qk_head_dim - dc, sm_scale=attn.scaling,
                 page_size=page_size)
             self._writer.add_layer(attn.layer_id, kv_scale, self._pool_before)
             self._pool_before = None
-
         step = self._writer.add_step(*self._step_indices(forward_batch, page_size))
-        q = _argument(args, kwargs, 0, "q")
-        k = _argument(args, kwargs, 1, "k")
-        q_rope, k_rope = kwargs.get("q_rope"), kwargs.get("k_rope")
-        if k is None or (q_rope is not None and k_rope is None):
-            raise RuntimeError("attn_mqa was called with k=None (rope fused into the cache "
-                               "write): there is no new_kv to capture; disable that fusion")
-        rows = q.shape[0]
-        if q_rope is not None:  # rope passed separately
-            q_nope = q.reshape(rows, heads, dc)
-            q_pe = q_rope.reshape(rows, heads, -1)
-            new_kv = torch.cat([k.reshape(rows, dc), k_rope.reshape(rows, -1)], dim=-1)
-        else:  # q [T, H, Dc + Dr], k [T, 1, Dc + Dr]
-            q_full = q.reshape(rows, heads, -1)
-            q_nope, q_pe = q_full[..., :dc], q_full[..., dc:]
-            new_kv = k.reshape(rows, -1)
-        out = output.reshape(rows, heads, dc)
         after = self._pool(forward_batch) if self.capture_pool_after else None
-        step.add_layer(attn.layer_id, q_nope, q_pe, new_kv, out=out, kv_cache_after=after)
+        step.add_layer(attn.layer_id, q_nope, q_pe, new_kv, out=out, lse=lse,
+                       kv_cache_after=after)
 
         self._steps += 1
         if self._steps >= self.max_steps:
