@@ -44,7 +44,7 @@ inline CheckRun make_failing_run() {
   run.comparisons.push_back(make_comparison(0, 0, Comparison::kQuantization, 0.03, true, false));
   ComparisonResult failing = make_comparison(1, 3, Comparison::kKernel, 0.025, false, true);
   failing.metrics.max_abs_at = {5, 2, 17, 1.5, 1.53125};
-  failing.judgement.reasons = {"rel_l2 0.025 > 0.0156 (kernel limit)"};
+  failing.judgement.reasons = {"rel_l2 0.025 > 0.00391 (kernel limit)"};
   failing.worst_request = 1;
   run.comparisons.push_back(failing);
   ComparisonResult report_only =

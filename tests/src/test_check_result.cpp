@@ -56,7 +56,7 @@ TEST_CASE("report.json schema of a failing run", "[check_result]") {
   CHECK(j.at("backend") == "cpu-fp8");
   CHECK(j.at("backend_description").at("threads") == 2);
   CHECK(j.at("policy").at("name") == "default");
-  CHECK(j.at("policy").at("kernel").at("rel_l2").at("limit") == 0.015625);
+  CHECK(j.at("policy").at("kernel").at("rel_l2").at("limit") == 0.00390625);
   CHECK(j.at("dump").at("path") == "/data/glm5_two_layers.h5");
   CHECK(j.at("dump").at("sha256") ==
         "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
@@ -74,7 +74,7 @@ TEST_CASE("report.json schema of a failing run", "[check_result]") {
   CHECK(failing.at("comparison") == "kernel");
   CHECK(failing.at("pass") == false);
   CHECK(failing.at("sets_exit") == true);
-  CHECK(failing.at("reasons")[0] == "rel_l2 0.025 > 0.0156 (kernel limit)");
+  CHECK(failing.at("reasons")[0] == "rel_l2 0.025 > 0.00391 (kernel limit)");
   CHECK(failing.at("worst") ==
         nlohmann::json(
             {{"row", 5}, {"head", 2}, {"dim", 17}, {"reference", 1.5}, {"candidate", 1.53125}}));

@@ -67,7 +67,7 @@ TEST_CASE("stdout table: FAIL, report-only, worst location, integrity, verdict",
   CHECK(table_line(table, 1, 3, "quantization").find("FAIL report-only") != std::string::npos);
   CHECK(table_line(table, 0, 0, "quantization").find("PASS report-only") != std::string::npos);
 
-  CHECK(table.find("step 1 layer 3 kernel: rel_l2 0.025 > 0.0156 (kernel limit) [request 1]") !=
+  CHECK(table.find("step 1 layer 3 kernel: rel_l2 0.025 > 0.00391 (kernel limit) [request 1]") !=
         std::string::npos);
   CHECK(table.find("step 1 layer 3 storage [bf16_high_byte]: step 1 layer 3: slots 12, 13") !=
         std::string::npos);
@@ -119,11 +119,11 @@ TEST_CASE("report directory: report.md holds verdict, provenance, tables", "[rep
   // Result rows, the failing one marked and with its reason.
   CHECK(md.find("| 0 | 0 | kernel | ") != std::string::npos);
   CHECK(md.find("| 1 | 3 | kernel | ") != std::string::npos);
-  CHECK(md.find("**FAIL** | (5,2,17) | rel_l2 0.025 > 0.0156 (kernel limit) |") !=
+  CHECK(md.find("**FAIL** | (5,2,17) | rel_l2 0.025 > 0.00391 (kernel limit) |") !=
         std::string::npos);
   CHECK(md.find("**FAIL report-only**") != std::string::npos);
   // Policy with derivations.
-  CHECK(md.find("| kernel | rel_l2 | 0.01562 | yes | 2^-6:") != std::string::npos);
+  CHECK(md.find("| kernel | rel_l2 | 0.003906 | yes | 2^-8:") != std::string::npos);
   CHECK(md.find("| quantization | rel_l2 | 0.0625 | no |") != std::string::npos);
   // Sign-off per layer: layer 3's worst quantization rel_l2 0.07, kernel 0.025, ratio 0.3571.
   CHECK(md.find("| 3 | 0.07 | 0.00245 | ") != std::string::npos);
