@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds kvaudit (scripts/setup.sh), runs every test through CTest, and checks that every C++/CUDA
-# source is clang-format clean. Exits non-zero when any test or the format check fails.
+# Builds kvaudit (scripts/setup.sh), runs every test through CTest and the Python writer's tests,
+# and checks that every C++/CUDA source is clang-format clean. Exits non-zero when any test or the
+# format check fails.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -19,5 +20,13 @@ fi
 echo "== tests"
 if ! ctest --test-dir "$build_dir" --output-on-failure -j"${KVAUDIT_TEST_JOBS:-2}"; then
   status=1
+fi
+
+# The Python kvdump writer's own tests (numpy and h5py from Debian's python).
+if [[ -d python/tests ]]; then
+  echo "== python tests"
+  if ! /usr/bin/python3 -m unittest discover -s python/tests; then
+    status=1
+  fi
 fi
 exit "$status"
