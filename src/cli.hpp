@@ -21,6 +21,7 @@ using CommandRunner = std::function<int()>;
 // Each sets `runner` (from its subcommand's callback) when that subcommand is chosen.
 void register_info_command(CLI::App& app, CommandRunner& runner);
 void register_synth_command(CLI::App& app, CommandRunner& runner);
+void register_check_command(CLI::App& app, CommandRunner& runner);
 void register_bench_command(CLI::App& app, CommandRunner& runner);
 
 // Prints "kvaudit: <where>: <what>" on stderr and returns the exit status for the error's kind.

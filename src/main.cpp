@@ -15,6 +15,7 @@ int main(int argc, char** argv) {
   kvaudit::CommandRunner runner;
   kvaudit::register_info_command(app, runner);
   kvaudit::register_synth_command(app, runner);
+  kvaudit::register_check_command(app, runner);
   kvaudit::register_bench_command(app, runner);
   try {
     app.parse(argc, argv);

@@ -1,0 +1,266 @@
+// `kvaudit check DUMP`: validate a kvdump, replay it through a backend and the reference, check
+// the cache's integrity after every step, judge every comparison with the policy, and report.
+// Exit status: 0 pass, 1 checks failed, 2 bad input (dump, options, policy file, backend), 3
+// internal error.
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "src/backend.hpp"
+#include "src/cli.hpp"
+#include "src/kvdump.hpp"
+#include "src/policy.hpp"
+#include "src/replay.hpp"
+#include "src/report.hpp"
+#include "src/save_outputs.hpp"
+#include "src/sha256.hpp"
+
+namespace kvaudit {
+namespace {
+
+struct CheckOptions {
+  std::string dump;
+  std::string backend = "cpu-fp8";
+  std::string layers;
+  std::string steps;
+  std::string policy_file;
+  bool signoff = false;
+  std::string json_file;
+  std::string report_dir;
+  std::string save_outputs;
+  int threads = 0;
+  bool verbose = false;
+  bool progress = false;
+};
+
+// "0,1,77" or ranges "0-3,7": non-negative integers.
+Result<std::vector<int>> parse_index_list(const std::string& text, const std::string& option) {
+  std::vector<int> values;
+  std::stringstream stream(text);
+  std::string item;
+  auto bad = [&](const std::string& why) {
+    return bad_input(option, "'" + text + "': " + why + " (expected e.g. 0,1,77 or 0-3)");
+  };
+  while (std::getline(stream, item, ',')) {
+    if (item.empty()) continue;
+    const auto dash = item.find('-', 1);
+    try {
+      std::size_t used = 0;
+      if (dash == std::string::npos) {
+        const int value = std::stoi(item, &used);
+        if (used != item.size() || value < 0) return bad("'" + item + "' is not an index");
+        values.push_back(value);
+      } else {
+        const std::string low_text = item.substr(0, dash);
+        const std::string high_text = item.substr(dash + 1);
+        std::size_t used_high = 0;
+        const int low = std::stoi(low_text, &used);
+        const int high = std::stoi(high_text, &used_high);
+        if (used != low_text.size() || used_high != high_text.size() || low < 0 || high < low) {
+          return bad("'" + item + "' is not a range");
+        }
+        for (int v = low; v <= high; ++v) values.push_back(v);
+      }
+    } catch (const std::exception&) {
+      return bad("'" + item + "' is not an index");
+    }
+  }
+  if (values.empty()) return bad("no index given");
+  return values;
+}
+
+std::string format_limits(const ComparisonLimits& limits) {
+  std::ostringstream text;
+  bool any = false;
+  for (const std::string& name : limit_names()) {
+    const auto value = limit_value(limits, name);
+    if (!value) continue;
+    text << (any ? ", " : "") << name << " <= " << std::setprecision(3) << *value;
+    any = true;
+  }
+  return any ? text.str() : "no limits";
+}
+
+void print_policy(std::ostream& out, const Policy& policy) {
+  out << "policy: " << policy.name << " (rel_floor " << policy.rel_floor << ")\n";
+  for (const Comparison comparison : {Comparison::kKernel, Comparison::kCaptured,
+                                      Comparison::kQuantization, Comparison::kTotal}) {
+    out << "  " << std::left << std::setw(13) << comparison_name(comparison)
+        << format_limits(limits_for(policy, comparison))
+        << (comparison_sets_exit(policy, comparison) ? "" : "  (reported, does not set exit)")
+        << "\n";
+  }
+}
+
+std::string divergence_text(const Divergence& d) {
+  std::ostringstream text;
+  text << "first divergence (" << comparison_name(d.comparison) << "): step " << d.step << " layer "
+       << d.layer_id << " request " << d.request << " row " << d.row << " head " << d.head;
+  if (!d.reason.empty()) text << ": " << d.reason;
+  return text.str();
+}
+
+nlohmann::json divergence_json(const Divergence& d) {
+  return {{"step", d.step},       {"layer_id", d.layer_id},
+          {"request", d.request}, {"row", d.row},
+          {"head", d.head},       {"comparison", comparison_name(d.comparison)},
+          {"reason", d.reason}};
+}
+
+int run_check(const CheckOptions& options) {
+  // Validate everything before any work: dump, selection, policy, backend.
+  auto reader = DumpReader::open(options.dump);
+  if (!reader.ok()) return report_error(reader.error());
+
+  ReplayOptions replay;
+  if (!options.layers.empty()) {
+    auto ids = parse_index_list(options.layers, "--layers");
+    if (!ids.ok()) return report_error(ids.error());
+    replay.layer_ids = ids.value();
+  }
+  if (!options.steps.empty()) {
+    auto steps = parse_index_list(options.steps, "--steps");
+    if (!steps.ok()) return report_error(steps.error());
+    replay.step_indices = steps.value();
+  }
+  if (auto selection = check_selection(reader->layout(), replay); !selection.ok()) {
+    return report_error(selection.error());
+  }
+
+  if (!options.policy_file.empty()) {
+    auto policy = load_policy(options.policy_file);
+    if (!policy.ok()) return report_error(policy.error());
+    replay.policy = policy.value();
+    if (options.signoff) replay.policy.quantization_sets_exit = true;
+  } else {
+    replay.policy = options.signoff ? signoff_policy() : default_policy();
+  }
+  replay.threads = options.threads;
+  replay.progress = options.progress || isatty(STDERR_FILENO) != 0;
+
+  std::unique_ptr<Backend> backend;
+  if (options.backend != "none") {
+    BackendOptions backend_options;
+    backend_options.threads = options.threads;
+    auto made = make_backend(options.backend, backend_options);
+    if (!made.ok()) return report_error(made.error());
+    backend = std::move(made.value());
+  }
+
+  std::optional<OutputsWriter> outputs;
+  if (!options.save_outputs.empty()) {
+    auto created = OutputsWriter::create(options.save_outputs, options.dump, options.backend);
+    if (!created.ok()) return report_error(created.error());
+    outputs.emplace(std::move(created.value()));
+    replay.observer = [&outputs](const StepLayerOutputs& step_layer) {
+      return outputs->write(step_layer);
+    };
+  }
+
+  auto sha = sha256_file_hex(options.dump);
+  if (!sha.ok()) return report_error(sha.error());
+
+  print_policy(std::cout, replay.policy);
+  std::cout.flush();
+
+  auto replayed = replay_dump(*reader, backend.get(), replay);
+  if (!replayed.ok()) return report_error(replayed.error());
+  ReplayOutcome& outcome = replayed.value();
+  CheckRun& run = outcome.run;
+  run.dump_path = options.dump;
+  run.dump_sha256 = sha.value();
+  if (outputs) {
+    if (auto closed = outputs->close(); !closed.ok()) return report_error(closed.error());
+  }
+
+  print_comparison_table(std::cout, run);
+  print_integrity_failures(std::cout, run);
+  for (const std::string& note : outcome.notes) std::cout << "note: " << note << "\n";
+  if (outcome.first_divergence) std::cout << divergence_text(*outcome.first_divergence) << "\n";
+  if (options.verbose) {
+    const double throughput =
+        run.reference_seconds > 0.0 ? run.reference_rows_heads_tokens / run.reference_seconds : 0.0;
+    std::cout << std::setprecision(4) << "timing: reference " << run.reference_seconds
+              << " s, backend " << run.backend_seconds << " s, total " << run.total_seconds
+              << " s\nreference throughput: " << throughput << " rows*heads*tokens/s ("
+              << run.reference_rows_heads_tokens << " in all)\n";
+  }
+  std::cout << verdict_summary(run) << "\n";
+
+  nlohmann::json report = to_json(run);
+  report["first_divergence"] =
+      outcome.first_divergence ? divergence_json(*outcome.first_divergence) : nlohmann::json();
+  report["notes"] = outcome.notes;
+  if (!options.json_file.empty()) {
+    std::ofstream file(options.json_file);
+    file << report.dump(2) << "\n";
+    if (!file) {
+      return report_error(bad_input(options.json_file, "cannot write the JSON report"));
+    }
+  }
+  if (!options.report_dir.empty()) {
+    if (auto written = write_report_dir(options.report_dir, run, report); !written.ok()) {
+      return report_error(written.error());
+    }
+  }
+  return run.pass() ? kExitPass : kExitChecksFailed;
+}
+
+}  // namespace
+
+void register_check_command(CLI::App& app, CommandRunner& runner) {
+  auto options = std::make_shared<CheckOptions>();
+  CLI::App* cmd = app.add_subcommand(
+      "check",
+      "Replay a kvdump through a backend and the high-precision CPU reference, layer by layer "
+      "and step by step. Per (step, layer) it reports kernel error (backend vs R8, the exact "
+      "attention on the dequantized FP8 pool), quantization error (R8 vs Rs, the exact attention "
+      "on the source KV, where the dump has it), total error (backend vs Rs) and the captured "
+      "outputs' error (dump out/lse vs R8); after every step it checks the cache: storage still "
+      "FP8, written slots hold e4m3_rne_satfinite(x / kv_scale), other slots unchanged, no NaN "
+      "codes written, captured kv_cache_after equal to the replay.\n"
+      "Exit status: 0 pass, 1 checks failed, 2 bad input or usage (malformed dump, unknown "
+      "backend, layer or step not in the dump, bad policy file, no CUDA device for a cuda "
+      "backend), 3 internal error.");
+  cmd->add_option("DUMP", options->dump, "kvdump HDF5 file")->required();
+  std::string backends;
+  for (const std::string& name : backend_names()) backends += name + ", ";
+  cmd->add_option("--backend", options->backend,
+                  "Backend under test: " + backends +
+                      "or none (compare only the captured outputs and pools)")
+      ->capture_default_str();
+  cmd->add_option("--layers", options->layers,
+                  "Layer ids to replay (the model's layer_id, e.g. 0,1,77 or 0-3); default all");
+  cmd->add_option("--steps", options->steps,
+                  "Step indices to report (e.g. 0,2 or 1-3); every step is still replayed in "
+                  "order so the pools evolve as in the dump; default all");
+  cmd->add_option("--policy", options->policy_file,
+                  "Policy file (JSON, the keys of report.json's policy) instead of the default");
+  cmd->add_flag("--signoff", options->signoff,
+                "Sign-off policy: quantization and total error limits also set the exit status");
+  cmd->add_option("--json", options->json_file, "Write report.json to this file");
+  cmd->add_option("--report", options->report_dir,
+                  "Write a report directory (report.json, report.md)");
+  cmd->add_option("--save-outputs", options->save_outputs,
+                  "Write the reference and backend outputs per step and layer to this HDF5 file "
+                  "(/steps/S###/L###/{reference_out, reference_lse, reference_source_out, "
+                  "reference_source_lse, backend_out, backend_lse})");
+  cmd->add_option("--threads", options->threads,
+                  "Threads for the reference and CPU backends (0: every core)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_flag("--verbose", options->verbose,
+                "Also print timings and the reference throughput (rows*heads*tokens/s)");
+  cmd->add_flag("--progress", options->progress,
+                "Print progress on stderr even when it is not a terminal");
+  cmd->callback([options, &runner] { runner = [options] { return run_check(*options); }; });
+}
+
+}  // namespace kvaudit
