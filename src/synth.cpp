@@ -3,7 +3,9 @@
 // Determinism: every random draw comes from xoshiro256** streams seeded through splitmix64 from
 // (seed, purpose, layer_id, request, position); normals are Irwin-Hall sums (exact integer to
 // double conversions and IEEE double additions), rounded once to float and once to bf16. No
-// libm transcendental is used, so the bytes of a dump depend only on the spec.
+// libm transcendental is used (only sqrt, which IEEE 754 rounds correctly), and the project
+// builds as ISO C++ (CMAKE_CXX_EXTENSIONS OFF), where GCC does not contract a * b + c into an
+// FMA, so the bytes of a dump depend only on the spec.
 #include "src/synth.hpp"
 
 #include <algorithm>
