@@ -7,8 +7,6 @@
 // rounding (2^-4 relative per element). Tolerances live in the policy, not here.
 #include "src/replay.hpp"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -16,6 +14,7 @@
 #include <limits>
 #include <set>
 #include <sstream>
+#include <unordered_map>
 
 #include "references/mla_reference.hpp"
 #include "src/integrity.hpp"
@@ -165,11 +164,77 @@ void add_comparison(ReplayState& state, std::size_t layer_order, int step_index,
   state.outcome.run.comparisons.push_back(std::move(result));
 }
 
-// Whether every token a row of the step sees has a known source value.
-bool source_covers(const std::vector<std::int64_t>& visible, const std::vector<char>& known) {
-  return std::all_of(visible.begin(), visible.end(),
-                     [&](std::int64_t slot) { return known[slot] != 0; });
-}
+// The unquantized value of each slot, where known: the dump's kv_source (dense, every slot), or
+// without it only the rows the replay wrote (sparse: such a dump may hold a pool far larger than
+// the tokens its steps write, and a dense [S, D] copy would double the layer's memory).
+class SourceRows {
+ public:
+  SourceRows(std::int64_t num_slots, int width)
+      : width_(width), known_(static_cast<std::size_t>(num_slots), 0) {}
+
+  void set_dense(std::vector<float> values) {
+    dense_ = std::move(values);
+    std::fill(known_.begin(), known_.end(), 1);
+  }
+
+  void write(std::int64_t slot, const float* values) {
+    if (!dense_.empty()) {
+      std::copy(values, values + width_, dense_.begin() + slot * width_);
+    } else {
+      sparse_[slot].assign(values, values + width_);
+    }
+    known_[slot] = 1;
+  }
+
+  // Whether every token a row of the step sees has a known source value.
+  bool covers(const std::vector<std::int64_t>& visible) const {
+    return std::all_of(visible.begin(), visible.end(),
+                       [&](std::int64_t slot) { return known_[slot] != 0; });
+  }
+
+  // Rs for the step (the step must be covered). Sparse rows are gathered into the pages the step
+  // uses, renumbered 0..P'-1 in a copy of the step, so memory follows the step.
+  Result<std::int64_t> attention(const DumpAttributes& attrs, const StepMeta& step,
+                                 const StepLayerTensors& tensors, std::span<double> out,
+                                 std::span<double> lse, int threads) const {
+    if (!dense_.empty()) {
+      const KvRows rows = KvRows::from_values(dense_, width_, 1.0);
+      return mla_reference_attention(attrs, step, tensors.q_nope, tensors.q_pe, rows, out, lse,
+                                     threads);
+    }
+    const int page = attrs.page_size;
+    std::vector<std::int32_t> pages(step.kv_indices.begin(), step.kv_indices.end());
+    std::sort(pages.begin(), pages.end());
+    pages.erase(std::unique(pages.begin(), pages.end()), pages.end());
+    std::unordered_map<std::int32_t, std::int32_t> compact_page;
+    for (std::size_t i = 0; i < pages.size(); ++i) {
+      compact_page[pages[i]] = static_cast<std::int32_t>(i);
+    }
+    StepMeta compact = step;
+    for (std::int32_t& p : compact.kv_indices) p = compact_page.at(p);
+    for (std::int32_t& slot : compact.new_kv_slots) {
+      slot = compact_page.at(slot / page) * page + slot % page;
+    }
+    std::vector<float> values(pages.size() * page * width_, 0.0f);
+    for (std::size_t i = 0; i < pages.size(); ++i) {
+      for (int offset = 0; offset < page; ++offset) {
+        const auto it = sparse_.find(std::int64_t{pages[i]} * page + offset);
+        if (it == sparse_.end()) continue;  // a slot no row sees (covers() held)
+        std::copy(it->second.begin(), it->second.end(),
+                  values.begin() + (i * page + offset) * width_);
+      }
+    }
+    const KvRows rows = KvRows::from_values(values, width_, 1.0);
+    return mla_reference_attention(attrs, compact, tensors.q_nope, tensors.q_pe, rows, out, lse,
+                                   threads);
+  }
+
+ private:
+  int width_;
+  std::vector<char> known_;
+  std::vector<float> dense_;
+  std::unordered_map<std::int64_t, std::vector<float>> sparse_;
+};
 
 }  // namespace
 
@@ -269,18 +334,14 @@ Result<ReplayOutcome> replay_dump(const DumpReader& reader, Backend* backend,
     KvPool reference_pool = std::move(pool.value());
     KvPool backend_pool = reference_pool;
 
-    // Source rows [S, D]; known[s] says whether slot s has a source value.
-    std::vector<float> source(static_cast<std::size_t>(num_slots) * width,
-                              std::numeric_limits<float>::quiet_NaN());
-    std::vector<char> known(static_cast<std::size_t>(num_slots), 0);
+    SourceRows source(num_slots, width);
     if (layer.has_source) {
       auto read = reader.read_source(li);
       if (!read.ok()) return read.error();
-      if (read->size() != source.size()) {
+      if (read->size() != static_cast<std::size_t>(num_slots) * width) {
         return internal_error(where + "/kv_source", "source has an unexpected size");
       }
-      source = std::move(read.value());
-      std::fill(known.begin(), known.end(), 1);
+      source.set_dense(std::move(read.value()));
     }
 
     bool noted_missing_source = false;
@@ -299,8 +360,7 @@ Result<ReplayOutcome> replay_dump(const DumpReader& reader, Backend* backend,
         const std::int64_t slot = step.new_kv_slots[i];
         const float* values = tensors.new_kv.data() + static_cast<std::size_t>(i) * width;
         reference_pool.write_row(slot, values, layer.kv_scale);
-        std::copy(values, values + width, source.begin() + slot * width);
-        known[slot] = 1;
+        source.write(slot, values);
       }
       const StepLayerWrites writes{step_number, layer.layer_id, step.new_kv_slots, tensors.new_kv,
                                    layer.kv_scale};
@@ -322,12 +382,11 @@ Result<ReplayOutcome> replay_dump(const DumpReader& reader, Backend* backend,
                                             r8_out, r8_lse, options.threads);
         if (!work.ok()) return work.error();
         run.reference_rows_heads_tokens += static_cast<double>(work.value());
-        if (source_covers(visible, known)) {
+        if (source.covers(visible)) {
           rs_out.assign(shape.size(), 0.0);
           rs_lse.assign(r8_lse.size(), 0.0);
-          const KvRows source_rows = KvRows::from_values(source, width, 1.0);
-          auto source_work = mla_reference_attention(attrs, step, tensors.q_nope, tensors.q_pe,
-                                                     source_rows, rs_out, rs_lse, options.threads);
+          auto source_work =
+              source.attention(attrs, step, tensors, rs_out, rs_lse, options.threads);
           if (!source_work.ok()) return source_work.error();
           run.reference_rows_heads_tokens += static_cast<double>(source_work.value());
           have_source_reference = true;

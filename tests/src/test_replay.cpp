@@ -491,3 +491,32 @@ TEST_CASE("selection of layers and steps is checked against the dump", "[replay]
 }
 
 }  // namespace kvaudit
+
+namespace kvaudit {
+
+TEST_CASE("without kv_source, steps whose tokens were all written are measured against the source",
+          "[replay]") {
+  // Empty pools before step 0: the replay knows the source of every token it writes. The result
+  // must not depend on whether the source came from kv_source or from the writes.
+  TinySpec spec;
+  spec.prefix = {0, 0};
+  spec.page_size = 2;
+  spec.with_source = false;
+  const TinyDump sparse = make_tiny_dump(spec);
+  spec.with_source = true;
+  const TinyDump dense = make_tiny_dump(spec);
+  const ReplayOutcome from_writes = replay_tiny(sparse, "source_from_writes", nullptr);
+  const ReplayOutcome from_dataset = replay_tiny(dense, "source_from_dataset", nullptr);
+  CHECK(from_writes.notes.empty());
+  for (int s = 0; s < static_cast<int>(sparse.steps.size()); ++s) {
+    const ComparisonResult* a = find_comparison(from_writes.run, s, 0, Comparison::kQuantization);
+    const ComparisonResult* b = find_comparison(from_dataset.run, s, 0, Comparison::kQuantization);
+    REQUIRE(a != nullptr);
+    REQUIRE(b != nullptr);
+    CHECK(a->metrics.rel_l2 > 0.0);
+    CHECK(a->metrics.rel_l2 == b->metrics.rel_l2);
+    CHECK(a->metrics.lse_max_abs == b->metrics.lse_max_abs);
+  }
+}
+
+}  // namespace kvaudit
