@@ -86,22 +86,41 @@ struct Operands {
   std::span<const double> candidate_lse;
 };
 
-// First (row, head), row-major, whose error breaks the policy's absolute limit or whose finiteness
-// differs from the reference; the worst element's (row, head) when no single one does.
+// First (row, head), row-major, that on its own breaks the policy: a NaN/Inf where the reference
+// is finite (or the reverse), an element past the absolute limit, its [Dc] vector's relative L2
+// error past the rel_l2 limit, or its lse past the lse limit. The worst element's (row, head) when
+// no single one does (the failure is then in the aggregate).
 std::pair<int, int> first_divergent_row_head(const TensorShape3& shape, const Operands& operands,
                                              const ComparisonMetrics& metrics,
                                              const ComparisonLimits& limits) {
-  const double threshold = limits.max_abs_over_ref_max
+  constexpr double kNoLimit = std::numeric_limits<double>::infinity();
+  const double abs_limit = limits.max_abs_over_ref_max
                                ? *limits.max_abs_over_ref_max * metrics.reference_max_abs
-                               : std::numeric_limits<double>::infinity();
+                               : kNoLimit;
+  const double rel_l2_limit = limits.rel_l2.value_or(kNoLimit);
+  const double lse_limit = limits.lse_max_abs.value_or(kNoLimit);
+  const bool has_lse = !operands.reference_lse.empty() && !operands.candidate_lse.empty();
   for (int row = 0; row < shape.rows; ++row) {
     for (int head = 0; head < shape.heads; ++head) {
-      const std::size_t base = (static_cast<std::size_t>(row) * shape.heads + head) * shape.dims;
+      const std::size_t index = static_cast<std::size_t>(row) * shape.heads + head;
+      const std::size_t base = index * shape.dims;
+      double diff_sq = 0.0;
+      double ref_sq = 0.0;
       for (int d = 0; d < shape.dims; ++d) {
         const double a = operands.reference_out[base + d];
         const double b = operands.candidate_out[base + d];
         if (std::isfinite(a) != std::isfinite(b)) return {row, head};
-        if (std::isfinite(a) && std::abs(a - b) > threshold) return {row, head};
+        if (!std::isfinite(a)) continue;
+        if (std::abs(a - b) > abs_limit) return {row, head};
+        diff_sq += (a - b) * (a - b);
+        ref_sq += a * a;
+      }
+      if (ref_sq > 0.0 && std::sqrt(diff_sq / ref_sq) > rel_l2_limit) return {row, head};
+      if (has_lse) {
+        const double a = operands.reference_lse[index];
+        const double b = operands.candidate_lse[index];
+        if (std::isfinite(a) != std::isfinite(b)) return {row, head};
+        if (std::isfinite(a) && std::abs(a - b) > lse_limit) return {row, head};
       }
     }
   }

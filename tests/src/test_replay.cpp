@@ -520,3 +520,42 @@ TEST_CASE("without kv_source, steps whose tokens were all written are measured a
 }
 
 }  // namespace kvaudit
+
+namespace kvaudit {
+
+TEST_CASE("first divergence names the earliest step and its first failing row and head",
+          "[replay]") {
+  TinySpec spec;
+  spec.heads = 3;
+  TinyDump dump = make_tiny_dump(spec);
+  for (std::size_t s = 0; s < dump.steps.size(); ++s) plant_outputs(dump, s, 0, Fault::kNone);
+  const int heads = spec.heads;
+  const int dc = spec.dc;
+  auto head_values = [&](std::size_t s, int row, int head) {
+    return dump.tensors[s][0].out->data() + (static_cast<std::size_t>(row) * heads + head) * dc;
+  };
+  // S002: request 1's decode row (row 1), head 2 is 25% too large in every element.
+  for (int d = 0; d < dc; ++d) head_values(2, 1, 2)[d] *= 1.25f;
+  const ReplayOutcome later_only = replay_tiny(dump, "divergence_scaled", nullptr);
+  REQUIRE(later_only.first_divergence.has_value());
+  CHECK(later_only.first_divergence->step == 2);
+  CHECK(later_only.first_divergence->layer_id == 0);
+  CHECK(later_only.first_divergence->request == 1);
+  CHECK(later_only.first_divergence->row == 1);
+  CHECK(later_only.first_divergence->head == 2);
+  const ComparisonResult* scaled = find_comparison(later_only.run, 2, 0, Comparison::kCaptured);
+  REQUIRE(scaled != nullptr);
+  CHECK(scaled->worst_request == 1);
+
+  // An earlier NaN (S001, row 0, head 1, one element) takes precedence.
+  head_values(1, 0, 1)[5] = std::nanf("");
+  const ReplayOutcome with_nan = replay_tiny(dump, "divergence_nan", nullptr);
+  REQUIRE(with_nan.first_divergence.has_value());
+  CHECK(with_nan.first_divergence->step == 1);
+  CHECK(with_nan.first_divergence->request == 0);
+  CHECK(with_nan.first_divergence->row == 0);
+  CHECK(with_nan.first_divergence->head == 1);
+  CHECK(failing_comparisons(with_nan.run).size() == 2);
+}
+
+}  // namespace kvaudit
