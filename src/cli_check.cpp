@@ -15,6 +15,7 @@
 
 #include "src/backend.hpp"
 #include "src/cli.hpp"
+#include "src/injection.hpp"
 #include "src/kvdump.hpp"
 #include "src/policy.hpp"
 #include "src/replay.hpp"
@@ -28,6 +29,7 @@ namespace {
 struct CheckOptions {
   std::string dump;
   std::string backend = "cpu-fp8";
+  std::string inject;
   std::string layers;
   std::string steps;
   std::string policy_file;
@@ -146,9 +148,13 @@ int run_check(const CheckOptions& options) {
   replay.progress = options.progress || isatty(STDERR_FILENO) != 0;
 
   std::unique_ptr<Backend> backend;
+  if (options.backend == "none" && !options.inject.empty()) {
+    return report_error(bad_input("--inject", "needs a backend (--backend none runs none)"));
+  }
   if (options.backend != "none") {
     BackendOptions backend_options;
     backend_options.threads = options.threads;
+    backend_options.injection = options.inject;
     auto made = make_backend(options.backend, backend_options);
     if (!made.ok()) return report_error(made.error());
     backend = std::move(made.value());
@@ -236,6 +242,13 @@ void register_check_command(CLI::App& app, CommandRunner& runner) {
                   "Backend under test: " + backends +
                       "or none (compare only the captured outputs and pools)")
       ->capture_default_str();
+  std::string injections;
+  for (const InjectionInfo& info : injection_table()) {
+    injections += std::string(injections.empty() ? "" : ", ") + info.name;
+  }
+  cmd->add_option("--inject", options->inject,
+                  "Fault injection into the backend, a mutation test of the harness: " +
+                      injections + " (each names the check meant to catch it)");
   cmd->add_option("--layers", options->layers,
                   "Layer ids to replay (the model's layer_id, e.g. 0,1,77 or 0-3); default all");
   cmd->add_option("--steps", options->steps,
