@@ -1,13 +1,12 @@
 // Double-double arithmetic for the CPU reference: a value is the unevaluated sum hi + lo of two
 // doubles (|lo| <= ulp(hi) / 2 once normalised), about 106 significant bits.
 //
-// Error-free transformations (Knuth TwoSum, Dekker TwoProd with Veltkamp splitting; the fused
-// multiply-add form where the target has FMA) give the exact rounding error of one double
-// operation as another double. On top of them, each operation below has a relative error of a few
-// units of 2^-104 (Joldes, Muller, Popescu, "Tight and rigorous error bounds for basic building
-// blocks of double-word arithmetic", 2017: add <= 3u^2, mul by double <= 2u^2, mul <= 5u^2,
-// div <= 15u^2 for these algorithms, u = 2^-53), i.e. relative ~1e-31: far below the reference's
-// 1e-15 target, which is what lets it be both exact to double precision and fast.
+// Error-free transformations (Knuth TwoSum; TwoProd by fused multiply-add) give the exact
+// rounding error of one double operation as another double. On top of them, each operation below
+// has a relative error of a few units of 2^-104 (Joldes, Muller, Popescu, "Tight and rigorous error
+// bounds for basic building blocks of double-word arithmetic", 2017: add <= 3u^2, mul by double <=
+// 2u^2, mul <= 5u^2, div <= 15u^2 for these algorithms, u = 2^-53), i.e. relative ~1e-31: far below
+// the reference's 1e-15 target, which is what lets it be both exact to double precision and fast.
 //
 // exp and log are computed to ~1e-30 relative (exp) and ~1e-31 absolute (log near 1):
 //   exp(x) = 2^k * exp(r),  k = round(x / ln2),  r = x - k ln2  (|r| <= ln2 / 2),
@@ -20,7 +19,18 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
+
+// Forced inlining puts exp's body into its callers, including function-multiversioned clones
+// compiled for other targets (references/mla_reference.cpp), where two_prod's std::fma then
+// becomes one instruction.
+#if defined(__GNUC__)
+#define KVAUDIT_DD_INLINE inline __attribute__((always_inline))
+#else
+#define KVAUDIT_DD_INLINE inline
+#endif
 
 namespace kvaudit::dd {
 
@@ -44,27 +54,25 @@ inline DoubleDouble fast_two_sum(double a, double b) {
   return {s, e};
 }
 
-// a == hi + lo with hi and lo each holding at most 26 significant bits, so that the product of
-// either with a float (24 bits) is exact in a double (<= 50 bits). 134217729 = 2^27 + 1.
-inline void split(double a, double& hi, double& lo) {
-  constexpr double kSplitter = 134217729.0;
-  const double t = kSplitter * a;
-  hi = t - (t - a);
+// a == hi + lo with hi = a truncated to 26 significant bits (the low 27 stored bits cleared) and
+// lo = a - hi (exact, <= 27 significant bits): products of either with a float are exact in a
+// double (<= 51 bits). It has no multiplication, so it stays exact when a compiler contracts
+// expressions into fused multiply-adds.
+inline void split_truncate(double a, double& hi, double& lo) {
+  std::uint64_t bits;
+  std::memcpy(&bits, &a, sizeof bits);
+  bits &= ~((std::uint64_t{1} << 27) - 1);
+  std::memcpy(&hi, &bits, sizeof hi);
   lo = a - hi;
 }
 
-// p + e == a * b exactly (barring overflow/underflow).
+// p + e == a * b exactly (barring overflow/underflow): the fused multiply-add's single rounding
+// makes a * b - p exact. std::fma is correctly rounded everywhere (an instruction on FMA targets,
+// glibc's hardware or software routine otherwise); unlike Dekker's splitting, it stays exact when
+// the compiler contracts other expressions into FMAs.
 inline DoubleDouble two_prod(double a, double b) {
   const double p = a * b;
-#if defined(__FMA__)
   return {p, std::fma(a, b, -p)};
-#else
-  double ah, al, bh, bl;
-  split(a, ah, al);
-  split(b, bh, bl);
-  const double e = ((ah * bh - p) + ah * bl + al * bh) + al * bl;
-  return {p, e};
-#endif
 }
 
 inline DoubleDouble neg(DoubleDouble a) { return {-a.hi, -a.lo}; }
@@ -115,7 +123,7 @@ inline double to_double(DoubleDouble a) { return a.hi + a.lo; }
 // in tests/references/test_mla_reference.cpp).
 inline constexpr DoubleDouble kLn2{0.6931471805599453094, 2.319046813846299558e-17};
 
-inline DoubleDouble exp(DoubleDouble x) {
+KVAUDIT_DD_INLINE DoubleDouble exp(DoubleDouble x) {
   if (std::isnan(x.hi)) return {x.hi, 0.0};
   if (x.hi > 709.78) return {std::numeric_limits<double>::infinity(), 0.0};
   if (x.hi < -745.2) return {0.0, 0.0};  // below half the smallest subnormal

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <thread>
@@ -232,34 +233,87 @@ class NaiveKernel {
   std::vector<Acc> acc_;
 };
 
+// The hot functions are compiled twice on x86-64 Linux (GCC function multi-versioning: the loader
+// picks the x86-64-v3 clone, AVX2 + FMA, where the CPU has it) and once elsewhere. Contraction
+// into FMAs there is harmless: the products in the loops are exact, double_double.hpp's
+// algorithms stay error-free under it, and the inexact products (e.lo * c and the like, 2^-106
+// relative) may only round differently between clones, far below the final rounding to double.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define KVAUDIT_REFERENCE_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define KVAUDIT_REFERENCE_CLONES
+#endif
+
 // sum_j q_j v_j with each product exact in binary64 (float * float) and the sum compensated:
 // kLanes independent TwoSum accumulators (their error terms summed in plain double: error
 // <= n u^2 sum_j |q_j v_j|, u = 2^-53), combined in double-double.
+KVAUDIT_REFERENCE_CLONES
 dd::DoubleDouble compensated_dot(const double* q, const float* v, int n) {
+  // Two 4-lane vectors of accumulators (GCC/Clang vector extensions: AVX registers in the x86-64-v3
+  // clone, SSE pairs otherwise). Lane k holds the elements j = k mod 8.
+  using Double4 = double __attribute__((vector_size(32)));
+  using Float4 = float __attribute__((vector_size(16)));
   constexpr int kLanes = 8;
-  double hi[kLanes] = {};
-  double lo[kLanes] = {};
+  Double4 hi[2] = {};
+  Double4 lo[2] = {};
   int j = 0;
   for (; j + kLanes <= n; j += kLanes) {
-    for (int k = 0; k < kLanes; ++k) {
-      const double prod = q[j + k] * static_cast<double>(v[j + k]);
-      const double s = hi[k] + prod;
-      const double bb = s - hi[k];
-      lo[k] += (hi[k] - (s - bb)) + (prod - bb);
-      hi[k] = s;
+    for (int h = 0; h < 2; ++h) {
+      Double4 qv;
+      Float4 vv;
+      std::memcpy(&qv, q + j + 4 * h, sizeof qv);
+      std::memcpy(&vv, v + j + 4 * h, sizeof vv);
+      const Double4 prod = qv * __builtin_convertvector(vv, Double4);
+      const Double4 s = hi[h] + prod;
+      const Double4 bb = s - hi[h];
+      lo[h] += (hi[h] - (s - bb)) + (prod - bb);
+      hi[h] = s;
     }
   }
+  double tail_hi = 0.0;
+  double tail_lo = 0.0;
   for (; j < n; ++j) {
     const double prod = q[j] * static_cast<double>(v[j]);
-    const double s = hi[0] + prod;
-    const double bb = s - hi[0];
-    lo[0] += (hi[0] - (s - bb)) + (prod - bb);
-    hi[0] = s;
+    const double s = tail_hi + prod;
+    const double bb = s - tail_hi;
+    tail_lo += (tail_hi - (s - bb)) + (prod - bb);
+    tail_hi = s;
   }
-  dd::DoubleDouble sum{0.0, 0.0};
-  for (int k = 0; k < kLanes; ++k) sum = dd::add(sum, dd::two_sum(hi[k], lo[k]));
+  dd::DoubleDouble sum = dd::two_sum(tail_hi, tail_lo);
+  for (int h = 0; h < 2; ++h) {
+    for (int k = 0; k < 4; ++k) sum = dd::add(sum, dd::two_sum(hi[h][k], lo[h][k]));
+  }
   return sum;
 }
+
+// acc += e * v over v's first n elements (e double-double, v floats), acc as (hi, lo) arrays.
+// e.hi = h1 + h2 with <= 26 and <= 27 significant bits: h1 * c and h2 * c are exact (c is a
+// float), and are added with TwoSum; e.lo * c is 2^-53 smaller, so its rounding is below 2^-106.
+KVAUDIT_REFERENCE_CLONES
+void accumulate_weighted_row(dd::DoubleDouble e, const float* v, int n, double* acc_hi,
+                             double* acc_lo) {
+  double h1, h2;
+  dd::split_truncate(e.hi, h1, h2);
+  const double el = e.lo;
+  for (int d = 0; d < n; ++d) {
+    const double c = v[d];
+    const double p1 = h1 * c;
+    const double p2 = h2 * c;
+    const double s1 = acc_hi[d] + p1;
+    double bb = s1 - acc_hi[d];
+    const double e1 = (acc_hi[d] - (s1 - bb)) + (p1 - bb);
+    const double s2 = s1 + p2;
+    bb = s2 - s1;
+    const double e2 = (s1 - (s2 - bb)) + (p2 - bb);
+    acc_hi[d] = s2;
+    acc_lo[d] += (e1 + e2) + el * c;
+  }
+}
+
+// exp in double-double (references/double_double.hpp), cloned so that its two_prod calls become
+// fused multiply-add instructions where the CPU has them.
+KVAUDIT_REFERENCE_CLONES
+dd::DoubleDouble weight_exp(dd::DoubleDouble x) { return dd::exp(x); }
 
 // The default: double-double with exact products (see mla_reference.hpp).
 class DoubleDoubleKernel {
@@ -296,27 +350,9 @@ class DoubleDoubleKernel {
     double* acc_lo = acc_lo_.data();
     dd::DoubleDouble l{0.0, 0.0};
     for (std::int64_t t = 0; t < n; ++t) {
-      const dd::DoubleDouble e = dd::exp(dd::add(s_[t], -m));
+      const dd::DoubleDouble e = weight_exp(dd::add(s_[t], -m));
       l = dd::add(l, e);
-      // e.hi = h1 + h2 with <= 26 bits each: h1 * c and h2 * c are exact (c is a float), and are
-      // added with TwoSum; e.lo * c is 2^-53 smaller, so its rounding is below 2^-106.
-      double h1, h2;
-      dd::split(e.hi, h1, h2);
-      const double el = e.lo;
-      const float* v = rows[t];
-      for (int d = 0; d < dc; ++d) {
-        const double c = v[d];
-        const double p1 = h1 * c;
-        const double p2 = h2 * c;
-        const double s1 = acc_hi[d] + p1;
-        double bb = s1 - acc_hi[d];
-        const double e1 = (acc_hi[d] - (s1 - bb)) + (p1 - bb);
-        const double s2 = s1 + p2;
-        bb = s2 - s1;
-        const double e2 = (s1 - (s2 - bb)) + (p2 - bb);
-        acc_hi[d] = s2;
-        acc_lo[d] += (e1 + e2) + el * c;
-      }
+      accumulate_weighted_row(e, rows[t], dc, acc_hi, acc_lo);
     }
     double* out = p_.out_of(row, head);
     for (int d = 0; d < dc; ++d) {
