@@ -201,7 +201,11 @@ class TileWorker {
       p[t] = std::exp2(s[t] - m_new);
       tile_sum += p[t];
     }
-    l_[h] = l_[h] * alpha + tile_sum;
+    // Two roundings (product, then sum) as the model states. The project builds for baseline
+    // x86-64, which has no FMA, so the compiler cannot fuse them; every other product here is
+    // exact, where fusing would not change a bit anyway.
+    const float l_scaled = l_[h] * alpha;
+    l_[h] = l_scaled + tile_sum;
     float* acc = acc_.data() + static_cast<std::size_t>(h) * dc;
     for (int d = 0; d < dc; ++d) acc[d] *= alpha;
     for (int t = 0; t < n; ++t) {

@@ -431,6 +431,34 @@ TEST_CASE("KvRows decode codes exactly and keep kv_scale apart", "[reference]") 
   CHECK(bfr.row(0)[1] == -10.0f);
 }
 
+TEST_CASE("KvRows from source values, and the slots a step sees", "[reference]") {
+  const std::vector<float> values = {1.0f, 2.0f, 3.0f, -4.0f, 5.5f, 6.0f};  // [3, 2]
+  const KvRows rows = KvRows::from_values(values, 2, 0.5);
+  CHECK(rows.num_slots() == 3);
+  CHECK(rows.scale() == 0.5);
+  REQUIRE(rows.row(1) != nullptr);
+  CHECK(rows.row(1)[1] == -4.0f);
+  CHECK(rows.row(3) == nullptr);
+  CHECK(rows.row(-1) == nullptr);
+
+  // Page 2: request 0 has pages {3, 0} and 3 tokens (slots 6, 7, 0), one row; request 1 has page
+  // 1 but no rows (skipped); request 2 has page 2, 1 token (slot 4), one row.
+  StepMeta step;
+  step.group = "S000";
+  step.qo_indptr = {0, 1, 1, 2};
+  step.kv_indptr = {0, 2, 3, 4};
+  step.kv_indices = {3, 0, 1, 2};
+  step.kv_last_page_len = {1, 2, 1};
+  step.new_kv_slots = {0, 4};
+  CHECK(check_step_indices(step, 2, 8).ok());
+  CHECK(visible_slots(step, 2) == std::vector<std::int64_t>{0, 4, 6, 7});
+  CHECK(!check_step_indices(step, 2, 6).ok());  // page 3 is outside a 6-slot pool
+  StepMeta too_many_rows = step;
+  too_many_rows.qo_indptr = {0, 4, 4, 5};
+  too_many_rows.new_kv_slots = {0, 0, 0, 0, 4};
+  CHECK(!check_step_indices(too_many_rows, 2, 8).ok());  // 4 rows, 3 tokens
+}
+
 TEST_CASE("reference refuses inconsistent sizes and indices", "[reference]") {
   const MlaCase c = make_mla_case(MlaCaseSpec{});
   const KvPool pool = c.written_pool();
