@@ -371,7 +371,7 @@ class Validator {
                                                const std::string& name) const {
     auto desc = describe(group, group_path, name);
     if (!desc.ok()) return desc.error();
-    if (desc->element == ElementClass::kOther) {
+    if (desc->element == ElementClass::kOther || desc->element == ElementClass::kFloat32) {
       return bad(desc->path, "element type " + desc->type_text + "; expected int32");
     }
     if (desc->dtype && desc->element != ElementClass::kOtherInteger) {

@@ -8,7 +8,7 @@
 // Stored types: bfloat16 tensors as H5T_STD_U16LE bits + dtype="bfloat16" (float inputs rounded
 // to nearest-even, exact for bf16 values); the fp8 pool as H5T_STD_U8LE codes +
 // dtype="float8_e4m3fn"; lse as H5T_IEEE_F32LE; indices as H5T_STD_I32LE; strings as
-// variable-length UTF-8 scalars.
+// fixed-length NUL-padded UTF-8 scalars.
 //
 // The output is deterministic: no object timestamps (H5Pset_obj_track_times false), contiguous
 // storage, fixed object order and the 1.8 file-format objects (H5F_LIBVER_V18), whose metadata
@@ -93,15 +93,19 @@ struct DumpWriter::Impl {
     return ok_status();
   }
 
+  // Fixed-length, NUL-padded UTF-8. Variable-length strings would live in a global heap, the one
+  // HDF5 metadata structure without a checksum; HDF5 1.10 crashes (H5HG_read) on a damaged one, so
+  // kvaudit's own files avoid it and every metadata byte stays checksummed.
   Status write_string(hid_t object, const std::string& path, const char* name,
                       const std::string& value) const {
+    std::string stored = value.empty() ? std::string(1, '\0') : value;
     h5::Type type(H5Tcopy(H5T_C_S1));
-    if (!type || H5Tset_size(type.get(), H5T_VARIABLE) < 0 ||
+    if (!type || H5Tset_size(type.get(), stored.size()) < 0 ||
+        H5Tset_strpad(type.get(), H5T_STR_NULLPAD) < 0 ||
         H5Tset_cset(type.get(), H5T_CSET_UTF8) < 0) {
       return fail(path, "cannot make a string type");
     }
-    const char* text = value.c_str();
-    return write_attribute(object, path, name, type.get(), type.get(), &text);
+    return write_attribute(object, path, name, type.get(), type.get(), stored.data());
   }
 
   Status write_int(hid_t object, const std::string& path, const char* name,
