@@ -535,8 +535,8 @@ Result<DumpAttributes> read_root_attributes(const Validator& v, hid_t root, int*
 
 // ---- index rules (kvdump-v1 "Semantics" and "Errors") -------------------------------------------
 
-Status check_step_indices(const StepMeta& step, std::int64_t num_pages, int page_size,
-                          const std::string& where) {
+Status validate_step_indices(const StepMeta& step, std::int64_t num_pages, int page_size,
+                             const std::string& where) {
   auto at = [&](const char* name) { return where + "/" + name; };
   const auto& qo = step.qo_indptr;
   const auto& kv = step.kv_indptr;
@@ -792,8 +792,8 @@ Status validate_step(const Validator& v, hid_t steps, const std::string& name,
     if (!values.ok()) return values.error();
     *index.values = std::move(*values);
   }
-  KVAUDIT_TRY(
-      check_step_indices(*step, layout.num_pages, layout.attrs.page_size, v.file() + ":" + path));
+  KVAUDIT_TRY(validate_step_indices(*step, layout.num_pages, layout.attrs.page_size,
+                                    v.file() + ":" + path));
 
   // Member groups: each must be one of the layers under /layers; every layer must be present.
   auto names = link_names(v, group.get(), path);

@@ -290,7 +290,7 @@ Status DumpWriter::write_step(const StepMeta& step) {
   }
   // Refuse to write a step the reader would refuse.
   const Status indices =
-      check_step_indices(step, w.num_pages, w.attrs.page_size, w.file_text + ":" + path);
+      validate_step_indices(step, w.num_pages, w.attrs.page_size, w.file_text + ":" + path);
   if (!indices.ok()) {
     Error error = indices.error();
     error.kind = ErrorKind::kInternal;
