@@ -56,8 +56,8 @@ LaunchShape launch_shape(const MlaAttentionProblem& problem) {
   const int heads_per_block = 16 * shape.m_tiles;
   shape.head_blocks = (problem.num_heads + heads_per_block - 1) / heads_per_block;
   const long long base = static_cast<long long>(problem.num_rows) * shape.head_blocks;
-  const int max_tiles = std::max(1, (problem.max_kv_len + mla::kKvTileTokens - 1) /
-                                        mla::kKvTileTokens);
+  const int max_tiles =
+      std::max(1, (problem.max_kv_len + mla::kKvTileTokens - 1) / mla::kKvTileTokens);
   const int sms = device_multiprocessors();
   if (base <= 0 || base >= sms) return shape;
   const int max_splits = std::max(1, std::min(max_tiles / 2, 2 * sms));
@@ -77,10 +77,10 @@ LaunchShape launch_shape(const MlaAttentionProblem& problem) {
 
 Status check_problem(const MlaAttentionProblem& problem) {
   if (problem.kv_lora_rank != mla::kKvLoraRank || problem.qk_rope_head_dim != mla::kQkRopeHeadDim) {
-    return unsupported(kWhere, "MLA shape kv_lora_rank=" + std::to_string(problem.kv_lora_rank) +
-                                   ", qk_rope_head_dim=" +
-                                   std::to_string(problem.qk_rope_head_dim) +
-                                   " (the CUDA kernels support 512 + 64 only)");
+    return unsupported(kWhere,
+                       "MLA shape kv_lora_rank=" + std::to_string(problem.kv_lora_rank) +
+                           ", qk_rope_head_dim=" + std::to_string(problem.qk_rope_head_dim) +
+                           " (the CUDA kernels support 512 + 64 only)");
   }
   if (problem.num_heads < 1 || problem.num_heads > 128) {
     return unsupported(kWhere, "num_heads=" + std::to_string(problem.num_heads) +
@@ -89,8 +89,7 @@ Status check_problem(const MlaAttentionProblem& problem) {
   if (problem.page_size < 1) {
     return unsupported(kWhere, "page_size=" + std::to_string(problem.page_size));
   }
-  if (problem.num_slots < 0 ||
-      problem.num_slots > static_cast<std::int64_t>(0x7FFFFFFF)) {
+  if (problem.num_slots < 0 || problem.num_slots > static_cast<std::int64_t>(0x7FFFFFFF)) {
     return unsupported(kWhere, "num_slots=" + std::to_string(problem.num_slots) +
                                    " (slots are 32-bit in the CUDA kernels)");
   }
@@ -101,6 +100,7 @@ Status check_problem(const MlaAttentionProblem& problem) {
 }
 
 float score_scale_of(const MlaAttentionProblem& problem) {
+  if (problem.score_scale != 0.f) return problem.score_scale;
   return static_cast<float>(static_cast<double>(problem.sm_scale) *
                             static_cast<double>(problem.kv_scale) * mla::kLog2e);
 }
@@ -166,8 +166,8 @@ Status launch_mla_attention(const MlaAttentionProblem& problem, void* workspace,
     params.partial_lse = params.partial_out + partial_rows * mla::kKvLoraRank;
   }
 
-  const long long blocks = static_cast<long long>(problem.num_rows) * shape.head_blocks *
-                           shape.num_splits;
+  const long long blocks =
+      static_cast<long long>(problem.num_rows) * shape.head_blocks * shape.num_splits;
   if (blocks > 0x7FFFFFFFLL) {
     return unsupported(kWhere, "grid of " + std::to_string(blocks) + " blocks");
   }

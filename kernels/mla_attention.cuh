@@ -46,6 +46,7 @@
 
 #include <cstdint>
 
+#include "kernels/fp8_e4m3_device.cuh"
 #include "kernels/mla_attention_model.hpp"
 
 namespace kvaudit::cuda::detail {
@@ -53,14 +54,14 @@ namespace kvaudit::cuda::detail {
 inline constexpr int kThreads = 256;  // 8 warps per block
 inline constexpr int kWarps = kThreads / 32;
 inline constexpr int kTile = mla::kKvTileTokens;  // 64
-inline constexpr int kDc = mla::kKvLoraRank;       // 512
-inline constexpr int kDr = mla::kQkRopeHeadDim;    // 64
-inline constexpr int kD = mla::kRowWidth;          // 576
+inline constexpr int kDc = mla::kKvLoraRank;      // 512
+inline constexpr int kDr = mla::kQkRopeHeadDim;   // 64
+inline constexpr int kD = mla::kRowWidth;         // 576
 // bf16 rows in shared memory are padded by 16 bytes: 1168 bytes = 292 words, 292 mod 32 = 4, so
 // the 8 rows one ldmatrix phase reads start in 8 different 4-bank groups (no bank conflicts).
-inline constexpr int kSmemRow = kD + 8;           // bf16 elements per shared row
-inline constexpr int kPRow = kTile + 8;           // bf16 elements per row of P (144 bytes)
-inline constexpr int kFp8RowVectors = kD / 16;    // 36 16-byte vectors per FP8 row
+inline constexpr int kSmemRow = kD + 8;              // bf16 elements per shared row
+inline constexpr int kPRow = kTile + 8;              // bf16 elements per row of P (144 bytes)
+inline constexpr int kFp8RowVectors = kD / 16;       // 36 16-byte vectors per FP8 row
 inline constexpr int kBf16RowVectors = kD * 2 / 16;  // 72 per bf16 row
 
 struct MlaAttentionParams {
@@ -144,28 +145,6 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const std::uint32_
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Two e4m3 codes (low byte first) -> two bf16 (low half first), exactly: e4m3 -> f16 is exact
-// (cvt.rn.f16x2.e4m3x2), f16 -> f32 exact, and every e4m3 value is a bf16 value, so the final
-// rounding is exact too. NaN codes stay NaN.
-__device__ __forceinline__ std::uint32_t e4m3x2_to_bf16x2(std::uint16_t codes) {
-  std::uint32_t halves;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(halves) : "h"(codes));
-  float lo, hi;
-  asm("{ .reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;\n}\n"
-      : "=f"(lo), "=f"(hi)
-      : "r"(halves));
-  std::uint32_t out;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(out) : "f"(hi), "f"(lo));
-  return out;
-}
-
-__device__ __forceinline__ uint4 e4m3x4_to_bf16x4(std::uint32_t codes) {
-  uint4 r;
-  r.x = e4m3x2_to_bf16x2(static_cast<std::uint16_t>(codes & 0xFFFF));
-  r.y = e4m3x2_to_bf16x2(static_cast<std::uint16_t>(codes >> 16));
-  return r;
-}
-
 __device__ __forceinline__ std::uint32_t pack_bf16x2(float lo, float hi) {
   std::uint32_t out;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(out) : "f"(hi), "f"(lo));
@@ -174,20 +153,19 @@ __device__ __forceinline__ std::uint32_t pack_bf16x2(float lo, float hi) {
 
 // ---- KV write and pool cast -------------------------------------------------------------------
 
-// pool[slots[i], c] = e4m3_rne_satfinite(fp32(new_kv[i, c]) / kv_scale): one IEEE fp32 division
-// (nvcc's default -prec-div=true), then cvt.rn.satfinite.e4m3x2.f32, as kvdump_quantize.
+// pool[slots[i], c] = kvdump_quantize_device(new_kv[i, c], kv_scale).
 __global__ void kv_write_fp8_kernel(const std::uint16_t* __restrict__ new_kv,
                                     const std::int32_t* __restrict__ slots, int num_rows,
-                                    int row_width, float kv_scale, std::uint8_t* __restrict__ pool) {
+                                    int row_width, float kv_scale,
+                                    std::uint8_t* __restrict__ pool) {
   const std::int64_t total = static_cast<std::int64_t>(num_rows) * row_width;
-  for (std::int64_t e = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
-       e < total; e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+  for (std::int64_t e = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
     const std::int64_t row = e / row_width;
     const int col = static_cast<int>(e - row * row_width);
     const float value = __uint_as_float(static_cast<std::uint32_t>(new_kv[e]) << 16);
-    const float quotient = __fdiv_rn(value, kv_scale);
-    const __nv_fp8_storage_t code = __nv_cvt_float_to_fp8(quotient, __NV_SATFINITE, __NV_E4M3);
-    pool[static_cast<std::int64_t>(slots[row]) * row_width + col] = code;
+    pool[static_cast<std::int64_t>(slots[row]) * row_width + col] =
+        kvdump_quantize_device(value, kv_scale);
   }
 }
 
@@ -195,8 +173,8 @@ __global__ void kv_write_bf16_kernel(const std::uint16_t* __restrict__ new_kv,
                                      const std::int32_t* __restrict__ slots, int num_rows,
                                      int row_width, std::uint16_t* __restrict__ pool) {
   const std::int64_t total = static_cast<std::int64_t>(num_rows) * row_width;
-  for (std::int64_t e = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
-       e < total; e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+  for (std::int64_t e = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
     const std::int64_t row = e / row_width;
     const int col = static_cast<int>(e - row * row_width);
     pool[static_cast<std::int64_t>(slots[row]) * row_width + col] = new_kv[e];
@@ -211,11 +189,11 @@ __global__ void cast_pool_kernel(const std::uint8_t* __restrict__ pool, std::int
   for (std::int64_t v = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
        v < vectors; v += stride) {
     const std::uint32_t codes = reinterpret_cast<const std::uint32_t*>(pool)[v];
-    const uint4 r = e4m3x4_to_bf16x4(codes);
+    const uint2 r = e4m3x4_to_bf16x4(codes);
     reinterpret_cast<uint2*>(pool_bf16)[v] = make_uint2(r.x, r.y);
   }
-  for (std::int64_t e = vectors * 4 + blockIdx.x * static_cast<std::int64_t>(blockDim.x) +
-                        threadIdx.x;
+  for (std::int64_t e =
+           vectors * 4 + blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
        e < num_elements; e += stride) {
     pool_bf16[e] = static_cast<std::uint16_t>(e4m3x2_to_bf16x2(pool[e]) & 0xFFFF);
   }
@@ -263,9 +241,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     mla_attention_kernel(const __grid_constant__ MlaAttentionParams p) {
   using Layout = MlaSmemLayout<kMTiles, kBf16Pool>;
   constexpr int kRows = Layout::kRows;
-  constexpr int kWn = Layout::kWarpsPerMTile;     // warps sharing one m16 tile
-  constexpr int kQkTiles = kTile / 8 / kWn;       // n8 token tiles per warp in Q.K^T
-  constexpr int kPvTiles = kDc / 8 / kWn;         // n8 dim tiles per warp in P.V
+  constexpr int kWn = Layout::kWarpsPerMTile;  // warps sharing one m16 tile
+  constexpr int kQkTiles = kTile / 8 / kWn;    // n8 token tiles per warp in Q.K^T
+  constexpr int kPvTiles = kDc / 8 / kWn;      // n8 dim tiles per warp in P.V
   constexpr int kStages = Layout::kStages;
   static_assert(kQkTiles >= 1 && kPvTiles % 2 == 0, "warp tiling");
 
@@ -383,8 +361,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         uint4 lo = make_uint4(0, 0, 0, 0), hi = make_uint4(0, 0, 0, 0);
         if (token < valid) {
           const uint4 codes = *reinterpret_cast<const uint4*>(stage + token * kD + chunk * 16);
-          const uint4 a = e4m3x4_to_bf16x4(codes.x), b = e4m3x4_to_bf16x4(codes.y);
-          const uint4 c = e4m3x4_to_bf16x4(codes.z), d = e4m3x4_to_bf16x4(codes.w);
+          const uint2 a = e4m3x4_to_bf16x4(codes.x), b = e4m3x4_to_bf16x4(codes.y);
+          const uint2 c = e4m3x4_to_bf16x4(codes.z), d = e4m3x4_to_bf16x4(codes.w);
           lo = make_uint4(a.x, a.y, b.x, b.y);
           hi = make_uint4(c.x, c.y, d.x, d.y);
         }
@@ -401,8 +379,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         uint4* dst = reinterpret_cast<uint4*>(kv_s + token * kSmemRow + chunk * 8);
         if (token < valid) {
           const std::int32_t slot = slot_of(p, range, tile * kTile + token);
-          cp_async_16(smem_address(dst), p.pool + (static_cast<std::int64_t>(slot) * kD) * 2 +
-                                             chunk * 16);
+          cp_async_16(smem_address(dst),
+                      p.pool + (static_cast<std::int64_t>(slot) * kD) * 2 + chunk * 16);
         } else {
           *dst = make_uint4(0, 0, 0, 0);
         }
@@ -546,7 +524,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         *reinterpret_cast<std::uint32_t*>(out + j * 8) =
             pack_bf16x2(acc[j][2 * h] * factor, acc[j][2 * h + 1] * factor);
       }
-      if (wn == 0 && quad == 0) p.lse[out_row] = (m_run[h] + log2f(l_run[h])) * 0.69314718055994531f;
+      if (wn == 0 && quad == 0)
+        p.lse[out_row] = (m_run[h] + log2f(l_run[h])) * 0.69314718055994531f;
     } else {
       const float inverse = 1.f / l_run[h];
       const std::int64_t part_row =
@@ -591,9 +570,8 @@ __global__ void mla_merge_kernel(const __grid_constant__ MlaAttentionParams p) {
   }
   const float factor = p.kv_scale / weight_sum;
   std::uint16_t* out = p.out + row_head * kDc + dim;
-  *reinterpret_cast<uint2*>(out) =
-      make_uint2(pack_bf16x2(sum.x * factor, sum.y * factor),
-                 pack_bf16x2(sum.z * factor, sum.w * factor));
+  *reinterpret_cast<uint2*>(out) = make_uint2(pack_bf16x2(sum.x * factor, sum.y * factor),
+                                              pack_bf16x2(sum.z * factor, sum.w * factor));
   if (threadIdx.x == 0) p.lse[row_head] = (lse_max + log2f(weight_sum)) * 0.69314718055994531f;
 }
 

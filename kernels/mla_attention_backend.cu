@@ -146,8 +146,8 @@ Result<AttentionOutput> CudaMlaBackend::run_step(const StepLayerInput& input, Kv
                                   " (the CUDA kernels support 512 + 64 only)");
   }
   if (pool.row_width != width) {
-    return bad_input(where, "pool row width " + std::to_string(pool.row_width) + " != " +
-                                std::to_string(width));
+    return bad_input(
+        where, "pool row width " + std::to_string(pool.row_width) + " != " + std::to_string(width));
   }
   const std::size_t rows_z = static_cast<std::size_t>(rows);
   const std::size_t heads_z = static_cast<std::size_t>(heads);
@@ -185,8 +185,8 @@ Result<AttentionOutput> CudaMlaBackend::run_step(const StepLayerInput& input, Kv
                     n_slots = step.new_kv_slots.size();
   std::vector<std::int32_t> host_indices;
   host_indices.reserve(n_qo + n_kvp + n_idx + n_last + n_slots);
-  for (const auto* v : {&step.qo_indptr, &step.kv_indptr, &step.kv_indices,
-                        &step.kv_last_page_len, &step.new_kv_slots}) {
+  for (const auto* v : {&step.qo_indptr, &step.kv_indptr, &step.kv_indices, &step.kv_last_page_len,
+                        &step.new_kv_slots}) {
     host_indices.insert(host_indices.end(), v->begin(), v->end());
   }
   std::vector<std::uint16_t> host_q = to_bf16_bits(input.tensors.q_nope);
@@ -204,15 +204,15 @@ Result<AttentionOutput> CudaMlaBackend::run_step(const StepLayerInput& input, Kv
   KVAUDIT_TRY(out_.reserve(out_bytes + rows_z * heads_z * 4 + 16, where));
 
   cudaStream_t stream = nullptr;
-  KVAUDIT_TRY(cuda_check(cudaMemcpy(pool_.data(), pool.bytes.data(), pool_bytes,
+  KVAUDIT_TRY(
+      cuda_check(cudaMemcpy(pool_.data(), pool.bytes.data(), pool_bytes, cudaMemcpyHostToDevice),
+                 where, "pool upload"));
+  KVAUDIT_TRY(cuda_check(cudaMemcpy(indices_.data(), host_indices.data(), host_indices.size() * 4,
                                     cudaMemcpyHostToDevice),
-                         where, "pool upload"));
-  KVAUDIT_TRY(cuda_check(cudaMemcpy(indices_.data(), host_indices.data(),
-                                    host_indices.size() * 4, cudaMemcpyHostToDevice),
                          where, "index upload"));
-  KVAUDIT_TRY(cuda_check(
-      cudaMemcpy(q_.data(), host_q.data(), host_q.size() * 2, cudaMemcpyHostToDevice), where,
-      "q upload"));
+  KVAUDIT_TRY(
+      cuda_check(cudaMemcpy(q_.data(), host_q.data(), host_q.size() * 2, cudaMemcpyHostToDevice),
+                 where, "q upload"));
   KVAUDIT_TRY(cuda_check(cudaMemcpy(new_kv_.data(), host_new_kv.data(), host_new_kv.size() * 2,
                                     cudaMemcpyHostToDevice),
                          where, "new_kv upload"));
@@ -241,8 +241,11 @@ Result<AttentionOutput> CudaMlaBackend::run_step(const StepLayerInput& input, Kv
   problem.num_slots = pool.num_slots;
   problem.max_kv_len = max_kv_len;
   problem.sm_scale = static_cast<float>(attrs.sm_scale);
-  problem.kv_scale = injection_ == Injection::kScaleMismatch ? power_of_two_scale(kv_scale)
-                                                             : kv_scale;
+  problem.kv_scale =
+      injection_ == Injection::kScaleMismatch ? power_of_two_scale(kv_scale) : kv_scale;
+  // As the CPU model: the double sm_scale times kv_scale times log2 e, rounded once to fp32.
+  problem.score_scale =
+      static_cast<float>(attrs.sm_scale * static_cast<double>(problem.kv_scale) * mla::kLog2e);
   problem.pool_element = element;
   problem.pool = pool_.data();
   problem.q_nope = q_.as<std::uint16_t>();
@@ -253,8 +256,8 @@ Result<AttentionOutput> CudaMlaBackend::run_step(const StepLayerInput& input, Kv
   const bool cast = fp8_pool && (cast_whole_pool_ || injection_ == Injection::kWholePoolCast);
   if (cast) {
     const std::int64_t elements = pool.num_slots * width;
-    KVAUDIT_TRY(pool_bf16_.reserve(static_cast<std::size_t>(std::max<std::int64_t>(elements, 8)) * 2,
-                                   where));
+    KVAUDIT_TRY(pool_bf16_.reserve(
+        static_cast<std::size_t>(std::max<std::int64_t>(elements, 8)) * 2, where));
     KVAUDIT_TRY(launch_cast_pool_to_bf16(pool_.as<std::uint8_t>(), elements,
                                          pool_bf16_.as<std::uint16_t>(), stream));
     problem.pool_element = PoolElement::kBf16;
@@ -268,15 +271,15 @@ Result<AttentionOutput> CudaMlaBackend::run_step(const StepLayerInput& input, Kv
   AttentionOutput output;
   output.out_bf16.resize(out_elems);
   output.lse.resize(rows_z * heads_z);
-  KVAUDIT_TRY(cuda_check(cudaMemcpy(output.out_bf16.data(), problem.out, out_elems * 2,
-                                    cudaMemcpyDeviceToHost),
-                         where, "out download"));
-  KVAUDIT_TRY(cuda_check(cudaMemcpy(output.lse.data(), problem.lse, output.lse.size() * 4,
-                                    cudaMemcpyDeviceToHost),
-                         where, "lse download"));
-  KVAUDIT_TRY(cuda_check(cudaMemcpy(pool.bytes.data(), pool_.data(), pool_bytes,
-                                    cudaMemcpyDeviceToHost),
-                         where, "pool download"));
+  KVAUDIT_TRY(cuda_check(
+      cudaMemcpy(output.out_bf16.data(), problem.out, out_elems * 2, cudaMemcpyDeviceToHost), where,
+      "out download"));
+  KVAUDIT_TRY(cuda_check(
+      cudaMemcpy(output.lse.data(), problem.lse, output.lse.size() * 4, cudaMemcpyDeviceToHost),
+      where, "lse download"));
+  KVAUDIT_TRY(
+      cuda_check(cudaMemcpy(pool.bytes.data(), pool_.data(), pool_bytes, cudaMemcpyDeviceToHost),
+                 where, "pool download"));
   return output;
 }
 
@@ -293,8 +296,8 @@ Result<std::unique_ptr<Backend>> make_backend_on_device(bool cast_whole_pool,
     case Injection::kWholePoolCast:
       break;
     default:
-      return unsupported(flag, "injection '" + options.injection +
-                                   "' is not implemented by the CUDA backends");
+      return unsupported(
+          flag, "injection '" + options.injection + "' is not implemented by the CUDA backends");
   }
   if (options.reciprocal_scale) {
     return unsupported(flag, "--reciprocal-scale is not implemented by the CUDA backends");

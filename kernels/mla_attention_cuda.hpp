@@ -40,6 +40,10 @@ struct MlaAttentionProblem {
   int max_kv_len = 0;  // upper bound over requests (host knows it); sizes the split-KV grid
   float sm_scale = 0.f;
   float kv_scale = 1.f;  // multiplier applied to pool values (a cast pool keeps the fp8 scale)
+  // fp32(sm_scale * kv_scale * log2 e), the scores' multiplier; 0: computed from the two floats
+  // above. Callers holding a double sm_scale pass fp32(double(sm_scale) * kv_scale * log2 e), as
+  // the CPU model (mla_score_scale) rounds it.
+  float score_scale = 0.f;
   PoolElement pool_element = PoolElement::kFp8E4m3;
   const void* pool = nullptr;
   const std::uint16_t* q_nope = nullptr;

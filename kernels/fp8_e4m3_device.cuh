@@ -1,0 +1,43 @@
+// Device-side FP8 e4m3 conversions shared by the CUDA kernels (kernels/mla_attention.cuh) and the
+// [gpu] codec test (tests/src/test_fp8_e4m3_cuda.cu), which compares them with the host codec in
+// src/fp8_e4m3.hpp code for code. Declarations only of inline device functions: includable from
+// any .cu file without defining kernels.
+#pragma once
+
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace kvaudit::cuda::detail {
+
+// The kvdump write rule on the device: e4m3_rne_satfinite(value / kv_scale), one IEEE fp32
+// division (__fdiv_rn, whatever -prec-div says), then cvt.rn.satfinite.e4m3x2.f32 (NaN -> 0x7F),
+// as the host's kvdump_quantize (tests/src/test_fp8_e4m3_cuda.cu compares the two).
+__device__ __forceinline__ std::uint8_t kvdump_quantize_device(float value, float kv_scale) {
+  return __nv_cvt_float_to_fp8(__fdiv_rn(value, kv_scale), __NV_SATFINITE, __NV_E4M3);
+}
+
+// Two e4m3 codes (low byte first) -> two bf16 (low half first), exactly: e4m3 -> f16 is exact
+// (cvt.rn.f16x2.e4m3x2), f16 -> f32 exact, and every e4m3 value is a bf16 value, so the final
+// rounding is exact too. NaN codes stay NaN.
+__device__ __forceinline__ std::uint32_t e4m3x2_to_bf16x2(std::uint16_t codes) {
+  std::uint32_t halves;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(halves) : "h"(codes));
+  float lo, hi;
+  asm("{ .reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;\n}\n"
+      : "=f"(lo), "=f"(hi)
+      : "r"(halves));
+  std::uint32_t out;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(out) : "f"(hi), "f"(lo));
+  return out;
+}
+
+__device__ __forceinline__ uint2 e4m3x4_to_bf16x4(std::uint32_t codes) {
+  uint2 r;
+  r.x = e4m3x2_to_bf16x2(static_cast<std::uint16_t>(codes & 0xFFFF));
+  r.y = e4m3x2_to_bf16x2(static_cast<std::uint16_t>(codes >> 16));
+  return r;
+}
+
+}  // namespace kvaudit::cuda::detail
