@@ -26,19 +26,12 @@
 
 namespace kvaudit {
 
-Result<CpuInjection> parse_cpu_injection(std::string_view name) {
-  if (name.empty()) return CpuInjection::kNone;
-  return unsupported("--inject " + std::string(name),
-                     "the cpu-fp8 backend has no fault injection named '" + std::string(name) +
-                         "' (fault injection is not implemented yet)");
-}
-
-const char* cpu_injection_name(CpuInjection injection) {
-  switch (injection) {
-    case CpuInjection::kNone:
-      return "none";
-  }
-  return "unknown";
+Result<Injection> parse_cpu_injection(std::string_view name) {
+  auto injection = parse_injection(name);
+  if (!injection.ok() || *injection == Injection::kNone) return injection;
+  return unsupported(
+      "--inject " + std::string(name),
+      "the cpu-fp8 backend does not implement fault injection '" + std::string(name) + "' yet");
 }
 
 float mla_score_scale(double sm_scale, float kv_scale) {
@@ -307,7 +300,7 @@ namespace {
 
 class CpuFp8Backend final : public Backend {
  public:
-  CpuFp8Backend(const BackendOptions& options, CpuInjection injection)
+  CpuFp8Backend(const BackendOptions& options, Injection injection)
       : options_(options), injection_(injection) {}
 
   std::string name() const override { return "cpu-fp8"; }
@@ -318,7 +311,7 @@ class CpuFp8Backend final : public Backend {
         {"device", "cpu"},
         {"threads", resolve_threads(options_.threads)},
         {"kv_tile_tokens", mla::kKvTileTokens},
-        {"injection", cpu_injection_name(injection_)},
+        {"injection", injection_ == Injection::kNone ? "none" : injection_info(injection_).name},
         {"write_rule", options_.reciprocal_scale
                            ? "e4m3_rne_satfinite(x * fp32(1 / kv_scale)) (reciprocal_scale)"
                            : "e4m3_rne_satfinite(fp32(x) / fp32(kv_scale)) (kvdump)"},
@@ -352,7 +345,7 @@ class CpuFp8Backend final : public Backend {
 
  private:
   BackendOptions options_;
-  CpuInjection injection_;
+  Injection injection_;
 };
 
 }  // namespace

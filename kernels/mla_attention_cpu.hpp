@@ -31,23 +31,21 @@
 #include <string_view>
 
 #include "src/backend.hpp"
+#include "src/injection.hpp"
 #include "src/kvdump.hpp"
 #include "src/result.hpp"
 
 namespace kvaudit {
 
-// Faults the backend can inject on purpose, to test the harness (DESIGN.md "Integrity of the
-// cache"). None is implemented yet; each later one gets an enumerator, a name, and a branch in
-// the write or the attention.
-enum class CpuInjection : std::uint8_t { kNone };
-
-// "" -> kNone; any other name is an `unsupported` Error naming it.
-Result<CpuInjection> parse_cpu_injection(std::string_view name);
-const char* cpu_injection_name(CpuInjection injection);  // "none", ...
+// Fault injections (src/injection.hpp, `--inject NAME`): the cpu-fp8 backend accepts the name
+// list of that catalogue; none is implemented here yet, so any name but "" is refused (an
+// unknown name as bad input, a catalogued one as `unsupported`). Each one implemented later
+// becomes a branch in write_new_kv or in the attention, selected by the enum.
+Result<Injection> parse_cpu_injection(std::string_view name);
 
 struct MlaAttentionCpuOptions {
   int threads = 0;  // 0: std::thread::hardware_concurrency()
-  CpuInjection injection = CpuInjection::kNone;
+  Injection injection = Injection::kNone;
 };
 
 // score_scale = fp32(sm_scale * kv_scale * log2 e): the double product, rounded once to float.

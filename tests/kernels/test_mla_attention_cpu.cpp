@@ -492,6 +492,11 @@ TEST_CASE("backend registry: names, cpu-fp8, CUDA availability, unknown names", 
   REQUIRE(!injected.ok());
   CHECK(injected.error().kind == ErrorKind::kUnsupported);
   CHECK(injected.error().message().find("bf16-writeback") != std::string::npos);
+  inject.injection = "no-such-fault";
+  auto unknown_injection = make_backend("cpu-fp8", inject);
+  REQUIRE(!unknown_injection.ok());
+  CHECK(unknown_injection.error().kind == ErrorKind::kBadInput);
+  CHECK(unknown_injection.error().message().find("no-such-fault") != std::string::npos);
 }
 
 // Not run by default: prints the CPU model's throughput at full MLA width.
