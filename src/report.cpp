@@ -12,6 +12,8 @@
 #include <ostream>
 #include <sstream>
 #include <system_error>
+#include <utility>
+#include <vector>
 
 namespace kvaudit {
 namespace {
@@ -76,7 +78,13 @@ std::string cell(const std::string& text) {
   return escaped;
 }
 
-std::string code(const std::string& text) { return "`" + cell(text) + "`"; }
+std::string code(const std::string& text) {
+  // Appended piecewise: GCC 12 warns (-Wrestrict, a false positive) on "`" + std::string&&.
+  std::string quoted = "`";
+  quoted += cell(text);
+  quoted += '`';
+  return quoted;
+}
 
 std::string json_value_text(const nlohmann::json& value) {
   if (value.is_string()) return value.get<std::string>();
@@ -91,6 +99,35 @@ void key_value_table(std::ostream& md, const nlohmann::json& object) {
   md << "| key | value |\n| --- | --- |\n";
   for (const auto& [key, value] : object.items()) {
     md << "| " << cell(key) << " | " << cell(json_value_text(value)) << " |\n";
+  }
+  md << "\n";
+}
+
+bool is_array_of_objects(const nlohmann::json& value) {
+  return value.is_array() && !value.empty() &&
+         std::all_of(value.begin(), value.end(),
+                     [](const nlohmann::json& item) { return item.is_object(); });
+}
+
+// One row per object, one column per key (in first-seen order).
+void array_table(std::ostream& md, const nlohmann::json& array) {
+  std::vector<std::string> columns;
+  for (const nlohmann::json& item : array) {
+    for (const auto& [key, value] : item.items()) {
+      if (std::find(columns.begin(), columns.end(), key) == columns.end()) columns.push_back(key);
+    }
+  }
+  md << "|";
+  for (const std::string& column : columns) md << " " << cell(column) << " |";
+  md << "\n|";
+  for (std::size_t i = 0; i < columns.size(); ++i) md << " --- |";
+  md << "\n";
+  for (const nlohmann::json& item : array) {
+    md << "|";
+    for (const std::string& column : columns) {
+      md << " " << (item.contains(column) ? cell(json_value_text(item[column])) : "") << " |";
+    }
+    md << "\n";
   }
   md << "\n";
 }
@@ -345,12 +382,22 @@ std::string render_markdown(const CheckRun& run, const nlohmann::json& report) {
   md << "| path | " << code(run.dump_path) << " |\n";
   md << "| SHA-256 | " << code(run.dump_sha256.empty() ? "not computed" : run.dump_sha256)
      << " |\n";
+  // Scalars go in the table; arrays of objects (layers, steps) get a table of their own.
+  std::vector<std::pair<std::string, const nlohmann::json*>> listings;
   if (run.dump_summary.is_object()) {
     for (const auto& [key, value] : run.dump_summary.items()) {
-      md << "| " << cell(key) << " | " << cell(json_value_text(value)) << " |\n";
+      if (is_array_of_objects(value)) {
+        listings.emplace_back(key, &value);
+      } else {
+        md << "| " << cell(key) << " | " << cell(json_value_text(value)) << " |\n";
+      }
     }
   }
   md << "\n";
+  for (const auto& [key, value] : listings) {
+    md << "### " << cell(key) << "\n\n";
+    array_table(md, *value);
+  }
 
   md << "## Backend\n\n";
   md << "Backend " << code(run.backend.empty() ? "none" : run.backend) << ".\n\n";

@@ -38,7 +38,10 @@ inline CheckRun make_failing_run() {
   run.backend = "cpu-fp8";
   run.backend_description = {{"threads", 2}, {"injection", ""}};
   run.policy = default_policy();
-  run.dump_summary = {{"model", "GLM-5"}, {"num_heads", 16}, {"steps", 2}};
+  run.dump_summary = {
+      {"model", "GLM-5"}, {"num_heads", 16}, {"steps", 2}, {"layers", nlohmann::json::array()}};
+  run.dump_summary["layers"].push_back({{"group", "L000"}, {"layer_id", 0}, {"kv_scale", 0.5}});
+  run.dump_summary["layers"].push_back({{"group", "L003"}, {"layer_id", 3}, {"kv_scale", 0.25}});
 
   run.comparisons.push_back(make_comparison(0, 0, Comparison::kKernel, 0.002, true, true));
   run.comparisons.push_back(make_comparison(0, 0, Comparison::kQuantization, 0.03, true, false));

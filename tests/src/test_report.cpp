@@ -116,6 +116,11 @@ TEST_CASE("report directory: report.md holds verdict, provenance, tables", "[rep
   CHECK(md.find("ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad") !=
         std::string::npos);
   CHECK(md.find("| model | GLM-5 |") != std::string::npos);
+  // The summary's list of layers becomes its own table.
+  // (nlohmann's objects keep keys sorted: group, kv_scale, layer_id.)
+  CHECK(
+      md.find("### layers\n\n| group | kv_scale | layer_id |\n| --- | --- | --- |\n| L000 | 0.5 | "
+              "0 |\n| L003 | 0.25 | 3 |\n") != std::string::npos);
   // Result rows, the failing one marked and with its reason.
   CHECK(md.find("| 0 | 0 | kernel | ") != std::string::npos);
   CHECK(md.find("| 1 | 3 | kernel | ") != std::string::npos);
