@@ -34,6 +34,13 @@ std::string short_number(double value) {  // for Markdown
   return text;
 }
 
+std::string ulp_text(double ulps) {  // a count: no exponent
+  if (!std::isfinite(ulps)) return sci(ulps);
+  char text[32];
+  std::snprintf(text, sizeof text, "%.0f", ulps);
+  return text;
+}
+
 std::string location_text(const ElementLocation& at) {
   if (at.row < 0) return "-";
   std::ostringstream text;
@@ -183,7 +190,7 @@ void results_section(std::ostream& md, const CheckRun& run) {
     md << "| " << r.step << " | " << r.layer_id << " | " << comparison_name(r.comparison) << " | "
        << short_number(m.max_abs) << " | " << short_number(max_abs_over_ref_max(m)) << " | "
        << short_number(m.rel_l2) << " | " << short_number(m.cos_diff) << " | "
-       << short_number(m.max_ulp_bf16) << " | "
+       << ulp_text(m.max_ulp_bf16) << " | "
        << (m.has_lse ? short_number(m.lse_max_abs) : std::string("-")) << " | "
        << m.nonfinite_mismatches << " | " << (r.judgement.pass ? "" : "**") << result_text(r)
        << (r.judgement.pass ? "" : "**") << " | " << location_text(worst_location(r)) << " | "
@@ -310,14 +317,12 @@ void print_comparison_table(std::ostream& out, const CheckRun& run) {
   out << "worst (row,head,dim)\n";
   for (const ComparisonResult& r : run.comparisons) {
     const ComparisonMetrics& m = r.metrics;
-    char ulp[32];
-    std::snprintf(ulp, sizeof ulp, "%.0f", m.max_ulp_bf16);
     out << pad_left(std::to_string(r.step), kWidths[0]) << " "
         << pad_left(std::to_string(r.layer_id), kWidths[1]) << " "
         << pad_right(comparison_name(r.comparison), kWidths[2]) << " "
         << pad_left(sci(m.max_abs), kWidths[3]) << " " << pad_left(sci(m.rel_l2), kWidths[4]) << " "
         << pad_left(sci(m.cos_diff), kWidths[5]) << " "
-        << pad_left(std::isfinite(m.max_ulp_bf16) ? ulp : sci(m.max_ulp_bf16), kWidths[6]) << " "
+        << pad_left(ulp_text(m.max_ulp_bf16), kWidths[6]) << " "
         << pad_left(m.has_lse ? sci(m.lse_max_abs) : "-", kWidths[7]) << " "
         << pad_left(std::to_string(m.nonfinite_mismatches), kWidths[8]) << " "
         << pad_right(result_text(r), kWidths[9]) << " " << location_text(worst_location(r)) << "\n";
@@ -365,9 +370,12 @@ std::string render_markdown(const CheckRun& run, const nlohmann::json& report) {
   md << "# kvaudit check report\n\n";
   md << "**Verdict: " << (run.pass() ? "PASS" : "FAIL") << "** — policy " << code(run.policy.name)
      << ", backend " << code(run.backend.empty() ? "none" : run.backend) << ": "
-     << counts.comparisons << " comparisons, " << counts.failed << " failed ("
-     << counts.failed_report_only << " more failed report-only); " << counts.integrity_checks
-     << " integrity checks, " << counts.integrity_failed << " failed.\n\n";
+     << counts.comparisons << " comparisons, " << counts.failed << " failed";
+  if (counts.failed_report_only > 0) {
+    md << " (and " << counts.failed_report_only << " failed report-only)";
+  }
+  md << "; " << counts.integrity_checks << " integrity checks, " << counts.integrity_failed
+     << " failed.\n\n";
 
   if (report.contains("first_divergence") && report["first_divergence"].is_object()) {
     const nlohmann::json& d = report["first_divergence"];

@@ -112,7 +112,9 @@ TEST_CASE("report directory: report.md holds verdict, provenance, tables", "[rep
   const std::string md = read_text(dir / "report.md");
   INFO(md);
   CHECK(md.rfind("# kvaudit check report\n", 0) == 0);
-  CHECK(md.find("**Verdict: FAIL**") != std::string::npos);
+  CHECK(md.find("**Verdict: FAIL** — policy `default`, backend `cpu-fp8`: 4 comparisons, 1 failed "
+                "(and 1 failed report-only); 2 integrity checks, 1 failed.\n") !=
+        std::string::npos);
   CHECK(md.find("ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad") !=
         std::string::npos);
   CHECK(md.find("| model | GLM-5 |") != std::string::npos);
@@ -123,7 +125,9 @@ TEST_CASE("report directory: report.md holds verdict, provenance, tables", "[rep
               "0 |\n| L003 | 0.25 | 3 |\n") != std::string::npos);
   // Result rows, the failing one marked and with its reason.
   CHECK(md.find("| 0 | 0 | kernel | ") != std::string::npos);
-  CHECK(md.find("| 1 | 3 | kernel | ") != std::string::npos);
+  // max_abs 0.0125 = 0.5 * rel_l2, over max|ref| 2; ULPs as a plain count.
+  CHECK(md.find("| 1 | 3 | kernel | 0.0125 | 0.00625 | 0.025 | 0.0003125 | 3 | 1e-05 | 0 | ") !=
+        std::string::npos);
   CHECK(md.find("**FAIL** | (5,2,17) | rel_l2 0.025 > 0.00391 (kernel limit) |") !=
         std::string::npos);
   CHECK(md.find("**FAIL report-only**") != std::string::npos);
