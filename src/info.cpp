@@ -99,7 +99,10 @@ std::string capture_text(const nlohmann::json& groups, std::size_t layer_count) 
   if (groups.empty()) return "none";
   if (groups.size() == layer_count) return "all";
   std::string text;
-  for (const auto& group : groups) text += (text.empty() ? "" : " ") + group.get<std::string>();
+  for (const auto& group : groups) {
+    if (!text.empty()) text += ' ';
+    text += group.get<std::string>();
+  }
   return text;
 }
 

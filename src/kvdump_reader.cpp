@@ -371,11 +371,17 @@ class Validator {
                                                const std::string& name) const {
     auto desc = describe(group, group_path, name);
     if (!desc.ok()) return desc.error();
-    if (desc->element == ElementClass::kOther || desc->element == ElementClass::kFloat32) {
-      return bad(desc->path, "element type " + desc->type_text + "; expected int32");
-    }
-    if (desc->dtype && desc->element != ElementClass::kOtherInteger) {
-      return bad(desc->path, "index dataset with dtype=\"" + *desc->dtype + "\"; expected int32");
+    // Any integer type wider than 16 bits holds indices (int64 from PyTorch is common); u8/u16 are
+    // the raw-bits types of the format and never indices.
+    if (desc->element != ElementClass::kOtherInteger) {
+      if ((desc->element == ElementClass::kU8 || desc->element == ElementClass::kU16) &&
+          !desc->dtype) {
+        return bad(desc->path,
+                   desc->type_text + " dataset without a dtype attribute; indices must be int32");
+      }
+      return bad(desc->path, "element type " + desc->type_text +
+                                 (desc->dtype ? " (dtype=\"" + *desc->dtype + "\")" : "") +
+                                 "; expected int32");
     }
     if (desc->dims.size() != 1) {
       return bad(desc->path, "shape " + shape_text(desc->dims) + " is not one-dimensional");

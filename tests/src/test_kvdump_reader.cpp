@@ -283,6 +283,13 @@ TEST_CASE("kvdump reader refuses broken step attributes and index datasets", "[k
                            nullptr);
        },
        "/steps/S000/qo_indptr", "expected int32"},
+      {"kv_indices u16 without dtype",
+       [](RawFile& f) {
+         const std::uint16_t v[] = {1, 4, 2};
+         f.replace_dataset("/steps/S000/kv_indices", {3}, H5T_STD_U16LE, H5T_NATIVE_UINT16, v,
+                           nullptr);
+       },
+       "/steps/S000/kv_indices", "without a dtype attribute"},
       {"qo_indptr 2-D",
        [](RawFile& f) {
          const std::int32_t v[] = {0, 3, 5, 5};
