@@ -12,6 +12,14 @@
 // a float32 value is not rounded to bf16, since the write rule quantizes fp32(value)); the fp8
 // pool is u8 + dtype="float8_e4m3fn"; index datasets are any HDF5 integer type whose values fit
 // in int32. Open reads only attributes, dataspaces and the small index datasets.
+//
+// HDF5 here is the serial (not thread-safe) build: use one DumpReader from one thread at a time.
+// Damaged files: HDF5's metadata checksums (v2 superblock and object headers, as kvaudit's writer
+// produces) and its end-of-file check make it refuse most damage with an error. One structure has
+// no checksum in any HDF5 file format: the global heap holding variable-length strings (h5py's
+// default for str attributes). HDF5 1.10 does not bounds-check it (H5HG_read), so a damaged
+// global heap can crash or stall the process inside the library; no API reads such a string
+// without going through it. kvaudit's own files use fixed-length strings and have no global heap.
 #include <hdf5.h>
 
 #include <algorithm>
