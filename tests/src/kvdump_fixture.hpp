@@ -20,6 +20,7 @@
 #include <sys/wait.h>
 
 #include <catch2/catch.hpp>
+#include <cctype>
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
@@ -32,12 +33,19 @@
 
 namespace kvaudit::testing {
 
+// A directory of its own for the running test case (named after it), so that CTest may run cases
+// in parallel processes without two of them writing the same file.
 inline std::filesystem::path kvdump_test_dir() {
 #ifdef KVAUDIT_TEST_TMPDIR
   std::filesystem::path dir = std::filesystem::path(KVAUDIT_TEST_TMPDIR) / "kvdump";
 #else
   std::filesystem::path dir = std::filesystem::temp_directory_path() / "kvaudit-kvdump";
 #endif
+  std::string name = Catch::getResultCapture().getCurrentTestName();
+  for (char& c : name) {
+    if (!std::isalnum(static_cast<unsigned char>(c))) c = '-';
+  }
+  dir /= name.substr(0, 80);
   std::filesystem::create_directories(dir);
   return dir;
 }
