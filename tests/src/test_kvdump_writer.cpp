@@ -98,6 +98,25 @@ TEST_CASE("kvdump writer round-trips a bf16-pool dump bitwise", "[kvdump]") {
   check_round_trip(d, kvdump_test_dir() / "round-trip-bf16.h5");
 }
 
+TEST_CASE("kvdump writer round-trips a step without query rows", "[kvdump]") {
+  SmallDump d = make_small_dump();
+  // S002: the three requests of S001, none with a row (Nq = 0): every tensor has a zero extent.
+  StepMeta empty = d.steps[1];
+  empty.group = "S002";
+  empty.kind = StepKind::kPrefill;
+  empty.qo_indptr = {0, 0, 0, 0};
+  empty.new_kv_slots = {};
+  empty.has_out = {true, false};
+  empty.has_lse = {false, true};
+  empty.has_kv_cache_after = {false, false};
+  std::vector<StepLayerTensors> tensors(2);
+  tensors[0].out = std::vector<float>{};
+  tensors[1].lse = std::vector<float>{};
+  d.steps.push_back(empty);
+  d.tensors.push_back(tensors);
+  check_round_trip(d, kvdump_test_dir() / "no-rows.h5");
+}
+
 TEST_CASE("kvdump writer output is deterministic", "[kvdump]") {
   const SmallDump d = make_small_dump();
   const auto a = kvdump_test_dir() / "deterministic-a.h5";
