@@ -619,6 +619,36 @@ TEST_CASE("kvdump reader accepts the encodings the format allows", "[kvdump]") {
   CHECK(pool->bytes[1] == 0x38);
 }
 
+TEST_CASE("kvdump reader reads chunked deflate-compressed datasets", "[kvdump]") {
+  const auto path = fresh_dump("compressed.h5");
+  std::vector<std::uint8_t> codes(8 * 2 * 12);
+  for (std::size_t i = 0; i < codes.size(); ++i) codes[i] = static_cast<std::uint8_t>(i * 37);
+  {
+    RawFile f(path);
+    f.delete_link("/layers/L003/kv_cache");
+    const hsize_t dims[] = {8, 2, 12};
+    const hsize_t chunk[] = {3, 2, 12};
+    const hid_t space = H5Screate_simple(3, dims, nullptr);
+    const hid_t dcpl = H5Pcreate(H5P_DATASET_CREATE);
+    REQUIRE(H5Pset_chunk(dcpl, 3, chunk) >= 0);
+    REQUIRE(H5Pset_deflate(dcpl, 6) >= 0);
+    const hid_t dataset = H5Dcreate2(f.id(), "/layers/L003/kv_cache", H5T_STD_U8LE, space,
+                                     H5P_DEFAULT, dcpl, H5P_DEFAULT);
+    REQUIRE(dataset >= 0);
+    REQUIRE(H5Dwrite(dataset, H5T_NATIVE_UINT8, H5S_ALL, H5S_ALL, H5P_DEFAULT, codes.data()) >= 0);
+    H5Dclose(dataset);
+    H5Pclose(dcpl);
+    H5Sclose(space);
+    f.set_string("/layers/L003/kv_cache", "dtype", "float8_e4m3fn");
+  }
+  auto reader = DumpReader::open(path);
+  INFO((reader.ok() ? "" : reader.error().message()));
+  REQUIRE(reader.ok());
+  auto pool = reader->read_pool(1);
+  REQUIRE(pool.ok());
+  CHECK(pool->bytes == codes);
+}
+
 TEST_CASE("kvdump reader replays steps in numeric order of their names", "[kvdump]") {
   const auto path = fresh_dump("order.h5");
   {
