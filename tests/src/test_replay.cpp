@@ -408,7 +408,7 @@ TEST_CASE("integrity catches a backend that corrupts its pool, naming step, laye
   CHECK_FALSE(outcome.run.pass());
 }
 
-TEST_CASE("saturating scale: large quantization error, clean kernel; fails only under signoff",
+TEST_CASE("saturating scale: large quantization error and clean kernel, fails only under signoff",
           "[replay]") {
   TinySpec spec;
   spec.outlier_channel = 0;
@@ -444,7 +444,7 @@ TEST_CASE("saturating scale: large quantization error, clean kernel; fails only 
   CHECK_FALSE(under_signoff.run.pass());
 }
 
-TEST_CASE("unselected steps are replayed but not reported; no source means no quantization",
+TEST_CASE("unselected steps are replayed but not reported, and no source means no quantization",
           "[replay]") {
   TinySpec spec;
   spec.with_source = false;
