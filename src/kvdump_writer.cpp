@@ -53,7 +53,7 @@ std::size_t element_count(const std::vector<hsize_t>& dims) {
 }  // namespace
 
 struct DumpWriter::Impl {
-  std::filesystem::path path;
+  std::filesystem::path file_path;
   std::string file_text;
   h5::File file;
   h5::PropertyList gcpl;  // groups: no timestamps
@@ -189,7 +189,7 @@ Result<DumpWriter> DumpWriter::create(const std::filesystem::path& path,
                                       const DumpAttributes& attrs, std::int64_t num_pages) {
   h5::silence_hdf5_errors();
   auto impl = std::make_unique<Impl>();
-  impl->path = path;
+  impl->file_path = path;
   impl->file_text = path.string();
   impl->attrs = attrs;
   impl->num_pages = num_pages;
