@@ -4,7 +4,7 @@
 //
 // Grid of the attention kernel: num_rows * head_blocks * num_splits blocks of 256 threads, one
 // block per (query row, block of 16 * kMTiles heads, split of the row's 64-token tiles), one block
-// per SM (shared memory ~205-225 KB: Q, a bf16 KV tile, three FP8 staging tiles). Heads: H <= 16
+// per SM with 32 heads, two with 16 (shared memory: Q, one bf16 KV tile, P, ~97 / ~117 KB). H <= 16
 // -> kMTiles = 1 (one m16 tile, 8 warps split the 64 tokens / 512 dims eight ways); H > 16 ->
 // kMTiles = 2 (32 heads per block, 4 warps per m16 tile), ceil(H / 32) head blocks.
 // Split-KV (flash-decoding): when rows * head_blocks alone leaves SMs idle, each row's tiles are
@@ -46,10 +46,13 @@ struct LaunchShape {
   int num_splits = 1;
 };
 
-// Splits: with base = rows * head_blocks blocks and one block per SM, choose the split count in
-// 1 .. max_tiles (each split keeps >= 2 tiles when it can) whose last wave is fullest; ties go to
-// fewer splits (less merge traffic). Rows that are shorter than max_kv_len get empty splits,
-// which exit at once.
+// Splits: with base = rows * head_blocks blocks over `slots` resident block slots, a split count s
+// costs about waves(s) * (tiles per split + kSplitOverheadTiles), where waves(s) =
+// ceil(base * s / slots) and the overhead stands for a block's start (Q staging, first load) and
+// its partial (out, lse) written and merged. The cheapest s in 1 .. max_tiles wins (ties: fewer).
+// Rows shorter than max_kv_len get empty splits, which exit at once.
+constexpr int kSplitOverheadTiles = 3;
+
 LaunchShape launch_shape(const MlaAttentionProblem& problem) {
   LaunchShape shape;
   shape.m_tiles = problem.num_heads <= 16 ? 1 : 2;
@@ -58,17 +61,16 @@ LaunchShape launch_shape(const MlaAttentionProblem& problem) {
   const long long base = static_cast<long long>(problem.num_rows) * shape.head_blocks;
   const int max_tiles =
       std::max(1, (problem.max_kv_len + mla::kKvTileTokens - 1) / mla::kKvTileTokens);
-  const int sms = device_multiprocessors();
-  if (base <= 0 || base >= sms) return shape;
-  const int max_splits = std::max(1, std::min(max_tiles / 2, 2 * sms));
-  double best = 0.0;
-  for (int s = 1; s <= max_splits; ++s) {
-    const long long blocks = base * s;
-    const long long waves = (blocks + sms - 1) / sms;
-    const double fill = static_cast<double>(blocks) / static_cast<double>(waves * sms);
-    // Prefer more parallelism only while it fills the machine noticeably better.
-    if (fill > best + 0.02) {
-      best = fill;
+  const int blocks_per_sm = shape.m_tiles == 1 ? detail::MlaSmemLayout<1, false>::kBlocksPerSm
+                                                : detail::MlaSmemLayout<2, false>::kBlocksPerSm;
+  const long long slots = static_cast<long long>(device_multiprocessors()) * blocks_per_sm;
+  if (base <= 0 || base >= slots) return shape;
+  long long best_cost = -1;
+  for (int s = 1; s <= max_tiles && s <= slots; ++s) {
+    const long long waves = (base * s + slots - 1) / slots;
+    const long long cost = waves * ((max_tiles + s - 1) / s + kSplitOverheadTiles);
+    if (best_cost < 0 || cost < best_cost) {
+      best_cost = cost;
       shape.num_splits = s;
     }
   }

@@ -22,10 +22,11 @@
 // tiles) of that row's visible tokens. Every M row of a block sees the same tokens, so a token the
 // row may not see is never loaded: its shared-memory row is zeroed, and its score is -inf. NaN
 // codes in unused or masked slots therefore never enter an MMA (0 * NaN would leak them).
-// Per tile: the 64 FP8 rows (576 bytes each, 16-byte cp.async, coalesced per token, so page size
-// 1 costs no more than 64) land in a multi-stage staging buffer, are decoded once into a bf16
-// tile, and that one tile serves both Q.K^T (576 columns) and P.V (its first 512 columns) through
-// mma.sync.m16n8k16 bf16 -> fp32.
+// Per tile: the 64 FP8 rows (576 bytes each, 16-byte loads, coalesced per token, so page size 1
+// costs no more than 64) are loaded into registers while the previous tile is computed, decoded
+// once into a bf16 shared-memory tile, and that one tile serves both Q.K^T (576 columns) and P.V
+// (its first 512 columns) through mma.sync.m16n8k16 bf16 -> fp32. Q.K^T runs two accumulator
+// chains (even / odd 16-column steps) added at the end: another fp32 summation order, same bound.
 //
 // Where the GPU differs from the CPU model, and by how much (the tests' tolerances):
 //   * tensor-core fp32 accumulation of the 576-term dot products and of P.V is not sequential fp32
@@ -94,16 +95,16 @@ template <int kMTiles, bool kBf16Pool>
 struct MlaSmemLayout {
   static constexpr int kRows = 16 * kMTiles;
   static constexpr int kWarpsPerMTile = kWarps / kMTiles;
-  static constexpr int kStages = kBf16Pool ? 0 : 3;
   static constexpr int kQOffset = 0;
   static constexpr int kKvOffset = kQOffset + kRows * kSmemRow * 2;
-  static constexpr int kStageOffset = kKvOffset + kTile * kSmemRow * 2;
-  static constexpr int kStageBytes = kTile * kD;
-  static constexpr int kPOffset = kStageOffset + kStages * kStageBytes;
+  static constexpr int kPOffset = kKvOffset + kTile * kSmemRow * 2;
   static constexpr int kMaxOffset = kPOffset + kRows * kPRow * 2;
   static constexpr int kSumOffset = kMaxOffset + kRows * kWarpsPerMTile * 4;
   static constexpr int kSlotOffset = kSumOffset + kRows * kWarpsPerMTile * 4;
-  static constexpr int kBytes = kSlotOffset + (kStages > 0 ? kStages : 1) * kTile * 4;
+  static constexpr int kBytes = kSlotOffset + 2 * kTile * 4;  // two tiles' slot tables
+  // Blocks per SM: ~97 KB with one m16 tile (two blocks share an SM, so one block's decode and
+  // barriers overlap the other's MMAs), ~117 KB with two (one block).
+  static constexpr int kBlocksPerSm = (2 * kBytes <= 227 * 1024) ? 2 : 1;
   static_assert(kBytes <= 227 * 1024, "shared memory of one block exceeds the sm_90 limit");
 };
 
@@ -237,20 +238,20 @@ __device__ __forceinline__ std::int32_t slot_of(const MlaAttentionParams& p, con
 
 // grid: num_rows * head_blocks * num_splits blocks (split fastest), kThreads threads.
 template <int kMTiles, bool kBf16Pool>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kThreads, (MlaSmemLayout<kMTiles, kBf16Pool>::kBlocksPerSm))
     mla_attention_kernel(const __grid_constant__ MlaAttentionParams p) {
   using Layout = MlaSmemLayout<kMTiles, kBf16Pool>;
   constexpr int kRows = Layout::kRows;
   constexpr int kWn = Layout::kWarpsPerMTile;  // warps sharing one m16 tile
   constexpr int kQkTiles = kTile / 8 / kWn;    // n8 token tiles per warp in Q.K^T
   constexpr int kPvTiles = kDc / 8 / kWn;      // n8 dim tiles per warp in P.V
-  constexpr int kStages = Layout::kStages;
+  constexpr int kVectors = kTile * kFp8RowVectors / kThreads;  // 16-byte FP8 loads per thread
+  static_assert(kTile * kFp8RowVectors % kThreads == 0, "FP8 tile split over the threads");
   static_assert(kQkTiles >= 1 && kPvTiles % 2 == 0, "warp tiling");
 
   extern __shared__ __align__(128) unsigned char smem[];
   std::uint16_t* q_s = reinterpret_cast<std::uint16_t*>(smem + Layout::kQOffset);
   std::uint16_t* kv_s = reinterpret_cast<std::uint16_t*>(smem + Layout::kKvOffset);
-  std::uint8_t* stage_s = smem + Layout::kStageOffset;
   std::uint16_t* p_s = reinterpret_cast<std::uint16_t*>(smem + Layout::kPOffset);
   float* max_s = reinterpret_cast<float*>(smem + Layout::kMaxOffset);
   float* sum_s = reinterpret_cast<float*>(smem + Layout::kSumOffset);
@@ -307,29 +308,31 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int position = tile * kTile + token;
     return (tile < tile_end && position < range.visible) ? slot_of(p, range, position) : -1;
   };
-  auto issue_tile = [&](int tile, int stage) {  // FP8 rows of a tile -> staging buffer
-    if (tile < tile_end) {
-      const std::int32_t* slots = slot_s + stage * kTile;
-      const std::uint32_t base = smem_address(stage_s + stage * Layout::kStageBytes);
-      for (int v = tid; v < kTile * kFp8RowVectors; v += kThreads) {
-        const int token = v / kFp8RowVectors;
-        const int chunk = v % kFp8RowVectors;
-        const std::int32_t slot = slots[token];
-        if (slot >= 0) {
-          cp_async_16(base + token * kD + chunk * 16,
-                      p.pool + static_cast<std::int64_t>(slot) * kD + chunk * 16);
-        }
+  // FP8 path: each thread owns kVectors 16-byte pieces of a tile (vector v = tid + k * kThreads:
+  // token v / 36, chunk v % 36, the same in every tile). Tile i + 1 is loaded into registers
+  // (ld.global.nc, coalesced per 576-byte row) while tile i is computed; slot tables for the
+  // next two tiles sit in shared memory (slot_s[tile % 2]), computed by threads 0..63.
+  uint4 fetched[kVectors];
+  auto load_tile = [&](int tile) {
+    if (tile >= tile_end) return;
+    const std::int32_t* slots = slot_s + (tile % 2) * kTile;
+#pragma unroll
+    for (int k = 0; k < kVectors; ++k) {
+      const int v = tid + k * kThreads;
+      const std::int32_t slot = slots[v / kFp8RowVectors];
+      if (slot >= 0) {
+        fetched[k] = __ldg(reinterpret_cast<const uint4*>(
+            p.pool + static_cast<std::int64_t>(slot) * kD + (v % kFp8RowVectors) * 16));
       }
     }
-    cp_async_commit();
   };
-
-  if constexpr (kStages > 0) {
+  if constexpr (!kBf16Pool) {
     if (tid < kTile) {
-      for (int s = 0; s < kStages; ++s) slot_s[s * kTile + tid] = tile_slot(tile_begin + s, tid);
+      slot_s[(tile_begin % 2) * kTile + tid] = tile_slot(tile_begin, tid);
+      slot_s[((tile_begin + 1) % 2) * kTile + tid] = tile_slot(tile_begin + 1, tid);
     }
     __syncthreads();
-    for (int s = 0; s < kStages - 1; ++s) issue_tile(tile_begin + s, s);
+    load_tile(tile_begin);
   }
 
   // Online-softmax state of this thread's two rows (group, group + 8 of tile mt); every warp of
@@ -345,22 +348,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   const std::uint32_t p_base = smem_address(p_s);
 
   for (int tile = tile_begin; tile < tile_end; ++tile) {
-    const int i = tile - tile_begin;
     const int valid = min(kTile, range.visible - tile * kTile);  // tokens of this tile in range
-    if constexpr (kStages > 0) {
-      cp_async_wait<kStages - 2>();
-      __syncthreads();  // tile i staged; everyone done with the previous tile's kv_s, p_s, sums
-      issue_tile(tile + kStages - 1, (i + kStages - 1) % kStages);
-      std::int32_t next_slot = -1;
-      if (tid < kTile) next_slot = tile_slot(tile + kStages, tid);
-      // Decode the staged FP8 rows into the bf16 tile; rows past `valid` become zeros.
-      const std::uint8_t* stage = stage_s + (i % kStages) * Layout::kStageBytes;
-      for (int v = tid; v < kTile * kFp8RowVectors; v += kThreads) {
+    std::int32_t next_slot = -1;
+    if constexpr (!kBf16Pool) {
+      __syncthreads();  // everyone done with the previous tile's kv_s, p_s, sums; slots visible
+      // Decode the fetched FP8 rows into the bf16 tile; rows past `valid` become zeros.
+#pragma unroll
+      for (int k = 0; k < kVectors; ++k) {
+        const int v = tid + k * kThreads;
         const int token = v / kFp8RowVectors;
         const int chunk = v % kFp8RowVectors;
         uint4 lo = make_uint4(0, 0, 0, 0), hi = make_uint4(0, 0, 0, 0);
         if (token < valid) {
-          const uint4 codes = *reinterpret_cast<const uint4*>(stage + token * kD + chunk * 16);
+          const uint4 codes = fetched[k];
           const uint2 a = e4m3x4_to_bf16x4(codes.x), b = e4m3x4_to_bf16x4(codes.y);
           const uint2 c = e4m3x4_to_bf16x4(codes.z), d = e4m3x4_to_bf16x4(codes.w);
           lo = make_uint4(a.x, a.y, b.x, b.y);
@@ -370,7 +370,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         dst[0] = lo;
         dst[1] = hi;
       }
-      if (tid < kTile) slot_s[(i % kStages) * kTile + tid] = next_slot;
+      load_tile(tile + 1);  // in flight while this tile is computed
+      if (tid < kTile) next_slot = tile_slot(tile + 2, tid);
     } else {
       __syncthreads();  // everyone done with the previous tile
       for (int v = tid; v < kTile * kBf16RowVectors; v += kThreads) {
@@ -391,9 +392,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncthreads();  // bf16 tile ready
 
     // ---- S = Q K^T for rows of tile mt, tokens [wn * 8 * kQkTiles, +8 * kQkTiles) ----
-    float s[kQkTiles][4];
+    float s[kQkTiles][4], s2[kQkTiles][4];
 #pragma unroll
-    for (int j = 0; j < kQkTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+    for (int j = 0; j < kQkTiles; ++j) {
+      s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+      s2[j][0] = s2[j][1] = s2[j][2] = s2[j][3] = 0.f;
+    }
     const int token0 = wn * 8 * kQkTiles;
     {
       // ldmatrix addresses: A (Q) x4 = rows 0-7/8-15 x k 0-7/8-15; B (K) x4 = two k16 steps of
@@ -401,7 +405,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int a_row = mt * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
       const std::uint32_t a_addr = q_base + (a_row * kSmemRow + 8 * (lane / 16)) * 2;
       const std::uint32_t b_addr = kv_base + ((token0 + lane % 8) * kSmemRow + 8 * (lane / 8)) * 2;
-#pragma unroll 2
+#pragma unroll 1
       for (int kk = 0; kk < kD / 32; ++kk) {
         std::uint32_t a0[4], a1[4];
         ldmatrix_x4(a0, a_addr + kk * 64);
@@ -411,9 +415,18 @@ __global__ void __launch_bounds__(kThreads, 1)
           std::uint32_t b[4];
           ldmatrix_x4(b, b_addr + j * 8 * kSmemRow * 2 + kk * 64);
           mma_bf16_16816(s[j], a0, b[0], b[1]);
-          mma_bf16_16816(s[j], a1, b[2], b[3]);
+          mma_bf16_16816(s2[j], a1, b[2], b[3]);
         }
       }
+    }
+    // Two accumulator chains (even / odd 16-column steps) halve the MMA dependency chain.
+#pragma unroll
+    for (int j = 0; j < kQkTiles; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] += s2[j][e];
+    }
+    if constexpr (!kBf16Pool) {
+      if (tid < kTile) slot_s[(tile % 2) * kTile + tid] = next_slot;  // tile + 2's table
     }
     // Scale, mask past `valid`, row max over this warp's tokens.
     float tile_max[2] = {-INFINITY, -INFINITY};
@@ -507,7 +520,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
-  if constexpr (kStages > 0) cp_async_wait<0>();  // drain (empty groups) before exit
 
   // ---- epilogue ----
   const int dim0 = wn * 8 * kPvTiles;
