@@ -26,20 +26,14 @@
 
 namespace kvaudit {
 
-Result<Injection> parse_cpu_injection(std::string_view name) {
-  auto injection = parse_injection(name);
-  if (!injection.ok() || *injection == Injection::kNone) return injection;
-  return unsupported(
-      "--inject " + std::string(name),
-      "the cpu-fp8 backend does not implement fault injection '" + std::string(name) + "' yet");
-}
+Result<Injection> parse_cpu_injection(std::string_view name) { return parse_injection(name); }
 
 float mla_score_scale(double sm_scale, float kv_scale) {
   return static_cast<float>(sm_scale * static_cast<double>(kv_scale) * mla::kLog2e);
 }
 
 Status write_new_kv(const StepMeta& step, std::span<const float> new_kv, float kv_scale,
-                    bool reciprocal_scale, KvPool& pool) {
+                    bool reciprocal_scale, KvPool& pool, Injection injection) {
   const std::string where = "write step " + step.group;
   const int width = pool.row_width;
   const std::size_t rows = step.new_kv_slots.size();
@@ -48,13 +42,29 @@ Status write_new_kv(const StepMeta& step, std::span<const float> new_kv, float k
                                 std::to_string(rows) + " rows of " + std::to_string(width));
   }
   for (std::size_t i = 0; i < rows; ++i) {
-    const std::int64_t slot = step.new_kv_slots[i];
+    std::int64_t slot = step.new_kv_slots[i];
     if (slot < 0 || slot >= pool.num_slots) {
       return bad_input(where, "new_kv_slots[" + std::to_string(i) + "] = " + std::to_string(slot) +
                                   " is outside the pool");
     }
+    if (injection == Injection::kNeighbourSlotWrite) slot = (slot + 1) % pool.num_slots;
     const float* values = new_kv.data() + i * width;
-    if (pool.dtype == KvDtype::kFloat8E4m3fn && reciprocal_scale) {
+    const bool fp8 = pool.dtype == KvDtype::kFloat8E4m3fn;
+    if (fp8 && injection == Injection::kBf16Writeback) {
+      // A bf16 row copied byte for byte into the fp8 slot: element c receives byte c of the
+      // little-endian bf16 row (low byte of value c/2 for even c, high byte for odd c).
+      std::uint8_t* dst = pool.row(slot);
+      for (int c = 0; c < width; ++c) {
+        const std::uint16_t bits = bf16_from_float(values[c / 2]);
+        dst[c] = static_cast<std::uint8_t>(c % 2 == 0 ? bits & 0xFF : bits >> 8);
+      }
+    } else if (fp8 && (injection == Injection::kRoundTowardZero ||
+                       injection == Injection::kNoSaturation)) {
+      std::uint8_t* dst = pool.row(slot);
+      for (int c = 0; c < width; ++c) {
+        dst[c] = kvdump_quantize_injected(values[c], kv_scale, injection);
+      }
+    } else if (fp8 && reciprocal_scale) {
       std::uint8_t* dst = pool.row(slot);
       for (int c = 0; c < width; ++c) dst[c] = kvdump_quantize_reciprocal(values[c], kv_scale);
     } else {
@@ -90,6 +100,7 @@ struct CpuProblem {
   int units_per_row = 1;
   float score_scale = 0.0f;
   float kv_scale = 1.0f;
+  Injection injection = Injection::kNone;
   std::span<const float> q_nope;
   std::span<const float> q_pe;
   AttentionOutput* output = nullptr;
@@ -126,10 +137,18 @@ class TileWorker {
     }
     std::fill(acc_.begin(), acc_.end(), 0.0f);
 
+    // Injection masked-nan-leak: the last tile also reads the rest of the request's last page
+    // (unused slots) with a zero weight, as a kernel that masks by multiplying would.
+    std::int64_t readable = visible;
+    if (p_.injection == Injection::kMaskedNanLeak) {
+      const std::int64_t pages = step.kv_indptr[request + 1] - step.kv_indptr[request];
+      readable = pages * p_.page_size;
+    }
     for (std::int64_t t0 = 0; t0 < visible; t0 += kTile) {
       const int n = static_cast<int>(std::min<std::int64_t>(kTile, visible - t0));
-      load_tile(request, t0, n);
-      for (int h = 0; h < heads; ++h) update_head(h, n);
+      const int n_read = static_cast<int>(std::min<std::int64_t>(kTile, readable - t0));
+      load_tile(request, t0, n_read);
+      for (int h = 0; h < heads; ++h) update_head(h, n, n_read);
     }
 
     AttentionOutput& out = *p_.output;
@@ -154,7 +173,17 @@ class TileWorker {
     for (int t = 0; t < n; ++t) {
       const std::int64_t slot = p_.step->slot_of(request, t0 + t, p_.page_size);
       float* dst = tile_rows_.data() + static_cast<std::size_t>(t) * width;
-      if (pool.dtype == KvDtype::kBfloat16) {
+      if (p_.injection == Injection::kFp8ReadAsBf16 && pool.dtype == KvDtype::kFloat8E4m3fn) {
+        // The kv_data_type mix-up: the fp8 byte buffer addressed as a [S, D] bf16 array (reads
+        // past the buffer's end, which a GPU would make out of bounds, give 0 here).
+        for (int j = 0; j < width; ++j) {
+          const std::size_t byte = 2 * (static_cast<std::size_t>(slot) * width + j);
+          dst[j] = byte + 1 < pool.bytes.size()
+                       ? bf16_to_float(static_cast<std::uint16_t>(pool.bytes[byte] |
+                                                                  (pool.bytes[byte + 1] << 8)))
+                       : 0.0f;
+        }
+      } else if (pool.dtype == KvDtype::kBfloat16) {
         for (int j = 0; j < width; ++j) dst[j] = bf16_to_float(pool.bf16_bits(slot, j));
       } else {
         const std::uint8_t* codes = pool.row(slot);
@@ -167,7 +196,9 @@ class TileWorker {
     }
   }
 
-  void update_head(int h, int n) {
+  // Tokens n .. n_read - 1 were read but are masked (only under masked-nan-leak): their weight
+  // is exactly zero and is multiplied in, which a correct kernel never does.
+  void update_head(int h, int n, int n_read) {
     const int width = p_.width();
     const int dc = p_.dc;
     const float* q = q_.data() + static_cast<std::size_t>(h) * width;
@@ -179,6 +210,7 @@ class TileWorker {
       const float* col = tile_cols_.data() + static_cast<std::size_t>(j) * kTile;
       for (int t = 0; t < n; ++t) s[t] += qj * col[t];
     }
+    for (int t = n; t < n_read; ++t) p[t] = 0.0f;
     // fmaxf ignores NaN, as the GPU's max does; a NaN score still poisons p, l and out.
     float tile_max = -std::numeric_limits<float>::infinity();
     for (int t = 0; t < n; ++t) {
@@ -201,7 +233,7 @@ class TileWorker {
     l_[h] = l_scaled + tile_sum;
     float* acc = acc_.data() + static_cast<std::size_t>(h) * dc;
     for (int d = 0; d < dc; ++d) acc[d] *= alpha;
-    for (int t = 0; t < n; ++t) {
+    for (int t = 0; t < n_read; ++t) {
       const float pb = bf16_round(p[t]);  // mla::kRoundProbabilitiesToBf16
       const float* v = tile_rows_.data() + static_cast<std::size_t>(t) * width;
       for (int d = 0; d < dc; ++d) acc[d] += pb * v[d];
@@ -260,8 +292,12 @@ Result<AttentionOutput> mla_attention_cpu(const DumpAttributes& attrs, const Ste
   problem.num_heads = attrs.num_heads;
   problem.dc = attrs.kv_lora_rank;
   problem.dr = attrs.qk_rope_head_dim;
-  problem.score_scale = mla_score_scale(attrs.sm_scale, kv_scale);
-  problem.kv_scale = kv_scale;
+  // Injection scale-mismatch: dequantize with a scale other than the one the write used.
+  const float read_scale =
+      options.injection == Injection::kScaleMismatch ? power_of_two_scale(kv_scale) : kv_scale;
+  problem.score_scale = mla_score_scale(attrs.sm_scale, read_scale);
+  problem.kv_scale = read_scale;
+  problem.injection = options.injection;
   problem.q_nope = q_nope;
   problem.q_pe = q_pe;
   problem.output = &output;
@@ -335,10 +371,25 @@ class CpuFp8Backend final : public Backend {
     }
     KVAUDIT_TRY(check_step_indices(input.step, input.attrs.page_size, pool.num_slots));
     KVAUDIT_TRY(write_new_kv(input.step, input.tensors.new_kv, input.layer.kv_scale,
-                             options_.reciprocal_scale, pool));
+                             options_.reciprocal_scale, pool, injection_));
     MlaAttentionCpuOptions options;
     options.threads = options_.threads;
     options.injection = injection_;
+    if (injection_ == Injection::kWholePoolCast && pool.dtype == KvDtype::kFloat8E4m3fn) {
+      // The seed's path: a bf16 copy of the whole pool on every call (exact: e4m3 values are
+      // bf16 values), then attention on the copy with the same kv_scale. Same numbers, more
+      // time and memory: only the bench's pool sweep can see it.
+      KvPool cast = KvPool::zeros(KvDtype::kBfloat16, pool.num_slots, pool.row_width);
+      for (std::size_t e = 0; e < pool.bytes.size(); ++e) {
+        const std::uint16_t bits = bf16_from_float(e4m3_decode(pool.bytes[e]));
+        cast.bytes[2 * e] = static_cast<std::uint8_t>(bits & 0xFF);
+        cast.bytes[2 * e + 1] = static_cast<std::uint8_t>(bits >> 8);
+      }
+      DumpAttributes cast_attrs = input.attrs;
+      cast_attrs.kv_dtype = KvDtype::kBfloat16;
+      return mla_attention_cpu(cast_attrs, input.step, input.layer.kv_scale, input.tensors.q_nope,
+                               input.tensors.q_pe, cast, options);
+    }
     return mla_attention_cpu(input.attrs, input.step, input.layer.kv_scale, input.tensors.q_nope,
                              input.tensors.q_pe, pool, options);
   }

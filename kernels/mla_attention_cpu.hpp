@@ -37,10 +37,10 @@
 
 namespace kvaudit {
 
-// Fault injections (src/injection.hpp, `--inject NAME`): the cpu-fp8 backend accepts the name
-// list of that catalogue; none is implemented here yet, so any name but "" is refused (an
-// unknown name as bad input, a catalogued one as `unsupported`). Each one implemented later
-// becomes a branch in write_new_kv or in the attention, selected by the enum.
+// Fault injections (src/injection.hpp, `--inject NAME`): every entry of that catalogue is
+// implemented here, as a branch in write_new_kv (bf16-writeback, round-toward-zero,
+// no-saturation, neighbour-slot-write), in the attention (scale-mismatch, fp8-read-as-bf16,
+// masked-nan-leak) or in the backend (whole-pool-cast). An unknown name is bad input.
 Result<Injection> parse_cpu_injection(std::string_view name);
 
 struct MlaAttentionCpuOptions {
@@ -54,8 +54,9 @@ float mla_score_scale(double sm_scale, float kv_scale);
 // The kvdump write rule for a step: row i of new_kv ([Nq, D]) goes to slot new_kv_slots[i] as
 // e4m3_rne_satfinite(fp32(v) / kv_scale) (or v * fp32(1 / kv_scale) with reciprocal_scale); a
 // bf16 pool stores the bf16 bits of v. No other slot changes.
+// `injection` selects a faulty write (the harness's mutation test); kNone is the kvdump rule.
 Status write_new_kv(const StepMeta& step, std::span<const float> new_kv, float kv_scale,
-                    bool reciprocal_scale, KvPool& pool);
+                    bool reciprocal_scale, KvPool& pool, Injection injection = Injection::kNone);
 
 // Attention on a pool that already holds the step's writes; the pure function the GPU tests
 // compare the CUDA kernels with.

@@ -40,7 +40,16 @@ struct CheckOptions {
   int threads = 0;
   bool verbose = false;
   bool progress = false;
+  bool list_injections = false;
 };
+
+// --list-injections: one line each, with the check meant to catch it.
+int print_injections() {
+  for (const InjectionInfo& info : injection_table()) {
+    std::printf("%-22s %s\n%-22s caught by: %s\n", info.name, info.description, "", info.caught_by);
+  }
+  return kExitPass;
+}
 
 // "0,1,77" or ranges "0-3,7": non-negative integers.
 Result<std::vector<int>> parse_index_list(const std::string& text, const std::string& option) {
@@ -117,6 +126,10 @@ nlohmann::json divergence_json(const Divergence& d) {
 }
 
 int run_check(const CheckOptions& options) {
+  if (options.list_injections) return print_injections();
+  if (options.dump.empty()) {
+    return report_error(bad_input("kvaudit check", "a DUMP file is required (see --help)"));
+  }
   // Validate everything before any work: dump, selection, policy, backend.
   auto reader = DumpReader::open(options.dump);
   if (!reader.ok()) return report_error(reader.error());
@@ -235,7 +248,7 @@ void register_check_command(CLI::App& app, CommandRunner& runner) {
       "Exit status: 0 pass, 1 checks failed, 2 bad input or usage (malformed dump, unknown "
       "backend, layer or step not in the dump, bad policy file, no CUDA device for a cuda "
       "backend), 3 internal error.");
-  cmd->add_option("DUMP", options->dump, "kvdump HDF5 file")->required();
+  cmd->add_option("DUMP", options->dump, "kvdump HDF5 file (required unless --list-injections)");
   std::string backends;
   for (const std::string& name : backend_names()) backends += name + ", ";
   cmd->add_option("--backend", options->backend,
@@ -249,6 +262,8 @@ void register_check_command(CLI::App& app, CommandRunner& runner) {
   cmd->add_option("--inject", options->inject,
                   "Fault injection into the backend, a mutation test of the harness: " +
                       injections + " (each names the check meant to catch it)");
+  cmd->add_flag("--list-injections", options->list_injections,
+                "List the fault injections, one line each with the check meant to catch it");
   cmd->add_option("--layers", options->layers,
                   "Layer ids to replay (the model's layer_id, e.g. 0,1,77 or 0-3); default all");
   cmd->add_option("--steps", options->steps,
