@@ -20,6 +20,7 @@
 #include "src/policy.hpp"
 #include "src/replay.hpp"
 #include "src/report.hpp"
+#include "src/repro.hpp"
 #include "src/save_outputs.hpp"
 #include "src/sha256.hpp"
 
@@ -37,6 +38,7 @@ struct CheckOptions {
   std::string json_file;
   std::string report_dir;
   std::string save_outputs;
+  std::string emit_repro;
   int threads = 0;
   bool verbose = false;
   bool progress = false;
@@ -123,6 +125,37 @@ nlohmann::json divergence_json(const Divergence& d) {
           {"request", d.request}, {"row", d.row},
           {"head", d.head},       {"comparison", comparison_name(d.comparison)},
           {"reason", d.reason}};
+}
+
+// --emit-repro: the first failure as a one-step, one-layer kvdump (src/repro.hpp); nothing when
+// the run passed.
+Status emit_repro(const CheckOptions& options, const DumpReader& reader,
+                  const ReplayOutcome& outcome) {
+  if (outcome.run.pass()) {
+    std::cerr << "kvaudit: the run passed; --emit-repro wrote nothing\n";
+    return ok_status();
+  }
+  const auto target = first_failure_target(reader.layout(), outcome);
+  if (!target) {
+    return internal_error("--emit-repro", "the run failed but no failing step and layer is known");
+  }
+  std::string requests;
+  for (const int b : target->requests)
+    requests += (requests.empty() ? "" : ",") + std::to_string(b);
+  std::string producer = "kvaudit check --emit-repro from " + options.dump + " (step " +
+                         std::to_string(target->step) + ", layer " +
+                         std::to_string(target->layer_id) + ", request " + requests + "; backend " +
+                         options.backend;
+  if (!options.inject.empty()) producer += ", --inject " + options.inject;
+  producer += "; " + target->failure + ")";
+  auto written = write_repro(reader, *target, options.emit_repro, producer);
+  if (!written.ok()) return written.error();
+  std::cout << "repro: wrote " << options.emit_repro << " (step " << target->step << " layer "
+            << target->layer_id << " request " << requests << ": " << written->num_rows << " rows, "
+            << written->num_pages << " pages" << (written->has_source ? ", kv_source" : "")
+            << "); check it with --backend " << options.backend
+            << (options.inject.empty() ? "" : " --inject " + options.inject) << "\n";
+  return ok_status();
 }
 
 int run_check(const CheckOptions& options) {
@@ -229,6 +262,11 @@ int run_check(const CheckOptions& options) {
       return report_error(written.error());
     }
   }
+  if (!options.emit_repro.empty()) {
+    if (auto emitted = emit_repro(options, *reader, outcome); !emitted.ok()) {
+      return report_error(emitted.error());
+    }
+  }
   return run.pass() ? kExitPass : kExitChecksFailed;
 }
 
@@ -280,6 +318,16 @@ void register_check_command(CLI::App& app, CommandRunner& runner) {
                   "Write the reference and backend outputs per step and layer to this HDF5 file "
                   "(/steps/S###/L###/{reference_out, reference_lse, reference_source_out, "
                   "reference_source_lse, backend_out, backend_lse})");
+  cmd->add_option("--emit-repro", options->emit_repro,
+                  "When the run fails, write a minimal kvdump reproducing its first failure (the "
+                  "earliest failing step, then layer): one layer (same layer_id and kv_scale), one "
+                  "step S000 of the failing step's kind holding only the request of the first "
+                  "divergent row (for an integrity failure, the requests that wrote its first "
+                  "offending slot; else the first request with rows), its q/new_kv/out/lse rows, "
+                  "and the pages it uses renumbered 0..P-1, filled with the reference replay's "
+                  "pool just before that step (kv_source and kv_cache_after restricted likewise "
+                  "where known). Check it alone with the same --backend and --inject. A passing "
+                  "run writes nothing");
   cmd->add_option("--threads", options->threads,
                   "Threads for the reference and CPU backends (0: every core)")
       ->capture_default_str()
