@@ -10,7 +10,8 @@
 //   rms          = sqrt(mean (a - b)^2)
 //   rel_l2       = ||a - b||_2 / ||a||_2
 //   cos_diff     = 1 - 2 sum(a b) / sum(a^2 + b^2)          (FlashMLA's)
-//   max_ulp_bf16 = max distance in bf16 ULPs between bf16(a) and bf16(b) (ordered bit distance)
+//   max_ulp_bf16 = max distance in bf16 ULPs between bf16(a) and bf16(b) (ordered bit distance),
+//                  over elements with |a| >= rel_floor (near zero the absolute metrics judge)
 //   lse_max_abs  = max |lse_a - lse_b|
 //   NaN/Inf counts in each and the number of positions where they disagree (a NaN in one but not
 //   the other); these fail a comparison before any norm is looked at. Norms are taken over the

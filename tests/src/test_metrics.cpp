@@ -199,3 +199,17 @@ TEST_CASE("metrics JSON writes non-finite values as strings", "[metrics]") {
   CHECK(j.at("first_nonfinite_mismatch").is_null());
   CHECK(j.at("elements") == 2);
 }
+
+TEST_CASE("bf16 ULPs are counted only where |reference| reaches the floor", "[metrics]") {
+  // a = [2^-20, 1], b = [-2^-20, 1.015625]: the first pair crosses zero (thousands of bf16 steps
+  // apart, 2 * 0x3580 = 27392), the second is 2 ULPs apart (quantum 2^-7 in [1, 2)).
+  const std::vector<double> a = {std::ldexp(1.0, -20), 1.0};
+  const std::vector<double> b = {-std::ldexp(1.0, -20), 1.015625};
+  CHECK(bf16_ulp_distance(a[0], b[0]) == 27392.0);
+  const ComparisonMetrics no_floor = compare({1, 1, 2}, a, b, 0.0);
+  CHECK(no_floor.max_ulp_bf16 == 27392.0);
+  CHECK(no_floor.max_ulp_at.dim == 0);
+  const ComparisonMetrics floored = compare({1, 1, 2}, a, b, 0.00390625);
+  CHECK(floored.max_ulp_bf16 == 2.0);
+  CHECK(floored.max_ulp_at.dim == 1);
+}
