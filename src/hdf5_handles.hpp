@@ -11,6 +11,7 @@
 
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace kvaudit::h5 {
 
@@ -78,6 +79,23 @@ inline std::string hdf5_error_text() {
       &text);
   H5Eclear2(H5E_DEFAULT);
   return text;
+}
+
+// `what` followed by the innermost HDF5 message, when the error stack holds one.
+inline std::string with_hdf5_reason(std::string what) {
+  const std::string reason = hdf5_error_text();
+  if (!reason.empty()) what += " (HDF5: " + reason + ")";
+  return what;
+}
+
+// "[4, 16, 512]"
+inline std::string shape_text(const std::vector<hsize_t>& dims) {
+  std::string text = "[";
+  for (std::size_t i = 0; i < dims.size(); ++i) {
+    if (i > 0) text += ", ";
+    text += std::to_string(dims[i]);
+  }
+  return text + "]";
 }
 
 }  // namespace kvaudit::h5

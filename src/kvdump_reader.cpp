@@ -55,20 +55,8 @@ std::string join_path(const std::string& parent, const std::string& name) {
   return parent == "/" ? "/" + name : parent + "/" + name;
 }
 
-std::string shape_text(const std::vector<hsize_t>& dims) {
-  std::string text = "[";
-  for (std::size_t i = 0; i < dims.size(); ++i) {
-    if (i > 0) text += ", ";
-    text += std::to_string(dims[i]);
-  }
-  return text + "]";
-}
-
-std::string with_hdf5_reason(std::string what) {
-  const std::string reason = h5::hdf5_error_text();
-  if (!reason.empty()) what += " (HDF5: " + reason + ")";
-  return what;
-}
+using h5::shape_text;
+using h5::with_hdf5_reason;
 
 // What an element type is, for the format's purposes.
 enum class ElementClass { kU8, kU16, kFloat32, kOtherInteger, kOther };

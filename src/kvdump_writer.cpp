@@ -29,20 +29,8 @@
 namespace kvaudit {
 namespace {
 
-std::string shape_text(const std::vector<hsize_t>& dims) {
-  std::string text = "[";
-  for (std::size_t i = 0; i < dims.size(); ++i) {
-    if (i > 0) text += ", ";
-    text += std::to_string(dims[i]);
-  }
-  return text + "]";
-}
-
-std::string with_hdf5_reason(std::string what) {
-  const std::string reason = h5::hdf5_error_text();
-  if (!reason.empty()) what += " (HDF5: " + reason + ")";
-  return what;
-}
+using h5::shape_text;
+using h5::with_hdf5_reason;
 
 std::size_t element_count(const std::vector<hsize_t>& dims) {
   std::size_t n = 1;
