@@ -62,7 +62,7 @@ LaunchShape launch_shape(const MlaAttentionProblem& problem) {
   const int max_tiles =
       std::max(1, (problem.max_kv_len + mla::kKvTileTokens - 1) / mla::kKvTileTokens);
   const int blocks_per_sm = shape.m_tiles == 1 ? detail::MlaSmemLayout<1, false>::kBlocksPerSm
-                                                : detail::MlaSmemLayout<2, false>::kBlocksPerSm;
+                                               : detail::MlaSmemLayout<2, false>::kBlocksPerSm;
   const long long slots = static_cast<long long>(device_multiprocessors()) * blocks_per_sm;
   if (base <= 0 || base >= slots) return shape;
   long long best_cost = -1;
@@ -195,9 +195,10 @@ Status launch_mla_attention(const MlaAttentionProblem& problem, void* workspace,
                                      std::to_string(shape.m_tiles) + " m16 tiles per block");
   }
   if (shape.num_splits > 1) {
-    detail::mla_merge_kernel<<<static_cast<unsigned>(static_cast<long long>(problem.num_rows) *
-                                                     problem.num_heads),
-                               mla::kKvLoraRank / 4, 0, stream>>>(params);
+    detail::mla_merge_kernel<<<
+        static_cast<unsigned>(static_cast<long long>(problem.num_rows) * problem.num_heads),
+        detail::kMergeThreads, static_cast<std::size_t>(shape.num_splits) * sizeof(float),
+        stream>>>(params);
     KVAUDIT_TRY(cuda_status(cudaGetLastError(), "mla_merge_kernel launch"));
   }
   return ok_status();

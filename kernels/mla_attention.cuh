@@ -242,9 +242,9 @@ __global__ void __launch_bounds__(kThreads, (MlaSmemLayout<kMTiles, kBf16Pool>::
     mla_attention_kernel(const __grid_constant__ MlaAttentionParams p) {
   using Layout = MlaSmemLayout<kMTiles, kBf16Pool>;
   constexpr int kRows = Layout::kRows;
-  constexpr int kWn = Layout::kWarpsPerMTile;  // warps sharing one m16 tile
-  constexpr int kQkTiles = kTile / 8 / kWn;    // n8 token tiles per warp in Q.K^T
-  constexpr int kPvTiles = kDc / 8 / kWn;      // n8 dim tiles per warp in P.V
+  constexpr int kWn = Layout::kWarpsPerMTile;                  // warps sharing one m16 tile
+  constexpr int kQkTiles = kTile / 8 / kWn;                    // n8 token tiles per warp in Q.K^T
+  constexpr int kPvTiles = kDc / 8 / kWn;                      // n8 dim tiles per warp in P.V
   constexpr int kVectors = kTile * kFp8RowVectors / kThreads;  // 16-byte FP8 loads per thread
   static_assert(kTile * kFp8RowVectors % kThreads == 0, "FP8 tile split over the threads");
   static_assert(kQkTiles >= 1 && kPvTiles % 2 == 0, "warp tiling");
@@ -556,29 +556,62 @@ __global__ void __launch_bounds__(kThreads, (MlaSmemLayout<kMTiles, kBf16Pool>::
 // Exact merge of split-KV partials: with L = max_i lse_i (base 2), w_i = exp2(lse_i - L),
 //   out = bf16(kv_scale * sum_i w_i out_i / sum_i w_i),  lse = (L + log2 sum_i w_i) * ln 2.
 // Splits that saw no tokens carry lse = -inf and are skipped (their out_i is never read).
-// grid: num_rows * num_heads blocks of 128 threads, 4 dims each.
-__global__ void mla_merge_kernel(const __grid_constant__ MlaAttentionParams p) {
+// grid: num_rows * num_heads blocks of kMergeThreads threads: 128 dim groups of 4 dims times
+// kMergeGroups split groups (group g takes splits g, g + kMergeGroups, ...; the groups' sums are
+// added in group order, so the result does not depend on timing). Dynamic shared memory holds
+// the num_splits weights.
+inline constexpr int kMergeGroups = 4;
+inline constexpr int kMergeThreads = 128 * kMergeGroups;
+
+__global__ void __launch_bounds__(kMergeThreads)
+    mla_merge_kernel(const __grid_constant__ MlaAttentionParams p) {
+  extern __shared__ float weight_s[];  // [num_splits]
+  __shared__ float lse_max_s;
+  __shared__ float4 sum_s[kMergeGroups][128];
   const std::int64_t row_head = blockIdx.x;
   const std::int64_t row = row_head / p.num_heads;
   const int head = static_cast<int>(row_head % p.num_heads);
-  float lse_max = -INFINITY;
-  for (int s = 0; s < p.num_splits; ++s) {
-    lse_max = fmaxf(lse_max, p.partial_lse[(row * p.num_splits + s) * p.num_heads + head]);
+  auto part_row = [&](int split) { return (row * p.num_splits + split) * p.num_heads + head; };
+  for (int i = threadIdx.x; i < p.num_splits; i += blockDim.x) {
+    weight_s[i] = p.partial_lse[part_row(i)];
   }
-  float weight_sum = 0.f;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float m = -INFINITY;
+    for (int i = 0; i < p.num_splits; ++i) m = fmaxf(m, weight_s[i]);
+    lse_max_s = m;
+  }
+  __syncthreads();
+  const float lse_max = lse_max_s;
+  for (int i = threadIdx.x; i < p.num_splits; i += blockDim.x) {
+    const float part_lse = weight_s[i];
+    weight_s[i] = part_lse == -INFINITY ? 0.f : exp2f(part_lse - lse_max);
+  }
+  __syncthreads();
+  const int group = threadIdx.x / 128;
+  const int dim = (threadIdx.x % 128) * 4;
   float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-  const int dim = threadIdx.x * 4;
-  for (int s = 0; s < p.num_splits; ++s) {
-    const std::int64_t part_row = (row * p.num_splits + s) * p.num_heads + head;
-    const float part_lse = p.partial_lse[part_row];
-    if (part_lse == -INFINITY) continue;
-    const float w = exp2f(part_lse - lse_max);
-    weight_sum += w;
-    const float4 v = *reinterpret_cast<const float4*>(p.partial_out + part_row * kDc + dim);
+#pragma unroll 4
+  for (int i = group; i < p.num_splits; i += kMergeGroups) {
+    const float w = weight_s[i];
+    if (w == 0.f) continue;  // an empty split (or one that underflowed: it adds nothing)
+    const float4 v = *reinterpret_cast<const float4*>(p.partial_out + part_row(i) * kDc + dim);
     sum.x += w * v.x;
     sum.y += w * v.y;
     sum.z += w * v.z;
     sum.w += w * v.w;
+  }
+  sum_s[group][threadIdx.x % 128] = sum;
+  __syncthreads();
+  if (group != 0) return;
+  float weight_sum = 0.f;
+  for (int i = 0; i < p.num_splits; ++i) weight_sum += weight_s[i];
+  for (int g = 1; g < kMergeGroups; ++g) {
+    const float4 v = sum_s[g][threadIdx.x];
+    sum.x += v.x;
+    sum.y += v.y;
+    sum.z += v.z;
+    sum.w += v.w;
   }
   const float factor = p.kv_scale / weight_sum;
   std::uint16_t* out = p.out + row_head * kDc + dim;
