@@ -325,8 +325,9 @@ void register_check_command(CLI::App& app, CommandRunner& runner) {
                   "divergent row (for an integrity failure, the requests that wrote its first "
                   "offending slot; else the first request with rows), its q/new_kv/out/lse rows, "
                   "and the pages it uses renumbered 0..P-1, filled with the reference replay's "
-                  "pool just before that step (kv_source and kv_cache_after restricted likewise "
-                  "where known). Check it alone with the same --backend and --inject. A passing "
+                  "pool just before that step (a captured kv_cache_after restricted likewise, "
+                  "kv_source too when every kept slot's source value is known). Check it alone "
+                  "with the same --backend and --inject. A passing "
                   "run writes nothing");
   cmd->add_option("--threads", options->threads,
                   "Threads for the reference and CPU backends (0: every core)")
