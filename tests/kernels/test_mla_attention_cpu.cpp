@@ -489,9 +489,8 @@ TEST_CASE("backend registry: names, cpu-fp8, CUDA availability, unknown names", 
   BackendOptions inject;
   inject.injection = "bf16-writeback";
   auto injected = make_backend("cpu-fp8", inject);
-  REQUIRE(!injected.ok());
-  CHECK(injected.error().kind == ErrorKind::kUnsupported);
-  CHECK(injected.error().message().find("bf16-writeback") != std::string::npos);
+  REQUIRE(injected.ok());
+  CHECK(injected.value()->describe()["injection"] == "bf16-writeback");
   inject.injection = "no-such-fault";
   auto unknown_injection = make_backend("cpu-fp8", inject);
   REQUIRE(!unknown_injection.ok());
