@@ -58,20 +58,6 @@ std::vector<double> widen_bf16(std::span<const std::uint16_t> bits) {
   return values;
 }
 
-const ComparisonLimits& limits_of(const Policy& policy, Comparison comparison) {
-  switch (comparison) {
-    case Comparison::kKernel:
-      return policy.kernel;
-    case Comparison::kQuantization:
-      return policy.quantization;
-    case Comparison::kTotal:
-      return policy.total;
-    case Comparison::kCaptured:
-      return policy.captured;
-  }
-  return policy.kernel;
-}
-
 // The row of the worst element: a NaN/Inf mismatch first, else the largest absolute error.
 int worst_row(const ComparisonMetrics& metrics) {
   if (metrics.nonfinite_mismatches > 0) return metrics.first_nonfinite_mismatch.row;
@@ -166,7 +152,7 @@ void add_comparison(ReplayState& state, std::size_t layer_order, int step_index,
         current->comparison == Comparison::kCaptured && comparison == Comparison::kKernel;
     if (earlier || replaces_captured) {
       const auto [first_row, first_head] =
-          first_divergent_row_head(shape, operands, result.metrics, limits_of(policy, comparison));
+          first_divergent_row_head(shape, operands, result.metrics, limits_for(policy, comparison));
       Divergence divergence;
       divergence.step = step_index;
       divergence.layer_id = layer_id;
