@@ -148,6 +148,7 @@ Status launch_mla_attention(const MlaAttentionProblem& problem, void* workspace,
   params.page_size = problem.page_size;
   params.num_splits = shape.num_splits;
   params.head_blocks = shape.head_blocks;
+  params.read_masked_tail = problem.read_masked_tail ? 1 : 0;
   params.score_scale = score_scale_of(problem);
   params.kv_scale = problem.kv_scale;
   params.pool = static_cast<const std::uint8_t*>(problem.pool);
@@ -219,6 +220,21 @@ Status launch_kv_write(const std::uint16_t* new_kv, const std::int32_t* new_kv_s
         new_kv, new_kv_slots, num_rows, row_width, static_cast<std::uint16_t*>(pool));
   }
   return cuda_status(cudaGetLastError(), "kv_write kernel launch");
+}
+
+Status launch_kv_write_rule(const std::uint16_t* new_kv, const std::int32_t* new_kv_slots,
+                            int num_rows, int row_width, float kv_scale, std::uint8_t* pool,
+                            std::int64_t num_slots, KvWriteRule rule, int slot_offset,
+                            cudaStream_t stream) {
+  if (num_rows <= 0 || row_width <= 0) return ok_status();
+  if (num_slots <= 0) return internal_error(kWhere, "kv write into an empty pool");
+  const long long total = static_cast<long long>(num_rows) * row_width;
+  const int threads = 256;
+  const long long blocks = std::min<long long>((total + threads - 1) / threads, 65535);
+  detail::kv_write_fp8_rule_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+      new_kv, new_kv_slots, num_rows, row_width, kv_scale, pool, num_slots, static_cast<int>(rule),
+      slot_offset);
+  return cuda_status(cudaGetLastError(), "kv_write_rule kernel launch");
 }
 
 Status launch_cast_pool_to_bf16(const std::uint8_t* pool, std::int64_t num_elements,

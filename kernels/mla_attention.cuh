@@ -49,6 +49,8 @@
 
 #include "kernels/fp8_e4m3_device.cuh"
 #include "kernels/mla_attention_model.hpp"
+#include "src/fp8_e4m3.hpp"
+#include "src/injection.hpp"
 
 namespace kvaudit::cuda::detail {
 
@@ -79,7 +81,8 @@ struct MlaAttentionParams {
   int page_size;
   int num_splits;
   int head_blocks;
-  float score_scale;  // fp32(sm_scale * kv_scale * log2 e)
+  int read_masked_tail;  // fault masked-nan-leak: load the last page's unused slots too
+  float score_scale;     // fp32(sm_scale * kv_scale * log2 e)
   float kv_scale;
   const std::uint8_t* pool;
   const QElement* q_nope;
@@ -182,6 +185,43 @@ __global__ void kv_write_bf16_kernel(const std::uint16_t* __restrict__ new_kv,
   }
 }
 
+// pool[(slots[i] + slot_offset) mod num_slots, c] = rule(new_kv[i, c]): the write rules other than
+// kvdump's (KvWriteRule in kernels/mla_attention_cuda.hpp; rule values as that enum).
+__global__ void kv_write_fp8_rule_kernel(const std::uint16_t* __restrict__ new_kv,
+                                         const std::int32_t* __restrict__ slots, int num_rows,
+                                         int row_width, float kv_scale,
+                                         std::uint8_t* __restrict__ pool, std::int64_t num_slots,
+                                         int rule, int slot_offset) {
+  const std::int64_t total = static_cast<std::int64_t>(num_rows) * row_width;
+  for (std::int64_t e = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t row = e / row_width;
+    const int col = static_cast<int>(e - row * row_width);
+    const float value = __uint_as_float(static_cast<std::uint32_t>(new_kv[e]) << 16);
+    std::uint8_t code;
+    switch (rule) {
+      case 1:
+        code = __nv_cvt_float_to_fp8(value * __fdiv_rn(1.0f, kv_scale), __NV_SATFINITE, __NV_E4M3);
+        break;
+      case 2:
+        code = kvdump_quantize_injected(value, kv_scale, Injection::kRoundTowardZero);
+        break;
+      case 3:
+        code = kvdump_quantize_injected(value, kv_scale, Injection::kNoSaturation);
+        break;
+      case 4: {
+        const std::uint16_t bits = new_kv[row * row_width + col / 2];
+        code = static_cast<std::uint8_t>(col % 2 == 0 ? bits & 0xFF : bits >> 8);
+        break;
+      }
+      default:
+        code = kvdump_quantize_device(value, kv_scale);
+    }
+    const std::int64_t slot = (static_cast<std::int64_t>(slots[row]) + slot_offset) % num_slots;
+    pool[slot * row_width + col] = code;
+  }
+}
+
 // pool_bf16[e] = bf16(decode(pool[e])), every element of the pool (the whole-pool cast).
 __global__ void cast_pool_kernel(const std::uint8_t* __restrict__ pool, std::int64_t num_elements,
                                  std::uint16_t* __restrict__ pool_bf16) {
@@ -206,6 +246,7 @@ struct RowRange {
   int request;
   std::int64_t kv_begin;  // first entry of the request in kv_indices
   int visible;            // tokens this row sees: positions 0 .. visible - 1
+  int readable;           // tokens loaded: `visible`, or (fault) the request's whole pages
 };
 
 __device__ __forceinline__ RowRange locate_row(const MlaAttentionParams& p, int row) {
@@ -227,6 +268,7 @@ __device__ __forceinline__ RowRange locate_row(const MlaAttentionParams& p, int 
   const int kv_len = pages == 0 ? 0 : (pages - 1) * p.page_size + p.kv_last_page_len[lo];
   const int rows_of_request = p.qo_indptr[lo + 1] - p.qo_indptr[lo];
   r.visible = kv_len - rows_of_request + (row - p.qo_indptr[lo]) + 1;
+  r.readable = p.read_masked_tail ? pages * p.page_size : r.visible;
   return r;
 }
 
@@ -306,7 +348,7 @@ __global__ void __launch_bounds__(kThreads, (MlaSmemLayout<kMTiles, kBf16Pool>::
   // Slot of token `token` of tile `tile`, or -1 past the row's visible range.
   auto tile_slot = [&](int tile, int token) -> std::int32_t {
     const int position = tile * kTile + token;
-    return (tile < tile_end && position < range.visible) ? slot_of(p, range, position) : -1;
+    return (tile < tile_end && position < range.readable) ? slot_of(p, range, position) : -1;
   };
   // FP8 path: each thread owns kVectors 16-byte pieces of a tile (vector v = tid + k * kThreads:
   // token v / 36, chunk v % 36, the same in every tile). Tile i + 1 is loaded into registers
@@ -349,6 +391,8 @@ __global__ void __launch_bounds__(kThreads, (MlaSmemLayout<kMTiles, kBf16Pool>::
 
   for (int tile = tile_begin; tile < tile_end; ++tile) {
     const int valid = min(kTile, range.visible - tile * kTile);  // tokens of this tile in range
+    // Tokens whose rows are loaded: `valid` (the fault masked-nan-leak loads more, masked below).
+    const int loaded = min(kTile, range.readable - tile * kTile);
     std::int32_t next_slot = -1;
     if constexpr (!kBf16Pool) {
       __syncthreads();  // everyone done with the previous tile's kv_s, p_s, sums; slots visible
@@ -359,7 +403,7 @@ __global__ void __launch_bounds__(kThreads, (MlaSmemLayout<kMTiles, kBf16Pool>::
         const int token = v / kFp8RowVectors;
         const int chunk = v % kFp8RowVectors;
         uint4 lo = make_uint4(0, 0, 0, 0), hi = make_uint4(0, 0, 0, 0);
-        if (token < valid) {
+        if (token < loaded) {
           const uint4 codes = fetched[k];
           const uint2 a = e4m3x4_to_bf16x4(codes.x), b = e4m3x4_to_bf16x4(codes.y);
           const uint2 c = e4m3x4_to_bf16x4(codes.z), d = e4m3x4_to_bf16x4(codes.w);
@@ -378,7 +422,7 @@ __global__ void __launch_bounds__(kThreads, (MlaSmemLayout<kMTiles, kBf16Pool>::
         const int token = v / kBf16RowVectors;
         const int chunk = v % kBf16RowVectors;
         uint4* dst = reinterpret_cast<uint4*>(kv_s + token * kSmemRow + chunk * 8);
-        if (token < valid) {
+        if (token < loaded) {
           const std::int32_t slot = slot_of(p, range, tile * kTile + token);
           cp_async_16(smem_address(dst),
                       p.pool + (static_cast<std::int64_t>(slot) * kD) * 2 + chunk * 16);
@@ -585,7 +629,7 @@ __global__ void __launch_bounds__(kMergeThreads)
   const float lse_max = lse_max_s;
   for (int i = threadIdx.x; i < p.num_splits; i += blockDim.x) {
     const float part_lse = weight_s[i];
-    weight_s[i] = part_lse == -INFINITY ? 0.f : exp2f(part_lse - lse_max);
+    weight_s[i] = part_lse == -INFINITY ? -1.f : exp2f(part_lse - lse_max);  // -1: empty split
   }
   __syncthreads();
   const int group = threadIdx.x / 128;
@@ -594,7 +638,10 @@ __global__ void __launch_bounds__(kMergeThreads)
 #pragma unroll 4
   for (int i = group; i < p.num_splits; i += kMergeGroups) {
     const float w = weight_s[i];
-    if (w == 0.f) continue;  // an empty split (or one that underflowed: it adds nothing)
+    // An empty split is skipped (its out_i was never written). A split whose weight underflowed to
+    // 0 is still multiplied in, as the single-pass softmax multiplies by alpha = 0: a NaN it saw
+    // (a visible NaN code) stays NaN, as in the CPU model and the reference.
+    if (w < 0.f) continue;
     const float4 v = *reinterpret_cast<const float4*>(p.partial_out + part_row(i) * kDc + dim);
     sum.x += w * v.x;
     sum.y += w * v.y;
@@ -605,7 +652,10 @@ __global__ void __launch_bounds__(kMergeThreads)
   __syncthreads();
   if (group != 0) return;
   float weight_sum = 0.f;
-  for (int i = 0; i < p.num_splits; ++i) weight_sum += weight_s[i];
+  for (int i = 0; i < p.num_splits; ++i) {
+    const float w = weight_s[i];
+    if (!(w < 0.f)) weight_sum += w;  // a NaN weight (a split that saw a NaN score) stays NaN
+  }
   for (int g = 1; g < kMergeGroups; ++g) {
     const float4 v = sum_s[g][threadIdx.x];
     sum.x += v.x;

@@ -103,6 +103,7 @@ class CudaMlaBackend final : public Backend {
     j["kv_tile_tokens"] = mla::kKvTileTokens;
     j["write_rule"] = "cvt.rn.satfinite.e4m3x2.f32 of fp32(x) / fp32(kv_scale)";
     if (injection_ != Injection::kNone) j["injection"] = injection_info(injection_).name;
+    if (options_.reciprocal_scale) j["write_rule"] = "x * fp32(1 / kv_scale), then satfinite e4m3";
     j["device_bytes"] = {{"pool", allocations_.pool_bytes},
                          {"pool_bf16", allocations_.pool_bf16_bytes},
                          {"other", allocations_.other_bytes}};
@@ -224,8 +225,25 @@ Result<AttentionOutput> CudaMlaBackend::run_step(const StepLayerInput& input, Kv
   const std::int32_t* d_slots = d_last + n_last;
 
   const float kv_scale = input.layer.kv_scale;
-  KVAUDIT_TRY(launch_kv_write(new_kv_.as<std::uint16_t>(), d_slots, rows, width, kv_scale, element,
-                              pool_.data(), stream));
+  // The write: kvdump's rule, or the named reciprocal option, or an injected write fault (the same
+  // host/device functions the CPU model injects with).
+  KvWriteRule rule = options_.reciprocal_scale ? KvWriteRule::kReciprocal : KvWriteRule::kDivide;
+  if (injection_ == Injection::kRoundTowardZero) rule = KvWriteRule::kRoundTowardZero;
+  if (injection_ == Injection::kNoSaturation) rule = KvWriteRule::kNoSaturation;
+  if (injection_ == Injection::kBf16Writeback) rule = KvWriteRule::kBf16Bytes;
+  const int slot_offset = injection_ == Injection::kNeighbourSlotWrite ? 1 : 0;
+  if (rule == KvWriteRule::kDivide && slot_offset == 0) {
+    KVAUDIT_TRY(launch_kv_write(new_kv_.as<std::uint16_t>(), d_slots, rows, width, kv_scale,
+                                element, pool_.data(), stream));
+  } else if (fp8_pool) {
+    KVAUDIT_TRY(launch_kv_write_rule(new_kv_.as<std::uint16_t>(), d_slots, rows, width, kv_scale,
+                                     pool_.as<std::uint8_t>(), pool.num_slots, rule, slot_offset,
+                                     stream));
+  } else {
+    return unsupported(where, std::string("the CUDA backends apply ") +
+                                  (slot_offset ? "neighbour-slot-write" : "this write rule") +
+                                  " to fp8 pools only");
+  }
 
   MlaAttentionProblem problem;
   problem.qo_indptr = d_qo;
@@ -248,6 +266,7 @@ Result<AttentionOutput> CudaMlaBackend::run_step(const StepLayerInput& input, Kv
       static_cast<float>(attrs.sm_scale * static_cast<double>(problem.kv_scale) * mla::kLog2e);
   problem.pool_element = element;
   problem.pool = pool_.data();
+  problem.read_masked_tail = injection_ == Injection::kMaskedNanLeak;
   problem.q_nope = q_.as<std::uint16_t>();
   problem.q_pe = q_.as<std::uint16_t>() + q_nope_elems;
   problem.out = out_.as<std::uint16_t>();
@@ -260,6 +279,16 @@ Result<AttentionOutput> CudaMlaBackend::run_step(const StepLayerInput& input, Kv
         static_cast<std::size_t>(std::max<std::int64_t>(elements, 8)) * 2, where));
     KVAUDIT_TRY(launch_cast_pool_to_bf16(pool_.as<std::uint8_t>(), elements,
                                          pool_bf16_.as<std::uint16_t>(), stream));
+    problem.pool_element = PoolElement::kBf16;
+    problem.pool = pool_bf16_.data();
+  } else if (fp8_pool && injection_ == Injection::kFp8ReadAsBf16) {
+    // The kv_data_type mix-up: the fp8 bytes addressed as a [S, D] bf16 array. Rows past the
+    // buffer's end read zeros (a copy with a zero-filled second half), as the CPU model does.
+    KVAUDIT_TRY(pool_bf16_.reserve(std::max<std::size_t>(2 * pool_bytes, 16), where));
+    KVAUDIT_TRY(cuda_check(cudaMemset(pool_bf16_.data(), 0, 2 * pool_bytes), where, "memset"));
+    KVAUDIT_TRY(cuda_check(
+        cudaMemcpy(pool_bf16_.data(), pool_.data(), pool_bytes, cudaMemcpyDeviceToDevice), where,
+        "pool copy"));
     problem.pool_element = PoolElement::kBf16;
     problem.pool = pool_bf16_.data();
   }
@@ -290,18 +319,6 @@ Result<std::unique_ptr<Backend>> make_backend_on_device(bool cast_whole_pool,
   if (!device.present) return bad_input(flag, "no CUDA device: " + device.reason);
   auto injection = parse_injection(options.injection);
   if (!injection.ok()) return injection.error();
-  switch (*injection) {
-    case Injection::kNone:
-    case Injection::kScaleMismatch:
-    case Injection::kWholePoolCast:
-      break;
-    default:
-      return unsupported(
-          flag, "injection '" + options.injection + "' is not implemented by the CUDA backends");
-  }
-  if (options.reciprocal_scale) {
-    return unsupported(flag, "--reciprocal-scale is not implemented by the CUDA backends");
-  }
   return std::unique_ptr<Backend>(
       new CudaMlaBackend(cast_whole_pool, std::move(device), options, *injection));
 }

@@ -45,6 +45,10 @@ struct MlaAttentionProblem {
   // the CPU model (mla_score_scale) rounds it.
   float score_scale = 0.f;
   PoolElement pool_element = PoolElement::kFp8E4m3;
+  // Fault injection masked-nan-leak only (src/injection.hpp): also load the rest of each request's
+  // last page (slots no row may see) and mask those tokens by a zero weight, as a kernel that
+  // masks by multiplying would; NaN codes there then reach the output (0 * NaN).
+  bool read_masked_tail = false;
   const void* pool = nullptr;
   const std::uint16_t* q_nope = nullptr;
   const std::uint16_t* q_pe = nullptr;
@@ -65,6 +69,23 @@ Status launch_mla_attention(const MlaAttentionProblem& problem, void* workspace,
 Status launch_kv_write(const std::uint16_t* new_kv, const std::int32_t* new_kv_slots, int num_rows,
                        int row_width, float kv_scale, PoolElement pool_element, void* pool,
                        cudaStream_t stream);
+
+// Write rules besides the kvdump one: the harness's named --reciprocal-scale option and the
+// write faults of src/injection.hpp (the same host/device functions the CPU model injects with).
+enum class KvWriteRule : std::uint8_t {
+  kDivide,           // kvdump: e4m3_rne_satfinite(x / scale) (launch_kv_write)
+  kReciprocal,       // e4m3_rne_satfinite(x * fp32(1 / scale))
+  kRoundTowardZero,  // fault round-toward-zero
+  kNoSaturation,     // fault no-saturation (past 464 * scale -> NaN)
+  kBf16Bytes,        // fault bf16-writeback: byte c of the little-endian bf16 row into element c
+};
+
+// launch_kv_write for an fp8 pool under `rule`; slot_offset 1 writes slot (s + 1) mod num_slots
+// (fault neighbour-slot-write), 0 the slot itself.
+Status launch_kv_write_rule(const std::uint16_t* new_kv, const std::int32_t* new_kv_slots,
+                            int num_rows, int row_width, float kv_scale, std::uint8_t* pool,
+                            std::int64_t num_slots, KvWriteRule rule, int slot_offset,
+                            cudaStream_t stream);
 
 // The seed's bug, kept on purpose for cuda-cast-bf16: decode every code of the pool into a bf16
 // buffer ([S, D], values without kv_scale: e4m3 -> bf16 is exact).

@@ -36,6 +36,7 @@
 #include "references/mla_reference.hpp"
 #include "src/backend.hpp"
 #include "src/fp8_e4m3.hpp"
+#include "src/injection.hpp"
 #include "src/kvdump.hpp"
 #include "tests/gpu_skip.hpp"
 
@@ -465,4 +466,91 @@ TEST_CASE("launch_mla_attention refuses shapes it has no kernel for", "[gpu][cud
   s = kvaudit::cuda::launch_mla_attention(p, nullptr, 0, nullptr);
   REQUIRE_FALSE(s.ok());
   CHECK(s.error().what.find("num_heads=129") != std::string::npos);
+}
+
+TEST_CASE("cuda-fp8 injects every fault (and --reciprocal-scale) as cpu-fp8 does",
+          "[gpu][cuda-fp8][inject]") {
+  KVAUDIT_REQUIRE_GPU();
+  // Decode and extend rows, page 64 with partly used last pages whose unused slots hold NaN codes
+  // (so masked-nan-leak shows), values past 464 * scale in new_kv (so no-saturation shows).
+  AttentionCase c;
+  c.heads = 16;
+  c.page_size = 64;
+  c.contexts = {200, 77};
+  c.q_lens = {1, 5};
+  c.kv_scale = 0.37f;
+  c.value_sigma = 40.f;
+  c.seed = 900;
+  const BuiltCase b = build(c);
+  std::vector<kvaudit::BackendOptions> variants;
+  for (const auto& info : kvaudit::injection_table()) {
+    variants.emplace_back();
+    variants.back().injection = info.name;
+  }
+  variants.emplace_back();
+  variants.back().reciprocal_scale = true;  // the named write option, not a fault
+  for (const auto& options : variants) {
+    auto cuda = kvaudit::cuda::make_cuda_fp8_backend(options);
+    auto cpu = kvaudit::make_cpu_fp8_backend(options);
+    REQUIRE(cuda.ok());
+    REQUIRE(cpu.ok());
+    const Outputs g = run_backend(**cuda, b);
+    const Outputs h = run_backend(**cpu, b);
+    INFO("injection '" << options.injection << "' reciprocal " << options.reciprocal_scale);
+    CHECK(g.pool.bytes == h.pool.bytes);  // write faults agree bit for bit
+    const int rows = b.step.num_rows();
+    int nan_mismatch = 0, failures = 0;
+    for (int rh = 0; rh < rows * c.heads; ++rh) {
+      double row_max = 0;
+      for (int d = 0; d < kDc; ++d) {
+        const double v = kvaudit::bf16_to_float(h.out.out_bf16[rh * kDc + d]);
+        if (std::isfinite(v)) row_max = std::max(row_max, std::abs(v));
+      }
+      for (int d = 0; d < kDc; ++d) {
+        const double k = kvaudit::bf16_to_float(g.out.out_bf16[rh * kDc + d]);
+        const double r = kvaudit::bf16_to_float(h.out.out_bf16[rh * kDc + d]);
+        if (std::isfinite(k) != std::isfinite(r)) {
+          ++nan_mismatch;
+          continue;
+        }
+        if (std::isfinite(r) && !(std::abs(k - r) <= std::ldexp(row_max + std::abs(r), -7))) {
+          ++failures;
+        }
+      }
+    }
+    CHECK(nan_mismatch == 0);
+    CHECK(failures == 0);
+  }
+}
+
+TEST_CASE("cuda-fp8 propagates a NaN code in a visible token, as the reference does",
+          "[gpu][cuda-fp8]") {
+  KVAUDIT_REQUIRE_GPU();
+  auto backend = make(false);
+  AttentionCase c;
+  c.heads = 16;
+  c.page_size = 64;
+  c.contexts = {3000, 100};
+  c.q_lens = {1, 1};
+  c.seed = 77;
+  BuiltCase b = build(c);
+  // A NaN code in token 1234 of request 0 (a split of its own under split-KV), column 5.
+  const std::int64_t slot = b.step.slot_of(0, 1234, c.page_size);
+  b.pool.row(slot)[5] = 0x7F;
+  b.pool_after.row(slot)[5] = 0x7F;
+  const Outputs got = run_backend(*backend, b);
+  std::vector<double> ref_out, ref_lse;
+  reference(b, ref_out, ref_lse);
+  int mismatches = 0, row0_nan = 0;
+  for (std::size_t e = 0; e < ref_out.size(); ++e) {
+    const bool k_nan = std::isnan(kvaudit::bf16_to_float(got.out.out_bf16[e]));
+    mismatches += k_nan != std::isnan(ref_out[e]);
+    row0_nan += e < static_cast<std::size_t>(c.heads) * kDc && k_nan;
+  }
+  CHECK(row0_nan == c.heads * kDc);  // the score of that token is NaN for every head
+  CHECK(mismatches == 0);
+  for (int h = 0; h < c.heads; ++h) {
+    CHECK(std::isnan(got.out.lse[h]));
+    CHECK(std::isfinite(got.out.lse[c.heads + h]));
+  }
 }
