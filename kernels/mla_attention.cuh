@@ -21,7 +21,9 @@
 // MMA M dimension; heads past H are zero rows) and one split (a contiguous range of 64-token
 // tiles) of that row's visible tokens. Every M row of a block sees the same tokens, so a token the
 // row may not see is never loaded: its shared-memory row is zeroed, and its score is -inf. NaN
-// codes in unused or masked slots therefore never enter an MMA (0 * NaN would leak them).
+// codes in unused or masked slots therefore never enter an MMA (0 * NaN would leak them). A NaN
+// code in a visible token is data: its score is NaN for every head, and out and lse become NaN,
+// as in the reference (the merge keeps a split's NaN even when its weight underflows to 0).
 // Per tile: the 64 FP8 rows (576 bytes each, 16-byte loads, coalesced per token, so page size 1
 // costs no more than 64) are loaded into registers while the previous tile is computed, decoded
 // once into a bf16 shared-memory tile, and that one tile serves both Q.K^T (576 columns) and P.V
