@@ -4,22 +4,23 @@
 //
 // Grid of the attention kernel: num_rows * head_blocks * num_splits blocks of 256 threads, one
 // block per (query row, block of 16 * kMTiles heads, split of the row's 64-token tiles), one block
-// per SM with 32 heads, two with 16 (shared memory: Q, one bf16 KV tile, P, ~97 / ~117 KB). H <= 16
-// -> kMTiles = 1 (one m16 tile, 8 warps split the 64 tokens / 512 dims eight ways); H > 16 ->
-// kMTiles = 2 (32 heads per block, 4 warps per m16 tile), ceil(H / 32) head blocks.
+// per SM (shared memory: Q, one bf16 KV tile, P, partial scores, ~106 / ~117 KB). H <= 16 ->
+// kMTiles = 1 (one m16 tile; 8 warps split Q.K^T into 4 token quarters x 2 k halves with Q
+// fragments held in registers, and P.V into 8 dim slices); H > 16 -> kMTiles = 2 (32 heads per
+// block, 4 warps per m16 tile), ceil(H / 32) head blocks.
 // Split-KV (flash-decoding): when rows * head_blocks alone leaves SMs idle, each row's tiles are
 // split over several blocks and mla_merge_kernel combines the partial (out, lse) exactly.
 //
 // Measured on an H200 (driver 580.159.04, CUDA 13.0; kvaudit bench, L2 evicted between launches,
-// device-to-device copy 4254 GB/s in the same run): decode B=64, ctx=8192, H=16, page 64:
-// 205 us = 1474 GB/s = 35% of copy (the target is 60%), 2.5x faster than the whole-pool cast
-// path; page 1: 214 us (33%); H=128: 994 us (147 TFLOP/s); B=1, ctx=32768: 38 us.
-// What limits it (ncu): warps wait on shared-memory loads (ldmatrix -> mma chains, short
-// scoreboard ~40% of stall cycles) and on the barriers between the decode, Q.K^T, softmax and
-// P.V phases; at 128 registers (two blocks per SM) the kernel spills ~44 bytes. Next steps:
-// producer/consumer warp specialization with a double-buffered bf16 tile (decode overlapping the
-// MMAs inside one block), Q fragments held in registers, wgmma. Prefill runs one block per query
-// row, so a request's KV is re-read (from L2) by each of its rows.
+// device-to-device copy ~4250 GB/s in the same run): decode B=64, ctx=8192, H=16, page 64:
+// 173 us = 1749 GB/s = 41% of copy (the target is 60%), ~3x faster than the whole-pool cast
+// path; page 1: 203 us (35%); H=128: 974 us (150 TFLOP/s); B=1, ctx=32768: 29 us.
+// What limits it (ncu): shared-memory traffic and latency (ldmatrix -> mma, short scoreboard
+// ~40% of stall cycles; two blocks per SM were no faster than one) and the barriers between the
+// decode, Q.K^T, softmax and P.V phases. Next steps: producer/consumer warp specialization with a
+// double-buffered bf16 tile (decode overlapping the MMAs), the P.V operands from registers,
+// wgmma. Prefill runs one block per query row, so a request's KV is re-read (from L2) by each of
+// its rows.
 #include <cuda_runtime.h>
 
 #include <algorithm>

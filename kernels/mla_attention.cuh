@@ -27,8 +27,9 @@
 // Per tile: the 64 FP8 rows (576 bytes each, 16-byte loads, coalesced per token, so page size 1
 // costs no more than 64) are loaded into registers while the previous tile is computed, decoded
 // once into a bf16 shared-memory tile, and that one tile serves both Q.K^T (576 columns) and P.V
-// (its first 512 columns) through mma.sync.m16n8k16 bf16 -> fp32. Q.K^T runs two accumulator
-// chains (even / odd 16-column steps) added at the end: another fp32 summation order, same bound.
+// (its first 512 columns) through mma.sync.m16n8k16 bf16 -> fp32. Q.K^T sums its 576 columns in
+// two halves (fp32, added at the end; with 32 heads per block, even / odd 16-column chains):
+// another fp32 summation order, same bound.
 //
 // Where the GPU differs from the CPU model, and by how much (the tests' tolerances):
 //   * tensor-core fp32 accumulation of the 576-term dot products and of P.V is not sequential fp32
@@ -64,8 +65,11 @@ inline constexpr int kDr = mla::kQkRopeHeadDim;   // 64
 inline constexpr int kD = mla::kRowWidth;         // 576
 // bf16 rows in shared memory are padded by 16 bytes: 1168 bytes = 292 words, 292 mod 32 = 4, so
 // the 8 rows one ldmatrix phase reads start in 8 different 4-bank groups (no bank conflicts).
-inline constexpr int kSmemRow = kD + 8;              // bf16 elements per shared row
-inline constexpr int kPRow = kTile + 8;              // bf16 elements per row of P (144 bytes)
+inline constexpr int kSmemRow = kD + 8;  // bf16 elements per shared row
+inline constexpr int kPRow = kTile + 8;  // bf16 elements per row of P (144 bytes)
+// fp32 partial-score rows: 72 words, 72 mod 32 = 8, so the float2 stores of rows g..g+3 of a
+// half-warp land in disjoint banks.
+inline constexpr int kSRow = kTile + 8;
 inline constexpr int kFp8RowVectors = kD / 16;       // 36 16-byte vectors per FP8 row
 inline constexpr int kBf16RowVectors = kD * 2 / 16;  // 72 per bf16 row
 
@@ -105,11 +109,13 @@ struct MlaSmemLayout {
   static constexpr int kPOffset = kKvOffset + kTile * kSmemRow * 2;
   static constexpr int kMaxOffset = kPOffset + kRows * kPRow * 2;
   static constexpr int kSumOffset = kMaxOffset + kRows * kWarpsPerMTile * 4;
-  static constexpr int kSlotOffset = kSumOffset + kRows * kWarpsPerMTile * 4;
+  // Partial scores of the two k halves (one m16 tile, eight warps): [2][16][kSRow] fp32.
+  static constexpr int kSPartOffset = kSumOffset + kRows * kWarpsPerMTile * 4;
+  static constexpr int kSlotOffset = kSPartOffset + (kMTiles == 1 ? 2 * 16 * kSRow * 4 : 0);
   static constexpr int kBytes = kSlotOffset + 2 * kTile * 4;  // two tiles' slot tables
-  // Blocks per SM: ~97 KB with one m16 tile (two blocks share an SM, so one block's decode and
-  // barriers overlap the other's MMAs), ~117 KB with two (one block).
-  static constexpr int kBlocksPerSm = (2 * kBytes <= 227 * 1024) ? 2 : 1;
+  // One block per SM: with one m16 tile the kernel holds Q fragments in registers (up to 255 per
+  // thread); two blocks of ~106 KB fit the shared memory but measured no faster.
+  static constexpr int kBlocksPerSm = 1;
   static_assert(kBytes <= 227 * 1024, "shared memory of one block exceeds the sm_90 limit");
 };
 
@@ -300,6 +306,7 @@ __global__ void __launch_bounds__(kThreads, (MlaSmemLayout<kMTiles, kBf16Pool>::
   float* max_s = reinterpret_cast<float*>(smem + Layout::kMaxOffset);
   float* sum_s = reinterpret_cast<float*>(smem + Layout::kSumOffset);
   std::int32_t* slot_s = reinterpret_cast<std::int32_t*>(smem + Layout::kSlotOffset);
+  float* s_part_s = reinterpret_cast<float*>(smem + Layout::kSPartOffset);
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -391,6 +398,22 @@ __global__ void __launch_bounds__(kThreads, (MlaSmemLayout<kMTiles, kBf16Pool>::
   const std::uint32_t kv_base = smem_address(kv_s);
   const std::uint32_t p_base = smem_address(p_s);
 
+  // One m16 tile over eight warps: warp (kh = wn / 4, tp = wn % 4) computes the scores of tokens
+  // 16 tp .. 16 tp + 15 (two n8 tiles) over k steps 18 kh .. 18 kh + 17. Its Q fragments for those
+  // k steps (72 registers) are loaded once per block, so Q costs no shared-memory traffic per
+  // tile; the two k halves meet in shared memory (s_part_s).
+  constexpr int kQkSteps = kD / 16 / 2;  // 18 k16 steps per half
+  std::uint32_t q_frag[kWn == 8 ? kQkSteps : 1][4];
+  if constexpr (kWn == 8) {
+    __syncthreads();  // Q staged (the FP8 path synchronised already; the bf16 path has not)
+    const int kh = wn / 4;
+    const int a_row = mt * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
+    const std::uint32_t a_addr =
+        q_base + (a_row * kSmemRow + 8 * (lane / 16)) * 2 + kh * kQkSteps * 32;
+#pragma unroll
+    for (int ks = 0; ks < kQkSteps; ++ks) ldmatrix_x4(q_frag[ks], a_addr + ks * 32);
+  }
+
   for (int tile = tile_begin; tile < tile_end; ++tile) {
     const int valid = min(kTile, range.visible - tile * kTile);  // tokens of this tile in range
     // Tokens whose rows are loaded: `valid` (the fault masked-nan-leak loads more, masked below).
@@ -445,7 +468,42 @@ __global__ void __launch_bounds__(kThreads, (MlaSmemLayout<kMTiles, kBf16Pool>::
       s2[j][0] = s2[j][1] = s2[j][2] = s2[j][3] = 0.f;
     }
     const int token0 = wn * 8 * kQkTiles;
-    {
+    if constexpr (kWn == 8) {
+      const int kh = wn / 4, tp = wn % 4;
+      float part[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+      // B x4: matrices (n tile 0, k 0-7), (n tile 0, k 8-15), (n tile 1, k 0-7), (n tile 1, k
+      // 8-15).
+      const std::uint32_t b_addr =
+          kv_base + ((16 * tp + lane % 8 + 8 * (lane / 16)) * kSmemRow + 8 * ((lane / 8) % 2)) * 2 +
+          kh * kQkSteps * 32;
+#pragma unroll
+      for (int ks = 0; ks < kQkSteps; ++ks) {
+        std::uint32_t b[4];
+        ldmatrix_x4(b, b_addr + ks * 32);
+        mma_bf16_16816(part[0], q_frag[ks], b[0], b[1]);
+        mma_bf16_16816(part[1], q_frag[ks], b[2], b[3]);
+      }
+      float* half = s_part_s + kh * 16 * kSRow;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int col = 16 * tp + 8 * j + 2 * quad;
+        *reinterpret_cast<float2*>(half + group * kSRow + col) =
+            make_float2(part[j][0], part[j][1]);
+        *reinterpret_cast<float2*>(half + (group + 8) * kSRow + col) =
+            make_float2(part[j][2], part[j][3]);
+      }
+      __syncthreads();
+      // Warp wn holds tokens 8 wn .. 8 wn + 7: S = half 0 + half 1.
+      const int col = token0 + 2 * quad;
+      const float2 r0 = *reinterpret_cast<const float2*>(s_part_s + group * kSRow + col);
+      const float2 r1 = *reinterpret_cast<const float2*>(s_part_s + (group + 8) * kSRow + col);
+      const float2 t0 = *reinterpret_cast<const float2*>(s_part_s + (16 + group) * kSRow + col);
+      const float2 t1 = *reinterpret_cast<const float2*>(s_part_s + (16 + group + 8) * kSRow + col);
+      s[0][0] = r0.x + t0.x;
+      s[0][1] = r0.y + t0.y;
+      s[0][2] = r1.x + t1.x;
+      s[0][3] = r1.y + t1.y;
+    } else {
       // ldmatrix addresses: A (Q) x4 = rows 0-7/8-15 x k 0-7/8-15; B (K) x4 = two k16 steps of
       // one n8 tile: matrices (k 0-7), (k 8-15), (k 16-23), (k 24-31).
       const int a_row = mt * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
@@ -464,12 +522,12 @@ __global__ void __launch_bounds__(kThreads, (MlaSmemLayout<kMTiles, kBf16Pool>::
           mma_bf16_16816(s2[j], a1, b[2], b[3]);
         }
       }
-    }
-    // Two accumulator chains (even / odd 16-column steps) halve the MMA dependency chain.
+      // Two accumulator chains (even / odd 16-column steps) halve the MMA dependency chain.
 #pragma unroll
-    for (int j = 0; j < kQkTiles; ++j) {
+      for (int j = 0; j < kQkTiles; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[j][e] += s2[j][e];
+        for (int e = 0; e < 4; ++e) s[j][e] += s2[j][e];
+      }
     }
     if constexpr (!kBf16Pool) {
       if (tid < kTile) slot_s[(tile % 2) * kTile + tid] = next_slot;  // tile + 2's table
