@@ -316,7 +316,7 @@ Result<std::unique_ptr<Backend>> make_backend_on_device(bool cast_whole_pool,
                                                         const BackendOptions& options) {
   const char* flag = cast_whole_pool ? "--backend cuda-cast-bf16" : "--backend cuda-fp8";
   CudaDeviceInfo device = cuda_device_info();
-  if (!device.present) return bad_input(flag, "no CUDA device: " + device.reason);
+  if (!device.present) return bad_input(flag, device.reason);
   auto injection = parse_injection(options.injection);
   if (!injection.ok()) return injection.error();
   return std::unique_ptr<Backend>(
