@@ -15,6 +15,7 @@
 
 #include "src/backend.hpp"
 #include "src/cli.hpp"
+#include "src/dump_probe.hpp"
 #include "src/injection.hpp"
 #include "src/kvdump.hpp"
 #include "src/policy.hpp"
@@ -164,6 +165,9 @@ int run_check(const CheckOptions& options) {
     return report_error(bad_input("kvaudit check", "a DUMP file is required (see --help)"));
   }
   // Validate everything before any work: dump, selection, policy, backend.
+  if (const Status probe = probe_dump_in_child(options.dump); !probe.ok()) {
+    return report_error(probe.error());
+  }
   auto reader = DumpReader::open(options.dump);
   if (!reader.ok()) return report_error(reader.error());
 

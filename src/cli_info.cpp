@@ -5,6 +5,7 @@
 #include <string>
 
 #include "src/cli.hpp"
+#include "src/dump_probe.hpp"
 #include "src/info.hpp"
 #include "src/kvdump.hpp"
 
@@ -23,6 +24,9 @@ struct InfoOptions {
 };
 
 int run_info(const InfoOptions& options) {
+  if (const Status probe = probe_dump_in_child(options.dump); !probe.ok()) {
+    return report_error(probe.error());
+  }
   auto reader = DumpReader::open(options.dump);
   if (!reader.ok()) return report_error(reader.error());
   auto info = dump_info(*reader);
