@@ -151,6 +151,7 @@ nlohmann::json to_json(const CheckRun& run) {
                          {"layer", finding.layer_id},
                          {"check", finding.check},
                          {"pass", finding.pass},
+                         {"where", finding.where},
                          {"message", finding.message},
                          {"slots", finding.slots},
                          {"classification", finding.classification}});

@@ -27,6 +27,7 @@ struct ComparisonResult {
 struct IntegrityFinding {
   int step = 0;
   int layer_id = 0;
+  std::string where;  // the dump's groups, "S001 L000" (step and layer as named in the file)
   std::string check;  // "storage", "written_slots", "unwritten_slots", "nan_written",
                       // "captured_pool", "read_consistency"
   bool pass = true;

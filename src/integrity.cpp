@@ -54,6 +54,8 @@ IntegrityFinding make_finding(const StepLayerWrites& writes, std::string check) 
   IntegrityFinding finding;
   finding.step = writes.step;
   finding.layer_id = writes.layer_id;
+  finding.where =
+      writes.where.empty() ? step_layer_name(writes.step, writes.layer_id) : writes.where;
   finding.check = std::move(check);
   return finding;
 }
@@ -64,14 +66,13 @@ void fail_with_slots(IntegrityFinding& finding, const std::vector<std::int64_t>&
   finding.pass = false;
   finding.slots.assign(slots.begin(),
                        slots.begin() + std::min<std::size_t>(slots.size(), kMaxListedSlots));
-  finding.message = step_layer_name(finding.step, finding.layer_id) + ": " +
-                    std::to_string(slots.size()) + " " + what + ": " +
+  finding.message = finding.where + ": " + std::to_string(slots.size()) + " " + what + ": " +
                     slot_list(slots, slots.size()) + (detail.empty() ? "" : " (" + detail + ")");
 }
 
 void pass_with(IntegrityFinding& finding, const std::string& what) {
   finding.pass = true;
-  finding.message = step_layer_name(finding.step, finding.layer_id) + ": " + what;
+  finding.message = finding.where + ": " + what;
 }
 
 bool element_is_nan(const KvPool& pool, std::int64_t slot, int col) {
@@ -101,9 +102,8 @@ std::vector<IntegrityFinding> check_backend_pool(const StepLayerWrites& writes,
     findings.push_back(storage);
   } else {
     storage.pass = false;
-    storage.message = step_layer_name(writes.step, writes.layer_id) +
-                      ": pool storage changed: " + kv_dtype_name(before.dtype) + " " +
-                      std::to_string(before.bytes.size()) + " bytes before the step, " +
+    storage.message = storage.where + ": pool storage changed: " + kv_dtype_name(before.dtype) +
+                      " " + std::to_string(before.bytes.size()) + " bytes before the step, " +
                       kv_dtype_name(after.dtype) + " " + std::to_string(after.bytes.size()) +
                       " bytes after";
     findings.push_back(storage);
@@ -112,8 +112,7 @@ std::vector<IntegrityFinding> check_backend_pool(const StepLayerWrites& writes,
          {"written_slots", "unwritten_slots", "nan_written", "read_consistency"}) {
       IntegrityFinding skipped = make_finding(writes, check);
       skipped.pass = false;
-      skipped.message =
-          step_layer_name(writes.step, writes.layer_id) + ": not checked, the pool storage changed";
+      skipped.message = skipped.where + ": not checked, the pool storage changed";
       findings.push_back(skipped);
     }
     return findings;
@@ -258,8 +257,8 @@ std::vector<IntegrityFinding> check_captured_pool(const StepLayerWrites& writes,
     IntegrityFinding finding = make_finding(writes, "captured_pool");
     finding.pass = false;
     finding.classification = "other";
-    finding.message = step_layer_name(writes.step, writes.layer_id) +
-                      ": captured pool has another dtype or size than the replayed pool";
+    finding.message =
+        finding.where + ": captured pool has another dtype or size than the replayed pool";
     findings.push_back(finding);
     return findings;
   }

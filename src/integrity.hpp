@@ -42,6 +42,8 @@ struct StepLayerWrites {
   std::span<const std::int32_t> slots;  // new_kv_slots: [Nq]
   std::span<const float> new_kv;        // [Nq, D], values before quantization
   float kv_scale = 1.0f;
+  // The dump's group names, "S001 L000", for messages; empty: built from step and layer_id.
+  std::string where;
 };
 
 // The checks on the pool a backend left after run_step. `before` is the backend's pool before the

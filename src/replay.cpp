@@ -367,8 +367,10 @@ Result<ReplayOutcome> replay_dump(const DumpReader& reader, Backend* backend,
         reference_pool.write_row(slot, values, layer.kv_scale);
         source.write(slot, values);
       }
-      const StepLayerWrites writes{step_number, layer.layer_id, step.new_kv_slots, tensors.new_kv,
-                                   layer.kv_scale};
+      // Messages name the dump's own groups (a dump may start at S001, or name layer 5 L000).
+      const std::string where = step.group + " " + layer.group;
+      const StepLayerWrites writes{step_number,    layer.layer_id, step.new_kv_slots,
+                                   tensors.new_kv, layer.kv_scale, where};
 
       // 2. References: R8 on the dequantized pool, Rs on the source rows.
       const TensorShape3 shape{nq, num_heads, dc};
@@ -398,7 +400,7 @@ Result<ReplayOutcome> replay_dump(const DumpReader& reader, Backend* backend,
         } else if (!noted_missing_source) {
           noted_missing_source = true;
           state.outcome.notes.push_back(
-              step_layer_name(step_number, layer.layer_id) +
+              where +
               ": the dump has no source value for some visible tokens (no kv_source); "
               "quantization and total error are not measured where that holds");
         }
@@ -417,8 +419,7 @@ Result<ReplayOutcome> replay_dump(const DumpReader& reader, Backend* backend,
         if (output->out_bf16.size() != shape.size() ||
             output->lse.size() != static_cast<std::size_t>(nq) * num_heads) {
           return internal_error(
-              step_layer_name(step_number, layer.layer_id),
-              "backend " + backend->name() + " returned out/lse of the wrong size");
+              where, "backend " + backend->name() + " returned out/lse of the wrong size");
         }
         backend_output = std::move(output.value());
         for (IntegrityFinding& finding :
@@ -467,14 +468,19 @@ Result<ReplayOutcome> replay_dump(const DumpReader& reader, Backend* backend,
                          {rs_out, rs_lse, backend_out, backend_lse});
         }
       }
-      if (tensors.out) {
-        const std::vector<double> captured_out = widen(*tensors.out);
+      if (tensors.out || tensors.lse) {
+        // out and lse are captured independently: an lse-only capture is compared on lse alone
+        // (an out shape with no dims).
+        const std::vector<double> captured_out =
+            tensors.out ? widen(*tensors.out) : std::vector<double>{};
         const std::vector<double> captured_lse =
             tensors.lse ? widen(*tensors.lse) : std::vector<double>{};
-        add_comparison(
-            state, order, step_number, step, layer.layer_id, Comparison::kCaptured, shape,
-            {r8_out, tensors.lse ? std::span<const double>(r8_lse) : std::span<const double>(),
-             captured_out, captured_lse});
+        const TensorShape3 captured_shape{nq, num_heads, tensors.out ? dc : 0};
+        add_comparison(state, order, step_number, step, layer.layer_id, Comparison::kCaptured,
+                       captured_shape,
+                       {tensors.out ? std::span<const double>(r8_out) : std::span<const double>(),
+                        tensors.lse ? std::span<const double>(r8_lse) : std::span<const double>(),
+                        captured_out, captured_lse});
       }
 
       if (options.observer) {

@@ -558,4 +558,24 @@ TEST_CASE("first divergence names the earliest step and its first failing row an
   CHECK(failing_comparisons(with_nan.run).size() == 2);
 }
 
+TEST_CASE("a captured lse without a captured out is compared on its own", "[replay]") {
+  TinyDump dump = make_tiny_dump(crafted_spec());
+  for (std::size_t s = 0; s < dump.steps.size(); ++s) {
+    for (std::size_t l = 0; l < dump.layers.size(); ++l) plant_outputs(dump, s, l, Fault::kNone);
+  }
+  // S001, layer id 5: only lse is captured, and it is off by 0.5 in one place (limit 2^-2).
+  StepLayerTensors& lse_only = dump.tensors[1][1];
+  lse_only.out.reset();
+  (*lse_only.lse)[3] += 0.5f;
+  const ReplayOutcome outcome = replay_tiny(dump, "captured_lse_only", nullptr);
+  const auto failing = failing_comparisons(outcome.run);
+  REQUIRE(failing.size() == 1);
+  CHECK(failing[0]->step == 1);
+  CHECK(failing[0]->layer_id == 5);
+  CHECK(failing[0]->comparison == Comparison::kCaptured);
+  CHECK(failing[0]->metrics.has_lse);
+  CHECK(failing[0]->metrics.elements == 0);
+  CHECK(failing[0]->metrics.lse_max_abs == Approx(0.5).epsilon(1e-3));
+}
+
 }  // namespace kvaudit
