@@ -124,6 +124,20 @@ Status launch_attention_kernel(const detail::MlaAttentionParams& params, long lo
                                cudaStream_t stream) {
   using Layout = detail::MlaSmemLayout<kMTiles, kBf16Pool>;
   auto* kernel = detail::mla_attention_kernel<kMTiles, kBf16Pool>;
+  // sm_89 and sm_120 allow 99 KiB of shared memory per block, less than a tile needs: say so as
+  // unsupported (the H100/H200/B200 class allows 227 KiB).
+  int device = 0;
+  int max_shared = 0;
+  KVAUDIT_TRY(cuda_status(cudaGetDevice(&device), "cudaGetDevice"));
+  KVAUDIT_TRY(cuda_status(
+      cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+      "cudaDeviceGetAttribute"));
+  if (static_cast<long long>(max_shared) < static_cast<long long>(Layout::kBytes)) {
+    return unsupported("launch_mla_attention",
+                       "the kernel needs " + std::to_string(Layout::kBytes) +
+                           " bytes of shared memory per block; this GPU allows " +
+                           std::to_string(max_shared));
+  }
   KVAUDIT_TRY(cuda_status(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Layout::kBytes),
       "cudaFuncSetAttribute"));

@@ -42,6 +42,8 @@
 //     rounding of <= 2^-9 relative either way, and the exact merge of the partial (out, lse) adds
 //     fp32 rounding only. The difference to the model is bounded by ~2^-8 * max|v| per output.
 //   * the final bf16 rounding of out can then land on the neighbouring bf16 value (1 bf16 ulp).
+//   * nvcc contracts l = l * alpha + tile_sum into one FMA (-fmad=true), where the model rounds
+//     the product and the sum separately: ~2^-24 relative in l, inside the fp32 terms above.
 #pragma once
 
 #include <cuda_bf16.h>

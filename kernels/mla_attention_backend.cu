@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -194,6 +195,17 @@ Result<AttentionOutput> CudaMlaBackend::run_step(const StepLayerInput& input, Kv
   const std::vector<std::uint16_t> host_q_pe = to_bf16_bits(input.tensors.q_pe);
   const std::size_t q_nope_elems = host_q.size();
   host_q.insert(host_q.end(), host_q_pe.begin(), host_q_pe.end());
+  // The device write takes bf16 bits. kvdump accepts float32 new_kv, and the write rule divides
+  // fp32(value): a value that is not a bf16 value would be rounded twice here (bf16, then e4m3),
+  // so such a step is refused by name rather than written differently from the rule.
+  for (std::size_t i = 0; i < input.tensors.new_kv.size(); ++i) {
+    const float value = input.tensors.new_kv[i];
+    if (!std::isnan(value) && bf16_round(value) != value) {
+      return unsupported(where, "new_kv[" + std::to_string(i) + "] = " + std::to_string(value) +
+                                    " is not a bf16 value; the CUDA write takes bf16 new_kv "
+                                    "(float32 new_kv needs --backend cpu-fp8)");
+    }
+  }
   const std::vector<std::uint16_t> host_new_kv = to_bf16_bits(input.tensors.new_kv);
   const std::size_t out_elems = rows_z * heads_z * dc;
   const std::size_t out_bytes = (out_elems * 2 + 15) / 16 * 16;
