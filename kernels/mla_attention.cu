@@ -119,13 +119,12 @@ float score_scale_of(const MlaAttentionProblem& problem) {
                             static_cast<double>(problem.kv_scale) * mla::kLog2e);
 }
 
+// The shared-memory opt-in of one instantiation, with the device's limit checked first: sm_89 and
+// sm_120 allow 99 KiB per block, less than a tile needs, which is unsupported rather than an
+// internal error (the H100/H200/B200 class allows 227 KiB).
 template <int kMTiles, bool kBf16Pool>
-Status launch_attention_kernel(const detail::MlaAttentionParams& params, long long blocks,
-                               cudaStream_t stream) {
+Status configure_attention_kernel() {
   using Layout = detail::MlaSmemLayout<kMTiles, kBf16Pool>;
-  auto* kernel = detail::mla_attention_kernel<kMTiles, kBf16Pool>;
-  // sm_89 and sm_120 allow 99 KiB of shared memory per block, less than a tile needs: say so as
-  // unsupported (the H100/H200/B200 class allows 227 KiB).
   int device = 0;
   int max_shared = 0;
   KVAUDIT_TRY(cuda_status(cudaGetDevice(&device), "cudaGetDevice"));
@@ -138,10 +137,21 @@ Status launch_attention_kernel(const detail::MlaAttentionParams& params, long lo
                            " bytes of shared memory per block; this GPU allows " +
                            std::to_string(max_shared));
   }
-  KVAUDIT_TRY(cuda_status(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Layout::kBytes),
-      "cudaFuncSetAttribute"));
-  kernel<<<static_cast<unsigned>(blocks), detail::kThreads, Layout::kBytes, stream>>>(params);
+  return cuda_status(
+      cudaFuncSetAttribute(detail::mla_attention_kernel<kMTiles, kBf16Pool>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, Layout::kBytes),
+      "cudaFuncSetAttribute");
+}
+
+template <int kMTiles, bool kBf16Pool>
+Status launch_attention_kernel(const detail::MlaAttentionParams& params, long long blocks,
+                               cudaStream_t stream) {
+  using Layout = detail::MlaSmemLayout<kMTiles, kBf16Pool>;
+  // Once per process (kvaudit uses device 0 only), not on every launch: the bench times launches.
+  static const Status configured = configure_attention_kernel<kMTiles, kBf16Pool>();
+  if (!configured.ok()) return configured.error();
+  detail::mla_attention_kernel<kMTiles, kBf16Pool>
+      <<<static_cast<unsigned>(blocks), detail::kThreads, Layout::kBytes, stream>>>(params);
   return cuda_status(cudaGetLastError(), "mla_attention_kernel launch");
 }
 
