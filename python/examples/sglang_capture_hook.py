@@ -45,6 +45,12 @@ Caveats:
     without calling attn_mqa; start the capture after them, or use a configuration whose extend
     path is absorbed. Likewise a call with k=None (rope fused into the cache write) has no new_kv
     to record: disable that fusion while capturing.
+  * Saturation: kvdump v1 (and kvaudit's replay) store an out-of-range quotient as +-448 (code
+    0x7E / 0xFE). SGLang writes the pool with a plain cast to torch.float8_e4m3fn, and PyTorch's
+    conversion (c10 fp8e4m3fn_from_fp32_value; the CUDA copy kernel uses it for bf16 sources) does
+    not saturate: a magnitude above 464 becomes the NaN code 0x7F / 0xFF. A captured pool can thus
+    hold NaN codes for outliers, and `kvaudit check` flags them as NaN codes against the satfinite
+    rule. That is a true difference between the server and the format; capture the pool unchanged.
   * Tensor parallelism: each rank holds its own heads; write one file per rank (path_template
     takes {rank}).
   * Copying the pool to the host costs its size (GB for long contexts) once, and once per step
