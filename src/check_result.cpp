@@ -152,9 +152,13 @@ nlohmann::json to_json(const CheckRun& run) {
                          {"check", finding.check},
                          {"pass", finding.pass},
                          {"where", finding.where},
-                         {"message", finding.message},
+                         {"detail", finding.detail},
                          {"slots", finding.slots},
-                         {"classification", finding.classification}});
+                         {"slot_count", finding.slot_count},
+                         {"classification", finding.classification},
+                         {"carried_from_step", finding.carried_from_step >= 0
+                                                   ? nlohmann::json(finding.carried_from_step)
+                                                   : nlohmann::json(nullptr)}});
   }
   j["integrity"] = std::move(integrity);
 

@@ -29,12 +29,14 @@ struct IntegrityFinding {
   int layer_id = 0;
   std::string where;  // the dump's groups, "S001 L000" (step and layer as named in the file)
   std::string check;  // "storage", "written_slots", "unwritten_slots", "nan_written",
-                      // "captured_pool", "read_consistency"
+                      // "read_consistency" (backend pool); "captured_pool"; "nan_codes_in_pool"
   bool pass = true;
-  std::string message;              // one line naming step, layer and slots
-  std::vector<std::int64_t> slots;  // first offending slots (at most a few dozen)
-  std::string classification;       // "nan_code", "bf16_high_byte", "off_by_one_code",
-                                    // "wrong_slot", "other" (captured pools)
+  std::string detail;               // one line naming step, layer and slots
+  std::vector<std::int64_t> slots;  // first offending slots (at most kMaxListedSlots)
+  std::int64_t slot_count = 0;      // how many slots offend in all (slots may list fewer)
+  std::string classification;       // "wrong_slot", "bf16_bytes", "nan_code", "off_by_one_code",
+                                    // "other" (src/integrity.hpp); empty where not a slot finding
+  int carried_from_step = -1;  // damage first seen at an earlier step (captured pools), else -1
 };
 
 // Where and how a run was made, for the report. Empty fields are filled with this process's

@@ -49,7 +49,7 @@ struct CheckOptions {
 // --list-injections: one line each, with the check meant to catch it.
 int print_injections() {
   for (const InjectionInfo& info : injection_table()) {
-    std::printf("%-22s %s\n%-22s caught by: %s\n", info.name, info.description, "", info.caught_by);
+    std::printf("%-21s %s  [caught by: %s]\n", info.name, info.description, info.caught_by);
   }
   return kExitPass;
 }

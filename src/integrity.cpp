@@ -66,13 +66,42 @@ void fail_with_slots(IntegrityFinding& finding, const std::vector<std::int64_t>&
   finding.pass = false;
   finding.slots.assign(slots.begin(),
                        slots.begin() + std::min<std::size_t>(slots.size(), kMaxListedSlots));
-  finding.message = finding.where + ": " + std::to_string(slots.size()) + " " + what + ": " +
-                    slot_list(slots, slots.size()) + (detail.empty() ? "" : " (" + detail + ")");
+  finding.slot_count = static_cast<std::int64_t>(slots.size());
+  finding.detail = finding.where + ": " + std::to_string(slots.size()) + " " + what + ": " +
+                   slot_list(slots, slots.size()) + (detail.empty() ? "" : " (" + detail + ")");
 }
 
 void pass_with(IntegrityFinding& finding, const std::string& what) {
   finding.pass = true;
-  finding.message = finding.where + ": " + what;
+  finding.detail = finding.where + ": " + what;
+}
+
+// The classes of src/integrity.hpp, in the order findings are reported.
+constexpr std::array<const char*, 5> kClasses = {"wrong_slot", "bf16_bytes", "nan_code",
+                                                 "off_by_one_code", "other"};
+
+// Failing slots split by class: one finding per class present, `what` naming the check's failure.
+void add_classified_findings(std::vector<IntegrityFinding>& findings, const StepLayerWrites& writes,
+                             const std::string& check, const std::vector<std::int64_t>& slots,
+                             const KvPool& actual, const KvPool& compared_with,
+                             const KvPool& expected, const std::string& what) {
+  std::array<std::vector<std::int64_t>, kClasses.size()> by_class;
+  for (const std::int64_t slot : slots) {
+    const std::string kind = classify_slot(writes, actual, expected, slot);
+    for (std::size_t k = 0; k < kClasses.size(); ++k) {
+      if (kind == kClasses[k]) by_class[k].push_back(slot);
+    }
+  }
+  for (std::size_t k = 0; k < kClasses.size(); ++k) {
+    if (by_class[k].empty()) continue;
+    IntegrityFinding finding = make_finding(writes, check);
+    finding.classification = kClasses[k];
+    const std::int64_t first = by_class[k].front();
+    fail_with_slots(finding, by_class[k], what + " [" + kClasses[k] + "]",
+                    "slot " + std::to_string(first) + ": " +
+                        describe_row_difference(actual, compared_with, first));
+    findings.push_back(std::move(finding));
+  }
 }
 
 bool element_is_nan(const KvPool& pool, std::int64_t slot, int col) {
@@ -102,17 +131,17 @@ std::vector<IntegrityFinding> check_backend_pool(const StepLayerWrites& writes,
     findings.push_back(storage);
   } else {
     storage.pass = false;
-    storage.message = storage.where + ": pool storage changed: " + kv_dtype_name(before.dtype) +
-                      " " + std::to_string(before.bytes.size()) + " bytes before the step, " +
-                      kv_dtype_name(after.dtype) + " " + std::to_string(after.bytes.size()) +
-                      " bytes after";
+    storage.detail = storage.where + ": pool storage changed: " + kv_dtype_name(before.dtype) +
+                     " " + std::to_string(before.bytes.size()) + " bytes before the step, " +
+                     kv_dtype_name(after.dtype) + " " + std::to_string(after.bytes.size()) +
+                     " bytes after";
     findings.push_back(storage);
     // Nothing below can be compared byte for byte; say so rather than guess.
     for (const char* check :
          {"written_slots", "unwritten_slots", "nan_written", "read_consistency"}) {
       IntegrityFinding skipped = make_finding(writes, check);
       skipped.pass = false;
-      skipped.message = skipped.where + ": not checked, the pool storage changed";
+      skipped.detail = skipped.where + ": not checked, the pool storage changed";
       findings.push_back(skipped);
     }
     return findings;
@@ -122,11 +151,14 @@ std::vector<IntegrityFinding> check_backend_pool(const StepLayerWrites& writes,
   std::vector<char> written(static_cast<std::size_t>(before.num_slots), 0);
   for (const std::int32_t slot : writes.slots) written[slot] = 1;
 
-  // written_slots and nan_written
+  // written_slots and nan_written (a slot written twice in one step is listed once)
   std::vector<std::int64_t> wrong_written;
   std::vector<std::int64_t> nan_slots;
+  std::vector<char> listed(static_cast<std::size_t>(before.num_slots), 0);
   for (std::size_t i = 0; i < writes.slots.size(); ++i) {
     const std::int64_t slot = writes.slots[i];
+    if (listed[slot]) continue;
+    listed[slot] = 1;
     if (!rows_equal(after, slot, expected, slot)) wrong_written.push_back(slot);
     for (int c = 0; c < width; ++c) {
       const float value = writes.new_kv[i * width + c];
@@ -136,31 +168,29 @@ std::vector<IntegrityFinding> check_backend_pool(const StepLayerWrites& writes,
       }
     }
   }
-  IntegrityFinding written_finding = make_finding(writes, "written_slots");
   if (wrong_written.empty()) {
+    IntegrityFinding written_finding = make_finding(writes, "written_slots");
     pass_with(written_finding, std::to_string(writes.slots.size()) +
                                    " written slot(s) hold kvdump_quantize(new_kv, kv_scale)");
+    findings.push_back(written_finding);
   } else {
-    fail_with_slots(written_finding, wrong_written,
-                    "written slot(s) do not hold kvdump_quantize(new_kv, kv_scale)",
-                    "slot " + std::to_string(wrong_written.front()) + ": " +
-                        describe_row_difference(after, expected, wrong_written.front()));
+    add_classified_findings(findings, writes, "written_slots", wrong_written, after, expected,
+                            expected,
+                            "written slot(s) do not hold kvdump_quantize(new_kv, kv_scale)");
   }
-  findings.push_back(written_finding);
 
   std::vector<std::int64_t> changed;
   for (std::int64_t slot = 0; slot < before.num_slots; ++slot) {
     if (!written[slot] && !rows_equal(after, slot, before, slot)) changed.push_back(slot);
   }
-  IntegrityFinding unwritten_finding = make_finding(writes, "unwritten_slots");
   if (changed.empty()) {
+    IntegrityFinding unwritten_finding = make_finding(writes, "unwritten_slots");
     pass_with(unwritten_finding, "every slot the step did not write is unchanged");
+    findings.push_back(unwritten_finding);
   } else {
-    fail_with_slots(unwritten_finding, changed, "slot(s) the step did not write changed",
-                    "slot " + std::to_string(changed.front()) + ": " +
-                        describe_row_difference(after, before, changed.front()));
+    add_classified_findings(findings, writes, "unwritten_slots", changed, after, before, expected,
+                            "slot(s) the step did not write changed");
   }
-  findings.push_back(unwritten_finding);
 
   IntegrityFinding nan_finding = make_finding(writes, "nan_written");
   if (nan_slots.empty()) {
@@ -168,6 +198,7 @@ std::vector<IntegrityFinding> check_backend_pool(const StepLayerWrites& writes,
   } else {
     fail_with_slots(nan_finding, nan_slots, "written slot(s) hold a NaN code for a finite value",
                     "");
+    nan_finding.classification = "nan_code";
   }
   findings.push_back(nan_finding);
 
@@ -189,88 +220,166 @@ std::vector<IntegrityFinding> check_backend_pool(const StepLayerWrites& writes,
   return findings;
 }
 
-std::string classify_captured_slot(const StepLayerWrites& writes, const KvPool& captured,
-                                   const KvPool& expected, std::int64_t slot) {
+namespace {
+
+// Byte `index` of the little-endian bf16 row bf16(values[0 .. D)) (two bytes per element).
+std::uint8_t bf16_row_byte(const float* values, int index, float divisor) {
+  const std::uint16_t bits = bf16_from_float(values[index / 2] / divisor);
+  return static_cast<std::uint8_t>(index % 2 == 0 ? bits & 0xFF : bits >> 8);
+}
+
+// Whether every byte of `got` that differs from `want` is byte (offset + c) of the little-endian
+// bf16 row of `values` (raw or divided by kv_scale): a bf16 store of that row over this slot.
+bool holds_bf16_row_bytes(const std::uint8_t* got, const std::uint8_t* want, const float* values,
+                          int width, int offset, float kv_scale) {
+  for (const float divisor : {1.0f, kv_scale}) {
+    bool all = true;
+    for (int c = 0; c < width && all; ++c) {
+      all = got[c] == want[c] || got[c] == bf16_row_byte(values, offset + c, divisor);
+    }
+    if (all) return true;
+  }
+  return false;
+}
+
+// Whether every differing byte is the high byte of bf16(x) or bf16(x / kv_scale), element-wise.
+bool holds_bf16_high_bytes(const std::uint8_t* got, const std::uint8_t* want, const float* values,
+                           int width, float kv_scale) {
+  for (int c = 0; c < width; ++c) {
+    if (got[c] == want[c]) continue;
+    const auto high = static_cast<std::uint8_t>(bf16_from_float(values[c]) >> 8);
+    const auto high_scaled = static_cast<std::uint8_t>(bf16_from_float(values[c] / kv_scale) >> 8);
+    if (got[c] != high && got[c] != high_scaled) return false;
+  }
+  return true;
+}
+
+// The row index of new_kv the step wrote into `slot` (the last one when written twice), or -1.
+int written_row(const StepLayerWrites& writes, std::int64_t slot) {
+  int row = -1;
+  for (std::size_t i = 0; i < writes.slots.size(); ++i) {
+    if (writes.slots[i] == slot) row = static_cast<int>(i);
+  }
+  return row;
+}
+
+}  // namespace
+
+std::string classify_slot(const StepLayerWrites& writes, const KvPool& actual,
+                          const KvPool& expected, std::int64_t slot) {
   const int width = expected.row_width;
   // wrong_slot: a row this step wrote for another slot landed here, or this slot's own row landed
   // in a neighbour (a write to slot +-1).
   for (const std::int32_t other : writes.slots) {
     if (other != slot && !rows_equal(expected, other, expected, slot) &&
-        rows_equal(captured, slot, expected, other)) {
+        rows_equal(actual, slot, expected, other)) {
       return "wrong_slot";
     }
   }
-  const bool slot_written =
-      std::find(writes.slots.begin(), writes.slots.end(), slot) != writes.slots.end();
+  const int row = written_row(writes, slot);
   for (const std::int64_t neighbour : {slot - 1, slot + 1}) {
-    if (slot_written && neighbour >= 0 && neighbour < expected.num_slots &&
-        !rows_equal(captured, neighbour, expected, neighbour) &&
-        rows_equal(captured, neighbour, expected, slot)) {
+    if (row >= 0 && neighbour >= 0 && neighbour < expected.num_slots &&
+        !rows_equal(actual, neighbour, expected, neighbour) &&
+        rows_equal(actual, neighbour, expected, slot)) {
       return "wrong_slot";
     }
   }
 
   if (expected.dtype == KvDtype::kBfloat16) {
     for (int c = 0; c < width; ++c) {
-      if (element_is_nan(captured, slot, c) && !element_is_nan(expected, slot, c))
-        return "nan_code";
+      if (element_is_nan(actual, slot, c) && !element_is_nan(expected, slot, c)) return "nan_code";
     }
     return "other";
   }
 
-  // The value this slot was written from, when the step wrote it.
-  int row = -1;
-  for (std::size_t i = 0; i < writes.slots.size(); ++i) {
-    if (writes.slots[i] == slot) row = static_cast<int>(i);
-  }
-  const std::uint8_t* got = captured.row(slot);
+  const std::uint8_t* got = actual.row(slot);
   const std::uint8_t* want = expected.row(slot);
-  bool all_bf16_high = row >= 0;
+  // bf16_bytes: this slot's row as bf16 (high bytes, or the first half of the 2-byte row), or the
+  // spill of the previous slot's bf16 row (its second half).
+  if (row >= 0) {
+    const float* values = writes.new_kv.data() + static_cast<std::size_t>(row) * width;
+    if (holds_bf16_high_bytes(got, want, values, width, writes.kv_scale) ||
+        holds_bf16_row_bytes(got, want, values, width, 0, writes.kv_scale)) {
+      return "bf16_bytes";
+    }
+  }
+  const int previous_row = slot > 0 ? written_row(writes, slot - 1) : -1;
+  if (previous_row >= 0) {
+    const float* values = writes.new_kv.data() + static_cast<std::size_t>(previous_row) * width;
+    if (holds_bf16_row_bytes(got, want, values, width, width, writes.kv_scale)) {
+      return "bf16_bytes";
+    }
+  }
+
   bool any_nan = false;
   bool all_off_by_one = true;
   for (int c = 0; c < width; ++c) {
     if (got[c] == want[c]) continue;
-    if (row >= 0) {
-      const float value = writes.new_kv[static_cast<std::size_t>(row) * width + c];
-      const auto high = static_cast<std::uint8_t>(bf16_from_float(value) >> 8);
-      const auto high_scaled =
-          static_cast<std::uint8_t>(bf16_from_float(value / writes.kv_scale) >> 8);
-      all_bf16_high &= got[c] == high || got[c] == high_scaled;
-    }
     any_nan |= e4m3_is_nan(got[c]) && !e4m3_is_nan(want[c]);
     const bool same_sign = (got[c] & 0x80) == (want[c] & 0x80);
     const int distance =
         std::abs(static_cast<int>(got[c] & 0x7F) - static_cast<int>(want[c] & 0x7F));
     all_off_by_one &= same_sign && distance == 1 && !e4m3_is_nan(got[c]);
   }
-  if (all_bf16_high) return "bf16_high_byte";
   if (any_nan) return "nan_code";
   if (all_off_by_one) return "off_by_one_code";
   return "other";
 }
 
+const PoolDamageHistory::Entry* PoolDamageHistory::find(std::int64_t slot) const {
+  const auto it = entries_.find(slot);
+  return it == entries_.end() ? nullptr : &it->second;
+}
+
+void PoolDamageHistory::record(std::int64_t slot, int step, const std::string& classification) {
+  entries_[slot] = Entry{step, classification};
+}
+
+void PoolDamageHistory::forget(std::int64_t slot) { entries_.erase(slot); }
+
 std::vector<IntegrityFinding> check_captured_pool(const StepLayerWrites& writes,
-                                                  const KvPool& captured, const KvPool& expected) {
+                                                  const KvPool& captured, const KvPool& expected,
+                                                  PoolDamageHistory* history) {
   std::vector<IntegrityFinding> findings;
   if (captured.dtype != expected.dtype || captured.bytes.size() != expected.bytes.size() ||
       captured.row_width != expected.row_width) {
     IntegrityFinding finding = make_finding(writes, "captured_pool");
     finding.pass = false;
     finding.classification = "other";
-    finding.message =
+    finding.detail =
         finding.where + ": captured pool has another dtype or size than the replayed pool";
     findings.push_back(finding);
     return findings;
   }
-  static constexpr std::array<const char*, 5> kClasses = {"nan_code", "bf16_high_byte",
-                                                          "off_by_one_code", "wrong_slot", "other"};
+  std::vector<char> written(static_cast<std::size_t>(expected.num_slots), 0);
+  for (const std::int32_t slot : writes.slots) written[slot] = 1;
+
+  // New damage by class; carried damage by (class, first step).
   std::array<std::vector<std::int64_t>, kClasses.size()> by_class;
-  if (captured.bytes != expected.bytes) {
-    for (std::int64_t slot = 0; slot < expected.num_slots; ++slot) {
-      if (rows_equal(captured, slot, expected, slot)) continue;
-      const std::string kind = classify_captured_slot(writes, captured, expected, slot);
-      for (std::size_t k = 0; k < kClasses.size(); ++k) {
-        if (kind == kClasses[k]) by_class[k].push_back(slot);
+  std::map<std::pair<std::size_t, int>, std::vector<std::int64_t>> carried;
+  const bool identical = captured.bytes == expected.bytes;
+  if (identical && history != nullptr) *history = PoolDamageHistory{};
+  for (std::int64_t slot = 0; slot < expected.num_slots && !identical; ++slot) {
+    if (rows_equal(captured, slot, expected, slot)) {
+      if (history != nullptr) history->forget(slot);
+      continue;
+    }
+    const PoolDamageHistory::Entry* seen = history != nullptr ? history->find(slot) : nullptr;
+    std::string kind;
+    int first_step = writes.step;
+    if (seen != nullptr && !written[slot]) {
+      kind = seen->classification;
+      first_step = seen->first_step;
+    } else {
+      kind = classify_slot(writes, captured, expected, slot);
+      if (history != nullptr) history->record(slot, writes.step, kind);
+    }
+    for (std::size_t k = 0; k < kClasses.size(); ++k) {
+      if (kind != kClasses[k]) continue;
+      if (first_step == writes.step) {
+        by_class[k].push_back(slot);
+      } else {
+        carried[{k, first_step}].push_back(slot);
       }
     }
   }
@@ -286,12 +395,55 @@ std::vector<IntegrityFinding> check_captured_pool(const StepLayerWrites& writes,
             describe_row_difference(captured, expected, first));
     findings.push_back(finding);
   }
+  for (const auto& [key, slots] : carried) {
+    IntegrityFinding finding = make_finding(writes, "captured_pool");
+    finding.classification = kClasses[key.first];
+    finding.carried_from_step = key.second;
+    fail_with_slots(finding, slots,
+                    std::string("slot(s) of the captured pool still differ from the replay [") +
+                        kClasses[key.first] + ", first seen at step " + std::to_string(key.second) +
+                        "]",
+                    "");
+    findings.push_back(finding);
+  }
   if (findings.empty()) {
     IntegrityFinding finding = make_finding(writes, "captured_pool");
     pass_with(finding, "captured pool equals the replayed pool");
     findings.push_back(finding);
   }
   return findings;
+}
+
+std::optional<IntegrityFinding> report_nan_codes(const StepLayerWrites& writes, const KvPool& pool,
+                                                 std::span<const std::int64_t> visible) {
+  std::vector<char> read(static_cast<std::size_t>(pool.num_slots), 0);
+  for (const std::int64_t slot : visible) read[slot] = 1;
+  std::vector<std::int64_t> slots;
+  std::int64_t codes = 0;
+  std::int64_t read_slots = 0;
+  for (std::int64_t slot = 0; slot < pool.num_slots; ++slot) {
+    std::int64_t in_slot = 0;
+    for (int c = 0; c < pool.row_width; ++c) in_slot += element_is_nan(pool, slot, c);
+    if (in_slot == 0) continue;
+    codes += in_slot;
+    slots.push_back(slot);
+    read_slots += read[slot];
+  }
+  if (slots.empty()) return std::nullopt;
+  IntegrityFinding finding = make_finding(writes, "nan_codes_in_pool");
+  finding.pass = true;  // data, not a failure (kvdump-v1 "Errors")
+  finding.slots.assign(slots.begin(),
+                       slots.begin() + std::min<std::size_t>(slots.size(), kMaxListedSlots));
+  finding.slot_count = static_cast<std::int64_t>(slots.size());
+  finding.classification = "nan_code";
+  std::ostringstream text;
+  text << finding.where << ": the pool holds " << codes << " NaN code(s) in "
+       << slot_list(slots, slots.size())
+       << " (data, not a failure): " << slots.size() - static_cast<std::size_t>(read_slots)
+       << " slot(s) no request of this step reads, " << read_slots
+       << " read (the reference is NaN where a row reads one; a backend output must match)";
+  finding.detail = text.str();
+  return finding;
 }
 
 }  // namespace kvaudit

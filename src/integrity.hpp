@@ -13,17 +13,30 @@
 //   unwritten_slots  every other slot is bitwise equal to the copy taken before the step
 //   nan_written      no written slot holds a NaN code where its input value was not NaN
 //   read_consistency the whole pool equals the reference pool (what later steps will read)
-// Captured pool (kv_cache_after in the dump), against the expected pool: differing slots are
-// listed and classified per slot as
-//   wrong_slot      its row equals the expected row of another written slot or of a neighbour
-//   bf16_high_byte  every differing byte is the high byte of the bf16 bits of the value (BF16
-//                   written back into FP8 slots)
+// Captured pool (kv_cache_after in the dump), against the expected pool:
+//   captured_pool    equal, or one failing finding per classification of the differing slots
+// Either pool, as data (always passes): nan_codes_in_pool, the NaN codes the reference pool holds
+// (legal in unused slots, kvdump-v1 "Errors"), split into slots the step's attention reads and
+// slots it does not.
+//
+// A slot that differs from the expected pool is classified (written_slots, unwritten_slots and
+// captured_pool findings carry the class):
+//   wrong_slot      its row equals the expected row of another slot the step wrote, or its own
+//                   expected row landed in a neighbour (a write to slot +-1)
+//   bf16_bytes      BF16 bits in an FP8 slot: every differing byte is the high byte of bf16(x)
+//                   (or of bf16(x / kv_scale)); or the slot holds the little-endian bf16 row
+//                   (2 bytes per element, elements 0 .. D/2-1); or it is the next slot and holds
+//                   the spill of that row (elements D/2 .. D-1)
 //   nan_code        it holds a NaN code (0x7F / 0xFF) where a finite code was expected
 //   off_by_one_code every differing code is one step from the expected code (wrong rounding)
 //   other           anything else
+// Damage of a captured pool that persists into later steps keeps the class and step it was first
+// seen with (PoolDamageHistory), so a later step reports it as carried, not as new damage.
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -46,6 +59,22 @@ struct StepLayerWrites {
   std::string where;
 };
 
+// Slot-level damage of a captured pool seen so far: slot -> (step first seen, class).
+class PoolDamageHistory {
+ public:
+  struct Entry {
+    int first_step = 0;
+    std::string classification;
+  };
+  const Entry* find(std::int64_t slot) const;
+  void record(std::int64_t slot, int step, const std::string& classification);
+  void forget(std::int64_t slot);  // the slot is back to its expected bytes
+  std::size_t size() const { return entries_.size(); }
+
+ private:
+  std::map<std::int64_t, Entry> entries_;
+};
+
 // The checks on the pool a backend left after run_step. `before` is the backend's pool before the
 // step, `expected` the reference pool after the step's writes, `expected_dtype` / `expected_bytes`
 // what the storage was before the step. Returns one finding per check (pass or fail).
@@ -54,13 +83,22 @@ std::vector<IntegrityFinding> check_backend_pool(const StepLayerWrites& writes,
                                                  const KvPool& expected);
 
 // The captured pool after the step (kv_cache_after) against the expected pool. Returns one passing
-// finding when they are equal, else one failing finding per classification present.
+// finding when they are equal, else one failing finding per classification present (new damage
+// and damage carried from an earlier step apart). `history` (may be null) carries the damage
+// from step to step of one layer; it is updated.
 std::vector<IntegrityFinding> check_captured_pool(const StepLayerWrites& writes,
-                                                  const KvPool& captured, const KvPool& expected);
+                                                  const KvPool& captured, const KvPool& expected,
+                                                  PoolDamageHistory* history = nullptr);
 
-// Classification of one slot of a captured pool that differs from the expected pool.
-std::string classify_captured_slot(const StepLayerWrites& writes, const KvPool& captured,
-                                   const KvPool& expected, std::int64_t slot);
+// Classification of one slot of `actual` that differs from `expected` (names above).
+std::string classify_slot(const StepLayerWrites& writes, const KvPool& actual,
+                          const KvPool& expected, std::int64_t slot);
+
+// NaN codes held by `pool` (the reference pool after the step's writes), reported as data: a
+// passing finding naming the slots, split by whether `visible` (the slots the step's attention
+// reads, any order) holds them. No finding when the pool holds none.
+std::optional<IntegrityFinding> report_nan_codes(const StepLayerWrites& writes, const KvPool& pool,
+                                                 std::span<const std::int64_t> visible);
 
 // "S001 L003" style prefix used in messages.
 std::string step_layer_name(int step, int layer_id);

@@ -338,6 +338,7 @@ Result<ReplayOutcome> replay_dump(const DumpReader& reader, Backend* backend,
     if (!pool.ok()) return pool.error();
     KvPool reference_pool = std::move(pool.value());
     KvPool backend_pool = reference_pool;
+    PoolDamageHistory captured_damage;  // slots of kv_cache_after that differ, step to step
 
     SourceRows source(num_slots, width);
     if (layer.has_source) {
@@ -427,7 +428,7 @@ Result<ReplayOutcome> replay_dump(const DumpReader& reader, Backend* backend,
           if (reported) {
             run.integrity.push_back(std::move(finding));
           } else if (!finding.pass) {
-            state.outcome.notes.push_back("(step not reported) " + finding.message);
+            state.outcome.notes.push_back("(step not reported) " + finding.detail);
           }
         }
         // A backend that changed its storage cannot be replayed further on its own pool: give it
@@ -440,16 +441,22 @@ Result<ReplayOutcome> replay_dump(const DumpReader& reader, Backend* backend,
 
       // Captured pool after the step.
       if (tensors.kv_cache_after) {
-        for (IntegrityFinding& finding :
-             check_captured_pool(writes, *tensors.kv_cache_after, reference_pool)) {
+        for (IntegrityFinding& finding : check_captured_pool(writes, *tensors.kv_cache_after,
+                                                             reference_pool, &captured_damage)) {
           if (reported) {
             run.integrity.push_back(std::move(finding));
           } else if (!finding.pass) {
-            state.outcome.notes.push_back("(step not reported) " + finding.message);
+            state.outcome.notes.push_back("(step not reported) " + finding.detail);
           }
         }
       }
       if (!reported) continue;
+
+      // NaN codes in the reference pool: data (unused slots may hold them), reported per step.
+      if (auto nan_codes =
+              report_nan_codes(writes, reference_pool, visible_slots(step, attrs.page_size))) {
+        run.integrity.push_back(std::move(*nan_codes));
+      }
 
       // 4. Comparisons.
       std::vector<double> backend_out;

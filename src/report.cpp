@@ -284,7 +284,7 @@ void integrity_section(std::ostream& md, const CheckRun& run) {
       slots += (slots.empty() ? "" : ", ") + std::to_string(slot);
     md << "| " << f.step << " | " << f.layer_id << " | " << cell(f.check) << " | "
        << (f.pass ? "PASS" : "**FAIL**") << " | " << cell(f.classification) << " | " << cell(slots)
-       << " | " << cell(f.message) << " |\n";
+       << " | " << cell(f.detail) << " |\n";
   }
   md << "\n";
 }
@@ -354,7 +354,7 @@ void print_integrity_failures(std::ostream& out, const CheckRun& run) {
     }
     out << "  step " << f.step << " layer " << f.layer_id << " " << f.check;
     if (!f.classification.empty()) out << " [" << f.classification << "]";
-    out << ": " << f.message << "\n";
+    out << ": " << f.detail << "\n";
   }
 }
 

@@ -1,7 +1,8 @@
-// Mutation test of the harness: every fault of src/injection.hpp, injected into the cpu-fp8
-// backend on the shipped dumps, must be caught by the check meant for it (exit 1 and a message
-// naming the check, step and layer), and the clean run must pass. The whole-pool cast is
-// numerically exact, so `check` passes it; the bench's pool sweep is what catches it (GPU).
+// Mutation test of the harness on the CPU backend (runs in CI): every fault of src/injection.hpp,
+// injected into cpu-fp8 on every shipped dump, must be caught by the check meant for it, with
+// exit 1 and findings naming step, layer and slots (write faults) or step, layer, request, row
+// and head (read faults); clean runs pass. The matrix and its assertions are in
+// injection_matrix.hpp, shared with the cuda-fp8 run (test_injections_cuda.cpp, [gpu]).
 #include <sys/wait.h>
 
 #include <catch2/catch.hpp>
@@ -11,6 +12,7 @@
 #include <sstream>
 #include <string>
 
+#include "kernels/injection_matrix.hpp"
 #include "src/injection.hpp"
 
 namespace {
@@ -36,44 +38,18 @@ CommandOutcome run_check(const std::string& dump, const std::string& injection) 
   return outcome;
 }
 
-struct InjectionCase {
-  const char* injection;
-  const char* dump;      // the shipped dump that holds what the fault needs
-  const char* evidence;  // text the check that catches it prints
-};
-
-// no-saturation needs values past 448 * kv_scale (saturated_page16.h5); masked-nan-leak needs NaN
-// codes in unused slots of a last page (page64_nan.h5).
-constexpr InjectionCase kCaught[] = {
-    {"bf16-writeback", "glm5_page1.h5", "written_slots: S000 L000"},
-    {"round-toward-zero", "glm5_page1.h5", "written_slots: S000 L000"},
-    {"no-saturation", "saturated_page16.h5", "nan_written"},
-    {"scale-mismatch", "glm5_page1.h5", "first divergence (kernel): step 0 layer 0"},
-    {"neighbour-slot-write", "glm5_page1.h5", "unwritten_slots: S000 L000"},
-    {"fp8-read-as-bf16", "glm5_page1.h5", "first divergence (kernel): step 0 layer 0"},
-    {"masked-nan-leak", "page64_nan.h5", "NaN/Inf mismatches"},
-};
-
 }  // namespace
 
-TEST_CASE("every injected fault is caught by its check; clean runs pass", "[injection][cli]") {
-  for (const char* dump : {"glm5_page1.h5", "page64_nan.h5", "saturated_page16.h5"}) {
-    const CommandOutcome clean = run_check(dump, "none");
-    INFO(dump << " clean:\n" << clean.output);
-    CHECK(clean.exit_status == 0);
-    CHECK(clean.output.find("verdict: PASS") != std::string::npos);
+TEST_CASE("cpu-fp8: every injected fault on every shipped dump is caught by its check",
+          "[injection][cli]") {
+  // Every catalogued injection has a row in the matrix (plus "none").
+  REQUIRE(std::size(kvaudit_test::kInjectionMatrix) == kvaudit::injection_table().size() + 1);
+  for (const auto& expectation : kvaudit_test::kInjectionMatrix) {
+    REQUIRE(kvaudit::parse_injection(expectation.injection).ok());
+    for (const char* dump : kvaudit_test::kShippedDumps) {
+      kvaudit_test::require_injection_outcome("cpu-fp8", dump, expectation);
+    }
   }
-  int covered = 0;
-  for (const InjectionCase& c : kCaught) {
-    const CommandOutcome outcome = run_check(c.dump, c.injection);
-    INFO(c.injection << " on " << c.dump << ":\n" << outcome.output);
-    CHECK(outcome.exit_status == 1);
-    CHECK(outcome.output.find("verdict: FAIL") != std::string::npos);
-    CHECK(outcome.output.find(c.evidence) != std::string::npos);
-    ++covered;
-  }
-  // Every catalogued numerical fault has a case above; the cast is the one that is not numerical.
-  CHECK(covered + 1 == static_cast<int>(kvaudit::injection_table().size()));
 }
 
 TEST_CASE("the whole-pool cast is numerically exact, so check passes it (bench catches it)",

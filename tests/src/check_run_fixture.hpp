@@ -60,16 +60,16 @@ inline CheckRun make_failing_run() {
   ok.layer_id = 0;
   ok.check = "written_slots";
   ok.pass = true;
-  ok.message = "step 0 layer 0: 4 written slots hold e4m3_rne_satfinite(x / kv_scale)";
+  ok.detail = "step 0 layer 0: 4 written slots hold e4m3_rne_satfinite(x / kv_scale)";
   run.integrity.push_back(ok);
   IntegrityFinding bad;
   bad.step = 1;
   bad.layer_id = 3;
-  bad.check = "storage";
+  bad.check = "written_slots";
   bad.pass = false;
-  bad.message = "step 1 layer 3: slots 12, 13 hold bf16 high bytes";
+  bad.detail = "step 1 layer 3: slots 12, 13 hold bf16 bytes";
   bad.slots = {12, 13};
-  bad.classification = "bf16_high_byte";
+  bad.classification = "bf16_bytes";
   run.integrity.push_back(bad);
 
   run.reference_seconds = 2.0;

@@ -87,10 +87,15 @@ TEST_CASE("report.json schema of a failing run", "[check_result]") {
 
   const nlohmann::json& integrity = j.at("integrity");
   REQUIRE(integrity.size() == 2);
-  CHECK(integrity[1].at("check") == "storage");
+  CHECK(integrity[1].at("check") == "written_slots");
   CHECK(integrity[1].at("pass") == false);
   CHECK(integrity[1].at("slots") == nlohmann::json({12, 13}));
-  CHECK(integrity[1].at("classification") == "bf16_high_byte");
+  CHECK(integrity[1].at("classification") == "bf16_bytes");
+  CHECK(integrity[1].at("detail") == "step 1 layer 3: slots 12, 13 hold bf16 bytes");
+  for (const char* key : {"step", "layer", "check", "pass", "slots", "detail"}) {
+    INFO(key);
+    CHECK(integrity[0].contains(key));
+  }
   CHECK(integrity[1].at("layer") == 3);
 
   // 1e6 rows*heads*tokens in 2 s.

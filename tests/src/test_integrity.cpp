@@ -57,7 +57,7 @@ TEST_CASE("backend pool that wrote exactly the step's slots passes every check",
   const auto findings = check_backend_pool(s.writes(), s.before, s.expected, s.expected);
   REQUIRE(findings.size() == 5);
   for (const IntegrityFinding& f : findings) {
-    INFO(f.check << ": " << f.message);
+    INFO(f.check << ": " << f.detail);
     CHECK(f.pass);
     CHECK(f.step == 3);
     CHECK(f.layer_id == 7);
@@ -75,10 +75,11 @@ TEST_CASE("write to the neighbouring slot fails written and unwritten checks nam
   const IntegrityFinding& written = finding(findings, "written_slots");
   CHECK_FALSE(written.pass);
   CHECK(written.slots == std::vector<std::int64_t>{5});
-  CHECK_THAT(written.message, Catch::Contains("S003 L007") && Catch::Contains("slot 5"));
+  CHECK_THAT(written.detail, Catch::Contains("S003 L007") && Catch::Contains("slot 5"));
   const IntegrityFinding& unwritten = finding(findings, "unwritten_slots");
   CHECK_FALSE(unwritten.pass);
   CHECK(unwritten.slots == std::vector<std::int64_t>{6});
+  CHECK(unwritten.classification == "wrong_slot");
   const IntegrityFinding& consistency = finding(findings, "read_consistency");
   CHECK_FALSE(consistency.pass);
   CHECK(consistency.slots == std::vector<std::int64_t>{5, 6});
@@ -103,7 +104,7 @@ TEST_CASE("a pool whose storage became bf16 fails storage", "[integrity]") {
   const auto findings = check_backend_pool(s.writes(), s.before, after, s.expected);
   const IntegrityFinding& storage = finding(findings, "storage");
   CHECK_FALSE(storage.pass);
-  CHECK_THAT(storage.message, Catch::Contains("bfloat16"));
+  CHECK_THAT(storage.detail, Catch::Contains("bfloat16"));
   CHECK(std::none_of(findings.begin(), findings.end(), [](const auto& f) { return f.pass; }));
 }
 
@@ -114,7 +115,7 @@ TEST_CASE("captured pool: equal passes, corruptions are classified per slot", "[
     REQUIRE(findings.size() == 1);
     CHECK(findings[0].pass);
   }
-  SECTION("bf16 high bytes in a written slot") {
+  SECTION("bf16 high bytes in a written slot (the bytes a bf16 -> u8 truncation leaves)") {
     KvPool captured = s.expected;
     for (int c = 0; c < kWidth; ++c) {
       captured.row(5)[c] = static_cast<std::uint8_t>(bf16_from_float(s.new_kv[kWidth + c]) >> 8);
@@ -122,7 +123,7 @@ TEST_CASE("captured pool: equal passes, corruptions are classified per slot", "[
     const auto findings = check_captured_pool(s.writes(), captured, s.expected);
     REQUIRE(findings.size() == 1);
     CHECK_FALSE(findings[0].pass);
-    CHECK(findings[0].classification == "bf16_high_byte");
+    CHECK(findings[0].classification == "bf16_bytes");
     CHECK(findings[0].slots == std::vector<std::int64_t>{5});
   }
   SECTION("NaN where satfinite stores 448") {
@@ -149,7 +150,7 @@ TEST_CASE("captured pool: equal passes, corruptions are classified per slot", "[
     REQUIRE(findings.size() == 1);
     CHECK(findings[0].classification == "wrong_slot");
     CHECK(findings[0].slots == std::vector<std::int64_t>{5, 6});
-    CHECK_THAT(findings[0].message, Catch::Contains("S003 L007"));
+    CHECK_THAT(findings[0].detail, Catch::Contains("S003 L007"));
   }
   SECTION("an unwritten slot that changed") {
     KvPool captured = s.expected;
@@ -159,6 +160,97 @@ TEST_CASE("captured pool: equal passes, corruptions are classified per slot", "[
     CHECK(findings[0].classification == "other");
     CHECK(findings[0].slots == std::vector<std::int64_t>{0});
   }
+  SECTION("a real bf16 store: 2 bytes per element over the slot, spilling into the next") {
+    // The little-endian bf16 row of slot 5's values is 2 * kWidth bytes: the first kWidth land
+    // in slot 5, the rest in slot 6. Built here byte by byte from bf16_from_float.
+    KvPool captured = s.expected;
+    std::vector<std::uint8_t> row_bytes;
+    for (int c = 0; c < kWidth; ++c) {
+      const std::uint16_t bits = bf16_from_float(s.new_kv[kWidth + c]);
+      row_bytes.push_back(static_cast<std::uint8_t>(bits & 0xFF));
+      row_bytes.push_back(static_cast<std::uint8_t>(bits >> 8));
+    }
+    std::copy_n(row_bytes.begin(), kWidth, captured.row(5));
+    std::copy_n(row_bytes.begin() + kWidth, kWidth, captured.row(6));
+    const auto findings = check_captured_pool(s.writes(), captured, s.expected);
+    REQUIRE(findings.size() == 1);
+    CHECK_FALSE(findings[0].pass);
+    CHECK(findings[0].classification == "bf16_bytes");
+    CHECK(findings[0].slots == std::vector<std::int64_t>{5, 6});
+    CHECK(findings[0].slot_count == 2);
+  }
+}
+
+TEST_CASE("backend pool: failing written slots carry the class of what is in them", "[integrity]") {
+  const Scenario s = make_scenario();
+  KvPool after = s.expected;
+  for (int c = 0; c < kWidth; ++c) {
+    after.row(2)[c] = static_cast<std::uint8_t>(bf16_from_float(s.new_kv[c]) >> 8);
+  }
+  after.row(5)[0] = static_cast<std::uint8_t>(after.row(5)[0] + 1);  // 2.0 / 0.125 = 16, one up
+  const auto findings = check_backend_pool(s.writes(), s.before, after, s.expected);
+  std::vector<std::string> classes;
+  for (const IntegrityFinding& f : findings) {
+    if (f.check == "written_slots") {
+      CHECK_FALSE(f.pass);
+      classes.push_back(f.classification);
+      CHECK(f.slots == std::vector<std::int64_t>{f.classification == "bf16_bytes" ? 2 : 5});
+    }
+  }
+  CHECK(classes == std::vector<std::string>{"bf16_bytes", "off_by_one_code"});
+}
+
+TEST_CASE("captured pool: damage that persists is reported as carried from its first step",
+          "[integrity]") {
+  const Scenario s = make_scenario();
+  PoolDamageHistory history;
+  KvPool captured = s.expected;
+  captured.row(2)[3] = 0x7F;  // NaN where satfinite stores 448
+  const auto first = check_captured_pool(s.writes(), captured, s.expected, &history);
+  REQUIRE(first.size() == 1);
+  CHECK(first[0].classification == "nan_code");
+  CHECK(first[0].carried_from_step == -1);
+
+  // The next step writes slot 4 only; the captured pool still holds the NaN in slot 2.
+  const std::vector<std::int32_t> next_slots = {4};
+  const std::vector<float> next_kv = {1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f};
+  const StepLayerWrites next{4, 7, next_slots, next_kv, kScale};
+  KvPool next_expected = s.expected;
+  for (int c = 0; c < kWidth; ++c) next_expected.row(4)[c] = kvdump_quantize(1.0f, kScale);
+  KvPool next_captured = next_expected;
+  next_captured.row(2)[3] = 0x7F;
+  const auto second = check_captured_pool(next, next_captured, next_expected, &history);
+  REQUIRE(second.size() == 1);
+  CHECK_FALSE(second[0].pass);
+  CHECK(second[0].classification == "nan_code");
+  CHECK(second[0].carried_from_step == 3);
+  CHECK(second[0].slots == std::vector<std::int64_t>{2});
+  CHECK_THAT(second[0].detail, Catch::Contains("first seen at step 3"));
+
+  // Repaired at the step after: passes, and the history forgets the slot.
+  const auto third = check_captured_pool(next, next_expected, next_expected, &history);
+  REQUIRE(third.size() == 1);
+  CHECK(third[0].pass);
+  CHECK(history.size() == 0);
+}
+
+TEST_CASE("NaN codes already in the pool are reported as data, split by whether they are read",
+          "[integrity]") {
+  const Scenario s = make_scenario();
+  CHECK_FALSE(report_nan_codes(s.writes(), s.expected, std::vector<std::int64_t>{2, 5}));
+  KvPool pool = s.expected;
+  pool.row(7)[1] = 0xFF;  // an unused slot
+  pool.row(6)[0] = 0x7F;  // and one a request reads
+  pool.row(6)[4] = 0x7F;
+  const auto finding = report_nan_codes(s.writes(), pool, std::vector<std::int64_t>{2, 5, 6});
+  REQUIRE(finding);
+  CHECK(finding->pass);
+  CHECK(finding->check == "nan_codes_in_pool");
+  CHECK(finding->slots == std::vector<std::int64_t>{6, 7});
+  CHECK(finding->slot_count == 2);
+  CHECK_THAT(finding->detail,
+             Catch::Contains("3 NaN code(s)") &&
+                 Catch::Contains("1 slot(s) no request of this step reads, 1 read"));
 }
 
 }  // namespace kvaudit

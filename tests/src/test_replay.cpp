@@ -284,7 +284,7 @@ TEST_CASE("captured pool: saturated codes pass, NaN codes for them and BF16 high
     CHECK(failing[0]->check == "captured_pool");
     CHECK(failing[0]->classification == "nan_code");
     CHECK(failing[0]->slots == nan_slots);
-    CHECK_THAT(failing[0]->message,
+    CHECK_THAT(failing[0]->detail,
                Catch::Contains("S001 L002") && Catch::Contains(std::to_string(nan_slots[0])));
     CHECK_FALSE(outcome.run.pass());
   }
@@ -304,9 +304,12 @@ TEST_CASE("captured pool: saturated codes pass, NaN codes for them and BF16 high
     REQUIRE_FALSE(failing.empty());
     CHECK(failing[0]->step == 2);
     CHECK(failing[0]->layer_id == 2);
-    CHECK(failing[0]->classification == "bf16_high_byte");
+    CHECK(failing[0]->classification == "bf16_bytes");
+    // The later steps still hold it: carried, with the step it was first seen at.
+    REQUIRE(failing.size() == dump.steps.size() - 2);
+    for (std::size_t i = 1; i < failing.size(); ++i) CHECK(failing[i]->carried_from_step == 2);
     CHECK(failing[0]->slots == std::vector<std::int64_t>{slot});
-    CHECK_THAT(failing[0]->message, Catch::Contains("S002 L002"));
+    CHECK_THAT(failing[0]->detail, Catch::Contains("S002 L002"));
   }
 }
 
@@ -339,7 +342,7 @@ TEST_CASE("clean cpu-fp8 replay passes with every comparison and integrity check
     FAIL_CHECK("S" << c->step << " L" << c->layer_id << " " << comparison_name(c->comparison)
                    << " fails: " << c->judgement.reasons.front());
   }
-  for (const IntegrityFinding* f : failing_integrity(run)) FAIL_CHECK(f->message);
+  for (const IntegrityFinding* f : failing_integrity(run)) FAIL_CHECK(f->detail);
   for (const int layer_id : {0, 3}) {
     for (int s = 0; s < static_cast<int>(dump.steps.size()); ++s) {
       for (const Comparison kind : {Comparison::kKernel, Comparison::kQuantization,
@@ -373,7 +376,7 @@ TEST_CASE("integrity catches a backend that corrupts its pool, naming step, laye
   REQUIRE_FALSE(failing.empty());
   CHECK(failing[0]->step == 1);
   CHECK(failing[0]->layer_id == 3);
-  CHECK_THAT(failing[0]->message, Catch::Contains("S001 L003"));
+  CHECK_THAT(failing[0]->detail, Catch::Contains("S001 L003"));
   auto failed = [&](const std::string& check) {
     return std::find_if(failing.begin(), failing.end(), [&](const IntegrityFinding* f) {
       return f->check == check && f->step == 1 && f->layer_id == 3;

@@ -69,7 +69,7 @@ TEST_CASE("stdout table: FAIL, report-only, worst location, integrity, verdict",
 
   CHECK(table.find("step 1 layer 3 kernel: rel_l2 0.025 > 0.00391 (kernel limit) [request 1]") !=
         std::string::npos);
-  CHECK(table.find("step 1 layer 3 storage [bf16_high_byte]: step 1 layer 3: slots 12, 13") !=
+  CHECK(table.find("step 1 layer 3 written_slots [bf16_bytes]: step 1 layer 3: slots 12, 13") !=
         std::string::npos);
   CHECK(table.find("verdict: FAIL (policy default, backend cpu-fp8, 4 comparisons, 1 failed, 1 "
                    "failed report-only, 2 integrity checks, 1 failed)\n") != std::string::npos);
@@ -100,7 +100,8 @@ TEST_CASE("report directory: report.json parses with the schema's keys", "[repor
         "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
   CHECK(j.at("results").size() == 4);
   CHECK(j.at("results")[2].at("pass") == false);
-  CHECK(j.at("integrity")[1].at("classification") == "bf16_high_byte");
+  CHECK(j.at("integrity")[1].at("classification") == "bf16_bytes");
+  CHECK(j.at("integrity")[1].at("detail") == "step 1 layer 3: slots 12, 13 hold bf16 bytes");
 }
 
 TEST_CASE("report directory: report.md holds verdict, provenance, tables", "[report]") {
@@ -137,7 +138,7 @@ TEST_CASE("report directory: report.md holds verdict, provenance, tables", "[rep
   // Sign-off per layer: layer 3's worst quantization rel_l2 0.07, kernel 0.025, ratio 0.3571.
   CHECK(md.find("| 3 | 0.07 | 0.00245 | ") != std::string::npos);
   CHECK(md.find("| 0.025 | 0.3571 | - | **FAIL** |") != std::string::npos);
-  CHECK(md.find("| 1 | 3 | storage | **FAIL** | bf16_high_byte | 12, 13 |") != std::string::npos);
+  CHECK(md.find("| 1 | 3 | written_slots | **FAIL** | bf16_bytes | 12, 13 |") != std::string::npos);
   CHECK(md.find("- step 0 layer 3: no kv_source for 2 tokens") != std::string::npos);
   CHECK(md.find("| host | testhost |") != std::string::npos);
   CHECK(md.find("| reference throughput | 5e+05 rows x heads x tokens / s |") != std::string::npos);

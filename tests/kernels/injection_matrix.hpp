@@ -1,0 +1,162 @@
+// The fault-injection matrix shared by the cpu-fp8 test (CI) and the cuda-fp8 test ([gpu]): every
+// injection of src/injection.hpp on every shipped dump, through the `kvaudit check` binary, and
+// what must come of it. The expectations follow from what each fault does (DESIGN.md "Integrity
+// of the cache"), not from a run of the code under test:
+//   write faults  change the bytes a write stores: exit 1, and the integrity check meant for the
+//                 fault fails with its class, naming step, layer and slots;
+//   read faults   leave the pool alone: exit 1, every integrity check passes, the kernel
+//                 comparison fails and the first divergence names step, layer, request, row, head;
+//   a fault with nothing to act on (no value past 448 * kv_scale for no-saturation, no NaN code in
+//                 an unused slot for masked-nan-leak) changes nothing: exit 0, as the clean run;
+//   the whole-pool cast is exact: exit 0 (the bench's pool sweep catches it, not check).
+#pragma once
+
+#include <sys/wait.h>
+
+#include <catch2/catch.hpp>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+
+namespace kvaudit_test {
+
+enum class Expect { kPass, kWriteFault, kReadFault };
+
+struct InjectionExpectation {
+  const char* injection;
+  const char* check;           // the integrity check meant to catch a write fault
+  const char* classification;  // the class its failing finding carries
+  Expect on_glm5_page1;        // fp8 pool, page size 1, no value past 448 * kv_scale
+  Expect on_page64_nan;        // NaN codes in unused slots of last pages
+  Expect on_saturated_page16;  // values past 448 * kv_scale in layer 5
+};
+
+inline constexpr InjectionExpectation kInjectionMatrix[] = {
+    {"none", "", "", Expect::kPass, Expect::kPass, Expect::kPass},
+    {"bf16-writeback", "written_slots", "bf16_bytes", Expect::kWriteFault, Expect::kWriteFault,
+     Expect::kWriteFault},
+    {"round-toward-zero", "written_slots", "off_by_one_code", Expect::kWriteFault,
+     Expect::kWriteFault, Expect::kWriteFault},
+    {"no-saturation", "nan_written", "nan_code", Expect::kPass, Expect::kPass, Expect::kWriteFault},
+    {"scale-mismatch", "", "", Expect::kReadFault, Expect::kReadFault, Expect::kReadFault},
+    {"neighbour-slot-write", "unwritten_slots", "wrong_slot", Expect::kWriteFault,
+     Expect::kWriteFault, Expect::kWriteFault},
+    {"fp8-read-as-bf16", "", "", Expect::kReadFault, Expect::kReadFault, Expect::kReadFault},
+    {"masked-nan-leak", "", "", Expect::kPass, Expect::kReadFault, Expect::kPass},
+    {"whole-pool-cast", "", "", Expect::kPass, Expect::kPass, Expect::kPass},
+};
+
+inline constexpr const char* kShippedDumps[] = {"glm5_page1", "page64_nan", "saturated_page16"};
+
+inline Expect expectation_on(const InjectionExpectation& e, const std::string& dump) {
+  if (dump == "glm5_page1") return e.on_glm5_page1;
+  if (dump == "page64_nan") return e.on_page64_nan;
+  return e.on_saturated_page16;
+}
+
+struct CheckOutcome {
+  int exit_status = -1;
+  std::string output;     // stdout and stderr
+  nlohmann::json report;  // report.json, null when none was written
+};
+
+inline std::string read_text(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// `kvaudit check datasets/DUMP.h5 --backend BACKEND --inject INJECTION --report DIR`.
+inline CheckOutcome run_injected_check(const std::string& backend, const std::string& dump,
+                                       const std::string& injection) {
+  const std::filesystem::path dir = std::filesystem::path(KVAUDIT_TEST_TMPDIR) / "injections" /
+                                    (backend + "-" + dump + "-" + injection);
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string command = std::string(KVAUDIT_BINARY) + " check " + KVAUDIT_SOURCE_DIR +
+                              "/datasets/" + dump + ".h5 --backend " + backend +
+                              " --threads 2 --inject " + injection + " --report " +
+                              (dir / "report").string() + " > " + (dir / "log").string() + " 2>&1";
+  const int status = std::system(command.c_str());
+  CheckOutcome outcome;
+  outcome.exit_status = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  outcome.output = read_text(dir / "log");
+  if (std::filesystem::exists(dir / "report" / "report.json")) {
+    outcome.report = nlohmann::json::parse(read_text(dir / "report" / "report.json"));
+  }
+  return outcome;
+}
+
+// The assertions of the matrix for one (backend, dump, injection).
+inline void require_injection_outcome(const std::string& backend, const std::string& dump,
+                                      const InjectionExpectation& e) {
+  const Expect expect = expectation_on(e, dump);
+  const CheckOutcome outcome = run_injected_check(backend, dump, e.injection);
+  INFO(backend << " --inject " << e.injection << " on " << dump << ":\n" << outcome.output);
+  REQUIRE(outcome.report.is_object());
+  const nlohmann::json& integrity = outcome.report.at("integrity");
+  REQUIRE(integrity.is_array());
+  bool integrity_clean = true;
+  for (const nlohmann::json& finding : integrity) integrity_clean &= finding.at("pass").get<bool>();
+
+  if (expect == Expect::kPass) {
+    CHECK(outcome.exit_status == 0);
+    CHECK(outcome.report.at("verdict") == "pass");
+    CHECK(integrity_clean);
+    CHECK(outcome.output.find("verdict: PASS") != std::string::npos);
+    return;
+  }
+  CHECK(outcome.exit_status == 1);
+  CHECK(outcome.report.at("verdict") == "fail");
+  CHECK(outcome.output.find("verdict: FAIL") != std::string::npos);
+
+  if (expect == Expect::kReadFault) {
+    // The pool is untouched: every integrity check passes; the kernel comparison fails and the
+    // first divergence says where, down to the row and head.
+    CHECK(integrity_clean);
+    const nlohmann::json& divergence = outcome.report.at("first_divergence");
+    REQUIRE(divergence.is_object());
+    CHECK(divergence.at("comparison") == "kernel");
+    CHECK(divergence.at("request").get<int>() >= 0);
+    CHECK(divergence.at("row").get<int>() >= 0);
+    CHECK(divergence.at("head").get<int>() >= 0);
+    const std::string line = "first divergence (kernel): step " +
+                             std::to_string(divergence.at("step").get<int>()) + " layer " +
+                             std::to_string(divergence.at("layer_id").get<int>()) + " request " +
+                             std::to_string(divergence.at("request").get<int>()) + " row " +
+                             std::to_string(divergence.at("row").get<int>()) + " head " +
+                             std::to_string(divergence.at("head").get<int>());
+    CHECK(outcome.output.find(line) != std::string::npos);
+    return;
+  }
+
+  // A write fault: the intended check fails with the intended class, naming step, layer and
+  // slots, in report.json and on stdout.
+  const nlohmann::json* caught = nullptr;
+  for (const nlohmann::json& finding : integrity) {
+    if (!finding.at("pass").get<bool>() && finding.at("check") == e.check &&
+        finding.at("classification") == e.classification) {
+      caught = &finding;
+      break;
+    }
+  }
+  REQUIRE(caught != nullptr);
+  const nlohmann::json& slots = caught->at("slots");
+  REQUIRE(!slots.empty());
+  CHECK(caught->at("slot_count").get<std::int64_t>() >= static_cast<std::int64_t>(slots.size()));
+  const std::string where = caught->at("where");
+  const std::string first_slot = std::to_string(slots[0].get<std::int64_t>());
+  const std::string detail = caught->at("detail");
+  CHECK(detail.find(where) == 0);
+  CHECK(detail.find(first_slot) != std::string::npos);
+  const std::string printed = "step " + std::to_string(caught->at("step").get<int>()) + " layer " +
+                              std::to_string(caught->at("layer").get<int>()) + " " + e.check +
+                              " [" + e.classification + "]: " + detail;
+  CHECK(outcome.output.find(printed) != std::string::npos);
+}
+
+}  // namespace kvaudit_test

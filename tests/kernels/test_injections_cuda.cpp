@@ -1,0 +1,19 @@
+// The fault-injection matrix of injection_matrix.hpp on the cuda-fp8 backend: the CUDA write and
+// attention kernels inject the same faults as the CPU model (src/injection.hpp), and the same
+// checks must catch them. Runs the kvaudit binary; skipped by name where no device exists.
+#include <catch2/catch.hpp>
+
+#include "gpu_skip.hpp"
+#include "kernels/injection_matrix.hpp"
+#include "src/injection.hpp"
+
+TEST_CASE("cuda-fp8: every injected fault on every shipped dump is caught by its check",
+          "[gpu][injection][cli]") {
+  KVAUDIT_REQUIRE_GPU();
+  REQUIRE(std::size(kvaudit_test::kInjectionMatrix) == kvaudit::injection_table().size() + 1);
+  for (const auto& expectation : kvaudit_test::kInjectionMatrix) {
+    for (const char* dump : kvaudit_test::kShippedDumps) {
+      kvaudit_test::require_injection_outcome("cuda-fp8", dump, expectation);
+    }
+  }
+}
