@@ -9,6 +9,7 @@
 #include <fstream>
 #include <iterator>
 #include <limits>
+#include <set>
 
 namespace kvaudit {
 namespace {
@@ -105,6 +106,82 @@ RunCounts count_results(const CheckRun& run) {
   return counts;
 }
 
+const char* pool_state_name(PoolState state) {
+  switch (state) {
+    case PoolState::kNotChecked:
+      return "not checked";
+    case PoolState::kIntact:
+      return "intact";
+    case PoolState::kDamaged:
+      return "damaged";
+  }
+  return "unknown";
+}
+
+std::vector<StepSummary> summarize_steps(const CheckRun& run) {
+  std::map<int, StepSummary> steps;
+  std::map<int, std::set<int>> layers_of_step;
+  auto mark = [](PoolState& state, bool pass) {
+    if (!pass) {
+      state = PoolState::kDamaged;
+    } else if (state == PoolState::kNotChecked) {
+      state = PoolState::kIntact;
+    }
+  };
+  for (const IntegrityFinding& finding : run.integrity) {
+    StepSummary& summary = steps[finding.step];
+    summary.step = finding.step;
+    layers_of_step[finding.step].insert(finding.layer_id);
+    summary.pass = summary.pass && finding.pass;
+    if (finding.check == "nan_codes_in_pool") continue;  // data
+    if (finding.check == "captured_pool") {
+      mark(summary.captured_pool, finding.pass);
+      if (!finding.pass) {
+        (finding.carried_from_step >= 0 ? summary.carried_captured_slots
+                                        : summary.new_captured_slots) += finding.slot_count;
+      }
+      continue;
+    }
+    mark(summary.backend_pool, finding.pass);
+    if (finding.check == "read_consistency" && !finding.pass) {
+      summary.damaged_slots += finding.slot_count;
+      ++summary.damaged_layers;
+    }
+  }
+  for (const ComparisonResult& result : run.comparisons) {
+    StepSummary& summary = steps[result.step];
+    summary.step = result.step;
+    layers_of_step[result.step].insert(result.layer_id);
+    summary.pass = summary.pass && !fails_run(result);
+    ComparisonWorst& worst = summary.worst[result.comparison];
+    const double rel_l2 = result.metrics.rel_l2;
+    const bool worse = !worst.present || (std::isnan(rel_l2) && !std::isnan(worst.rel_l2)) ||
+                       rel_l2 > worst.rel_l2;
+    if (worse) {
+      worst.rel_l2 = rel_l2;
+      worst.layer_id = result.layer_id;
+    }
+    worst.present = true;
+    worst.nonfinite_mismatches += result.metrics.nonfinite_mismatches;
+    worst.failed += result.judgement.pass ? 0 : 1;
+  }
+  std::vector<StepSummary> ordered;
+  for (auto& [step, summary] : steps) {
+    summary.layers = static_cast<int>(layers_of_step[step].size());
+    ordered.push_back(std::move(summary));
+  }
+  return ordered;
+}
+
+namespace {
+
+nlohmann::json pool_state_json(PoolState state) {
+  return state == PoolState::kNotChecked ? nlohmann::json(nullptr)
+                                         : nlohmann::json(pool_state_name(state));
+}
+
+}  // namespace
+
 nlohmann::json to_json(const CheckRun& run) {
   nlohmann::json j;
   j["tool"] = "kvaudit";
@@ -161,6 +238,29 @@ nlohmann::json to_json(const CheckRun& run) {
                                                    : nlohmann::json(nullptr)}});
   }
   j["integrity"] = std::move(integrity);
+
+  nlohmann::json steps = nlohmann::json::array();
+  for (const StepSummary& summary : summarize_steps(run)) {
+    nlohmann::json comparisons = nlohmann::json::object();
+    for (const auto& [comparison, worst] : summary.worst) {
+      comparisons[comparison_name(comparison)] = {
+          {"worst_rel_l2", json_number(worst.rel_l2)},
+          {"worst_layer", worst.layer_id},
+          {"nonfinite_mismatches", worst.nonfinite_mismatches},
+          {"failed_layers", worst.failed}};
+    }
+    steps.push_back({{"step", summary.step},
+                     {"layers", summary.layers},
+                     {"backend_pool", pool_state_json(summary.backend_pool)},
+                     {"damaged_slots", summary.damaged_slots},
+                     {"damaged_layers", summary.damaged_layers},
+                     {"captured_pool", pool_state_json(summary.captured_pool)},
+                     {"new_captured_slots", summary.new_captured_slots},
+                     {"carried_captured_slots", summary.carried_captured_slots},
+                     {"comparisons", std::move(comparisons)},
+                     {"pass", summary.pass}});
+  }
+  j["steps"] = std::move(steps);
 
   const double throughput = run.reference_seconds > 0.0
                                 ? run.reference_rows_heads_tokens / run.reference_seconds

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -85,6 +86,34 @@ struct RunCounts {
   std::size_t integrity_failed = 0;
 };
 RunCounts count_results(const CheckRun& run);
+
+// Per step, over the layers checked: whether the pools are intact and how error evolves from step
+// to step (report.json "steps", the report's "Across steps" table).
+enum class PoolState { kNotChecked, kIntact, kDamaged };
+const char* pool_state_name(PoolState state);  // "not checked" | "intact" | "damaged"
+
+struct ComparisonWorst {
+  bool present = false;
+  double rel_l2 = 0.0;                    // the worst over the step's layers (NaN wins)
+  int layer_id = -1;                      // where
+  std::int64_t nonfinite_mismatches = 0;  // summed over layers
+  int failed = 0;                         // layers where it failed
+};
+
+struct StepSummary {
+  int step = 0;
+  int layers = 0;
+  PoolState backend_pool = PoolState::kNotChecked;   // storage .. read_consistency
+  PoolState captured_pool = PoolState::kNotChecked;  // kv_cache_after
+  std::int64_t damaged_slots = 0;       // backend slots that differ from the reference, all layers
+  int damaged_layers = 0;               // layers with such slots
+  std::int64_t new_captured_slots = 0;  // captured slots first damaged at this step
+  std::int64_t carried_captured_slots = 0;  // captured slots damaged at an earlier step
+  std::map<Comparison, ComparisonWorst> worst;
+  bool pass = true;  // nothing at this step fails the run
+};
+
+std::vector<StepSummary> summarize_steps(const CheckRun& run);
 
 nlohmann::json to_json(const CheckRun& run);  // the report.json schema (docs/report-schema.md)
 

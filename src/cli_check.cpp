@@ -104,8 +104,7 @@ std::string format_limits(const ComparisonLimits& limits) {
 
 void print_policy(std::ostream& out, const Policy& policy) {
   out << "policy: " << policy.name << " (rel_floor " << policy.rel_floor << ")\n";
-  for (const Comparison comparison : {Comparison::kKernel, Comparison::kCaptured,
-                                      Comparison::kQuantization, Comparison::kTotal}) {
+  for (const Comparison comparison : all_comparisons()) {
     out << "  " << std::left << std::setw(13) << comparison_name(comparison)
         << format_limits(limits_for(policy, comparison))
         << (comparison_sets_exit(policy, comparison) ? "" : "  (reported, does not set exit)")
@@ -238,6 +237,8 @@ int run_check(const CheckOptions& options) {
 
   print_comparison_table(std::cout, run);
   print_integrity_failures(std::cout, run);
+  print_pool_data(std::cout, run);
+  print_step_summary(std::cout, run);
   for (const std::string& note : outcome.notes) std::cout << "note: " << note << "\n";
   if (outcome.first_divergence) std::cout << divergence_text(*outcome.first_divergence) << "\n";
   if (options.verbose) {

@@ -152,6 +152,26 @@ ComparisonLimits kernel_limits() {
   return l;
 }
 
+// The pool the backend read holds the same bytes as the reference pool exactly when the cache is
+// intact, and the reference is deterministic: R8 on both is then identical, so any difference is
+// the cost of a corrupted cache (integrity names the slots), and the limit is zero.
+ComparisonLimits cache_limits() {
+  ComparisonLimits l;
+  l.max_abs_over_ref_max = 0.0;
+  l.rel_l2 = 0.0;
+  l.cos_diff = 0.0;
+  l.lse_max_abs = 0.0;
+  const char* const exact =
+      "0: R8 on the backend's pool equals R8 on the reference pool exactly when the bytes it "
+      "reads agree (same inputs, deterministic reference); any difference is cache corruption";
+  l.derivations = {{"max_abs_over_ref_max", exact},
+                   {"rel_l2", exact},
+                   {"cos_diff", exact},
+                   {"max_ulp_bf16", "none: implied by the other limits being zero"},
+                   {"lse_max_abs", exact}};
+  return l;
+}
+
 ComparisonLimits captured_limits() {
   ComparisonLimits l;
   l.max_abs_over_ref_max = kCapturedMaxAbsOverRefMax;
@@ -328,8 +348,17 @@ const char* comparison_name(Comparison comparison) {
       return "total";
     case Comparison::kCaptured:
       return "captured";
+    case Comparison::kCache:
+      return "cache";
   }
   return "unknown";
+}
+
+const std::vector<Comparison>& all_comparisons() {
+  static const std::vector<Comparison> kAll = {Comparison::kKernel, Comparison::kCache,
+                                               Comparison::kCaptured, Comparison::kQuantization,
+                                               Comparison::kTotal};
+  return kAll;
 }
 
 const std::vector<std::string>& limit_names() {
@@ -353,6 +382,8 @@ const ComparisonLimits& limits_for(const Policy& policy, Comparison comparison) 
       return policy.total;
     case Comparison::kCaptured:
       return policy.captured;
+    case Comparison::kCache:
+      return policy.cache;
   }
   return policy.kernel;
 }
@@ -366,6 +397,7 @@ Policy default_policy() {
       "error (~2^-8 max|v|), so max_rel there would measure cancellation, not the element; "
       "max_rel is reported, not judged";
   policy.kernel = kernel_limits();
+  policy.cache = cache_limits();
   policy.captured = captured_limits();
   policy.quantization = quantization_limits();
   policy.total = total_limits();
@@ -396,6 +428,7 @@ nlohmann::json to_json(const Policy& policy) {
   j["name"] = policy.name;
   j["rel_floor"] = {{"value", policy.rel_floor}, {"derivation", policy.rel_floor_derivation}};
   j["kernel"] = limits_json(policy.kernel);
+  j["cache"] = limits_json(policy.cache);
   j["captured"] = limits_json(policy.captured);
   j["quantization"] = limits_json(policy.quantization);
   j["total"] = limits_json(policy.total);
@@ -458,6 +491,8 @@ Result<Policy> load_policy(const std::filesystem::path& path) {
       }
     } else if (key == "kernel") {
       KVAUDIT_TRY(read_limits(context, pointer, value, policy.kernel));
+    } else if (key == "cache") {
+      KVAUDIT_TRY(read_limits(context, pointer, value, policy.cache));
     } else if (key == "captured") {
       KVAUDIT_TRY(read_limits(context, pointer, value, policy.captured));
     } else if (key == "quantization") {
@@ -472,8 +507,8 @@ Result<Policy> load_policy(const std::filesystem::path& path) {
       policy.quantization_sets_exit = value.get<bool>();
     } else {
       return bad_input(context.where(pointer),
-                       "unknown key (expected name, rel_floor, kernel, captured, quantization, "
-                       "total, quantization_sets_exit)");
+                       "unknown key (expected name, rel_floor, kernel, cache, captured, "
+                       "quantization, total, quantization_sets_exit)");
     }
   }
   return policy;
@@ -514,6 +549,7 @@ Judgement judge(const Policy& policy, Comparison comparison, const ComparisonMet
 bool comparison_sets_exit(const Policy& policy, Comparison comparison) {
   switch (comparison) {
     case Comparison::kKernel:
+    case Comparison::kCache:
     case Comparison::kCaptured:
       return true;
     case Comparison::kQuantization:

@@ -15,8 +15,13 @@
 
 namespace kvaudit {
 
-enum class Comparison { kKernel, kQuantization, kTotal, kCaptured };
+// kernel       backend vs R8 on the pool the backend read (its own pool after its writes)
+// cache        R8 on that pool vs R8 on the reference replay's pool: what a corrupted cache costs
+// quantization R8 vs Rs;  total  backend vs Rs;  captured  the dump's out/lse vs R8
+enum class Comparison { kKernel, kQuantization, kTotal, kCaptured, kCache };
 const char* comparison_name(Comparison comparison);  // "kernel" | "quantization" | ...
+// Every comparison, in report order: kernel, cache, captured, quantization, total.
+const std::vector<Comparison>& all_comparisons();
 
 // A limit that is absent (std::nullopt) is not checked. NaN/Inf mismatches always fail.
 struct ComparisonLimits {
@@ -38,6 +43,7 @@ struct Policy {
   std::string name;        // "default", "signoff", or the policy file's name
   double rel_floor = 0.0;  // floor for max_rel denominators (reported, not judged)
   ComparisonLimits kernel;
+  ComparisonLimits cache;
   ComparisonLimits captured;
   ComparisonLimits quantization;  // sign-off limits
   ComparisonLimits total;

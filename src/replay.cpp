@@ -1,4 +1,4 @@
-// The replay engine (see replay.hpp for the pipeline and the four comparisons).
+// The replay engine (see replay.hpp for the pipeline and the five comparisons).
 //
 // Shapes per (step, layer): q_nope [Nq, H, Dc], q_pe [Nq, H, Dr], new_kv [Nq, D], out [Nq, H, Dc],
 // lse [Nq, H]; pools [S, D]. The reference (references/mla_reference.hpp) is exact to double
@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <limits>
 #include <set>
 #include <sstream>
@@ -139,9 +140,10 @@ void add_comparison(ReplayState& state, std::size_t layer_order, int step_index,
   const int row = worst_row(result.metrics);
   if (row >= 0 && row < step.num_rows()) result.worst_request = step.request_of_row(row);
 
-  // The first divergence follows the comparison that judges the implementation under test:
-  // kernel with a backend, captured without one.
-  const bool tracked = comparison == Comparison::kKernel || comparison == Comparison::kCaptured;
+  // The first divergence follows the comparisons that judge the implementation under test:
+  // kernel (what it computed) and cache (what it stored) with a backend, captured without one.
+  const bool tracked = comparison == Comparison::kKernel || comparison == Comparison::kCache ||
+                       comparison == Comparison::kCaptured;
   if (tracked && !result.judgement.pass) {
     auto& current = state.outcome.first_divergence;
     const bool earlier =
@@ -149,7 +151,7 @@ void add_comparison(ReplayState& state, std::size_t layer_order, int step_index,
         (step_index == current->step && layer_order < state.divergence_layer_order);
     const bool replaces_captured =
         current && current->step == step_index && layer_order == state.divergence_layer_order &&
-        current->comparison == Comparison::kCaptured && comparison == Comparison::kKernel;
+        current->comparison == Comparison::kCaptured && comparison != Comparison::kCaptured;
     if (earlier || replaces_captured) {
       const auto [first_row, first_head] =
           first_divergent_row_head(shape, operands, result.metrics, limits_for(policy, comparison));
@@ -410,6 +412,12 @@ Result<ReplayOutcome> replay_dump(const DumpReader& reader, Backend* backend,
 
       // 3. The backend under test, on its own pool, then the integrity of that pool.
       std::optional<AttentionOutput> backend_output;
+      // R8 on the pool the backend read (DESIGN.md "Numerics"): its own pool after its writes.
+      // Equal to R8 while the slots the step reads hold the reference's bytes (the reference is
+      // deterministic), so it is only computed again when they do not.
+      std::vector<double> r8_read_out;
+      std::vector<double> r8_read_lse;
+      bool read_differs = false;
       if (backend != nullptr) {
         const KvPool before = backend_pool;
         const StepLayerInput input{attrs, step, layer, tensors, si, li};
@@ -433,10 +441,27 @@ Result<ReplayOutcome> replay_dump(const DumpReader& reader, Backend* backend,
         }
         // A backend that changed its storage cannot be replayed further on its own pool: give it
         // the reference pool so later steps measure the kernel, while this step's findings stand.
-        if (backend_pool.bytes.size() != reference_pool.bytes.size() ||
-            backend_pool.dtype != reference_pool.dtype) {
-          backend_pool = reference_pool;
+        const bool same_storage = backend_pool.bytes.size() == reference_pool.bytes.size() &&
+                                  backend_pool.dtype == reference_pool.dtype;
+        if (reported && same_storage) {
+          const auto visible = visible_slots(step, attrs.page_size);
+          read_differs = std::any_of(visible.begin(), visible.end(), [&](std::int64_t slot) {
+            return std::memcmp(backend_pool.row(slot), reference_pool.row(slot),
+                               reference_pool.row_bytes()) != 0;
+          });
+          if (read_differs) {
+            const auto reference_start = Clock::now();
+            r8_read_out.assign(shape.size(), 0.0);
+            r8_read_lse.assign(static_cast<std::size_t>(nq) * num_heads, 0.0);
+            const KvRows read = KvRows::from_pool_slots(backend_pool, layer.kv_scale, visible);
+            auto work = mla_reference_attention(attrs, step, tensors.q_nope, tensors.q_pe, read,
+                                                r8_read_out, r8_read_lse, options.threads);
+            if (!work.ok()) return work.error();
+            run.reference_rows_heads_tokens += static_cast<double>(work.value());
+            run.reference_seconds += seconds_since(reference_start);
+          }
         }
+        if (!same_storage) backend_pool = reference_pool;
       }
 
       // Captured pool after the step.
@@ -464,8 +489,12 @@ Result<ReplayOutcome> replay_dump(const DumpReader& reader, Backend* backend,
       if (backend_output) {
         backend_out = widen_bf16(backend_output->out_bf16);
         backend_lse = widen(backend_output->lse);
+        const std::span<const double> read_out = read_differs ? r8_read_out : r8_out;
+        const std::span<const double> read_lse = read_differs ? r8_read_lse : r8_lse;
         add_comparison(state, order, step_number, step, layer.layer_id, Comparison::kKernel, shape,
-                       {r8_out, r8_lse, backend_out, backend_lse});
+                       {read_out, read_lse, backend_out, backend_lse});
+        add_comparison(state, order, step_number, step, layer.layer_id, Comparison::kCache, shape,
+                       {r8_out, r8_lse, read_out, read_lse});
       }
       if (have_source_reference) {
         add_comparison(state, order, step_number, step, layer.layer_id, Comparison::kQuantization,

@@ -9,9 +9,12 @@
 //      write rule (e4m3_rne_satfinite(fp32(x) / fp32(kv_scale))); the source row becomes new_kv[i];
 //   2. R8 = reference attention on reference_pool dequantized (code x kv_scale);
 //      Rs = reference attention on the source rows, when every visible token has a source;
-//   3. backend: run_step on backend_pool, then the integrity checks (src/integrity.hpp);
+//   3. backend: run_step on backend_pool, then the integrity checks (src/integrity.hpp); R8' =
+//      reference attention on backend_pool, the pool the backend read (computed only when the
+//      slots the step reads differ from reference_pool; otherwise R8' = R8 exactly);
 //   4. comparisons, shapes out: [Nq, H, Dc], lse: [Nq, H], all widened to double:
-//        kernel       backend vs R8       (what the kernel adds)
+//        kernel       backend vs R8'      (what the kernel adds to what it read)
+//        cache        R8 vs R8'           (what a corrupted cache costs; zero while intact)
 //        quantization R8 vs Rs            (what FP8 storage costs)
 //        total        backend vs Rs
 //        captured     dump's out/lse vs R8

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <map>
 #include <ostream>
+#include <set>
 #include <sstream>
 #include <system_error>
 #include <utility>
@@ -152,8 +153,7 @@ void policy_section(std::ostream& md, const Policy& policy) {
      << " — " << cell(policy.rel_floor_derivation) << "\n\n";
   md << "| comparison | metric | limit | sets exit | derivation |\n"
      << "| --- | --- | --- | --- | --- |\n";
-  for (const Comparison comparison : {Comparison::kKernel, Comparison::kCaptured,
-                                      Comparison::kQuantization, Comparison::kTotal}) {
+  for (const Comparison comparison : all_comparisons()) {
     const ComparisonLimits& limits = limits_for(policy, comparison);
     for (const std::string& name : limit_names()) {
       const std::optional<double> value = limit_value(limits, name);
@@ -173,9 +173,11 @@ void results_section(std::ostream& md, const CheckRun& run) {
     md << "No comparisons ran.\n\n";
     return;
   }
-  md << "Kernel = backend vs R8 (exact attention on the dequantized FP8 pool); quantization = R8 "
-        "vs Rs (exact attention on the source KV); total = backend vs Rs; captured = the dump's "
-        "own out/lse vs R8. Worst = (row, head, dim) of the first NaN/Inf mismatch, else of "
+  md << "Kernel = backend vs R8 (exact attention on the dequantized FP8 pool the backend read); "
+        "cache = R8 on the backend's pool vs R8 on the reference replay's pool (zero while the "
+        "cache is intact); quantization = R8 vs Rs (exact attention on the source KV); total = "
+        "backend vs Rs; captured = the dump's own out/lse vs R8. Worst = (row, head, dim) of the "
+        "first NaN/Inf mismatch, else of "
         "max_abs.\n\n";
   md << "| step | layer | comparison | max_abs | max_abs/ref_max | rel_l2 | cos_diff | max_ulp | "
         "lse_err | NaN/Inf mismatches | result | worst (row,head,dim) | reasons |\n"
@@ -234,6 +236,7 @@ void signoff_section(std::ostream& md, const CheckRun& run) {
         w.kernel_rel_l2 = worse(w.kernel_rel_l2, m.rel_l2);
         break;
       case Comparison::kCaptured:
+      case Comparison::kCache:
         break;
     }
   }
@@ -264,6 +267,60 @@ void signoff_section(std::ostream& md, const CheckRun& run) {
        << (w.has_kernel ? short_number(w.kernel_rel_l2) : "-") << " | " << ratio << " | "
        << (w.has_total ? short_number(w.total_rel_l2) : "-") << " | "
        << (w.pass ? "PASS" : "**FAIL**") << " |\n";
+  }
+  md << "\n";
+}
+
+std::string pool_text(PoolState state, std::int64_t slots, const char* unit) {
+  if (state == PoolState::kNotChecked) return "-";
+  if (state == PoolState::kIntact) return "intact";
+  return "damaged (" + std::to_string(slots) + " " + unit + ")";
+}
+
+std::string worst_text(const StepSummary& summary, Comparison comparison) {
+  const auto it = summary.worst.find(comparison);
+  if (it == summary.worst.end()) return "-";
+  std::string text = sci(it->second.rel_l2) + " L" + std::to_string(it->second.layer_id);
+  if (it->second.nonfinite_mismatches > 0) text += " nan/inf";
+  return text;
+}
+
+std::string captured_text(const StepSummary& summary) {
+  if (summary.captured_pool != PoolState::kDamaged) {
+    return pool_text(summary.captured_pool, 0, "");
+  }
+  std::string text = "damaged (" + std::to_string(summary.new_captured_slots) + " new";
+  if (summary.carried_captured_slots > 0) {
+    text += ", " + std::to_string(summary.carried_captured_slots) + " carried";
+  }
+  return text + ")";
+}
+
+void steps_section(std::ostream& md, const CheckRun& run) {
+  const std::vector<StepSummary> steps = summarize_steps(run);
+  if (steps.empty()) return;
+  md << "## Across steps\n\n";
+  md << "Per step, over the layers checked: whether the backend's pool and the captured pool "
+        "are intact (damaged: how many slots differ from the reference replay's pool; captured "
+        "damage new at this step or carried from an earlier one), and the worst rel_l2 of each "
+        "comparison with its layer, so corruption shows as the step it starts at and the error "
+        "that follows it.\n\n";
+  md << "| step | layers | backend pool | damaged slots | captured pool | kernel rel_l2 | cache "
+        "rel_l2 | total rel_l2 | quantization rel_l2 | NaN/Inf mismatches | result |\n"
+     << "| ---: | ---: | --- | ---: | --- | --- | --- | --- | --- | ---: | --- |\n";
+  auto worst = [](const StepSummary& s, Comparison comparison) {
+    const auto it = s.worst.find(comparison);
+    if (it == s.worst.end()) return std::string("-");
+    return short_number(it->second.rel_l2) + " (L" + std::to_string(it->second.layer_id) + ")";
+  };
+  for (const StepSummary& s : steps) {
+    std::int64_t nonfinite = 0;
+    for (const auto& [comparison, w] : s.worst) nonfinite += w.nonfinite_mismatches;
+    md << "| " << s.step << " | " << s.layers << " | " << pool_state_name(s.backend_pool) << " | "
+       << s.damaged_slots << " | " << captured_text(s) << " | " << worst(s, Comparison::kKernel)
+       << " | " << worst(s, Comparison::kCache) << " | " << worst(s, Comparison::kTotal) << " | "
+       << worst(s, Comparison::kQuantization) << " | " << nonfinite << " | "
+       << (s.pass ? "PASS" : "**FAIL**") << " |\n";
   }
   md << "\n";
 }
@@ -358,9 +415,40 @@ void print_integrity_failures(std::ostream& out, const CheckRun& run) {
   }
 }
 
+void print_pool_data(std::ostream& out, const CheckRun& run) {
+  std::set<int> layers_shown;
+  for (const IntegrityFinding& f : run.integrity) {
+    if (f.check != "nan_codes_in_pool" || !layers_shown.insert(f.layer_id).second) continue;
+    if (layers_shown.size() == 1)
+      out << "pool data (first step per layer; every step in the report):\n";
+    out << "  " << f.detail << "\n";
+  }
+}
+
+void print_step_summary(std::ostream& out, const CheckRun& run) {
+  const std::vector<StepSummary> steps = summarize_steps(run);
+  if (steps.empty()) return;
+  constexpr std::size_t kWidth = 22;
+  out << "per step (worst rel_l2 over the layers, and where):\n"
+      << pad_left("step", 5) << " " << pad_right("backend pool", kWidth) << " "
+      << pad_right("captured pool", kWidth) << " " << pad_right("kernel", kWidth) << " "
+      << pad_right("cache", kWidth) << " " << pad_right("total", kWidth) << " result\n";
+  for (const StepSummary& s : steps) {
+    out << pad_left(std::to_string(s.step), 5) << " "
+        << pad_right(pool_text(s.backend_pool, s.damaged_slots, "slots"), kWidth) << " "
+        << pad_right(captured_text(s), kWidth) << " "
+        << pad_right(worst_text(s, Comparison::kKernel), kWidth) << " "
+        << pad_right(worst_text(s, Comparison::kCache), kWidth) << " "
+        << pad_right(worst_text(s, Comparison::kTotal), kWidth) << " " << (s.pass ? "PASS" : "FAIL")
+        << "\n";
+  }
+}
+
 void print_check_table(std::ostream& out, const CheckRun& run) {
   print_comparison_table(out, run);
   print_integrity_failures(out, run);
+  print_pool_data(out, run);
+  print_step_summary(out, run);
   out << verdict_summary(run) << "\n";
 }
 
@@ -414,6 +502,7 @@ std::string render_markdown(const CheckRun& run, const nlohmann::json& report) {
   policy_section(md, run.policy);
   results_section(md, run);
   signoff_section(md, run);
+  steps_section(md, run);
   integrity_section(md, run);
 
   if (report.contains("notes") && report["notes"].is_array() && !report["notes"].empty()) {

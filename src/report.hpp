@@ -12,7 +12,7 @@
 
 namespace kvaudit {
 
-// The comparison table, then the failing integrity findings, then the verdict line.
+// The comparison table, the failing integrity findings, the per-step summary, the verdict line.
 void print_check_table(std::ostream& out, const CheckRun& run);
 
 // The parts of print_check_table, for callers that interleave their own lines.
@@ -21,6 +21,12 @@ void print_check_table(std::ostream& out, const CheckRun& run);
 // set the exit status), worst (row,head,dim); then the reasons of the failing rows.
 void print_comparison_table(std::ostream& out, const CheckRun& run);
 void print_integrity_failures(std::ostream& out, const CheckRun& run);
+// The NaN codes the pools hold (nan_codes_in_pool: data, not failures), the first step of each
+// layer.
+void print_pool_data(std::ostream& out, const CheckRun& run);
+// One line per step (summarize_steps): the backend's pool and the captured pool intact or damaged
+// (how many slots), and the worst kernel / cache / total rel_l2 over the step's layers.
+void print_step_summary(std::ostream& out, const CheckRun& run);
 // "verdict: PASS (policy default, backend cpu-fp8, 24 comparisons, 0 failed, ...)"
 std::string verdict_summary(const CheckRun& run);
 

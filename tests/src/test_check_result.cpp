@@ -8,8 +8,16 @@
 
 using kvaudit::CheckRun;
 using kvaudit::Comparison;
+using kvaudit::ComparisonResult;
+using kvaudit::default_policy;
+using kvaudit::IntegrityFinding;
+using kvaudit::PoolState;
+using kvaudit::StepSummary;
+using kvaudit::summarize_steps;
+using kvaudit::to_json;
 using kvaudit::testing::make_comparison;
 using kvaudit::testing::make_failing_run;
+namespace testing = kvaudit::testing;
 
 TEST_CASE("a run fails on a failing kernel comparison or integrity finding", "[check_result]") {
   CheckRun run = make_failing_run();
@@ -126,4 +134,69 @@ TEST_CASE("report.json writes infinities as strings and fills missing provenance
   CHECK_FALSE(j.at("provenance").at("command_line").get<std::string>().empty());
   // The whole document must serialise (no NaN/inf numbers, which JSON cannot hold).
   CHECK(nlohmann::json::parse(j.dump()) == j);
+}
+
+TEST_CASE("per-step summary: pools intact or damaged, and the worst error with its layer",
+          "[check_result]") {
+  CheckRun run;
+  run.policy = default_policy();
+  // Step 0: two layers, clean. Step 1: layer 3's backend pool lost 5 slots (read_consistency),
+  // its cache comparison is NaN in 2 positions; the captured pool of layer 0 carries 2 slots
+  // damaged at step 0 and 1 new one.
+  run.comparisons.push_back(testing::make_comparison(0, 0, Comparison::kKernel, 0.002, true, true));
+  run.comparisons.push_back(testing::make_comparison(0, 3, Comparison::kKernel, 0.003, true, true));
+  run.comparisons.push_back(testing::make_comparison(1, 0, Comparison::kKernel, 0.001, true, true));
+  ComparisonResult cache = testing::make_comparison(1, 3, Comparison::kCache, 0.2, false, true);
+  cache.metrics.nonfinite_mismatches = 2;
+  run.comparisons.push_back(cache);
+  auto finding = [](int step, int layer, const char* check, bool pass, std::int64_t slots,
+                    int carried) {
+    IntegrityFinding f;
+    f.step = step;
+    f.layer_id = layer;
+    f.check = check;
+    f.pass = pass;
+    f.slot_count = slots;
+    f.carried_from_step = carried;
+    return f;
+  };
+  run.integrity.push_back(finding(0, 0, "read_consistency", true, 0, -1));
+  run.integrity.push_back(finding(0, 3, "read_consistency", true, 0, -1));
+  run.integrity.push_back(finding(0, 0, "nan_codes_in_pool", true, 7, -1));
+  run.integrity.push_back(finding(1, 3, "written_slots", false, 5, -1));
+  run.integrity.push_back(finding(1, 3, "read_consistency", false, 5, -1));
+  run.integrity.push_back(finding(1, 0, "read_consistency", true, 0, -1));
+  run.integrity.push_back(finding(1, 0, "captured_pool", false, 2, 0));
+  run.integrity.push_back(finding(1, 0, "captured_pool", false, 1, -1));
+
+  const std::vector<StepSummary> steps = summarize_steps(run);
+  REQUIRE(steps.size() == 2);
+  CHECK(steps[0].step == 0);
+  CHECK(steps[0].layers == 2);
+  CHECK(steps[0].backend_pool == PoolState::kIntact);
+  CHECK(steps[0].captured_pool == PoolState::kNotChecked);
+  CHECK(steps[0].pass);
+  CHECK(steps[0].worst.at(Comparison::kKernel).rel_l2 == 0.003);
+  CHECK(steps[0].worst.at(Comparison::kKernel).layer_id == 3);
+
+  CHECK(steps[1].backend_pool == PoolState::kDamaged);
+  CHECK(steps[1].damaged_slots == 5);
+  CHECK(steps[1].damaged_layers == 1);
+  CHECK(steps[1].captured_pool == PoolState::kDamaged);
+  CHECK(steps[1].new_captured_slots == 1);
+  CHECK(steps[1].carried_captured_slots == 2);
+  CHECK(steps[1].worst.at(Comparison::kCache).layer_id == 3);
+  CHECK(steps[1].worst.at(Comparison::kCache).nonfinite_mismatches == 2);
+  CHECK(steps[1].worst.at(Comparison::kCache).failed == 1);
+  CHECK_FALSE(steps[1].pass);
+
+  const nlohmann::json j = to_json(run);
+  REQUIRE(j.at("steps").size() == 2);
+  CHECK(j.at("steps")[0].at("backend_pool") == "intact");
+  CHECK(j.at("steps")[0].at("captured_pool").is_null());
+  CHECK(j.at("steps")[1].at("backend_pool") == "damaged");
+  CHECK(j.at("steps")[1].at("damaged_slots") == 5);
+  CHECK(j.at("steps")[1].at("comparisons").at("cache").at("worst_rel_l2") == 0.2);
+  CHECK(j.at("steps")[1].at("comparisons").at("cache").at("worst_layer") == 3);
+  CHECK(j.at("steps")[1].at("pass") == false);
 }

@@ -140,6 +140,9 @@ TEST_CASE("report directory: report.md holds verdict, provenance, tables", "[rep
   CHECK(md.find("| 0.025 | 0.3571 | - | **FAIL** |") != std::string::npos);
   CHECK(md.find("| 1 | 3 | written_slots | **FAIL** | bf16_bytes | 12, 13 |") != std::string::npos);
   CHECK(md.find("- step 0 layer 3: no kv_source for 2 tokens") != std::string::npos);
+  // Across steps: step 1 has one layer (3), its pool damaged, the kernel's worst rel_l2 there.
+  CHECK(md.find("## Across steps") != std::string::npos);
+  CHECK(md.find("| 1 | 1 | damaged | 0 | - | 0.025 (L3) | - |") != std::string::npos);
   CHECK(md.find("| host | testhost |") != std::string::npos);
   CHECK(md.find("| reference throughput | 5e+05 rows x heads x tokens / s |") != std::string::npos);
 }
