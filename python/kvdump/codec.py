@@ -87,14 +87,18 @@ def bf16_bits_from_float32(values):
     NaN stays a quiet NaN with its sign; values that round past the bf16 range become +-inf, as
     IEEE rounding does.
     """
-    bits = np.asarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
-    rounding_bias = 0x7FFF + ((bits >> 16) & 1)
-    rounded = (bits + rounding_bias) >> 16
-    return np.where(is_nan, (bits >> 16) | 0x0040, rounded).astype(np.uint16)
+    floats = np.asarray(values, dtype=np.float32)
+    # Work on a 1-d view: numpy turns 0-d results into scalars, whose uint64 + int mixes to float.
+    bits = floats.reshape(-1).view(np.uint32).astype(np.uint64)
+    is_nan = (bits & np.uint64(0x7FFFFFFF)) > np.uint64(0x7F800000)
+    rounding_bias = np.uint64(0x7FFF) + ((bits >> np.uint64(16)) & np.uint64(1))
+    rounded = (bits + rounding_bias) >> np.uint64(16)
+    quiet_nan = (bits >> np.uint64(16)) | np.uint64(0x0040)
+    return np.where(is_nan, quiet_nan, rounded).astype(np.uint16).reshape(floats.shape)
 
 
 def float32_from_bf16_bits(bits):
     """Exact float32 values of bfloat16 bits."""
-    wide = np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16
-    return wide.view(np.float32)
+    halves = np.asarray(bits, dtype=np.uint16)
+    wide = halves.reshape(-1).astype(np.uint32) << np.uint32(16)
+    return wide.view(np.float32).reshape(halves.shape)

@@ -163,6 +163,16 @@ class Bf16Test(unittest.TestCase):
         nan_bits = int(kvdump.bf16_bits_from_float32(np.array([np.nan], np.float32))[0])
         self.assertEqual(nan_bits & 0x7FC0, 0x7FC0)
 
+    def test_scalars_and_shapes(self):
+        # A 0-d value (a numpy scalar, or a Python float) keeps its shape, as a 2-d array does.
+        self.assertEqual(int(kvdump.bf16_bits_from_float32(np.float32(1 + 3 * 2.0**-8))), 0x3F82)
+        self.assertEqual(kvdump.bf16_bits_from_float32(-2.0).shape, ())
+        self.assertEqual(float(kvdump.float32_from_bf16_bits(np.uint16(0xC000))), -2.0)
+        grid = np.array([[1.0, -2.0], [0.5, 3.0]], dtype=np.float32)
+        bits = kvdump.bf16_bits_from_float32(grid)
+        self.assertEqual(bits.shape, (2, 2))
+        np.testing.assert_array_equal(kvdump.float32_from_bf16_bits(bits), grid)
+
     def test_round_trip_is_exact(self):
         bits = np.arange(0, 0x10000, dtype=np.uint32).astype(np.uint16)
         finite = bits[(bits & 0x7F80) != 0x7F80]

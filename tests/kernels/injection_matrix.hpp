@@ -22,6 +22,8 @@
 #include <sstream>
 #include <string>
 
+#include "test_paths.hpp"
+
 namespace kvaudit_test {
 
 enum class Expect { kPass, kWriteFault, kReadFault };
@@ -74,14 +76,15 @@ inline std::string read_text(const std::filesystem::path& path) {
 // `kvaudit check datasets/DUMP.h5 --backend BACKEND --inject INJECTION --report DIR`.
 inline CheckOutcome run_injected_check(const std::string& backend, const std::string& dump,
                                        const std::string& injection) {
-  const std::filesystem::path dir = std::filesystem::path(KVAUDIT_TEST_TMPDIR) / "injections" /
-                                    (backend + "-" + dump + "-" + injection);
+  const std::filesystem::path dir =
+      test_tmpdir() / "injections" / (backend + "-" + dump + "-" + injection);
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
-  const std::string command = std::string(KVAUDIT_BINARY) + " check " + KVAUDIT_SOURCE_DIR +
-                              "/datasets/" + dump + ".h5 --backend " + backend +
-                              " --threads 2 --inject " + injection + " --report " +
-                              (dir / "report").string() + " > " + (dir / "log").string() + " 2>&1";
+  const std::string command = kvaudit_binary().string() + " check " +
+                              (source_dir() / "datasets" / (dump + ".h5")).string() +
+                              " --backend " + backend + " --threads 2 --inject " + injection +
+                              " --report " + (dir / "report").string() + " > " +
+                              (dir / "log").string() + " 2>&1";
   const int status = std::system(command.c_str());
   CheckOutcome outcome;
   outcome.exit_status = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
