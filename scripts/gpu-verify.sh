@@ -3,13 +3,15 @@
 # the [gpu] tests, compute-sanitizer memcheck on them, `kvaudit check` of every shipped dump with
 # the CUDA backends, the fault-injection table on cuda-fp8, and the bench. Build first, here,
 # with the portable option (README "Running on a GPU"), then on the GPU machine:
-#   bash scripts/gpu-verify.sh build-gpu OUTDIR
+#   bash scripts/gpu-verify.sh build-gpu OUTDIR [--no-bench]
 # Results land in OUTDIR: gpu-tests.log, memcheck.log, check-*.log, injections.tsv,
 # bench.json, bench.log, device.txt.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 build=${1:?usage: gpu-verify.sh BUILD_DIR OUTDIR}
-out=${2:?usage: gpu-verify.sh BUILD_DIR OUTDIR}
+out=${2:?usage: gpu-verify.sh BUILD_DIR OUTDIR [--no-bench]}
+bench=yes
+[ "${3:-}" = "--no-bench" ] && bench=no
 mkdir -p "$out"
 kvaudit="$build/kvaudit"
 tests="$build/tests/kvaudit_tests"
@@ -64,6 +66,7 @@ awk -F'\t' 'NR > 1 { key = $2 "/" $3; if (key in seen && seen[key] != $4) { prin
   END { exit bad }' "$out/injections.tsv" && echo "cpu-fp8 and cuda-fp8 agree on all $(($(wc -l <"$out/injections.tsv") / 2)) cases"
 cut -f1-4 "$out/injections.tsv" | column -t | head -60
 
+[ "$bench" = no ] && exit 0
 echo "== bench"
 "$kvaudit" bench --json "$out/bench.json" >"$out/bench.log" 2>&1
 tail -25 "$out/bench.log"
