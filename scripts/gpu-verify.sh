@@ -52,8 +52,8 @@ for backend in cpu-fp8 cuda-fp8; do
       log="$out/inject-$backend-$injection-$dump.log"
       "$kvaudit" check "datasets/$dump.h5" --backend "$backend" --inject "$injection" >"$log" 2>&1
       status=$?
-      evidence=$(grep -m1 -E '^  step [0-9]+ layer [0-9]+ [a-z_]+( \[[a-z_0-9]+\])?: ' "$log" |
-        sed 's/^  //')
+      # the first integrity failure (write faults), else the first divergence (read faults)
+      evidence=$(awk '/^integrity failures:/ { getline; sub(/^  /, ""); print; exit }' "$log")
       [ -z "$evidence" ] && evidence=$(grep -m1 '^first divergence' "$log")
       [ -z "$evidence" ] && evidence=$(grep -m1 '^verdict' "$log")
       printf '%s\t%s\t%s\t%s\t%s\n' "$backend" "$injection" "$dump" "$status" "${evidence:0:200}" \
@@ -64,7 +64,7 @@ done
 # The two backends must agree on every exit status.
 awk -F'\t' 'NR > 1 { key = $2 "/" $3; if (key in seen && seen[key] != $4) { print "DISAGREE " key; bad = 1 } seen[key] = $4 }
   END { exit bad }' "$out/injections.tsv" && echo "cpu-fp8 and cuda-fp8 agree on all $(($(wc -l <"$out/injections.tsv") / 2)) cases"
-cut -f1-4 "$out/injections.tsv" | column -t | head -60
+cut -f1-4 "$out/injections.tsv"
 
 [ "$bench" = no ] && exit 0
 echo "== bench"
