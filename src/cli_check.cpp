@@ -44,6 +44,7 @@ struct CheckOptions {
   bool verbose = false;
   bool progress = false;
   bool list_injections = false;
+  bool reciprocal_scale = false;
 };
 
 // --list-injections: one line each, with the check meant to catch it.
@@ -147,14 +148,18 @@ Status emit_repro(const CheckOptions& options, const DumpReader& reader,
                          std::to_string(target->layer_id) + ", request " + requests + "; backend " +
                          options.backend;
   if (!options.inject.empty()) producer += ", --inject " + options.inject;
+  if (options.reciprocal_scale) producer += ", --reciprocal-scale";
   producer += "; " + target->failure + ")";
-  auto written = write_repro(reader, *target, options.emit_repro, producer);
+  ReproTarget repro_target = *target;
+  repro_target.reciprocal_scale = options.reciprocal_scale;
+  auto written = write_repro(reader, repro_target, options.emit_repro, producer);
   if (!written.ok()) return written.error();
   std::cout << "repro: wrote " << options.emit_repro << " (step " << target->step << " layer "
             << target->layer_id << " request " << requests << ": " << written->num_rows << " rows, "
             << written->num_pages << " pages" << (written->has_source ? ", kv_source" : "")
             << "); check it with --backend " << options.backend
-            << (options.inject.empty() ? "" : " --inject " + options.inject) << "\n";
+            << (options.inject.empty() ? "" : " --inject " + options.inject)
+            << (options.reciprocal_scale ? " --reciprocal-scale" : "") << "\n";
   return ok_status();
 }
 
@@ -194,6 +199,7 @@ int run_check(const CheckOptions& options) {
     replay.policy = options.signoff ? signoff_policy() : default_policy();
   }
   replay.threads = options.threads;
+  replay.reciprocal_scale = options.reciprocal_scale;
   replay.progress = options.progress || isatty(STDERR_FILENO) != 0;
 
   std::unique_ptr<Backend> backend;
@@ -204,6 +210,7 @@ int run_check(const CheckOptions& options) {
     BackendOptions backend_options;
     backend_options.threads = options.threads;
     backend_options.injection = options.inject;
+    backend_options.reciprocal_scale = options.reciprocal_scale;
     auto made = make_backend(options.backend, backend_options);
     if (!made.ok()) return report_error(made.error());
     backend = std::move(made.value());
@@ -231,6 +238,12 @@ int run_check(const CheckOptions& options) {
   CheckRun& run = outcome.run;
   run.dump_path = options.dump;
   run.dump_sha256 = sha.value();
+  if (options.reciprocal_scale) {
+    outcome.notes.insert(
+        outcome.notes.begin(),
+        "--reciprocal-scale: pools were written (and captured pools judged) with "
+        "e4m3_rne_satfinite(x * fp32(1 / kv_scale)), not kvdump-v1's x / kv_scale");
+  }
   if (outputs) {
     if (auto closed = outputs->close(); !closed.ok()) return report_error(closed.error());
   }
@@ -282,12 +295,15 @@ void register_check_command(CLI::App& app, CommandRunner& runner) {
   CLI::App* cmd = app.add_subcommand(
       "check",
       "Replay a kvdump through a backend and the high-precision CPU reference, layer by layer "
-      "and step by step. Per (step, layer) it reports kernel error (backend vs R8, the exact "
-      "attention on the dequantized FP8 pool), quantization error (R8 vs Rs, the exact attention "
-      "on the source KV, where the dump has it), total error (backend vs Rs) and the captured "
-      "outputs' error (dump out/lse vs R8); after every step it checks the cache: storage still "
-      "FP8, written slots hold e4m3_rne_satfinite(x / kv_scale), other slots unchanged, no NaN "
-      "codes written, captured kv_cache_after equal to the replay.\n"
+      "and step by step. Per (step, layer) it reports kernel error (backend vs R8', the exact "
+      "attention on the dequantized FP8 pool the backend read), cache error (R8 on the "
+      "reference replay's own pool vs R8': zero while the cache is intact), quantization error "
+      "(R8 vs Rs, the exact attention on the source KV, where the dump has it), total error "
+      "(backend vs Rs) and the captured outputs' error (dump out/lse vs R8); after every step it "
+      "checks the cache: storage still FP8, written slots hold e4m3_rne_satfinite(x / "
+      "kv_scale), other slots unchanged, no NaN codes written, captured kv_cache_after equal to "
+      "the replay (differing slots classified), NaN codes already in the pool reported as data. "
+      "A per-step summary says whether each pool is intact and how error evolves.\n"
       "Exit status: 0 pass, 1 checks failed, 2 bad input or usage (malformed dump, unknown "
       "backend, layer or step not in the dump, bad policy file, no CUDA device for a cuda "
       "backend), 3 internal error.");
@@ -334,6 +350,11 @@ void register_check_command(CLI::App& app, CommandRunner& runner) {
                   "kv_source too when every kept slot's source value is known). Check it alone "
                   "with the same --backend and --inject. A passing "
                   "run writes nothing");
+  cmd->add_flag("--reciprocal-scale", options->reciprocal_scale,
+                "Write with e4m3_rne_satfinite(x * fp32(1 / kv_scale)), the convention of servers "
+                "that multiply by a reciprocal scale, instead of kvdump-v1's x / kv_scale: in the "
+                "reference replay (so captured pools are judged by it) and in the backend. It "
+                "differs in the last bit of rare codes; the report notes it");
   cmd->add_option("--threads", options->threads,
                   "Threads for the reference and CPU backends (0: every core)")
       ->capture_default_str()

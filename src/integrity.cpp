@@ -170,13 +170,12 @@ std::vector<IntegrityFinding> check_backend_pool(const StepLayerWrites& writes,
   }
   if (wrong_written.empty()) {
     IntegrityFinding written_finding = make_finding(writes, "written_slots");
-    pass_with(written_finding, std::to_string(writes.slots.size()) +
-                                   " written slot(s) hold kvdump_quantize(new_kv, kv_scale)");
+    pass_with(written_finding,
+              std::to_string(writes.slots.size()) + " written slot(s) hold " + writes.rule);
     findings.push_back(written_finding);
   } else {
     add_classified_findings(findings, writes, "written_slots", wrong_written, after, expected,
-                            expected,
-                            "written slot(s) do not hold kvdump_quantize(new_kv, kv_scale)");
+                            expected, "written slot(s) do not hold " + writes.rule);
   }
 
   std::vector<std::int64_t> changed;

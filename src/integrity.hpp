@@ -57,6 +57,8 @@ struct StepLayerWrites {
   float kv_scale = 1.0f;
   // The dump's group names, "S001 L000", for messages; empty: built from step and layer_id.
   std::string where;
+  // The write rule the expected pool was written with, for messages.
+  std::string rule = "kvdump_quantize(new_kv, kv_scale)";
 };
 
 // Slot-level damage of a captured pool seen so far: slot -> (step first seen, class).

@@ -109,9 +109,11 @@ struct KvPool {
   float element(std::int64_t slot, int col) const;
   std::uint16_t bf16_bits(std::int64_t slot, int col) const;
   void set_bf16_bits(std::int64_t slot, int col, std::uint16_t bits);
-  // kvdump write rule for one slot: fp8 pool -> kvdump_quantize(v, kv_scale); bf16 pool -> bits
-  // of v (v must be a bf16 value).
-  void write_row(std::int64_t slot, const float* values, float kv_scale);
+  // kvdump write rule for one slot: fp8 pool -> kvdump_quantize(v, kv_scale) (or, with
+  // reciprocal_scale, the named option kvdump_quantize_reciprocal: v * fp32(1 / kv_scale));
+  // bf16 pool -> bits of v (v must be a bf16 value).
+  void write_row(std::int64_t slot, const float* values, float kv_scale,
+                 bool reciprocal_scale = false);
 };
 
 struct StepLayerTensors {

@@ -83,9 +83,13 @@ float KvPool::element(std::int64_t slot, int col) const {
   return e4m3_decode(row(slot)[col]);
 }
 
-void KvPool::write_row(std::int64_t slot, const float* values, float kv_scale) {
+void KvPool::write_row(std::int64_t slot, const float* values, float kv_scale,
+                       bool reciprocal_scale) {
   if (dtype == KvDtype::kBfloat16) {
     for (int c = 0; c < row_width; ++c) set_bf16_bits(slot, c, bf16_from_float(values[c]));
+  } else if (reciprocal_scale) {
+    std::uint8_t* dst = row(slot);
+    for (int c = 0; c < row_width; ++c) dst[c] = kvdump_quantize_reciprocal(values[c], kv_scale);
   } else {
     std::uint8_t* dst = row(slot);
     for (int c = 0; c < row_width; ++c) dst[c] = kvdump_quantize(values[c], kv_scale);

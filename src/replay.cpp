@@ -367,13 +367,14 @@ Result<ReplayOutcome> replay_dump(const DumpReader& reader, Backend* backend,
       for (int i = 0; i < nq; ++i) {
         const std::int64_t slot = step.new_kv_slots[i];
         const float* values = tensors.new_kv.data() + static_cast<std::size_t>(i) * width;
-        reference_pool.write_row(slot, values, layer.kv_scale);
+        reference_pool.write_row(slot, values, layer.kv_scale, options.reciprocal_scale);
         source.write(slot, values);
       }
       // Messages name the dump's own groups (a dump may start at S001, or name layer 5 L000).
       const std::string where = step.group + " " + layer.group;
-      const StepLayerWrites writes{step_number,    layer.layer_id, step.new_kv_slots,
-                                   tensors.new_kv, layer.kv_scale, where};
+      StepLayerWrites writes{step_number,    layer.layer_id, step.new_kv_slots,
+                             tensors.new_kv, layer.kv_scale, where};
+      if (options.reciprocal_scale) writes.rule = "e4m3_rne_satfinite(new_kv * fp32(1 / kv_scale))";
 
       // 2. References: R8 on the dequantized pool, Rs on the source rows.
       const TensorShape3 shape{nq, num_heads, dc};

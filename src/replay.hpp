@@ -60,6 +60,9 @@ struct ReplayOptions {
   int threads = 0;             // reference threads; 0: every core
   bool progress = false;       // "layer 1/3 step 2/4" lines on stderr
   StepLayerObserver observer;  // called for every reported (step, layer)
+  // The reference writes with the named reciprocal convention (x * fp32(1 / kv_scale)) instead
+  // of kvdump-v1's x / kv_scale (`kvaudit check --reciprocal-scale`).
+  bool reciprocal_scale = false;
 };
 
 // The first element where a backend (or, without one, the captured output) leaves the

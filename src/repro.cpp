@@ -188,7 +188,7 @@ Result<ReproSummary> write_repro(const DumpReader& reader, const ReproTarget& ta
       const std::int64_t slot = map_slot(earlier.new_kv_slots[row]);
       if (slot < 0) continue;
       const float* values = tensors->new_kv.data() + static_cast<std::size_t>(row) * width;
-      kept_pool.write_row(slot, values, layer.kv_scale);
+      kept_pool.write_row(slot, values, layer.kv_scale, target.reciprocal_scale);
       std::copy_n(values, width, source.begin() + slot * width);
       source_known[slot] = 1;
     }
@@ -246,7 +246,16 @@ Result<ReproSummary> write_repro(const DumpReader& reader, const ReproTarget& ta
   repro_layer.has_source = keep_source;
 
   DumpAttributes repro_attrs = attrs;
-  repro_attrs.producer = producer;
+  // Where the kept pages came from, so a slot the repro names maps back to the original: repro
+  // slot s is original slot pages[s / page_size] * page_size + s % page_size.
+  std::string page_list;
+  for (std::size_t i = 0; i < pages.size() && i < 64; ++i) {
+    page_list += (i ? "," : "") + std::to_string(pages[i]);
+  }
+  if (pages.size() > 64) page_list += ",... (" + std::to_string(pages.size()) + " in all)";
+  repro_attrs.producer = producer + "; repro pages 0.." + std::to_string(pages.size() - 1) +
+                         " are original pages " + page_list + " (page size " +
+                         std::to_string(page) + ")";
   auto written = [&]() -> Status {
     auto writer = DumpWriter::create(path, repro_attrs, static_cast<std::int64_t>(pages.size()));
     if (!writer.ok()) return writer.error();

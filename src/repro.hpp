@@ -26,10 +26,11 @@ namespace kvaudit {
 
 // What the repro keeps from the original dump.
 struct ReproTarget {
-  int step = 0;               // step index in the original dump
-  int layer_id = 0;           // model layer id
-  std::vector<int> requests;  // original request indices, ascending
-  std::string failure;        // one line: what failed first (for the producer attribute / log)
+  int step = 0;                   // step index in the original dump
+  int layer_id = 0;               // model layer id
+  std::vector<int> requests;      // original request indices, ascending
+  std::string failure;            // one line: what failed first (for the producer attribute / log)
+  bool reciprocal_scale = false;  // the run wrote with --reciprocal-scale: so does the repro's pool
 };
 
 // The first failure of a replay: the earliest (step, layer in dump order) among the first
@@ -47,8 +48,8 @@ struct ReproSummary {
   bool has_source = false;     // kv_source kept
 };
 
-// Writes the repro of `target` from `reader` to `path` (overwritten). `producer` becomes the
-// root producer attribute.
+// Writes the repro of `target` from `reader` to `path` (overwritten). `producer`, followed by the
+// original page of each kept page, becomes the root producer attribute.
 Result<ReproSummary> write_repro(const DumpReader& reader, const ReproTarget& target,
                                  const std::filesystem::path& path, const std::string& producer);
 

@@ -55,13 +55,14 @@ struct TinyDump {
   std::int64_t num_slots() const { return num_pages * attrs.page_size; }
   int width() const { return attrs.row_width(); }
 
-  // The pool of layer `l` after step `s`'s writes (kvdump write rule, KvPool::write_row).
-  KvPool pool_after(std::size_t s, std::size_t l) const {
+  // The pool of layer `l` after step `s`'s writes (kvdump write rule, KvPool::write_row; or the
+  // named reciprocal convention).
+  KvPool pool_after(std::size_t s, std::size_t l, bool reciprocal_scale = false) const {
     KvPool pool = pools[l];
     for (std::size_t k = 0; k <= s; ++k) {
       for (int i = 0; i < steps[k].num_rows(); ++i) {
         pool.write_row(steps[k].new_kv_slots[i], tensors[k][l].new_kv.data() + i * width(),
-                       layers[l].kv_scale);
+                       layers[l].kv_scale, reciprocal_scale);
       }
     }
     return pool;

@@ -177,6 +177,22 @@ TEST_CASE("kvaudit check: saturating scale passes by default and fails under --s
   CHECK(report.at("policy").at("name") == "signoff");
 }
 
+TEST_CASE("kvaudit check --reciprocal-scale: backend and reference both use it, and it is noted",
+          "[cli][check]") {
+  const std::string file = write_dump(make_tiny_dump(TinySpec{}), "cli_reciprocal");
+  const auto json = test_tmp_path("cli_reciprocal.json");
+  const CommandResult named =
+      run_check("cli_reciprocal", file + " --backend cpu-fp8 --threads 2 --reciprocal-scale " +
+                                      "--json '" + json.string() + "'");
+  INFO(named.out << named.err);
+  CHECK(named.status == 0);
+  CHECK_THAT(named.out, Catch::Contains("note: --reciprocal-scale"));
+  const nlohmann::json report = nlohmann::json::parse(read_text(json));
+  CHECK(report.at("backend_description").at("write_rule").get<std::string>().find("1 / kv_scale") !=
+        std::string::npos);
+  CHECK(report.at("notes").at(0).get<std::string>().find("--reciprocal-scale") == 0);
+}
+
 TEST_CASE("kvaudit check: a captured pool with NaN codes fails with --backend none",
           "[cli][check]") {
   TinySpec spec;

@@ -236,6 +236,52 @@ TEST_CASE(
   CHECK(outcome.first_divergence->head >= 0);
 }
 
+TEST_CASE("a pool captured from a reciprocal-scale server fails by default, passes when named",
+          "[replay]") {
+  // The two rules differ only where x / s lands within an ulp of an e4m3 rounding midpoint
+  // (rare). Search scales from 0.0029 up and every positive bf16 value for such a pair, make the
+  // dump with that scale and plant the value in step 1's first new row.
+  float scale = 0.0f;
+  float planted = 0.0f;
+  for (float s = 0.0029f; s < 0.0044f && planted == 0.0f; s = std::nextafter(s, 1.0f)) {
+    for (std::uint16_t bits = 1; bits < 0x7F80 && planted == 0.0f; ++bits) {
+      const float v = bf16_to_float(bits);
+      if (kvdump_quantize(v, s) != kvdump_quantize_reciprocal(v, s)) {
+        scale = s;
+        planted = v;
+      }
+    }
+  }
+  REQUIRE(planted != 0.0f);
+  TinySpec spec;
+  spec.layer_ids = {2};
+  spec.kv_scale = scale;
+  TinyDump dump = make_tiny_dump(spec);
+  dump.tensors[1][0].new_kv[0] = planted;
+  int differing_codes = 0;
+  for (std::size_t s = 0; s < dump.steps.size(); ++s) {
+    dump.tensors[s][0].kv_cache_after = dump.pool_after(s, 0, /*reciprocal_scale=*/true);
+    const KvPool kvdump_rule = dump.pool_after(s, 0);
+    for (std::size_t b = 0; b < kvdump_rule.bytes.size(); ++b) {
+      differing_codes += kvdump_rule.bytes[b] != dump.tensors[s][0].kv_cache_after->bytes[b];
+    }
+  }
+  // Meaningful only if x / s and x * (1 / s) round apart somewhere in this dump.
+  REQUIRE(differing_codes > 0);
+
+  const ReplayOutcome by_default = replay_tiny(dump, "pool_reciprocal_default", nullptr);
+  const auto failing = failing_integrity(by_default.run);
+  REQUIRE_FALSE(failing.empty());
+  CHECK(failing[0]->check == "captured_pool");
+  CHECK(failing[0]->classification == "off_by_one_code");
+
+  ReplayOptions named;
+  named.reciprocal_scale = true;
+  const ReplayOutcome with_option = replay_tiny(dump, "pool_reciprocal_named", nullptr, named);
+  CHECK(failing_integrity(with_option.run).empty());
+  CHECK(with_option.run.pass());
+}
+
 TEST_CASE("captured pool: saturated codes pass, NaN codes for them and BF16 high bytes fail",
           "[replay]") {
   TinySpec spec;
