@@ -205,14 +205,17 @@ TEST_CASE("python kvdump writer: bf16 bytes in a slot after the prefill fail kva
 
   // bf16_spill.h5: slot 2 holds the first half of its row's bf16 bytes, slot 3 the rest;
   // bf16_high.h5: slot 2 holds the high byte of each bf16 element. The failure names S000, L005
-  // and slot 2 on one line. (The class kvaudit gives them is not checked here.)
+  // and slot 2 on one line, classified as BF16 bytes (the spill into slot 3 too).
   for (const std::string name : {"bf16_spill.h5", "bf16_high.h5"}) {
     const Run check = kvaudit_check(dumps.dir / name, "none");
     INFO(check.command << "\n" << check.output);
     CHECK(check.status == 1);
     CHECK_THAT(check.output, Catch::Contains("verdict: FAIL"));
     CHECK(names_slot(check.output, "S000", "L005", 2));
+    CHECK_THAT(check.output, Catch::Contains("captured_pool [bf16_bytes]: S000 L005"));
   }
+  const Run spill = kvaudit_check(dumps.dir / "bf16_spill.h5", "none");
+  CHECK_THAT(spill.output, Catch::Contains("[bf16_bytes]: slots 2, 3 "));
 }
 
 TEST_CASE("python kvdump writer: NaN codes where satfinite gives 448 fail kvaudit check",
@@ -231,4 +234,5 @@ TEST_CASE("python kvdump writer: NaN codes where satfinite gives 448 fail kvaudi
   for (const int slot : dumps.nan_slots)
     named = named || names_slot(check.output, "S000", "L005", slot);
   CHECK(named);
+  CHECK_THAT(check.output, Catch::Contains("captured_pool [nan_code]: S000 L005"));
 }
