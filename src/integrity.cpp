@@ -8,12 +8,18 @@
 #include <cstdio>
 #include <cstring>
 #include <sstream>
+#include <unordered_map>
 
 namespace kvaudit {
 namespace {
 
 bool rows_equal(const KvPool& a, std::int64_t slot_a, const KvPool& b, std::int64_t slot_b) {
   return std::memcmp(a.row(slot_a), b.row(slot_b), a.row_bytes()) == 0;
+}
+
+bool element_is_nan(const KvPool& pool, std::int64_t slot, int col) {
+  if (pool.dtype == KvDtype::kBfloat16) return std::isnan(bf16_to_float(pool.bf16_bits(slot, col)));
+  return e4m3_is_nan(pool.row(slot)[col]);
 }
 
 std::string slot_list(const std::vector<std::int64_t>& slots, std::size_t total) {
@@ -76,6 +82,138 @@ void pass_with(IntegrityFinding& finding, const std::string& what) {
   finding.detail = finding.where + ": " + what;
 }
 
+// Byte `index` of the little-endian bf16 row bf16(values[0 .. D)) (two bytes per element).
+std::uint8_t bf16_row_byte(const float* values, int index, float divisor) {
+  const std::uint16_t bits = bf16_from_float(values[index / 2] / divisor);
+  return static_cast<std::uint8_t>(index % 2 == 0 ? bits & 0xFF : bits >> 8);
+}
+
+// Whether every byte of `got` that differs from `want` is byte (offset + c) of the little-endian
+// bf16 row of `values` (raw or divided by kv_scale): a bf16 store of that row over this slot.
+bool holds_bf16_row_bytes(const std::uint8_t* got, const std::uint8_t* want, const float* values,
+                          int width, int offset, float kv_scale) {
+  for (const float divisor : {1.0f, kv_scale}) {
+    bool all = true;
+    for (int c = 0; c < width && all; ++c) {
+      all = got[c] == want[c] || got[c] == bf16_row_byte(values, offset + c, divisor);
+    }
+    if (all) return true;
+  }
+  return false;
+}
+
+// Whether every differing byte is the high byte of bf16(x) or bf16(x / kv_scale), element-wise.
+bool holds_bf16_high_bytes(const std::uint8_t* got, const std::uint8_t* want, const float* values,
+                           int width, float kv_scale) {
+  for (int c = 0; c < width; ++c) {
+    if (got[c] == want[c]) continue;
+    const auto high = static_cast<std::uint8_t>(bf16_from_float(values[c]) >> 8);
+    const auto high_scaled = static_cast<std::uint8_t>(bf16_from_float(values[c] / kv_scale) >> 8);
+    if (got[c] != high && got[c] != high_scaled) return false;
+  }
+  return true;
+}
+
+std::uint64_t row_hash(const std::uint8_t* bytes, std::size_t count) {  // FNV-1a
+  std::uint64_t hash = 1469598103934665603ull;
+  for (std::size_t i = 0; i < count; ++i) hash = (hash ^ bytes[i]) * 1099511628211ull;
+  return hash;
+}
+
+// The step's writes indexed once per check, so that classifying many slots stays linear: the row
+// each written slot received (the last one when written twice), and the written slots by the
+// hash of their expected row.
+class WriteIndex {
+ public:
+  WriteIndex(const StepLayerWrites& writes, const KvPool& expected) : expected_(expected) {
+    for (std::size_t i = 0; i < writes.slots.size(); ++i) {
+      row_of_slot_[writes.slots[i]] = static_cast<int>(i);
+    }
+    for (const auto& [slot, row] : row_of_slot_) {
+      slots_by_hash_.emplace(row_hash(expected.row(slot), expected.row_bytes()), slot);
+    }
+  }
+  int row_of(std::int64_t slot) const {  // -1: the step did not write it
+    const auto it = row_of_slot_.find(slot);
+    return it == row_of_slot_.end() ? -1 : it->second;
+  }
+  // Whether `actual`'s row at `slot` is the expected row of another written slot (one whose
+  // expected row differs from this slot's own).
+  bool holds_other_written_row(const KvPool& actual, std::int64_t slot) const {
+    const auto [first, last] =
+        slots_by_hash_.equal_range(row_hash(actual.row(slot), actual.row_bytes()));
+    for (auto it = first; it != last; ++it) {
+      const std::int64_t other = it->second;
+      if (other != slot && !rows_equal(expected_, other, expected_, slot) &&
+          rows_equal(actual, slot, expected_, other)) {
+        return true;
+      }
+    }
+    return false;
+  }
+
+ private:
+  const KvPool& expected_;
+  std::unordered_map<std::int64_t, int> row_of_slot_;
+  std::unordered_multimap<std::uint64_t, std::int64_t> slots_by_hash_;
+};
+
+std::string classify_indexed(const StepLayerWrites& writes, const WriteIndex& index,
+                             const KvPool& actual, const KvPool& expected, std::int64_t slot) {
+  const int width = expected.row_width;
+  // wrong_slot: a row this step wrote for another slot landed here, or this slot's own row landed
+  // in a neighbour (a write to slot +-1).
+  if (index.holds_other_written_row(actual, slot)) return "wrong_slot";
+  const int row = index.row_of(slot);
+  for (const std::int64_t neighbour : {slot - 1, slot + 1}) {
+    if (row >= 0 && neighbour >= 0 && neighbour < expected.num_slots &&
+        !rows_equal(actual, neighbour, expected, neighbour) &&
+        rows_equal(actual, neighbour, expected, slot)) {
+      return "wrong_slot";
+    }
+  }
+
+  if (expected.dtype == KvDtype::kBfloat16) {
+    for (int c = 0; c < width; ++c) {
+      if (element_is_nan(actual, slot, c) && !element_is_nan(expected, slot, c)) return "nan_code";
+    }
+    return "other";
+  }
+
+  const std::uint8_t* got = actual.row(slot);
+  const std::uint8_t* want = expected.row(slot);
+  // bf16_bytes: this slot's row as bf16 (high bytes, or the first half of the 2-byte row), or the
+  // spill of the previous slot's bf16 row (its second half).
+  if (row >= 0) {
+    const float* values = writes.new_kv.data() + static_cast<std::size_t>(row) * width;
+    if (holds_bf16_high_bytes(got, want, values, width, writes.kv_scale) ||
+        holds_bf16_row_bytes(got, want, values, width, 0, writes.kv_scale)) {
+      return "bf16_bytes";
+    }
+  }
+  const int previous_row = slot > 0 ? index.row_of(slot - 1) : -1;
+  if (previous_row >= 0) {
+    const float* values = writes.new_kv.data() + static_cast<std::size_t>(previous_row) * width;
+    if (holds_bf16_row_bytes(got, want, values, width, width, writes.kv_scale)) {
+      return "bf16_bytes";
+    }
+  }
+
+  bool any_nan = false;
+  bool all_off_by_one = true;
+  for (int c = 0; c < width; ++c) {
+    if (got[c] == want[c]) continue;
+    any_nan |= e4m3_is_nan(got[c]) && !e4m3_is_nan(want[c]);
+    const bool same_sign = (got[c] & 0x80) == (want[c] & 0x80);
+    const int distance =
+        std::abs(static_cast<int>(got[c] & 0x7F) - static_cast<int>(want[c] & 0x7F));
+    all_off_by_one &= same_sign && distance == 1 && !e4m3_is_nan(got[c]);
+  }
+  if (any_nan) return "nan_code";
+  if (all_off_by_one) return "off_by_one_code";
+  return "other";
+}
+
 // The classes of src/integrity.hpp, in the order findings are reported.
 constexpr std::array<const char*, 5> kClasses = {"wrong_slot", "bf16_bytes", "nan_code",
                                                  "off_by_one_code", "other"};
@@ -86,8 +224,9 @@ void add_classified_findings(std::vector<IntegrityFinding>& findings, const Step
                              const KvPool& actual, const KvPool& compared_with,
                              const KvPool& expected, const std::string& what) {
   std::array<std::vector<std::int64_t>, kClasses.size()> by_class;
+  const WriteIndex index(writes, expected);
   for (const std::int64_t slot : slots) {
-    const std::string kind = classify_slot(writes, actual, expected, slot);
+    const std::string kind = classify_indexed(writes, index, actual, expected, slot);
     for (std::size_t k = 0; k < kClasses.size(); ++k) {
       if (kind == kClasses[k]) by_class[k].push_back(slot);
     }
@@ -104,12 +243,12 @@ void add_classified_findings(std::vector<IntegrityFinding>& findings, const Step
   }
 }
 
-bool element_is_nan(const KvPool& pool, std::int64_t slot, int col) {
-  if (pool.dtype == KvDtype::kBfloat16) return std::isnan(bf16_to_float(pool.bf16_bits(slot, col)));
-  return e4m3_is_nan(pool.row(slot)[col]);
-}
-
 }  // namespace
+
+std::string classify_slot(const StepLayerWrites& writes, const KvPool& actual,
+                          const KvPool& expected, std::int64_t slot) {
+  return classify_indexed(writes, WriteIndex(writes, expected), actual, expected, slot);
+}
 
 std::string step_layer_name(int step, int layer_id) {
   return step_group_name(step) + " " + layer_group_name(layer_id);
@@ -219,112 +358,6 @@ std::vector<IntegrityFinding> check_backend_pool(const StepLayerWrites& writes,
   return findings;
 }
 
-namespace {
-
-// Byte `index` of the little-endian bf16 row bf16(values[0 .. D)) (two bytes per element).
-std::uint8_t bf16_row_byte(const float* values, int index, float divisor) {
-  const std::uint16_t bits = bf16_from_float(values[index / 2] / divisor);
-  return static_cast<std::uint8_t>(index % 2 == 0 ? bits & 0xFF : bits >> 8);
-}
-
-// Whether every byte of `got` that differs from `want` is byte (offset + c) of the little-endian
-// bf16 row of `values` (raw or divided by kv_scale): a bf16 store of that row over this slot.
-bool holds_bf16_row_bytes(const std::uint8_t* got, const std::uint8_t* want, const float* values,
-                          int width, int offset, float kv_scale) {
-  for (const float divisor : {1.0f, kv_scale}) {
-    bool all = true;
-    for (int c = 0; c < width && all; ++c) {
-      all = got[c] == want[c] || got[c] == bf16_row_byte(values, offset + c, divisor);
-    }
-    if (all) return true;
-  }
-  return false;
-}
-
-// Whether every differing byte is the high byte of bf16(x) or bf16(x / kv_scale), element-wise.
-bool holds_bf16_high_bytes(const std::uint8_t* got, const std::uint8_t* want, const float* values,
-                           int width, float kv_scale) {
-  for (int c = 0; c < width; ++c) {
-    if (got[c] == want[c]) continue;
-    const auto high = static_cast<std::uint8_t>(bf16_from_float(values[c]) >> 8);
-    const auto high_scaled = static_cast<std::uint8_t>(bf16_from_float(values[c] / kv_scale) >> 8);
-    if (got[c] != high && got[c] != high_scaled) return false;
-  }
-  return true;
-}
-
-// The row index of new_kv the step wrote into `slot` (the last one when written twice), or -1.
-int written_row(const StepLayerWrites& writes, std::int64_t slot) {
-  int row = -1;
-  for (std::size_t i = 0; i < writes.slots.size(); ++i) {
-    if (writes.slots[i] == slot) row = static_cast<int>(i);
-  }
-  return row;
-}
-
-}  // namespace
-
-std::string classify_slot(const StepLayerWrites& writes, const KvPool& actual,
-                          const KvPool& expected, std::int64_t slot) {
-  const int width = expected.row_width;
-  // wrong_slot: a row this step wrote for another slot landed here, or this slot's own row landed
-  // in a neighbour (a write to slot +-1).
-  for (const std::int32_t other : writes.slots) {
-    if (other != slot && !rows_equal(expected, other, expected, slot) &&
-        rows_equal(actual, slot, expected, other)) {
-      return "wrong_slot";
-    }
-  }
-  const int row = written_row(writes, slot);
-  for (const std::int64_t neighbour : {slot - 1, slot + 1}) {
-    if (row >= 0 && neighbour >= 0 && neighbour < expected.num_slots &&
-        !rows_equal(actual, neighbour, expected, neighbour) &&
-        rows_equal(actual, neighbour, expected, slot)) {
-      return "wrong_slot";
-    }
-  }
-
-  if (expected.dtype == KvDtype::kBfloat16) {
-    for (int c = 0; c < width; ++c) {
-      if (element_is_nan(actual, slot, c) && !element_is_nan(expected, slot, c)) return "nan_code";
-    }
-    return "other";
-  }
-
-  const std::uint8_t* got = actual.row(slot);
-  const std::uint8_t* want = expected.row(slot);
-  // bf16_bytes: this slot's row as bf16 (high bytes, or the first half of the 2-byte row), or the
-  // spill of the previous slot's bf16 row (its second half).
-  if (row >= 0) {
-    const float* values = writes.new_kv.data() + static_cast<std::size_t>(row) * width;
-    if (holds_bf16_high_bytes(got, want, values, width, writes.kv_scale) ||
-        holds_bf16_row_bytes(got, want, values, width, 0, writes.kv_scale)) {
-      return "bf16_bytes";
-    }
-  }
-  const int previous_row = slot > 0 ? written_row(writes, slot - 1) : -1;
-  if (previous_row >= 0) {
-    const float* values = writes.new_kv.data() + static_cast<std::size_t>(previous_row) * width;
-    if (holds_bf16_row_bytes(got, want, values, width, width, writes.kv_scale)) {
-      return "bf16_bytes";
-    }
-  }
-
-  bool any_nan = false;
-  bool all_off_by_one = true;
-  for (int c = 0; c < width; ++c) {
-    if (got[c] == want[c]) continue;
-    any_nan |= e4m3_is_nan(got[c]) && !e4m3_is_nan(want[c]);
-    const bool same_sign = (got[c] & 0x80) == (want[c] & 0x80);
-    const int distance =
-        std::abs(static_cast<int>(got[c] & 0x7F) - static_cast<int>(want[c] & 0x7F));
-    all_off_by_one &= same_sign && distance == 1 && !e4m3_is_nan(got[c]);
-  }
-  if (any_nan) return "nan_code";
-  if (all_off_by_one) return "off_by_one_code";
-  return "other";
-}
-
 const PoolDamageHistory::Entry* PoolDamageHistory::find(std::int64_t slot) const {
   const auto it = entries_.find(slot);
   return it == entries_.end() ? nullptr : &it->second;
@@ -357,6 +390,7 @@ std::vector<IntegrityFinding> check_captured_pool(const StepLayerWrites& writes,
   std::array<std::vector<std::int64_t>, kClasses.size()> by_class;
   std::map<std::pair<std::size_t, int>, std::vector<std::int64_t>> carried;
   const bool identical = captured.bytes == expected.bytes;
+  std::optional<WriteIndex> index;  // built at the first slot that needs classifying
   if (identical && history != nullptr) *history = PoolDamageHistory{};
   for (std::int64_t slot = 0; slot < expected.num_slots && !identical; ++slot) {
     if (rows_equal(captured, slot, expected, slot)) {
@@ -370,7 +404,8 @@ std::vector<IntegrityFinding> check_captured_pool(const StepLayerWrites& writes,
       kind = seen->classification;
       first_step = seen->first_step;
     } else {
-      kind = classify_slot(writes, captured, expected, slot);
+      if (!index) index.emplace(writes, expected);
+      kind = classify_indexed(writes, *index, captured, expected, slot);
       if (history != nullptr) history->record(slot, writes.step, kind);
     }
     for (std::size_t k = 0; k < kClasses.size(); ++k) {
@@ -413,22 +448,57 @@ std::vector<IntegrityFinding> check_captured_pool(const StepLayerWrites& writes,
   return findings;
 }
 
-std::optional<IntegrityFinding> report_nan_codes(const StepLayerWrites& writes, const KvPool& pool,
-                                                 std::span<const std::int64_t> visible) {
-  std::vector<char> read(static_cast<std::size_t>(pool.num_slots), 0);
+namespace {
+
+std::int64_t nan_codes_in_row(const KvPool& pool, std::int64_t slot) {
+  std::int64_t count = 0;
+  const std::uint8_t* row = pool.row(slot);
+  if (pool.dtype == KvDtype::kBfloat16) {
+    for (int c = 0; c < pool.row_width; ++c) {
+      const unsigned bits = row[2 * c] | (static_cast<unsigned>(row[2 * c + 1]) << 8);
+      count += (bits & 0x7FFFu) > 0x7F80u;
+    }
+  } else {
+    for (int c = 0; c < pool.row_width; ++c) count += (row[c] & 0x7F) == 0x7F;
+  }
+  return count;
+}
+
+}  // namespace
+
+void PoolNanCodes::scan(const KvPool& pool) {
+  codes_by_slot_.clear();
+  for (std::int64_t slot = 0; slot < pool.num_slots; ++slot) {
+    if (const std::int64_t codes = nan_codes_in_row(pool, slot); codes > 0) {
+      codes_by_slot_[slot] = codes;
+    }
+  }
+}
+
+void PoolNanCodes::update(const KvPool& pool, std::span<const std::int32_t> written_slots) {
+  for (const std::int32_t slot : written_slots) {
+    if (const std::int64_t codes = nan_codes_in_row(pool, slot); codes > 0) {
+      codes_by_slot_[slot] = codes;
+    } else {
+      codes_by_slot_.erase(slot);
+    }
+  }
+}
+
+std::optional<IntegrityFinding> PoolNanCodes::report(const StepLayerWrites& writes,
+                                                     std::int64_t num_slots,
+                                                     std::span<const std::int64_t> visible) const {
+  if (codes_by_slot_.empty()) return std::nullopt;
+  std::vector<char> read(static_cast<std::size_t>(num_slots), 0);
   for (const std::int64_t slot : visible) read[slot] = 1;
   std::vector<std::int64_t> slots;
   std::int64_t codes = 0;
   std::int64_t read_slots = 0;
-  for (std::int64_t slot = 0; slot < pool.num_slots; ++slot) {
-    std::int64_t in_slot = 0;
-    for (int c = 0; c < pool.row_width; ++c) in_slot += element_is_nan(pool, slot, c);
-    if (in_slot == 0) continue;
-    codes += in_slot;
+  for (const auto& [slot, count] : codes_by_slot_) {
+    codes += count;
     slots.push_back(slot);
     read_slots += read[slot];
   }
-  if (slots.empty()) return std::nullopt;
   IntegrityFinding finding = make_finding(writes, "nan_codes_in_pool");
   finding.pass = true;  // data, not a failure (kvdump-v1 "Errors")
   finding.slots.assign(slots.begin(),
@@ -438,11 +508,18 @@ std::optional<IntegrityFinding> report_nan_codes(const StepLayerWrites& writes, 
   std::ostringstream text;
   text << finding.where << ": the pool holds " << codes << " NaN code(s) in "
        << slot_list(slots, slots.size())
-       << " (data, not a failure): " << slots.size() - static_cast<std::size_t>(read_slots)
+       << " (data, not a failure): " << static_cast<std::int64_t>(slots.size()) - read_slots
        << " slot(s) no request of this step reads, " << read_slots
        << " read (the reference is NaN where a row reads one; a backend output must match)";
   finding.detail = text.str();
   return finding;
+}
+
+std::optional<IntegrityFinding> report_nan_codes(const StepLayerWrites& writes, const KvPool& pool,
+                                                 std::span<const std::int64_t> visible) {
+  PoolNanCodes nan_codes;
+  nan_codes.scan(pool);
+  return nan_codes.report(writes, pool.num_slots, visible);
 }
 
 }  // namespace kvaudit

@@ -96,9 +96,23 @@ std::vector<IntegrityFinding> check_captured_pool(const StepLayerWrites& writes,
 std::string classify_slot(const StepLayerWrites& writes, const KvPool& actual,
                           const KvPool& expected, std::int64_t slot);
 
-// NaN codes held by `pool` (the reference pool after the step's writes), reported as data: a
-// passing finding naming the slots, split by whether `visible` (the slots the step's attention
-// reads, any order) holds them. No finding when the pool holds none.
+// The NaN codes a pool holds, by slot, kept current from step to step: the pool is scanned once,
+// then only the slots each step writes are counted again.
+class PoolNanCodes {
+ public:
+  void scan(const KvPool& pool);
+  void update(const KvPool& pool, std::span<const std::int32_t> written_slots);
+  // Reported as data: a passing nan_codes_in_pool finding naming the slots, split by whether
+  // `visible` (the slots the step's attention reads, any order) holds them; none when there are
+  // no NaN codes.
+  std::optional<IntegrityFinding> report(const StepLayerWrites& writes, std::int64_t num_slots,
+                                         std::span<const std::int64_t> visible) const;
+
+ private:
+  std::map<std::int64_t, std::int64_t> codes_by_slot_;
+};
+
+// PoolNanCodes of `pool` (the reference pool after the step's writes), reported at once.
 std::optional<IntegrityFinding> report_nan_codes(const StepLayerWrites& writes, const KvPool& pool,
                                                  std::span<const std::int64_t> visible);
 

@@ -341,6 +341,8 @@ Result<ReplayOutcome> replay_dump(const DumpReader& reader, Backend* backend,
     KvPool reference_pool = std::move(pool.value());
     KvPool backend_pool = reference_pool;
     PoolDamageHistory captured_damage;  // slots of kv_cache_after that differ, step to step
+    PoolNanCodes reference_nan_codes;   // NaN codes of reference_pool (data), kept per write
+    reference_nan_codes.scan(reference_pool);
 
     SourceRows source(num_slots, width);
     if (layer.has_source) {
@@ -370,6 +372,7 @@ Result<ReplayOutcome> replay_dump(const DumpReader& reader, Backend* backend,
         reference_pool.write_row(slot, values, layer.kv_scale, options.reciprocal_scale);
         source.write(slot, values);
       }
+      reference_nan_codes.update(reference_pool, step.new_kv_slots);
       // Messages name the dump's own groups (a dump may start at S001, or name layer 5 L000).
       const std::string where = step.group + " " + layer.group;
       StepLayerWrites writes{step_number,    layer.layer_id, step.new_kv_slots,
@@ -479,8 +482,8 @@ Result<ReplayOutcome> replay_dump(const DumpReader& reader, Backend* backend,
       if (!reported) continue;
 
       // NaN codes in the reference pool: data (unused slots may hold them), reported per step.
-      if (auto nan_codes =
-              report_nan_codes(writes, reference_pool, visible_slots(step, attrs.page_size))) {
+      if (auto nan_codes = reference_nan_codes.report(writes, reference_pool.num_slots,
+                                                      visible_slots(step, attrs.page_size))) {
         run.integrity.push_back(std::move(*nan_codes));
       }
 

@@ -254,3 +254,35 @@ TEST_CASE("NaN codes already in the pool are reported as data, split by whether 
 }
 
 }  // namespace kvaudit
+
+namespace kvaudit {
+
+TEST_CASE("PoolNanCodes follows the writes: a NaN overwritten goes, a NaN written comes",
+          "[integrity]") {
+  KvPool pool = KvPool::zeros(KvDtype::kFloat8E4m3fn, 4, 3);
+  pool.row(1)[0] = 0x7F;
+  pool.row(3)[2] = 0xFF;
+  PoolNanCodes nan_codes;
+  nan_codes.scan(pool);
+  const std::vector<std::int32_t> written = {1, 2};
+  const std::vector<float> rows = {1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f};
+  const StepLayerWrites writes{0, 0, written, rows, 1.0f};
+  auto before = nan_codes.report(writes, pool.num_slots, std::vector<std::int64_t>{});
+  REQUIRE(before);
+  CHECK(before->slots == std::vector<std::int64_t>{1, 3});
+
+  pool.row(1)[0] = 0x38;  // slot 1 rewritten finite
+  pool.row(2)[1] = 0x7F;  // slot 2 written with a NaN
+  nan_codes.update(pool, written);
+  const auto after = nan_codes.report(writes, pool.num_slots, std::vector<std::int64_t>{2});
+  REQUIRE(after);
+  CHECK(after->slots == std::vector<std::int64_t>{2, 3});
+  CHECK_THAT(after->detail, Catch::Contains("2 NaN code(s)") &&
+                                Catch::Contains("1 slot(s) no request of this step reads, 1 read"));
+  // The same as a full scan of the pool.
+  const auto full = report_nan_codes(writes, pool, std::vector<std::int64_t>{2});
+  REQUIRE(full);
+  CHECK(full->detail == after->detail);
+}
+
+}  // namespace kvaudit
