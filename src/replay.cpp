@@ -386,16 +386,22 @@ Result<ReplayOutcome> replay_dump(const DumpReader& reader, Backend* backend,
       std::vector<double> rs_out;
       std::vector<double> rs_lse;
       bool have_source_reference = false;
+      // R8 on `pool`: the exact attention on its visible slots, dequantized with kv_scale.
+      auto reference_on_pool = [&](const KvPool& pool, const std::vector<std::int64_t>& visible,
+                                   std::vector<double>& out, std::vector<double>& lse) -> Status {
+        out.assign(shape.size(), 0.0);
+        lse.assign(static_cast<std::size_t>(nq) * num_heads, 0.0);
+        const KvRows dequantized = KvRows::from_pool_slots(pool, layer.kv_scale, visible);
+        auto work = mla_reference_attention(attrs, step, tensors.q_nope, tensors.q_pe, dequantized,
+                                            out, lse, options.threads);
+        if (!work.ok()) return work.error();
+        run.reference_rows_heads_tokens += static_cast<double>(work.value());
+        return ok_status();
+      };
       if (reported) {
         const auto visible = visible_slots(step, attrs.page_size);
         const auto reference_start = Clock::now();
-        r8_out.assign(shape.size(), 0.0);
-        r8_lse.assign(static_cast<std::size_t>(nq) * num_heads, 0.0);
-        const KvRows dequantized = KvRows::from_pool_slots(reference_pool, layer.kv_scale, visible);
-        auto work = mla_reference_attention(attrs, step, tensors.q_nope, tensors.q_pe, dequantized,
-                                            r8_out, r8_lse, options.threads);
-        if (!work.ok()) return work.error();
-        run.reference_rows_heads_tokens += static_cast<double>(work.value());
+        KVAUDIT_TRY(reference_on_pool(reference_pool, visible, r8_out, r8_lse));
         if (source.covers(visible)) {
           rs_out.assign(shape.size(), 0.0);
           rs_lse.assign(r8_lse.size(), 0.0);
@@ -455,13 +461,7 @@ Result<ReplayOutcome> replay_dump(const DumpReader& reader, Backend* backend,
           });
           if (read_differs) {
             const auto reference_start = Clock::now();
-            r8_read_out.assign(shape.size(), 0.0);
-            r8_read_lse.assign(static_cast<std::size_t>(nq) * num_heads, 0.0);
-            const KvRows read = KvRows::from_pool_slots(backend_pool, layer.kv_scale, visible);
-            auto work = mla_reference_attention(attrs, step, tensors.q_nope, tensors.q_pe, read,
-                                                r8_read_out, r8_read_lse, options.threads);
-            if (!work.ok()) return work.error();
-            run.reference_rows_heads_tokens += static_cast<double>(work.value());
+            KVAUDIT_TRY(reference_on_pool(backend_pool, visible, r8_read_out, r8_read_lse));
             run.reference_seconds += seconds_since(reference_start);
           }
         }
