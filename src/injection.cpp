@@ -16,7 +16,7 @@ constexpr std::array<InjectionInfo, 8> kInjections{{
      "integrity written_slots [off_by_one_code]"},
     {Injection::kNoSaturation, "no-saturation",
      "the write does not saturate: |x / kv_scale| > 464 becomes a NaN code",
-     "integrity nan_written (needs values past 448 * kv_scale)"},
+     "integrity nan_written (needs values past 464 * kv_scale)"},
     {Injection::kScaleMismatch, "scale-mismatch",
      "attention dequantizes with kv_scale rounded to a power of two", "kernel comparison"},
     {Injection::kNeighbourSlotWrite, "neighbour-slot-write", "the write lands in slot + 1",

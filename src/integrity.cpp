@@ -161,13 +161,15 @@ class WriteIndex {
 std::string classify_indexed(const StepLayerWrites& writes, const WriteIndex& index,
                              const KvPool& actual, const KvPool& expected, std::int64_t slot) {
   const int width = expected.row_width;
+  // Nothing to classify where the bytes agree (an unwritten slot that changed back to them).
+  if (rows_equal(actual, slot, expected, slot)) return "other";
   // wrong_slot: a row this step wrote for another slot landed here, or this slot's own row landed
-  // in a neighbour (a write to slot +-1).
+  // in a neighbour (a write to slot +-1, wrapping at the pool's ends as a modular index does).
   if (index.holds_other_written_row(actual, slot)) return "wrong_slot";
   const int row = index.row_of(slot);
-  for (const std::int64_t neighbour : {slot - 1, slot + 1}) {
-    if (row >= 0 && neighbour >= 0 && neighbour < expected.num_slots &&
-        !rows_equal(actual, neighbour, expected, neighbour) &&
+  const std::int64_t slots = expected.num_slots;
+  for (const std::int64_t neighbour : {(slot + slots - 1) % slots, (slot + 1) % slots}) {
+    if (row >= 0 && neighbour != slot && !rows_equal(actual, neighbour, expected, neighbour) &&
         rows_equal(actual, neighbour, expected, slot)) {
       return "wrong_slot";
     }
@@ -182,35 +184,41 @@ std::string classify_indexed(const StepLayerWrites& writes, const WriteIndex& in
 
   const std::uint8_t* got = actual.row(slot);
   const std::uint8_t* want = expected.row(slot);
-  // bf16_bytes: this slot's row as bf16 (high bytes, or the first half of the 2-byte row), or the
-  // spill of the previous slot's bf16 row (its second half).
-  if (row >= 0) {
-    const float* values = writes.new_kv.data() + static_cast<std::size_t>(row) * width;
-    if (holds_bf16_high_bytes(got, want, values, width, writes.kv_scale) ||
-        holds_bf16_row_bytes(got, want, values, width, 0, writes.kv_scale)) {
-      return "bf16_bytes";
-    }
-  }
-  const int previous_row = slot > 0 ? index.row_of(slot - 1) : -1;
-  if (previous_row >= 0) {
-    const float* values = writes.new_kv.data() + static_cast<std::size_t>(previous_row) * width;
-    if (holds_bf16_row_bytes(got, want, values, width, width, writes.kv_scale)) {
-      return "bf16_bytes";
-    }
-  }
-
+  int differing = 0;
   bool any_nan = false;
   bool all_off_by_one = true;
   for (int c = 0; c < width; ++c) {
     if (got[c] == want[c]) continue;
+    ++differing;
     any_nan |= e4m3_is_nan(got[c]) && !e4m3_is_nan(want[c]);
     const bool same_sign = (got[c] & 0x80) == (want[c] & 0x80);
     const int distance =
         std::abs(static_cast<int>(got[c] & 0x7F) - static_cast<int>(want[c] & 0x7F));
     all_off_by_one &= same_sign && distance == 1 && !e4m3_is_nan(got[c]);
   }
-  if (any_nan) return "nan_code";
+  // Every differing code one step away is a rounding difference, whatever else it resembles: for
+  // quotients in [1.875, 4) the bf16 high byte (0x3F, 0x40) is itself a neighbouring e4m3 code.
   if (all_off_by_one) return "off_by_one_code";
+  // bf16_bytes: this slot's row as bf16 (high bytes, or the first half of the 2-byte row), or the
+  // spill of the previous slot's bf16 row (its second half). A single differing byte is too weak
+  // a match to call it that.
+  if (differing >= 2) {
+    if (row >= 0) {
+      const float* values = writes.new_kv.data() + static_cast<std::size_t>(row) * width;
+      if (holds_bf16_high_bytes(got, want, values, width, writes.kv_scale) ||
+          holds_bf16_row_bytes(got, want, values, width, 0, writes.kv_scale)) {
+        return "bf16_bytes";
+      }
+    }
+    const int previous_row = slot > 0 ? index.row_of(slot - 1) : -1;
+    if (previous_row >= 0) {
+      const float* values = writes.new_kv.data() + static_cast<std::size_t>(previous_row) * width;
+      if (holds_bf16_row_bytes(got, want, values, width, width, writes.kv_scale)) {
+        return "bf16_bytes";
+      }
+    }
+  }
+  if (any_nan) return "nan_code";
   return "other";
 }
 
@@ -290,14 +298,17 @@ std::vector<IntegrityFinding> check_backend_pool(const StepLayerWrites& writes,
   std::vector<char> written(static_cast<std::size_t>(before.num_slots), 0);
   for (const std::int32_t slot : writes.slots) written[slot] = 1;
 
-  // written_slots and nan_written (a slot written twice in one step is listed once)
+  // written_slots and nan_written. A slot written twice in one step is listed once and judged by
+  // its last row (the expected pool holds the last write).
   std::vector<std::int64_t> wrong_written;
   std::vector<std::int64_t> nan_slots;
-  std::vector<char> listed(static_cast<std::size_t>(before.num_slots), 0);
+  std::vector<int> last_row(static_cast<std::size_t>(before.num_slots), -1);
+  for (std::size_t i = 0; i < writes.slots.size(); ++i) {
+    last_row[writes.slots[i]] = static_cast<int>(i);
+  }
   for (std::size_t i = 0; i < writes.slots.size(); ++i) {
     const std::int64_t slot = writes.slots[i];
-    if (listed[slot]) continue;
-    listed[slot] = 1;
+    if (last_row[slot] != static_cast<int>(i)) continue;
     if (!rows_equal(after, slot, expected, slot)) wrong_written.push_back(slot);
     for (int c = 0; c < width; ++c) {
       const float value = writes.new_kv[i * width + c];
@@ -363,8 +374,9 @@ const PoolDamageHistory::Entry* PoolDamageHistory::find(std::int64_t slot) const
   return it == entries_.end() ? nullptr : &it->second;
 }
 
-void PoolDamageHistory::record(std::int64_t slot, int step, const std::string& classification) {
-  entries_[slot] = Entry{step, classification};
+void PoolDamageHistory::record(std::int64_t slot, int step, const std::string& classification,
+                               std::uint64_t row_hash) {
+  entries_[slot] = Entry{step, classification, row_hash};
 }
 
 void PoolDamageHistory::forget(std::int64_t slot) { entries_.erase(slot); }
@@ -397,16 +409,19 @@ std::vector<IntegrityFinding> check_captured_pool(const StepLayerWrites& writes,
       if (history != nullptr) history->forget(slot);
       continue;
     }
+    // Carried: the same bytes as when the damage was first seen, in a slot this step did not
+    // write. Anything else is classified afresh, as new damage.
+    const std::uint64_t hash = row_hash(captured.row(slot), captured.row_bytes());
     const PoolDamageHistory::Entry* seen = history != nullptr ? history->find(slot) : nullptr;
     std::string kind;
     int first_step = writes.step;
-    if (seen != nullptr && !written[slot]) {
+    if (seen != nullptr && !written[slot] && seen->row_hash == hash) {
       kind = seen->classification;
       first_step = seen->first_step;
     } else {
       if (!index) index.emplace(writes, expected);
       kind = classify_indexed(writes, *index, captured, expected, slot);
-      if (history != nullptr) history->record(slot, writes.step, kind);
+      if (history != nullptr) history->record(slot, writes.step, kind, hash);
     }
     for (std::size_t k = 0; k < kClasses.size(); ++k) {
       if (kind != kClasses[k]) continue;
@@ -435,9 +450,10 @@ std::vector<IntegrityFinding> check_captured_pool(const StepLayerWrites& writes,
     finding.carried_from_step = key.second;
     fail_with_slots(finding, slots,
                     std::string("slot(s) of the captured pool still differ from the replay [") +
-                        kClasses[key.first] + ", first seen at step " + std::to_string(key.second) +
-                        "]",
-                    "");
+                        kClasses[key.first] + ", unchanged since step " +
+                        std::to_string(key.second) + "]",
+                    "slot " + std::to_string(slots.front()) + ": " +
+                        describe_row_difference(captured, expected, slots.front()));
     findings.push_back(finding);
   }
   if (findings.empty()) {

@@ -15,9 +15,9 @@
 //   read_consistency the whole pool equals the reference pool (what later steps will read)
 // Captured pool (kv_cache_after in the dump), against the expected pool:
 //   captured_pool    equal, or one failing finding per classification of the differing slots
-// Either pool, as data (always passes): nan_codes_in_pool, the NaN codes the reference pool holds
-// (legal in unused slots, kvdump-v1 "Errors"), split into slots the step's attention reads and
-// slots it does not.
+// As data (always passes): nan_codes_in_pool, the NaN codes the reference replay's pool holds
+// after the step (the dump's kv_cache plus the writes; legal in unused slots, kvdump-v1
+// "Errors"), split into slots the step's attention reads and slots it does not.
 //
 // A slot that differs from the expected pool is classified (written_slots, unwritten_slots and
 // captured_pool findings carry the class):
@@ -30,8 +30,9 @@
 //   nan_code        it holds a NaN code (0x7F / 0xFF) where a finite code was expected
 //   off_by_one_code every differing code is one step from the expected code (wrong rounding)
 //   other           anything else
-// Damage of a captured pool that persists into later steps keeps the class and step it was first
-// seen with (PoolDamageHistory), so a later step reports it as carried, not as new damage.
+// Damage of a captured pool that persists unchanged into later steps keeps the class and step it
+// was first seen with (PoolDamageHistory), so a later step reports it as carried, not as new
+// damage; a damaged slot whose bytes change again is classified afresh.
 #pragma once
 
 #include <cstdint>
@@ -67,9 +68,11 @@ class PoolDamageHistory {
   struct Entry {
     int first_step = 0;
     std::string classification;
+    std::uint64_t row_hash = 0;  // of the damaged bytes: damage is carried only while unchanged
   };
   const Entry* find(std::int64_t slot) const;
-  void record(std::int64_t slot, int step, const std::string& classification);
+  void record(std::int64_t slot, int step, const std::string& classification,
+              std::uint64_t row_hash);
   void forget(std::int64_t slot);  // the slot is back to its expected bytes
   std::size_t size() const { return entries_.size(); }
 

@@ -274,6 +274,7 @@ void signoff_section(std::ostream& md, const CheckRun& run) {
 std::string pool_text(PoolState state, std::int64_t slots, const char* unit) {
   if (state == PoolState::kNotChecked) return "-";
   if (state == PoolState::kIntact) return "intact";
+  if (slots == 0) return "damaged";  // e.g. storage changed: no slot-level count
   return "damaged (" + std::to_string(slots) + " " + unit + ")";
 }
 
@@ -306,7 +307,8 @@ void steps_section(std::ostream& md, const CheckRun& run) {
         "comparison with its layer, so corruption shows as the step it starts at and the error "
         "that follows it.\n\n";
   md << "| step | layers | backend pool | damaged slots | captured pool | kernel rel_l2 | cache "
-        "rel_l2 | total rel_l2 | quantization rel_l2 | NaN/Inf mismatches | result |\n"
+        "rel_l2 | total rel_l2 | quantization rel_l2 | NaN/Inf mismatches kernel / cache | "
+        "result |\n"
      << "| ---: | ---: | --- | ---: | --- | --- | --- | --- | --- | ---: | --- |\n";
   auto worst = [](const StepSummary& s, Comparison comparison) {
     const auto it = s.worst.find(comparison);
@@ -314,13 +316,16 @@ void steps_section(std::ostream& md, const CheckRun& run) {
     return short_number(it->second.rel_l2) + " (L" + std::to_string(it->second.layer_id) + ")";
   };
   for (const StepSummary& s : steps) {
-    std::int64_t nonfinite = 0;
-    for (const auto& [comparison, w] : s.worst) nonfinite += w.nonfinite_mismatches;
+    auto nonfinite = [&s](Comparison comparison) {
+      const auto it = s.worst.find(comparison);
+      return it == s.worst.end() ? std::string("-")
+                                 : std::to_string(it->second.nonfinite_mismatches);
+    };
     md << "| " << s.step << " | " << s.layers << " | " << pool_state_name(s.backend_pool) << " | "
        << s.damaged_slots << " | " << captured_text(s) << " | " << worst(s, Comparison::kKernel)
        << " | " << worst(s, Comparison::kCache) << " | " << worst(s, Comparison::kTotal) << " | "
-       << worst(s, Comparison::kQuantization) << " | " << nonfinite << " | "
-       << (s.pass ? "PASS" : "**FAIL**") << " |\n";
+       << worst(s, Comparison::kQuantization) << " | " << nonfinite(Comparison::kKernel) << " / "
+       << nonfinite(Comparison::kCache) << " | " << (s.pass ? "PASS" : "**FAIL**") << " |\n";
   }
   md << "\n";
 }
@@ -416,11 +421,16 @@ void print_integrity_failures(std::ostream& out, const CheckRun& run) {
 }
 
 void print_pool_data(std::ostream& out, const CheckRun& run) {
-  std::set<int> layers_shown;
+  // Per layer, the first step and every step where the set of slots holding NaN codes changed.
+  std::map<int, std::pair<std::int64_t, std::vector<std::int64_t>>> last_seen;
+  bool header = false;
   for (const IntegrityFinding& f : run.integrity) {
-    if (f.check != "nan_codes_in_pool" || !layers_shown.insert(f.layer_id).second) continue;
-    if (layers_shown.size() == 1)
-      out << "pool data (first step per layer; every step in the report):\n";
+    if (f.check != "nan_codes_in_pool") continue;
+    auto [it, first] = last_seen.try_emplace(f.layer_id, f.slot_count, f.slots);
+    if (!first && it->second.first == f.slot_count && it->second.second == f.slots) continue;
+    it->second = {f.slot_count, f.slots};
+    if (!header) out << "pool data (NaN codes, where they change; every step in the report):\n";
+    header = true;
     out << "  " << f.detail << "\n";
   }
 }
@@ -428,7 +438,7 @@ void print_pool_data(std::ostream& out, const CheckRun& run) {
 void print_step_summary(std::ostream& out, const CheckRun& run) {
   const std::vector<StepSummary> steps = summarize_steps(run);
   if (steps.empty()) return;
-  constexpr std::size_t kWidth = 22;
+  constexpr std::size_t kWidth = 28;
   out << "per step (worst rel_l2 over the layers, and where):\n"
       << pad_left("step", 5) << " " << pad_right("backend pool", kWidth) << " "
       << pad_right("captured pool", kWidth) << " " << pad_right("kernel", kWidth) << " "

@@ -247,14 +247,23 @@ Result<ReproSummary> write_repro(const DumpReader& reader, const ReproTarget& ta
 
   DumpAttributes repro_attrs = attrs;
   // Where the kept pages came from, so a slot the repro names maps back to the original: repro
-  // slot s is original slot pages[s / page_size] * page_size + s % page_size.
+  // slot s is original slot pages[s / page_size] * page_size + s % page_size. Every page is listed
+  // (runs of consecutive pages as first-last).
   std::string page_list;
-  for (std::size_t i = 0; i < pages.size() && i < 64; ++i) {
-    page_list += (i ? "," : "") + std::to_string(pages[i]);
+  for (std::size_t i = 0; i < pages.size();) {
+    std::size_t j = i;
+    while (j + 1 < pages.size() && pages[j + 1] == pages[j] + 1) ++j;
+    if (i > 0) page_list += ',';
+    page_list += std::to_string(pages[i]);
+    if (j > i) {
+      page_list += '-';
+      page_list += std::to_string(pages[j]);
+    }
+    i = j + 1;
   }
-  if (pages.size() > 64) page_list += ",... (" + std::to_string(pages.size()) + " in all)";
-  repro_attrs.producer = producer + "; repro pages 0.." + std::to_string(pages.size() - 1) +
-                         " are original pages " + page_list + " (page size " +
+  repro_attrs.producer = producer + "; repro pages 0.." +
+                         std::to_string(static_cast<std::int64_t>(pages.size()) - 1) +
+                         " are original pages " + page_list + " in that order (page size " +
                          std::to_string(page) + ")";
   auto written = [&]() -> Status {
     auto writer = DumpWriter::create(path, repro_attrs, static_cast<std::int64_t>(pages.size()));

@@ -209,6 +209,23 @@ inline TinyDump make_tiny_dump(const TinySpec& spec) {
   return dump;
 }
 
+// A kv_scale (from `from` up) and a bf16 value whose kvdump write (x / s) and reciprocal write
+// (x * fp32(1 / s)) store different codes: rare, only where the quotient lands within an ulp of an
+// e4m3 rounding midpoint, so found by search. {0, 0} if none is found below 1.5 * from.
+struct ReciprocalDisagreement {
+  float kv_scale = 0.0f;
+  float value = 0.0f;
+};
+inline ReciprocalDisagreement find_reciprocal_disagreement(float from) {
+  for (float s = from; s < 1.5f * from; s = std::nextafter(s, 1.0f)) {
+    for (std::uint16_t bits = 1; bits < 0x7F80; ++bits) {
+      const float v = bf16_to_float(bits);
+      if (kvdump_quantize(v, s) != kvdump_quantize_reciprocal(v, s)) return {s, v};
+    }
+  }
+  return {};
+}
+
 inline std::filesystem::path test_tmp_path(const std::string& name) {
   const std::filesystem::path dir = KVAUDIT_TEST_TMPDIR;
   std::filesystem::create_directories(dir);

@@ -18,6 +18,7 @@
 namespace kvaudit {
 namespace {
 
+using testing::find_reciprocal_disagreement;
 using testing::make_tiny_dump;
 using testing::test_tmp_path;
 using testing::TinyDump;
@@ -179,7 +180,19 @@ TEST_CASE("kvaudit check: saturating scale passes by default and fails under --s
 
 TEST_CASE("kvaudit check --reciprocal-scale: backend and reference both use it, and it is noted",
           "[cli][check]") {
-  const std::string file = write_dump(make_tiny_dump(TinySpec{}), "cli_reciprocal");
+  // A value where x / s and x * (1 / s) store different codes, written at step 1: a backend that
+  // ignored the flag would store the kvdump code and fail written_slots against the reference.
+  const auto disagreement = find_reciprocal_disagreement(0.0029f);
+  REQUIRE(disagreement.value != 0.0f);
+  TinySpec spec;
+  spec.kv_scale = disagreement.kv_scale;
+  TinyDump dump = make_tiny_dump(spec);
+  dump.tensors[1][0].new_kv[0] = disagreement.value;
+  const std::string file = write_dump(dump, "cli_reciprocal");
+  // Without the flag the same dump passes too (both sides divide): the flag changes both.
+  const CommandResult plain =
+      run_check("cli_reciprocal_plain", file + " --backend cpu-fp8 --threads 2");
+  CHECK(plain.status == 0);
   const auto json = test_tmp_path("cli_reciprocal.json");
   const CommandResult named =
       run_check("cli_reciprocal", file + " --backend cpu-fp8 --threads 2 --reciprocal-scale " +

@@ -149,6 +149,37 @@ TEST_CASE("check --emit-repro: the repro of an injected fault fails alone the sa
     CHECK(s.attrs.page_size == l.attrs.page_size);
     CHECK_THAT(s.attrs.producer, Catch::Contains("--emit-repro"));
     CHECK(std::filesystem::file_size(repro) * 3 < std::filesystem::file_size(original));
+
+    // The producer maps every repro page back to its original page ("a,b-c,..."): at step 0 the
+    // repro's pool page k holds exactly the original pool's page pages[k].
+    const std::string key = "are original pages ";
+    const auto at = s.attrs.producer.find(key);
+    REQUIRE(at != std::string::npos);
+    std::vector<std::int64_t> pages;
+    std::istringstream list(s.attrs.producer.substr(at + key.size()));
+    for (std::int64_t first = 0; list >> first;) {
+      std::int64_t last = first;
+      if (list.peek() == '-') list.ignore() >> last;
+      for (std::int64_t page = first; page <= last; ++page) pages.push_back(page);
+      if (list.peek() != ',') break;
+      list.ignore();
+    }
+    REQUIRE(static_cast<std::int64_t>(pages.size()) == s.num_pages);
+    if (expected.step == 0) {
+      std::size_t original_layer = 0;
+      while (l.layers[original_layer].layer_id != expected.layer_id) ++original_layer;
+      const auto small_pool = small->read_pool(0);
+      const auto large_pool = large->read_pool(original_layer);
+      REQUIRE(small_pool.ok());
+      REQUIRE(large_pool.ok());
+      const std::size_t page_bytes = small_pool->row_bytes() * s.attrs.page_size;
+      for (std::size_t k = 0; k < pages.size(); ++k) {
+        INFO("repro page " << k << " <- original page " << pages[k]);
+        CHECK(std::equal(small_pool->bytes.begin() + k * page_bytes,
+                         small_pool->bytes.begin() + (k + 1) * page_bytes,
+                         large_pool->bytes.begin() + pages[k] * page_bytes));
+      }
+    }
   }
 }
 

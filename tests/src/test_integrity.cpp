@@ -181,6 +181,22 @@ TEST_CASE("captured pool: equal passes, corruptions are classified per slot", "[
   }
 }
 
+TEST_CASE("one code off by one is a rounding difference even where it looks like a bf16 byte",
+          "[integrity]") {
+  // 0.24375 / 0.125 = 1.95: RNE stores 2.0 (0x40); the code below it, 1.875, is 0x3F, which is
+  // also the high byte of bf16(1.95). One such byte is a rounding difference, not a bf16 store.
+  const std::vector<std::int32_t> slots = {0};
+  const std::vector<float> row = {0.24375f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f};
+  const StepLayerWrites writes{0, 0, slots, row, kScale};
+  KvPool expected = KvPool::zeros(KvDtype::kFloat8E4m3fn, 2, kWidth);
+  for (int c = 0; c < kWidth; ++c) expected.row(0)[c] = kvdump_quantize(row[c], kScale);
+  REQUIRE(expected.row(0)[0] == 0x40);
+  REQUIRE(static_cast<std::uint8_t>(bf16_from_float(row[0] / kScale) >> 8) == 0x3F);
+  KvPool captured = expected;
+  captured.row(0)[0] = 0x3F;
+  CHECK(classify_slot(writes, captured, expected, 0) == "off_by_one_code");
+}
+
 TEST_CASE("backend pool: failing written slots carry the class of what is in them", "[integrity]") {
   const Scenario s = make_scenario();
   KvPool after = s.expected;
@@ -225,7 +241,20 @@ TEST_CASE("captured pool: damage that persists is reported as carried from its f
   CHECK(second[0].classification == "nan_code");
   CHECK(second[0].carried_from_step == 3);
   CHECK(second[0].slots == std::vector<std::int64_t>{2});
-  CHECK_THAT(second[0].detail, Catch::Contains("first seen at step 3"));
+  CHECK_THAT(second[0].detail, Catch::Contains("unchanged since step 3"));
+
+  // The same slot damaged differently at the next step (not written there): new damage, with its
+  // own class, not hidden behind the old one.
+  {
+    PoolDamageHistory changed = history;
+    KvPool other_damage = next_expected;
+    other_damage.row(2)[0] = 0x7F;  // NaN codes now, in place of 0.5's code
+    other_damage.row(2)[3] = 0x7F;
+    const auto again = check_captured_pool(next, other_damage, next_expected, &changed);
+    REQUIRE(again.size() == 1);
+    CHECK(again[0].carried_from_step == -1);
+    CHECK(again[0].classification == "nan_code");
+  }
 
   // Repaired at the step after: passes, and the history forgets the slot.
   const auto third = check_captured_pool(next, next_expected, next_expected, &history);
