@@ -386,9 +386,12 @@ Result<ReplayOutcome> replay_dump(const DumpReader& reader, Backend* backend,
       std::vector<double> rs_out;
       std::vector<double> rs_lse;
       bool have_source_reference = false;
-      // R8 on `pool`: the exact attention on its visible slots, dequantized with kv_scale.
-      auto reference_on_pool = [&](const KvPool& pool, const std::vector<std::int64_t>& visible,
-                                   std::vector<double>& out, std::vector<double>& lse) -> Status {
+      // The slots the step's rows read (only reported steps need them).
+      const std::vector<std::int64_t> visible =
+          reported ? visible_slots(step, attrs.page_size) : std::vector<std::int64_t>{};
+      // R8 on `pool`: the exact attention on the visible slots, dequantized with kv_scale.
+      auto reference_on_pool = [&](const KvPool& pool, std::vector<double>& out,
+                                   std::vector<double>& lse) -> Status {
         out.assign(shape.size(), 0.0);
         lse.assign(static_cast<std::size_t>(nq) * num_heads, 0.0);
         const KvRows dequantized = KvRows::from_pool_slots(pool, layer.kv_scale, visible);
@@ -399,9 +402,8 @@ Result<ReplayOutcome> replay_dump(const DumpReader& reader, Backend* backend,
         return ok_status();
       };
       if (reported) {
-        const auto visible = visible_slots(step, attrs.page_size);
         const auto reference_start = Clock::now();
-        KVAUDIT_TRY(reference_on_pool(reference_pool, visible, r8_out, r8_lse));
+        KVAUDIT_TRY(reference_on_pool(reference_pool, r8_out, r8_lse));
         if (source.covers(visible)) {
           rs_out.assign(shape.size(), 0.0);
           rs_lse.assign(r8_lse.size(), 0.0);
@@ -454,14 +456,13 @@ Result<ReplayOutcome> replay_dump(const DumpReader& reader, Backend* backend,
         const bool same_storage = backend_pool.bytes.size() == reference_pool.bytes.size() &&
                                   backend_pool.dtype == reference_pool.dtype;
         if (reported && same_storage) {
-          const auto visible = visible_slots(step, attrs.page_size);
           read_differs = std::any_of(visible.begin(), visible.end(), [&](std::int64_t slot) {
             return std::memcmp(backend_pool.row(slot), reference_pool.row(slot),
                                reference_pool.row_bytes()) != 0;
           });
           if (read_differs) {
             const auto reference_start = Clock::now();
-            KVAUDIT_TRY(reference_on_pool(backend_pool, visible, r8_read_out, r8_read_lse));
+            KVAUDIT_TRY(reference_on_pool(backend_pool, r8_read_out, r8_read_lse));
             run.reference_seconds += seconds_since(reference_start);
           }
         }
@@ -482,8 +483,7 @@ Result<ReplayOutcome> replay_dump(const DumpReader& reader, Backend* backend,
       if (!reported) continue;
 
       // NaN codes in the reference pool: data (unused slots may hold them), reported per step.
-      if (auto nan_codes = reference_nan_codes.report(writes, reference_pool.num_slots,
-                                                      visible_slots(step, attrs.page_size))) {
+      if (auto nan_codes = reference_nan_codes.report(writes, reference_pool.num_slots, visible)) {
         run.integrity.push_back(std::move(*nan_codes));
       }
 
