@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""Where the default policy's kernel and captured limits sit (src/policy.cpp): a synthetic
+"""Where the default policy's kernel and captured limits sit (src/verdict/policy.cpp): a synthetic
 simulation of clean kernels and of the bugs the limits must catch.
 
 For Gaussian q (bf16) and KV (bf16 source, quantized per tensor to e4m3 with kv_scale =

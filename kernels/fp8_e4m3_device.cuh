@@ -1,7 +1,7 @@
 // Device-side FP8 e4m3 conversions shared by the CUDA kernels (kernels/mla_attention.cuh) and the
-// [gpu] codec test (tests/src/test_fp8_e4m3_cuda.cu), which compares them with the host codec in
-// src/fp8_e4m3.hpp code for code. Declarations only of inline device functions: includable from
-// any .cu file without defining kernels.
+// [gpu] codec test (tests/core/test_fp8_e4m3_cuda.cu), which compares them with the host codec in
+// src/core/fp8_e4m3.hpp code for code. Declarations only of inline device functions: includable
+// from any .cu file without defining kernels.
 #pragma once
 
 #include <cuda_fp8.h>
@@ -13,7 +13,7 @@ namespace kvaudit::cuda::detail {
 
 // The kvdump write rule on the device: e4m3_rne_satfinite(value / kv_scale), one IEEE fp32
 // division (__fdiv_rn, whatever -prec-div says), then cvt.rn.satfinite.e4m3x2.f32 (NaN -> 0x7F),
-// as the host's kvdump_quantize (tests/src/test_fp8_e4m3_cuda.cu compares the two).
+// as the host's kvdump_quantize (tests/core/test_fp8_e4m3_cuda.cu compares the two).
 __device__ __forceinline__ std::uint8_t kvdump_quantize_device(float value, float kv_scale) {
   return __nv_cvt_float_to_fp8(__fdiv_rn(value, kv_scale), __NV_SATFINITE, __NV_E4M3);
 }

@@ -54,8 +54,8 @@
 
 #include "kernels/fp8_e4m3_device.cuh"
 #include "kernels/mla_attention_model.hpp"
-#include "src/fp8_e4m3.hpp"
-#include "src/injection.hpp"
+#include "src/backend/injection.hpp"
+#include "src/core/fp8_e4m3.hpp"
 
 namespace kvaudit::cuda::detail {
 

@@ -1,4 +1,5 @@
-// The `cuda-fp8` and `cuda-cast-bf16` backends (src/backend.hpp) on the CUDA MLA attention family.
+// The `cuda-fp8` and `cuda-cast-bf16` backends (src/backend/backend.hpp) on the CUDA MLA attention
+// family.
 //
 // Per run_step (one step, one layer): upload the layer's pool bytes [S, D], the step's indices and
 // q_nope [Nq, H, Dc], q_pe [Nq, H, Dr], new_kv [Nq, D] (floats that are bf16 values -> bf16 bits),
@@ -20,9 +21,9 @@
 
 #include "kernels/mla_attention_cuda.hpp"
 #include "kernels/mla_attention_model.hpp"
-#include "src/cuda_device.hpp"
-#include "src/fp8_e4m3.hpp"
-#include "src/injection.hpp"
+#include "src/backend/injection.hpp"
+#include "src/core/cuda_device.hpp"
+#include "src/core/fp8_e4m3.hpp"
 
 namespace kvaudit::cuda {
 

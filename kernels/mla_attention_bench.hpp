@@ -1,5 +1,5 @@
 // Timing harness for the CUDA MLA attention family (kernels/mla_attention_bench.cu), in plain
-// C++ so that src/cli_bench.cpp can include it in every build. The functions that touch the
+// C++ so that src/cli/cli_bench.cpp can include it in every build. The functions that touch the
 // device exist only when kvaudit is built with CUDA (KVAUDIT_HAVE_CUDA); the case arithmetic
 // below is inline and builds everywhere.
 //
@@ -28,7 +28,7 @@
 #include <string>
 #include <vector>
 
-#include "src/result.hpp"
+#include "src/core/result.hpp"
 
 namespace kvaudit::bench {
 

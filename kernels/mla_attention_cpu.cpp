@@ -21,8 +21,8 @@
 #include <vector>
 
 #include "kernels/mla_attention_model.hpp"
-#include "references/step_indices.hpp"
-#include "src/fp8_e4m3.hpp"
+#include "src/core/fp8_e4m3.hpp"
+#include "src/format/step_indices.hpp"
 
 namespace kvaudit {
 

@@ -30,14 +30,14 @@
 #include <span>
 #include <string_view>
 
-#include "src/backend.hpp"
-#include "src/injection.hpp"
-#include "src/kvdump.hpp"
-#include "src/result.hpp"
+#include "src/backend/backend.hpp"
+#include "src/backend/injection.hpp"
+#include "src/core/result.hpp"
+#include "src/format/kvdump.hpp"
 
 namespace kvaudit {
 
-// Fault injections (src/injection.hpp, `--inject NAME`): every entry of that catalogue is
+// Fault injections (src/backend/injection.hpp, `--inject NAME`): every entry of that catalogue is
 // implemented here, as a branch in write_new_kv (bf16-writeback, round-toward-zero,
 // no-saturation, neighbour-slot-write), in the attention (scale-mismatch, fp8-read-as-bf16,
 // masked-nan-leak) or in the backend (whole-pool-cast). An unknown name is bad input.

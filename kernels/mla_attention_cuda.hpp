@@ -15,8 +15,8 @@
 #include <optional>
 #include <string>
 
-#include "src/backend.hpp"
-#include "src/result.hpp"
+#include "src/backend/backend.hpp"
+#include "src/core/result.hpp"
 
 typedef struct CUstream_st* cudaStream_t;
 
@@ -45,9 +45,9 @@ struct MlaAttentionProblem {
   // the CPU model (mla_score_scale) rounds it.
   float score_scale = 0.f;
   PoolElement pool_element = PoolElement::kFp8E4m3;
-  // Fault injection masked-nan-leak only (src/injection.hpp): also load the rest of each request's
-  // last page (slots no row may see) and mask those tokens by a zero weight, as a kernel that
-  // masks by multiplying would; NaN codes there then reach the output (0 * NaN).
+  // Fault injection masked-nan-leak only (src/backend/injection.hpp): also load the rest of each
+  // request's last page (slots no row may see) and mask those tokens by a zero weight, as a kernel
+  // that masks by multiplying would; NaN codes there then reach the output (0 * NaN).
   bool read_masked_tail = false;
   const void* pool = nullptr;
   const std::uint16_t* q_nope = nullptr;
@@ -71,7 +71,8 @@ Status launch_kv_write(const std::uint16_t* new_kv, const std::int32_t* new_kv_s
                        cudaStream_t stream);
 
 // Write rules besides the kvdump one: the harness's named --reciprocal-scale option and the
-// write faults of src/injection.hpp (the same host/device functions the CPU model injects with).
+// write faults of src/backend/injection.hpp (the same host/device functions the CPU model injects
+// with).
 enum class KvWriteRule : std::uint8_t {
   kDivide,           // kvdump: e4m3_rne_satfinite(x / scale) (launch_kv_write)
   kReciprocal,       // e4m3_rne_satfinite(x * fp32(1 / scale))
@@ -92,7 +93,7 @@ Status launch_kv_write_rule(const std::uint16_t* new_kv, const std::int32_t* new
 Status launch_cast_pool_to_bf16(const std::uint8_t* pool, std::int64_t num_elements,
                                 std::uint16_t* pool_bf16, cudaStream_t stream);
 
-// Backends for `kvaudit check` (src/backend.cpp dispatches to these).
+// Backends for `kvaudit check` (src/cli/backend_registry.cpp dispatches to these).
 Result<std::unique_ptr<Backend>> make_cuda_fp8_backend(const BackendOptions& options);
 Result<std::unique_ptr<Backend>> make_cuda_cast_bf16_backend(const BackendOptions& options);
 

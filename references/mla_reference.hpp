@@ -41,9 +41,9 @@
 #include <vector>
 
 #include "references/double_double.hpp"
-#include "references/step_indices.hpp"
-#include "src/kvdump.hpp"
-#include "src/result.hpp"
+#include "src/core/result.hpp"
+#include "src/format/kvdump.hpp"
+#include "src/format/step_indices.hpp"
 
 namespace kvaudit {
 

@@ -4,7 +4,7 @@
 
 #include <catch2/catch.hpp>
 
-#include "src/cuda_device.hpp"
+#include "src/core/cuda_device.hpp"
 
 #define KVAUDIT_REQUIRE_GPU()                                                   \
   do {                                                                          \

@@ -5,7 +5,7 @@
 #include <cstring>
 #include <iostream>
 
-#include "src/cuda_device.hpp"
+#include "src/core/cuda_device.hpp"
 
 int main(int argc, char** argv) {
   Catch::Session session;

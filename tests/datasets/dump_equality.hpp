@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "src/cli.hpp"
-#include "src/kvdump.hpp"
+#include "src/cli/cli.hpp"
+#include "src/format/kvdump.hpp"
 
 namespace kvaudit::testing {
 

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "src/kvdump.hpp"
+#include "src/format/kvdump.hpp"
 #include "tests/datasets/dump_equality.hpp"
 
 namespace kvaudit {

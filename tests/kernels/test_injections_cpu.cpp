@@ -1,7 +1,7 @@
-// Mutation test of the harness on the CPU backend (runs in CI): every fault of src/injection.hpp,
-// injected into cpu-fp8 on every shipped dump, must be caught by the check meant for it, with
-// exit 1 and findings naming step, layer and slots (write faults) or step, layer, request, row
-// and head (read faults); clean runs pass. The matrix and its assertions are in
+// Mutation test of the harness on the CPU backend (runs in CI): every fault of
+// src/backend/injection.hpp, injected into cpu-fp8 on every shipped dump, must be caught by the
+// check meant for it, with exit 1 and findings naming step, layer and slots (write faults) or step,
+// layer, request, row and head (read faults); clean runs pass. The matrix and its assertions are in
 // injection_matrix.hpp, shared with the cuda-fp8 run (test_injections_cuda.cpp, [gpu]).
 #include <sys/wait.h>
 
@@ -13,7 +13,7 @@
 #include <string>
 
 #include "kernels/injection_matrix.hpp"
-#include "src/injection.hpp"
+#include "src/backend/injection.hpp"
 
 namespace {
 

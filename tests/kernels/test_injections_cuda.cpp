@@ -1,11 +1,11 @@
 // The fault-injection matrix of injection_matrix.hpp on the cuda-fp8 backend: the CUDA write and
-// attention kernels inject the same faults as the CPU model (src/injection.hpp), and the same
-// checks must catch them. Runs the kvaudit binary; skipped by name where no device exists.
+// attention kernels inject the same faults as the CPU model (src/backend/injection.hpp), and the
+// same checks must catch them. Runs the kvaudit binary; skipped by name where no device exists.
 #include <catch2/catch.hpp>
 
-#include "gpu_skip.hpp"
 #include "kernels/injection_matrix.hpp"
-#include "src/injection.hpp"
+#include "src/backend/injection.hpp"
+#include "tests/gpu_skip.hpp"
 
 TEST_CASE("cuda-fp8: every injected fault on every shipped dump is caught by its check",
           "[gpu][injection][cli]") {

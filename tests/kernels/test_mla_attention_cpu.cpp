@@ -32,7 +32,7 @@
 #include "kernels/mla_attention_cpu.hpp"
 #include "kernels/mla_attention_model.hpp"
 #include "references/mla_reference.hpp"
-#include "src/backend.hpp"
+#include "src/backend/backend.hpp"
 #include "tests/references/mla_test_case.hpp"
 
 namespace kvaudit {

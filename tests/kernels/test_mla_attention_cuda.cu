@@ -34,10 +34,10 @@
 #include "kernels/mla_attention_cuda.hpp"
 #include "kernels/mla_attention_model.hpp"
 #include "references/mla_reference.hpp"
-#include "src/backend.hpp"
-#include "src/fp8_e4m3.hpp"
-#include "src/injection.hpp"
-#include "src/kvdump.hpp"
+#include "src/backend/backend.hpp"
+#include "src/backend/injection.hpp"
+#include "src/core/fp8_e4m3.hpp"
+#include "src/format/kvdump.hpp"
 #include "tests/gpu_skip.hpp"
 
 namespace {

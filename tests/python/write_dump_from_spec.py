@@ -2,7 +2,7 @@
 """Write a small kvdump v1 file using only the format page (kvdump-v1.md), h5py and numpy.
 
 A second, independent writer: if kvaudit's C++ reader and this script disagree about the format,
-tests/src/test_kvdump_reader.cpp ("a dump written by h5py from the format page") fails.
+tests/format/test_kvdump_reader.cpp ("a dump written by h5py from the format page") fails.
 
 Usage: write_dump_from_spec.py OUT.h5
 

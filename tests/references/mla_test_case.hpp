@@ -17,8 +17,8 @@
 #include <string>
 #include <vector>
 
-#include "src/fp8_e4m3.hpp"
-#include "src/kvdump.hpp"
+#include "src/core/fp8_e4m3.hpp"
+#include "src/format/kvdump.hpp"
 
 namespace kvaudit::testing {
 

@@ -1,0 +1,55 @@
+// One interface for every attention implementation under test (DESIGN.md "Pipeline").
+//
+// For one (step, layer): write the step's new tokens into `pool` (prefill and decode both write,
+// with the kvdump write rule), then run MLA attention for the step's query rows and return
+//   out : [Nq, H, Dc] bf16 bits      lse : [Nq, H] fp32, natural log.
+// The pool is the backend's own replay pool for that layer: the harness keeps it across steps and
+// checks it after every step (integrity), so a backend that corrupts it is caught.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "src/core/result.hpp"
+#include "src/format/kvdump.hpp"
+
+namespace kvaudit {
+
+struct AttentionOutput {
+  std::vector<std::uint16_t> out_bf16;  // [Nq, H, Dc]
+  std::vector<float> lse;               // [Nq, H]
+};
+
+struct BackendOptions {
+  int threads = 0;                // 0: every core
+  std::string injection;          // empty: none; else a name from list_injections()
+  bool reciprocal_scale = false;  // write with x * (1/scale) instead of x / scale (named option)
+};
+
+struct StepLayerInput {
+  const DumpAttributes& attrs;
+  const StepMeta& step;
+  const LayerMeta& layer;
+  const StepLayerTensors& tensors;
+  std::size_t step_index;
+  std::size_t layer_index;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;
+  // Device, driver, versions, options: recorded in reports.
+  virtual nlohmann::json describe() const = 0;
+  virtual Result<AttentionOutput> run_step(const StepLayerInput& input, KvPool& pool) = 0;
+};
+
+// Names accepted by --backend, in the order --help lists them ("none" is handled by the caller).
+std::vector<std::string> backend_names();
+Result<std::unique_ptr<Backend>> make_backend(std::string_view name, const BackendOptions& options);
+
+}  // namespace kvaudit

@@ -1,0 +1,37 @@
+// The backend registry: --backend NAME -> a Backend (src/backend/backend.hpp). The CPU model builds
+// everywhere; the CUDA backends exist only in a build with KVAUDIT_HAVE_CUDA, and a build without
+// them says so instead of pretending.
+#include <string>
+
+#include "kernels/mla_attention_cpu.hpp"
+#include "src/backend/backend.hpp"
+
+#if defined(KVAUDIT_HAVE_CUDA) && __has_include("kernels/mla_attention_cuda.hpp")
+#include "kernels/mla_attention_cuda.hpp"
+#define KVAUDIT_HAVE_CUDA_BACKENDS 1
+#endif
+
+namespace kvaudit {
+
+std::vector<std::string> backend_names() { return {"cpu-fp8", "cuda-fp8", "cuda-cast-bf16"}; }
+
+Result<std::unique_ptr<Backend>> make_backend(std::string_view name,
+                                              const BackendOptions& options) {
+  if (name == "cpu-fp8") return make_cpu_fp8_backend(options);
+  if (name == "cuda-fp8" || name == "cuda-cast-bf16") {
+#if defined(KVAUDIT_HAVE_CUDA_BACKENDS)
+    return name == "cuda-fp8" ? cuda::make_cuda_fp8_backend(options)
+                              : cuda::make_cuda_cast_bf16_backend(options);
+#else
+    return bad_input("--backend " + std::string(name),
+                     "kvaudit was built without CUDA (configure with -DKVAUDIT_CUDA=ON where nvcc "
+                     "exists); use --backend cpu-fp8");
+#endif
+  }
+  std::string valid;
+  for (const std::string& known : backend_names()) valid += (valid.empty() ? "" : ", ") + known;
+  return bad_input("--backend " + std::string(name),
+                   "unknown backend '" + std::string(name) + "' (valid: " + valid + ")");
+}
+
+}  // namespace kvaudit

@@ -1,0 +1,30 @@
+// The kvaudit command line: each subcommand lives in its own src/cli/cli_<name>.cpp and registers
+// itself here. A runner returns the exit status: 0 pass, 1 checks failed, 2 bad input or usage,
+// 3 internal error (DESIGN.md).
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <functional>
+#include <iosfwd>
+
+#include "src/core/result.hpp"
+
+namespace kvaudit {
+
+inline constexpr int kExitPass = 0;
+inline constexpr int kExitChecksFailed = 1;
+inline constexpr int kExitBadInput = 2;
+inline constexpr int kExitInternal = 3;
+
+using CommandRunner = std::function<int()>;
+
+// Each sets `runner` (from its subcommand's callback) when that subcommand is chosen.
+void register_info_command(CLI::App& app, CommandRunner& runner);
+void register_synth_command(CLI::App& app, CommandRunner& runner);
+void register_check_command(CLI::App& app, CommandRunner& runner);
+void register_bench_command(CLI::App& app, CommandRunner& runner);
+
+// Prints "kvaudit: <where>: <what>" on stderr and returns the exit status for the error's kind.
+int report_error(const Error& error);
+
+}  // namespace kvaudit

@@ -1,0 +1,63 @@
+// `kvaudit info DUMP [--json]`: validate a kvdump completely, then summarise it. Also
+// report_error, the one place an Error becomes a line on stderr and an exit status.
+#include <iostream>
+#include <memory>
+#include <string>
+
+#include "src/cli/cli.hpp"
+#include "src/format/dump_probe.hpp"
+#include "src/format/kvdump.hpp"
+#include "src/tools/info.hpp"
+
+namespace kvaudit {
+
+int report_error(const Error& error) {
+  std::cerr << "kvaudit: " << error.message() << "\n";
+  return error.kind == ErrorKind::kInternal ? kExitInternal : kExitBadInput;
+}
+
+namespace {
+
+struct InfoOptions {
+  std::string dump;
+  bool json = false;
+};
+
+int run_info(const InfoOptions& options) {
+  if (const Status probe = probe_dump_in_child(options.dump); !probe.ok()) {
+    return report_error(probe.error());
+  }
+  auto reader = DumpReader::open(options.dump);
+  if (!reader.ok()) return report_error(reader.error());
+  auto info = dump_info(*reader);
+  if (!info.ok()) return report_error(info.error());
+  if (options.json) {
+    std::cout << info->dump(2) << "\n";
+  } else {
+    std::cout << format_dump_info(*info);
+  }
+  return kExitPass;
+}
+
+}  // namespace
+
+void register_info_command(CLI::App& app, CommandRunner& runner) {
+  auto options = std::make_shared<InfoOptions>();
+  CLI::App* cmd = app.add_subcommand(
+      "info",
+      "Validate a kvdump v1 file completely (every rule of the format's Errors section) and "
+      "summarise it: model and producer; shapes (H, Dc, Dr, page_size, num_pages, slots, "
+      "kv_dtype, sm_scale); per layer its layer_id, kv_scale, whether kv_source is present and "
+      "the NaN codes (0x7F/0xFF) and saturated codes (+-448: 0x7E/0xFE) in its initial pool; per "
+      "step its kind, requests, query rows, tokens (sum of kv_len), pages, and which captures "
+      "(out, lse, kv_cache_after) it holds.\n"
+      "Exit status: 0 valid, 2 malformed or unreadable file (one line on stderr naming the file "
+      "and HDF5 object), 3 internal error.");
+  cmd->add_option("DUMP", options->dump, "kvdump HDF5 file")->required();
+  cmd->add_flag("--json", options->json,
+                "Print the summary as JSON on stdout (keys: file, format_version, model, "
+                "producer, shapes, layers, steps)");
+  cmd->callback([options, &runner] { runner = [options] { return run_info(*options); }; });
+}
+
+}  // namespace kvaudit

@@ -1,0 +1,117 @@
+// `kvaudit synth`: writes a deterministic synthetic kvdump (src/tools/synth.hpp) from command-line
+// options. The dump's producer attribute repeats the full command, so a file says how to
+// regenerate itself.
+#include <algorithm>
+#include <cstdio>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "src/cli/cli.hpp"
+#include "src/tools/synth.hpp"
+
+namespace kvaudit {
+namespace {
+
+struct SynthOptions {
+  std::string out;
+  SynthSpec spec;
+  std::string layers = "1";
+  std::string kv_dtype = "float8_e4m3fn";
+  std::int64_t num_pages = 0;
+  float kv_scale = 0.0f;
+  CLI::Option* num_pages_option = nullptr;
+  CLI::Option* kv_scale_option = nullptr;
+};
+
+int run_synth(SynthOptions& options) {
+  SynthSpec spec = options.spec;
+  auto layers = parse_layer_list(options.layers);
+  if (!layers) return report_error(layers.error());
+  spec.layer_ids = *layers;
+  spec.kv_dtype = options.kv_dtype == "bfloat16" ? KvDtype::kBfloat16 : KvDtype::kFloat8E4m3fn;
+  if (options.num_pages_option->count() > 0) spec.num_pages = options.num_pages;
+  if (options.kv_scale_option->count() > 0) spec.kv_scale = options.kv_scale;
+
+  auto plan = plan_synth(spec);
+  if (!plan) return report_error(plan.error());
+  auto scales = write_synth_dump(options.out, spec);
+  if (!scales) return report_error(scales.error());
+
+  std::vector<int> ids = spec.layer_ids;
+  std::sort(ids.begin(), ids.end());
+  std::cout << "wrote " << options.out << ": " << ids.size() << " layer(s), " << plan->steps.size()
+            << " step(s), " << plan->prefix_lens.size() << " request(s), " << plan->num_pages
+            << " pages of " << spec.page_size << " slot(s), kv_dtype "
+            << kv_dtype_name(spec.kv_dtype) << "\n";
+  for (std::size_t l = 0; l < ids.size(); ++l) {
+    char scale[32];
+    std::snprintf(scale, sizeof scale, "%.9g", static_cast<double>((*scales)[l]));
+    std::cout << "  " << layer_group_name(ids[l]) << " kv_scale " << scale << "\n";
+  }
+  return kExitPass;
+}
+
+}  // namespace
+
+void register_synth_command(CLI::App& app, CommandRunner& runner) {
+  auto options = std::make_shared<SynthOptions>();
+  SynthSpec& spec = options->spec;
+  CLI::App* cmd = app.add_subcommand(
+      "synth",
+      "Write a deterministic synthetic kvdump: GLM-5/DeepSeek-shaped MLA latent cache (a few "
+      "outlier channels, larger rope part), scattered pages, one prefill step then decode steps. "
+      "The same options and seed give the same bytes on every platform.");
+  cmd->add_option("--out", options->out, "Output HDF5 file (overwritten)")->required();
+  cmd->add_option("--seed", spec.seed, "Seed of every random draw")->capture_default_str();
+  cmd->add_option("--model", spec.model, "Model name stored in the dump")->capture_default_str();
+  cmd->add_option("--layers", options->layers,
+                  "Layers: a count N (ids 0..N-1) or a comma list of layer ids (0,1,77; a single "
+                  "id as 77,)")
+      ->capture_default_str();
+  cmd->add_option("--heads", spec.num_heads, "Query heads H")->capture_default_str();
+  cmd->add_option("--kv-lora-rank", spec.kv_lora_rank, "Latent width Dc (ckv)")
+      ->capture_default_str();
+  cmd->add_option("--rope-dim", spec.rope_dim, "Rope width Dr (kpe)")->capture_default_str();
+  cmd->add_option("--page-size", spec.page_size, "Tokens per page (1: one slot per token)")
+      ->capture_default_str();
+  cmd->add_option("--prefix-lens", spec.prefix_lens,
+                  "Per request, tokens already cached before step 0 (comma list; 0 = none). A "
+                  "single value applies to every request")
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--prefill-tokens", spec.prefill_tokens,
+                  "Per request, new tokens in the prefill step S000 (comma list; 0 = no rows in "
+                  "that step). A request with no prefix and no prefill tokens stays empty in "
+                  "every step")
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--decode-steps", spec.decode_steps,
+                  "Decode steps after the prefill, one new token per non-empty request each")
+      ->capture_default_str();
+  options->num_pages_option =
+      cmd->add_option("--num-pages", options->num_pages,
+                      "Pages in the pool (default: the pages needed plus 1/8, at least 2, "
+                      "spare unused pages)");
+  options->kv_scale_option = cmd->add_option(
+      "--kv-scale", options->kv_scale,
+      "Fixed per-tensor kv_scale for every layer (default: calibrated per layer as amax/448)");
+  cmd->add_option("--saturate-fraction", spec.saturate_fraction,
+                  "Fraction of KV values set beyond 448*kv_scale (1.1x to 2x), so that "
+                  "satfinite stores +-448; they are left out of the calibration")
+      ->capture_default_str();
+  cmd->add_flag("--nan-unused", spec.nan_unused,
+                "Fill every slot that holds no cached token before step 0 (unused pages, tails "
+                "of last pages, slots later steps write) with NaN codes 0x7F/0xFF");
+  cmd->add_flag("--with-source", spec.with_source,
+                "Write kv_source: the bf16 values the initial pool was quantized from");
+  cmd->add_option("--sm-scale", spec.sm_scale, "Softmax scale (default 1/sqrt(192))")
+      ->capture_default_str();
+  cmd->add_option("--kv-dtype", options->kv_dtype, "Pool storage type")
+      ->check(CLI::IsMember({"float8_e4m3fn", "bfloat16"}))
+      ->capture_default_str();
+  cmd->callback([options, &runner] { runner = [options] { return run_synth(*options); }; });
+}
+
+}  // namespace kvaudit

@@ -1,0 +1,99 @@
+// The in-memory kvdump model: index arithmetic of kvdump-v1 "Semantics" and pool element access.
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
+
+#include "src/format/kvdump.hpp"
+
+namespace kvaudit {
+
+const char* kv_dtype_name(KvDtype dtype) {
+  return dtype == KvDtype::kBfloat16 ? "bfloat16" : "float8_e4m3fn";
+}
+
+const char* step_kind_name(StepKind kind) {
+  return kind == StepKind::kDecode ? "decode" : "prefill";
+}
+
+std::string layer_group_name(int layer_id) {
+  char name[32];
+  std::snprintf(name, sizeof name, "L%03d", layer_id);
+  return name;
+}
+
+std::string step_group_name(int step_index) {
+  char name[32];
+  std::snprintf(name, sizeof name, "S%03d", step_index);
+  return name;
+}
+
+// kv_len(b) = (pages - 1) * page_size + kv_last_page_len[b], 0 without pages.
+std::int64_t StepMeta::kv_len(int request, int page_size) const {
+  const std::int64_t pages = kv_indptr[request + 1] - kv_indptr[request];
+  if (pages == 0) return 0;
+  return (pages - 1) * page_size + kv_last_page_len[request];
+}
+
+std::int64_t StepMeta::slot_of(int request, std::int64_t pos, int page_size) const {
+  const std::int64_t page = kv_indices[kv_indptr[request] + pos / page_size];
+  return page * page_size + pos % page_size;
+}
+
+int StepMeta::request_of_row(int row) const {
+  // First b with qo_indptr[b + 1] > row (requests with no rows are skipped over).
+  const auto it = std::upper_bound(qo_indptr.begin(), qo_indptr.end(), row);
+  return static_cast<int>(it - qo_indptr.begin()) - 1;
+}
+
+std::int64_t StepMeta::position_of_row(int row, int page_size) const {
+  const int b = request_of_row(row);
+  return kv_len(b, page_size) - rows_of(b) + (row - qo_indptr[b]);
+}
+
+int DumpLayout::layer_index_of_id(int layer_id) const {
+  for (std::size_t i = 0; i < layers.size(); ++i) {
+    if (layers[i].layer_id == layer_id) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+KvPool KvPool::zeros(KvDtype dtype, std::int64_t num_slots, int row_width) {
+  KvPool pool;
+  pool.dtype = dtype;
+  pool.num_slots = num_slots;
+  pool.row_width = row_width;
+  pool.bytes.assign(static_cast<std::size_t>(num_slots) * pool.row_bytes(), 0);
+  return pool;
+}
+
+std::uint16_t KvPool::bf16_bits(std::int64_t slot, int col) const {
+  const std::uint8_t* p = row(slot) + 2 * col;
+  return static_cast<std::uint16_t>(p[0] | (p[1] << 8));
+}
+
+void KvPool::set_bf16_bits(std::int64_t slot, int col, std::uint16_t bits) {
+  std::uint8_t* p = row(slot) + 2 * col;
+  p[0] = static_cast<std::uint8_t>(bits & 0xFF);
+  p[1] = static_cast<std::uint8_t>(bits >> 8);
+}
+
+float KvPool::element(std::int64_t slot, int col) const {
+  if (dtype == KvDtype::kBfloat16) return bf16_to_float(bf16_bits(slot, col));
+  return e4m3_decode(row(slot)[col]);
+}
+
+void KvPool::write_row(std::int64_t slot, const float* values, float kv_scale,
+                       bool reciprocal_scale) {
+  if (dtype == KvDtype::kBfloat16) {
+    for (int c = 0; c < row_width; ++c) set_bf16_bits(slot, c, bf16_from_float(values[c]));
+  } else if (reciprocal_scale) {
+    std::uint8_t* dst = row(slot);
+    for (int c = 0; c < row_width; ++c) dst[c] = kvdump_quantize_reciprocal(values[c], kv_scale);
+  } else {
+    std::uint8_t* dst = row(slot);
+    for (int c = 0; c < row_width; ++c) dst[c] = kvdump_quantize(values[c], kv_scale);
+  }
+}
+
+}  // namespace kvaudit

@@ -1,0 +1,99 @@
+// The replay engine of `kvaudit check` (DESIGN.md "Pipeline", kvdump-v1.md "Semantics").
+//
+// Layer-outer, step-inner, so that one layer's pool is in memory at a time. For each selected
+// layer: the reference replay keeps its own pool (reference_pool) and the backend a separate copy
+// (backend_pool), both read from kv_cache; the source rows [S, D] come from kv_source (NaN where
+// the dump has none). Every step is replayed in order (steps not selected are replayed and not
+// reported). Per step:
+//   1. reference write: new_kv[i] goes into slot new_kv_slots[i] of reference_pool with the kvdump
+//      write rule (e4m3_rne_satfinite(fp32(x) / fp32(kv_scale))); the source row becomes new_kv[i];
+//   2. R8 = reference attention on reference_pool dequantized (code x kv_scale);
+//      Rs = reference attention on the source rows, when every visible token has a source;
+//   3. backend: run_step on backend_pool, then the integrity checks (src/replay/integrity.hpp); R8'
+//   =
+//      reference attention on backend_pool, the pool the backend read (computed only when the
+//      slots the step reads differ from reference_pool; otherwise R8' = R8 exactly);
+//   4. comparisons, shapes out: [Nq, H, Dc], lse: [Nq, H], all widened to double:
+//        kernel       backend vs R8'      (what the kernel adds to what it read)
+//        cache        R8 vs R8'           (what a corrupted cache costs; zero while intact)
+//        quantization R8 vs Rs            (what FP8 storage costs)
+//        total        backend vs Rs
+//        captured     dump's out/lse vs R8
+//      each judged by the policy (src/verdict/policy.hpp); captured kv_cache_after against the
+//      reference pool after the writes (slot-level classification).
+// A failure never stops the replay: the report is complete.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "src/backend/backend.hpp"
+#include "src/core/result.hpp"
+#include "src/format/kvdump.hpp"
+#include "src/verdict/check_result.hpp"
+#include "src/verdict/metrics.hpp"
+#include "src/verdict/policy.hpp"
+
+namespace kvaudit {
+
+// What one (step, layer) produced, handed to an observer (--save-outputs).
+struct StepLayerOutputs {
+  int step = 0;                                  // S### number
+  int layer_id = 0;                              // L### number
+  TensorShape3 shape;                            // [Nq, H, Dc]
+  std::span<const double> reference_out;         // R8: [Nq, H, Dc]
+  std::span<const double> reference_lse;         // R8: [Nq, H]
+  std::span<const double> reference_source_out;  // Rs, empty when the source is unknown
+  std::span<const double> reference_source_lse;
+  const AttentionOutput* backend = nullptr;  // null without a backend
+};
+
+using StepLayerObserver = std::function<Status(const StepLayerOutputs&)>;
+
+struct ReplayOptions {
+  std::vector<int> layer_ids;     // empty: every layer of the dump
+  std::vector<int> step_indices;  // reported steps; empty: every step
+  Policy policy;
+  int threads = 0;             // reference threads; 0: every core
+  bool progress = false;       // "layer 1/3 step 2/4" lines on stderr
+  StepLayerObserver observer;  // called for every reported (step, layer)
+  // The reference writes with the named reciprocal convention (x * fp32(1 / kv_scale)) instead
+  // of kvdump-v1's x / kv_scale (`kvaudit check --reciprocal-scale`).
+  bool reciprocal_scale = false;
+};
+
+// The first element where a backend (or, without one, the captured output) leaves the
+// reference: the earliest failing step, then layer in dump order, then the first (row, head) in
+// row-major order whose error breaks the policy (the worst element when no single row does).
+struct Divergence {
+  int step = 0;
+  int layer_id = 0;
+  int request = -1;
+  int row = -1;  // step-global query row
+  int head = -1;
+  Comparison comparison = Comparison::kKernel;
+  std::string reason;
+};
+
+struct ReplayOutcome {
+  CheckRun run;  // comparisons, integrity, timings (dump path, sha, policy filled by the caller)
+  std::optional<Divergence> first_divergence;
+  std::vector<std::string> notes;  // e.g. the step-layers without a full source
+};
+
+// Checks that every requested layer id and step index exists (bad input naming it otherwise).
+Status check_selection(const DumpLayout& layout, const ReplayOptions& options);
+
+// Replays the dump. `backend` may be null (--backend none): only captured outputs and pools are
+// compared. Errors are I/O or backend failures; checks that fail are results, not errors.
+Result<ReplayOutcome> replay_dump(const DumpReader& reader, Backend* backend,
+                                  const ReplayOptions& options);
+
+// Dump facts for the report: model, producer, shapes, layers, steps.
+nlohmann::json summarize_dump(const DumpLayout& layout);
+
+}  // namespace kvaudit

@@ -1,0 +1,156 @@
+#include "src/tools/bench_grid.hpp"
+
+#include <algorithm>
+#include <map>
+
+namespace kvaudit::bench {
+namespace {
+
+GpuCase make_case(std::string group, int batch, int context, int heads, int page,
+                  std::int64_t pool = 0, int q_len = 1, std::string target = {}) {
+  GpuCase c;
+  c.group = std::move(group);
+  c.batch = batch;
+  c.context = context;
+  c.num_heads = heads;
+  c.page_size = page;
+  c.pool_slots = pool;
+  c.q_len = q_len;
+  c.target = std::move(target);
+  return c;
+}
+
+const GpuCaseResult* find_target(const std::vector<GpuCaseResult>& results,
+                                 const std::string& target) {
+  for (const GpuCaseResult& r : results) {
+    if (r.config.target == target && r.skipped.empty()) return &r;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+std::vector<GpuCase> bench_grid(bool quick) {
+  std::vector<GpuCase> grid;
+  if (quick) {
+    // Sizes chosen to be tiny but not aligned to the tile (300 = 4 * 64 + 44).
+    for (int page : {1, 64}) grid.push_back(make_case("decode", 2, 300, 16, page));
+    // Exercises the sweep path; no target tag: a 4x sweep of tiny pools says nothing about
+    // whether time grows with the pool.
+    for (std::int64_t pool : {1024, 4096}) {
+      grid.push_back(make_case("pool-sweep", 2, 300, 16, 64, pool));
+    }
+    grid.push_back(make_case("prefill", 2, 300, 16, 64, 0, 17));
+    return grid;
+  }
+  // Decode over batch x context, 16 heads (one tensor-parallel rank of GLM-5 / DeepSeek-V3).
+  for (int batch : {1, 8, 64, 128}) {
+    for (int context : {1024, 4096, 8192, 32768}) {
+      const bool target = batch == 64 && context == 8192;
+      grid.push_back(make_case("decode", batch, context, 16, 64, 0, 1, target ? "copy-ratio" : ""));
+    }
+  }
+  // The seed's pool, page 1 (SGLang) and page 64.
+  for (int page : {1, 64}) {
+    grid.push_back(make_case("seed-pool", 1, 4096, 16, page, kSeedPoolSlots, 1, "seed-speedup-b1"));
+    grid.push_back(
+        make_case("seed-pool", 64, 4096, 16, page, kSeedPoolSlots, 1, "seed-speedup-b64"));
+  }
+  // Pool size at fixed work: FP8 time must not move, the cast path grows with the pool.
+  for (int page : {1, 64}) {
+    for (std::int64_t pool : {65536, 131072, 262144, 524288, 1048576}) {
+      grid.push_back(make_case("pool-sweep", 8, 4096, 16, page, pool, 1, "pool-sweep"));
+    }
+  }
+  // Heads at a representative size: memory-bound at 16, compute-bound towards 128.
+  for (int heads : {16, 32, 64, 128}) grid.push_back(make_case("heads", 64, 4096, heads, 64));
+  // Page size: 1 is a gather of single 576-byte rows.
+  for (int page : {1, 16, 64}) grid.push_back(make_case("page", 64, 8192, 16, page));
+  // Prefill / extend (causal): a whole prompt, chunked extends, and 4-token speculative decode.
+  grid.push_back(make_case("prefill", 1, 4096, 16, 64, 0, 4096));
+  grid.push_back(make_case("prefill", 8, 4096, 16, 64, 0, 512));
+  grid.push_back(make_case("prefill", 64, 4096, 16, 64, 0, 4));
+  return grid;
+}
+
+std::vector<TargetVerdict> evaluate_targets(const std::vector<GpuCaseResult>& results) {
+  std::vector<TargetVerdict> verdicts;
+
+  {
+    TargetVerdict v{"copy-ratio",
+                    "decode 16 heads, batch 64, ctx 8192, page 64: FP8 bandwidth >= 60% of copy",
+                    "", 0, 0.60};
+    if (const GpuCaseResult* r = find_target(results, "copy-ratio")) {
+      v.cases = r->config.name();
+      v.measured = r->fp8_copy_ratio;
+      v.evaluated = r->fp8_copy_ratio > 0;
+      v.met = v.evaluated && v.measured >= v.threshold;
+    }
+    verdicts.push_back(v);
+  }
+
+  for (const auto& [target, threshold] : std::vector<std::pair<std::string, double>>{
+           {"seed-speedup-b1", 10.0}, {"seed-speedup-b64", 3.0}}) {
+    for (const GpuCaseResult& r : results) {
+      if (r.config.target != target) continue;
+      TargetVerdict v;
+      v.name = target + "-page" + std::to_string(r.config.page_size);
+      v.statement = "seed pool " + std::to_string(r.config.effective_pool_slots()) +
+                    " slots, batch " + std::to_string(r.config.batch) + " x ctx " +
+                    std::to_string(r.config.context) + ", page " +
+                    std::to_string(r.config.page_size) +
+                    ": cast path / FP8 >= " + std::to_string(static_cast<int>(threshold)) + "x";
+      v.cases = r.config.name();
+      v.threshold = threshold;
+      v.evaluated = r.skipped.empty() && r.cast.has_value();
+      v.measured = r.cast_speedup;
+      v.met = v.evaluated && v.measured >= threshold;
+      verdicts.push_back(v);
+    }
+  }
+
+  // Pool sweep, per page size.
+  std::map<int, std::vector<const GpuCaseResult*>> sweeps;
+  for (const GpuCaseResult& r : results) {
+    if (r.config.target == "pool-sweep") sweeps[r.config.page_size].push_back(&r);
+  }
+  for (auto& [page, rows] : sweeps) {
+    std::sort(rows.begin(), rows.end(), [](const GpuCaseResult* a, const GpuCaseResult* b) {
+      return a->config.effective_pool_slots() < b->config.effective_pool_slots();
+    });
+    const bool all_ran = rows.size() >= 2 && std::all_of(rows.begin(), rows.end(), [](auto* r) {
+                           return r->skipped.empty() && r->fp8.launches > 0;
+                         });
+    const std::string span = std::to_string(rows.front()->config.effective_pool_slots()) + " -> " +
+                             std::to_string(rows.back()->config.effective_pool_slots()) +
+                             " slots, batch " + std::to_string(rows.front()->config.batch) +
+                             " x ctx " + std::to_string(rows.front()->config.context) + ", page " +
+                             std::to_string(page);
+    TargetVerdict flat{"pool-flat-page" + std::to_string(page),
+                       "pool " + span + ": FP8 time varies < 10% ((max - min) / min)", span, 0,
+                       0.10};
+    TargetVerdict grows{"pool-cast-grows-page" + std::to_string(page),
+                        "pool " + span + ": cast path time at largest pool >= 2x smallest", span, 0,
+                        2.0};
+    if (all_ran) {
+      double lo = rows.front()->fp8.median_us, hi = lo;
+      for (auto* r : rows) {
+        lo = std::min(lo, r->fp8.median_us);
+        hi = std::max(hi, r->fp8.median_us);
+      }
+      flat.measured = (hi - lo) / lo;
+      flat.evaluated = true;
+      flat.met = flat.measured < flat.threshold;
+      if (rows.front()->cast && rows.back()->cast) {
+        grows.measured = rows.back()->cast->median_us / rows.front()->cast->median_us;
+        grows.evaluated = true;
+        grows.met = grows.measured >= grows.threshold;
+      }
+    }
+    verdicts.push_back(flat);
+    verdicts.push_back(grows);
+  }
+  return verdicts;
+}
+
+}  // namespace kvaudit::bench

@@ -1,0 +1,561 @@
+// Synthetic kvdump generator (see synth.hpp for the trace, the value model and the shapes).
+//
+// Determinism: every random draw comes from xoshiro256** streams seeded through splitmix64 from
+// (seed, purpose, layer_id, request, position); normals are Irwin-Hall sums (exact integer to
+// double conversions and IEEE double additions), rounded once to float and once to bf16. No
+// libm transcendental is used (only sqrt, which IEEE 754 rounds correctly), and the project
+// builds as ISO C++ (CMAKE_CXX_EXTENSIONS OFF), where GCC does not contract a * b + c into an
+// FMA, so the bytes of a dump depend only on the spec.
+#include "src/tools/synth.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <initializer_list>
+#include <limits>
+#include <numeric>
+#include <sstream>
+
+#include "src/core/fp8_e4m3.hpp"
+
+namespace kvaudit {
+namespace {
+
+constexpr const char* kWhere = "synth";
+
+// Purposes of the random streams: a stream is keyed by its purpose first, so that no two
+// purposes can share draws.
+enum StreamTag : std::uint64_t {
+  kTagProfile = 1,  // per-layer channel and head scales
+  kTagToken = 2,    // one cached token's KV row
+  kTagQuery = 3,    // one query row
+  kTagPages = 4,    // page shuffle
+  kTagUnused = 5,   // NaN code signs of one unused slot
+};
+
+// 2% of the ckv channels are outliers, 10-20x larger (what latent caches of DeepSeek-V3 and
+// GLM-5 show: a handful of channels dominate amax and so the per-tensor scale).
+constexpr double kOutlierChannelFraction = 0.02;
+constexpr double kCkvSigma = 0.5;
+constexpr double kKpeSigma = 2.0;
+// Score standard deviation 2 * f_h, f_h in [0.5, 1.5): softmax weights that are neither uniform
+// (std << 1) nor one-hot (std >> log(context)).
+constexpr double kScoreStd = 2.0;
+// Saturated values are m * 448 * kv_scale with m in [1.1, 2): above 464 * kv_scale (the
+// overflow midpoint of e4m3, see fp8_e4m3.hpp) even after bf16 rounding (relative 2^-8).
+constexpr double kSaturateMin = 1.1;
+constexpr double kSaturateSpan = 0.9;
+
+std::uint64_t splitmix64_next(std::uint64_t& state) {
+  std::uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// xoshiro256** (Blackman and Vigna), state filled from splitmix64 of a hash of the key.
+class Rng {
+ public:
+  Rng(std::initializer_list<std::uint64_t> key) {
+    std::uint64_t h = 0x243F6A8885A308D3ull;  // pi's fraction: any fixed non-zero start
+    for (const std::uint64_t k : key) {
+      std::uint64_t mixed = h ^ k;
+      h = splitmix64_next(mixed);
+    }
+    for (auto& word : s_) word = splitmix64_next(h);
+  }
+
+  std::uint64_t next() {
+    const std::uint64_t result = rotl(s_[1] * 5, 7) * 9;
+    const std::uint64_t t = s_[1] << 17;
+    s_[2] ^= s_[0];
+    s_[3] ^= s_[1];
+    s_[1] ^= s_[2];
+    s_[0] ^= s_[3];
+    s_[2] ^= t;
+    s_[3] = rotl(s_[3], 45);
+    return result;
+  }
+
+  // Uniform in [0, 1) with 53 random bits.
+  double uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }
+
+  // Uniform integer in [0, n) (multiply-shift; the bias, below n / 2^64, does not matter here).
+  std::uint64_t below(std::uint64_t n) {
+    return static_cast<std::uint64_t>((static_cast<unsigned __int128>(next()) * n) >> 64);
+  }
+
+  // Irwin-Hall: sum of twelve 32-bit uniforms minus 6; mean 0, variance 12 * 1/12 = 1. Each
+  // uniform is exact in double and so is the sum of twelve (< 2^4 with 32 fraction bits).
+  double normal() {
+    double sum = 0.0;
+    for (int i = 0; i < 6; ++i) {
+      const std::uint64_t x = next();
+      sum += static_cast<double>(x >> 32) * 0x1.0p-32;
+      sum += static_cast<double>(x & 0xFFFFFFFFull) * 0x1.0p-32;
+    }
+    return sum - 6.0;
+  }
+
+ private:
+  static std::uint64_t rotl(std::uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+  std::uint64_t s_[4];
+};
+
+std::uint64_t key_of(int value) {
+  return static_cast<std::uint64_t>(static_cast<std::int64_t>(value));
+}
+
+struct LayerProfile {
+  std::vector<double> sigma;        // [D] per-channel standard deviation of the KV row
+  std::vector<double> query_sigma;  // [H] per-head standard deviation of q_nope and q_pe
+};
+
+LayerProfile make_profile(const SynthSpec& spec, int layer_id) {
+  const int dc = spec.kv_lora_rank;
+  const int dr = spec.rope_dim;
+  Rng rng{spec.seed, kTagProfile, key_of(layer_id)};
+  LayerProfile profile;
+  const double layer_factor = 0.5 + 1.5 * rng.uniform();
+  profile.sigma.resize(static_cast<std::size_t>(dc + dr));
+  for (int c = 0; c < dc; ++c)
+    profile.sigma[c] = kCkvSigma * layer_factor * (0.6 + 0.8 * rng.uniform());
+  for (int r = 0; r < dr; ++r) {
+    profile.sigma[dc + r] = kKpeSigma * layer_factor * (0.6 + 0.8 * rng.uniform());
+  }
+  // Outlier channels: a partial Fisher-Yates pick of distinct ckv channels.
+  const int outliers =
+      std::max(1, static_cast<int>(std::lround(kOutlierChannelFraction * static_cast<double>(dc))));
+  std::vector<int> channels(static_cast<std::size_t>(dc));
+  std::iota(channels.begin(), channels.end(), 0);
+  for (int i = 0; i < outliers && i < dc; ++i) {
+    const auto j = i + static_cast<int>(rng.below(static_cast<std::uint64_t>(dc - i)));
+    std::swap(channels[i], channels[j]);
+    profile.sigma[channels[i]] *= 10.0 + 10.0 * rng.uniform();
+  }
+  // var(q . k) = s_h^2 * sum_c sigma_c^2 for iid zero-mean q and k; pick s_h for the score std.
+  double sum_sq = 0.0;
+  for (const double s : profile.sigma) sum_sq += s * s;
+  const double key_norm = std::sqrt(sum_sq);
+  profile.query_sigma.resize(static_cast<std::size_t>(spec.num_heads));
+  for (auto& s : profile.query_sigma) {
+    const double head_factor = 0.5 + rng.uniform();
+    s = kScoreStd * head_factor / (spec.sm_scale * key_norm);
+  }
+  return profile;
+}
+
+// One token's KV row, [D] bf16 values. Values drawn past the range by saturate_fraction are set
+// from kv_scale; `regular_amax` is raised to the largest magnitude of the other values.
+void generate_token(const SynthSpec& spec, const LayerProfile& profile, int layer_id, int request,
+                    std::int64_t position, float kv_scale, float* row, float* regular_amax) {
+  Rng rng{spec.seed, kTagToken, key_of(layer_id), key_of(request),
+          static_cast<std::uint64_t>(position)};
+  const std::size_t width = profile.sigma.size();
+  for (std::size_t c = 0; c < width; ++c) {
+    float value = bf16_round(static_cast<float>(profile.sigma[c] * rng.normal()));
+    if (spec.saturate_fraction > 0.0 && rng.uniform() < spec.saturate_fraction) {
+      const double draw = rng.uniform();
+      const double magnitude = (kSaturateMin + kSaturateSpan * draw) * kE4m3MaxFinite * kv_scale;
+      value = bf16_round(static_cast<float>((rng.next() & 1) ? -magnitude : magnitude));
+    } else {
+      *regular_amax = std::max(*regular_amax, std::fabs(value));
+    }
+    row[c] = value;
+  }
+}
+
+// One query row: q_nope [H, Dc] and q_pe [H, Dr] bf16 values.
+void generate_query(const SynthSpec& spec, const LayerProfile& profile, int layer_id, int request,
+                    std::int64_t position, float* q_nope, float* q_pe) {
+  Rng rng{spec.seed, kTagQuery, key_of(layer_id), key_of(request),
+          static_cast<std::uint64_t>(position)};
+  for (int h = 0; h < spec.num_heads; ++h) {
+    const double s = profile.query_sigma[h];
+    for (int c = 0; c < spec.kv_lora_rank; ++c) {
+      q_nope[static_cast<std::size_t>(h) * spec.kv_lora_rank + c] =
+          bf16_round(static_cast<float>(s * rng.normal()));
+    }
+    for (int r = 0; r < spec.rope_dim; ++r) {
+      q_pe[static_cast<std::size_t>(h) * spec.rope_dim + r] =
+          bf16_round(static_cast<float>(s * rng.normal()));
+    }
+  }
+}
+
+std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+
+// Broadcast a list of one entry to `n` entries.
+std::vector<int> broadcast(const std::vector<int>& list, std::size_t n) {
+  if (list.size() == 1 && n > 1) return std::vector<int>(n, list[0]);
+  return list;
+}
+
+std::string join_ints(const std::vector<int>& values) {
+  std::string text;
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    if (i) text += ',';
+    text += std::to_string(values[i]);
+  }
+  return text;
+}
+
+std::string format_double(double value, int digits) {
+  char text[64];
+  std::snprintf(text, sizeof text, "%.*g", digits, value);
+  return text;
+}
+
+// Builds one step from the request lengths after its writes and its rows per request.
+StepMeta make_step(int index, StepKind kind, const std::vector<std::int64_t>& lengths,
+                   const std::vector<int>& rows, const SynthPlan& plan, int page_size,
+                   std::size_t num_layers) {
+  StepMeta step;
+  step.group = step_group_name(index);
+  step.kind = kind;
+  step.qo_indptr.push_back(0);
+  step.kv_indptr.push_back(0);
+  for (std::size_t b = 0; b < lengths.size(); ++b) {
+    const std::int64_t pages = ceil_div(lengths[b], page_size);
+    for (std::int64_t p = 0; p < pages; ++p) step.kv_indices.push_back(plan.request_pages[b][p]);
+    step.kv_indptr.push_back(static_cast<std::int32_t>(step.kv_indices.size()));
+    step.kv_last_page_len.push_back(
+        pages == 0 ? 0 : static_cast<std::int32_t>(lengths[b] - (pages - 1) * page_size));
+    step.qo_indptr.push_back(step.qo_indptr.back() + rows[b]);
+  }
+  for (std::size_t b = 0; b < lengths.size(); ++b) {
+    for (int j = 0; j < rows[b]; ++j) {
+      const std::int64_t pos = lengths[b] - rows[b] + j;
+      step.new_kv_slots.push_back(
+          static_cast<std::int32_t>(step.slot_of(static_cast<int>(b), pos, page_size)));
+    }
+  }
+  step.has_out.assign(num_layers, false);
+  step.has_lse.assign(num_layers, false);
+  step.has_kv_cache_after.assign(num_layers, false);
+  return step;
+}
+
+std::vector<int> sorted_layer_ids(const SynthSpec& spec) {
+  std::vector<int> ids = spec.layer_ids;
+  std::sort(ids.begin(), ids.end());
+  return ids;
+}
+
+}  // namespace
+
+Result<std::vector<int>> parse_layer_list(const std::string& text) {
+  const auto bad = [&](const std::string& why) {
+    return bad_input(kWhere, "--layers '" + text + "': " + why);
+  };
+  if (text.empty()) return bad("empty");
+  const bool is_list = text.find(',') != std::string::npos;
+  std::vector<int> values;
+  std::size_t start = 0;
+  while (start <= text.size()) {
+    const std::size_t end = std::min(text.find(',', start), text.size());
+    const std::string item = text.substr(start, end - start);
+    if (item.empty()) {
+      if (end == text.size() && is_list && !values.empty()) break;  // "77," : a one-id list
+      return bad("empty item");
+    }
+    if (item.size() > 9 || item.find_first_not_of("0123456789") != std::string::npos) {
+      return bad("'" + item + "' is not a non-negative integer");
+    }
+    values.push_back(std::stoi(item));
+    start = end + 1;
+  }
+  if (!is_list) {
+    if (values[0] < 1) return bad("a layer count must be at least 1");
+    std::vector<int> ids(static_cast<std::size_t>(values[0]));
+    std::iota(ids.begin(), ids.end(), 0);
+    return ids;
+  }
+  return values;
+}
+
+Status validate_synth_spec(const SynthSpec& spec) {
+  const auto bad = [](const std::string& what) { return bad_input(kWhere, what); };
+  if (spec.layer_ids.empty()) return bad("--layers: no layer");
+  {
+    std::vector<int> ids = sorted_layer_ids(spec);
+    if (ids.front() < 0) return bad("--layers: negative layer id " + std::to_string(ids.front()));
+    if (std::adjacent_find(ids.begin(), ids.end()) != ids.end()) {
+      return bad("--layers: layer id listed twice");
+    }
+  }
+  if (spec.num_heads < 1) return bad("--heads must be at least 1");
+  if (spec.kv_lora_rank < 1) return bad("--kv-lora-rank must be at least 1");
+  if (spec.rope_dim < 1) return bad("--rope-dim must be at least 1");
+  if (spec.page_size < 1) return bad("--page-size must be at least 1");
+  if (spec.prefix_lens.empty()) return bad("--prefix-lens: no request");
+  if (spec.prefill_tokens.empty()) return bad("--prefill-tokens: no request");
+  if (spec.prefix_lens.size() != spec.prefill_tokens.size() && spec.prefix_lens.size() != 1 &&
+      spec.prefill_tokens.size() != 1) {
+    return bad("--prefix-lens has " + std::to_string(spec.prefix_lens.size()) +
+               " requests but --prefill-tokens has " + std::to_string(spec.prefill_tokens.size()));
+  }
+  for (const int n : spec.prefix_lens) {
+    if (n < 0) return bad("--prefix-lens: negative length " + std::to_string(n));
+  }
+  for (const int n : spec.prefill_tokens) {
+    if (n < 0) return bad("--prefill-tokens: negative count " + std::to_string(n));
+  }
+  if (spec.decode_steps < 0) return bad("--decode-steps must be at least 0");
+  if (spec.num_pages && *spec.num_pages < 1) return bad("--num-pages must be at least 1");
+  if (spec.kv_scale) {
+    // 1e30 keeps 2 * 448 * kv_scale (the largest saturated value) finite in float.
+    if (!std::isfinite(*spec.kv_scale) || *spec.kv_scale <= 0.0f || *spec.kv_scale > 1e30f) {
+      return bad("--kv-scale must be finite, > 0 and <= 1e30");
+    }
+    if (spec.kv_dtype == KvDtype::kBfloat16 && *spec.kv_scale != 1.0f) {
+      return bad("--kv-scale must be 1 for a bfloat16 pool");
+    }
+  }
+  if (!(spec.saturate_fraction >= 0.0 && spec.saturate_fraction <= 0.5)) {
+    return bad("--saturate-fraction must be in [0, 0.5]");
+  }
+  if (spec.saturate_fraction > 0.0 && spec.kv_dtype == KvDtype::kBfloat16) {
+    return bad("--saturate-fraction needs a float8_e4m3fn pool");
+  }
+  if (!std::isfinite(spec.sm_scale) || spec.sm_scale <= 0.0) {
+    return bad("--sm-scale must be finite and > 0");
+  }
+  return ok_status();
+}
+
+Result<SynthPlan> plan_synth(const SynthSpec& spec) {
+  KVAUDIT_TRY(validate_synth_spec(spec));
+  SynthPlan plan;
+  const std::size_t batch = std::max(spec.prefix_lens.size(), spec.prefill_tokens.size());
+  plan.prefix_lens = broadcast(spec.prefix_lens, batch);
+  plan.prefill_tokens = broadcast(spec.prefill_tokens, batch);
+  const std::int64_t page_size = spec.page_size;
+
+  // A request decodes when it holds a token after the prefill; an empty one stays empty.
+  std::vector<bool> active(batch);
+  std::vector<std::int64_t>& final_len = plan.final_lens;
+  final_len.resize(batch);
+  std::int64_t pages_needed = 0;
+  bool any_prefill = false;
+  bool any_active = false;
+  for (std::size_t b = 0; b < batch; ++b) {
+    const std::int64_t after_prefill =
+        static_cast<std::int64_t>(plan.prefix_lens[b]) + plan.prefill_tokens[b];
+    active[b] = after_prefill > 0;
+    any_active = any_active || active[b];
+    any_prefill = any_prefill || plan.prefill_tokens[b] > 0;
+    final_len[b] = after_prefill + (active[b] ? spec.decode_steps : 0);
+    pages_needed += ceil_div(final_len[b], page_size);
+  }
+  if (!any_prefill && (spec.decode_steps == 0 || !any_active)) {
+    return bad_input(kWhere, "the trace has no step: no prefill token and nothing to decode");
+  }
+  if (spec.decode_steps > 0 && !any_active) {
+    return bad_input(kWhere, "--decode-steps: every request is empty, nothing to decode");
+  }
+  // Spare pages (one in eight, at least two) stay unused, so that unused slots exist in the pool.
+  plan.num_pages = spec.num_pages
+                       ? *spec.num_pages
+                       : pages_needed + std::max<std::int64_t>(2, ceil_div(pages_needed, 8));
+  if (plan.num_pages < pages_needed) {
+    return bad_input(kWhere, "--num-pages " + std::to_string(plan.num_pages) +
+                                 " is less than the " + std::to_string(pages_needed) +
+                                 " pages the requests need");
+  }
+  if (plan.num_pages * page_size > std::numeric_limits<std::int32_t>::max()) {
+    return bad_input(kWhere, "the pool's slots exceed int32 indices");
+  }
+
+  // Scattered allocation: a seeded Fisher-Yates shuffle of every page id.
+  std::vector<std::int32_t> pages(static_cast<std::size_t>(plan.num_pages));
+  std::iota(pages.begin(), pages.end(), 0);
+  Rng rng{spec.seed, kTagPages};
+  for (std::size_t i = pages.size(); i > 1; --i) std::swap(pages[i - 1], pages[rng.below(i)]);
+  std::size_t next = 0;
+  plan.request_pages.resize(batch);
+  for (std::size_t b = 0; b < batch; ++b) {
+    const auto count = static_cast<std::size_t>(ceil_div(final_len[b], page_size));
+    plan.request_pages[b].assign(pages.begin() + next, pages.begin() + next + count);
+    next += count;
+  }
+
+  const std::size_t num_layers = spec.layer_ids.size();
+  int index = 0;
+  if (any_prefill) {
+    std::vector<std::int64_t> lengths(batch);
+    for (std::size_t b = 0; b < batch; ++b) {
+      lengths[b] = static_cast<std::int64_t>(plan.prefix_lens[b]) + plan.prefill_tokens[b];
+    }
+    plan.steps.push_back(make_step(index++, StepKind::kPrefill, lengths, plan.prefill_tokens, plan,
+                                   spec.page_size, num_layers));
+  }
+  for (int k = 1; k <= spec.decode_steps; ++k) {
+    std::vector<std::int64_t> lengths(batch, 0);
+    std::vector<int> rows(batch, 0);
+    for (std::size_t b = 0; b < batch; ++b) {
+      if (!active[b]) continue;
+      lengths[b] = static_cast<std::int64_t>(plan.prefix_lens[b]) + plan.prefill_tokens[b] + k;
+      rows[b] = 1;
+    }
+    plan.steps.push_back(
+        make_step(index++, StepKind::kDecode, lengths, rows, plan, spec.page_size, num_layers));
+  }
+  return plan;
+}
+
+std::string describe_synth_spec(const SynthSpec& spec) {
+  std::ostringstream text;
+  const bool quote = spec.model.find_first_of(" \t'\"") != std::string::npos;
+  text << "kvaudit synth --seed " << spec.seed << " --model "
+       << (quote ? "'" + spec.model + "'" : spec.model) << " --layers "
+       << join_ints(sorted_layer_ids(spec)) << (spec.layer_ids.size() == 1 ? "," : "")
+       << " --heads " << spec.num_heads << " --kv-lora-rank " << spec.kv_lora_rank << " --rope-dim "
+       << spec.rope_dim << " --page-size " << spec.page_size << " --prefix-lens "
+       << join_ints(spec.prefix_lens) << " --prefill-tokens " << join_ints(spec.prefill_tokens)
+       << " --decode-steps " << spec.decode_steps;
+  if (spec.num_pages) text << " --num-pages " << *spec.num_pages;
+  if (spec.kv_scale) text << " --kv-scale " << format_double(*spec.kv_scale, 9);
+  if (spec.saturate_fraction > 0.0) {
+    text << " --saturate-fraction " << format_double(spec.saturate_fraction, 17);
+  }
+  if (spec.nan_unused) text << " --nan-unused";
+  if (spec.with_source) text << " --with-source";
+  text << " --sm-scale " << format_double(spec.sm_scale, 17) << " --kv-dtype "
+       << kv_dtype_name(spec.kv_dtype);
+  return text.str();
+}
+
+Result<std::vector<float>> write_synth_dump(const std::filesystem::path& path,
+                                            const SynthSpec& spec) {
+  auto planned = plan_synth(spec);
+  if (!planned) return planned.error();
+  const SynthPlan& plan = *planned;
+  const std::vector<int> layer_ids = sorted_layer_ids(spec);
+  const int width = spec.kv_lora_rank + spec.rope_dim;
+  const std::int64_t num_slots = plan.num_pages * spec.page_size;
+  const auto row_floats = static_cast<std::size_t>(width);
+
+  DumpAttributes attrs;
+  attrs.model = spec.model;
+  attrs.producer = describe_synth_spec(spec);
+  attrs.num_heads = spec.num_heads;
+  attrs.kv_lora_rank = spec.kv_lora_rank;
+  attrs.qk_rope_head_dim = spec.rope_dim;
+  attrs.sm_scale = spec.sm_scale;
+  attrs.page_size = spec.page_size;
+  attrs.kv_dtype = spec.kv_dtype;
+  attrs.kv_scale_kind = "per_tensor";
+
+  auto created = DumpWriter::create(path, attrs, plan.num_pages);
+  if (!created) return created.error();
+  DumpWriter& writer = *created;
+
+  // The slot of token `pos` of request b over the whole trace.
+  const auto slot_of = [&](std::size_t b, std::int64_t pos) {
+    return static_cast<std::int64_t>(plan.request_pages[b][pos / spec.page_size]) * spec.page_size +
+           pos % spec.page_size;
+  };
+  std::vector<bool> holds_prefix(static_cast<std::size_t>(num_slots), false);
+  for (std::size_t b = 0; b < plan.prefix_lens.size(); ++b) {
+    for (std::int64_t p = 0; p < plan.prefix_lens[b]; ++p) holds_prefix[slot_of(b, p)] = true;
+  }
+
+  std::vector<LayerProfile> profiles;
+  std::vector<LayerMeta> metas;
+  std::vector<float> scales;
+  std::vector<float> row(row_floats);
+  for (const int layer_id : layer_ids) {
+    LayerProfile profile = make_profile(spec, layer_id);
+    float kv_scale = 1.0f;
+    if (spec.kv_dtype == KvDtype::kFloat8E4m3fn) {
+      if (spec.kv_scale) {
+        kv_scale = *spec.kv_scale;
+      } else {
+        // Calibration: amax over the prefix tokens and every token the steps will write.
+        float amax = 0.0f;
+        for (std::size_t b = 0; b < plan.prefix_lens.size(); ++b) {
+          for (std::int64_t p = 0; p < plan.final_lens[b]; ++p) {
+            generate_token(spec, profile, layer_id, static_cast<int>(b), p, 1.0f, row.data(),
+                           &amax);
+          }
+        }
+        kv_scale = amax > 0.0f ? amax / kE4m3MaxFinite : 1.0f;
+      }
+    }
+
+    KvPool pool = KvPool::zeros(spec.kv_dtype, num_slots, width);
+    std::vector<float> source;
+    if (spec.with_source) source.assign(static_cast<std::size_t>(num_slots) * row_floats, 0.0f);
+    for (std::size_t b = 0; b < plan.prefix_lens.size(); ++b) {
+      for (std::int64_t p = 0; p < plan.prefix_lens[b]; ++p) {
+        float unused_amax = 0.0f;
+        generate_token(spec, profile, layer_id, static_cast<int>(b), p, kv_scale, row.data(),
+                       &unused_amax);
+        const std::int64_t slot = slot_of(b, p);
+        pool.write_row(slot, row.data(), kv_scale);
+        if (spec.with_source) {
+          std::copy(row.begin(), row.end(), source.begin() + slot * width);
+        }
+      }
+    }
+    if (spec.nan_unused) {
+      for (std::int64_t slot = 0; slot < num_slots; ++slot) {
+        if (holds_prefix[slot]) continue;
+        Rng rng{spec.seed, kTagUnused, key_of(layer_id), static_cast<std::uint64_t>(slot)};
+        std::uint64_t bits = 0;
+        for (int c = 0; c < width; ++c) {
+          if (c % 64 == 0) bits = rng.next();
+          const bool negative = (bits >> (c % 64)) & 1;
+          if (spec.kv_dtype == KvDtype::kBfloat16) {
+            pool.set_bf16_bits(slot, c, negative ? 0xFFC0 : 0x7FC0);
+          } else {
+            pool.row(slot)[c] = negative ? 0xFF : kE4m3NanCode;
+          }
+          if (spec.with_source) {
+            source[slot * width + c] = negative ? -std::numeric_limits<float>::quiet_NaN()
+                                                : std::numeric_limits<float>::quiet_NaN();
+          }
+        }
+      }
+    }
+
+    LayerMeta meta;
+    meta.group = layer_group_name(layer_id);
+    meta.layer_id = layer_id;
+    meta.kv_scale = kv_scale;
+    meta.has_source = spec.with_source;
+    KVAUDIT_TRY(writer.write_layer(meta, pool, spec.with_source ? &source : nullptr));
+    profiles.push_back(std::move(profile));
+    metas.push_back(meta);
+    scales.push_back(kv_scale);
+  }
+
+  const auto q_nope_floats = static_cast<std::size_t>(spec.num_heads) * spec.kv_lora_rank;
+  const auto q_pe_floats = static_cast<std::size_t>(spec.num_heads) * spec.rope_dim;
+  for (const StepMeta& step : plan.steps) {
+    KVAUDIT_TRY(writer.write_step(step));
+    const auto rows = static_cast<std::size_t>(step.num_rows());
+    for (std::size_t l = 0; l < layer_ids.size(); ++l) {
+      StepLayerTensors tensors;
+      tensors.q_nope.resize(rows * q_nope_floats);
+      tensors.q_pe.resize(rows * q_pe_floats);
+      tensors.new_kv.resize(rows * row_floats);
+      for (std::size_t i = 0; i < rows; ++i) {
+        const int b = step.request_of_row(static_cast<int>(i));
+        const std::int64_t pos = step.position_of_row(static_cast<int>(i), spec.page_size);
+        float unused_amax = 0.0f;
+        generate_token(spec, profiles[l], layer_ids[l], b, pos, scales[l],
+                       tensors.new_kv.data() + i * row_floats, &unused_amax);
+        generate_query(spec, profiles[l], layer_ids[l], b, pos,
+                       tensors.q_nope.data() + i * q_nope_floats,
+                       tensors.q_pe.data() + i * q_pe_floats);
+      }
+      KVAUDIT_TRY(writer.write_step_layer(step, metas[l], tensors));
+    }
+  }
+  KVAUDIT_TRY(writer.close());
+  return scales;
+}
+
+}  // namespace kvaudit

@@ -1,0 +1,292 @@
+// The verdict of a check run and its report.json form (docs/report-schema.md).
+#include "src/verdict/check_result.hpp"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <ctime>
+#include <fstream>
+#include <iterator>
+#include <limits>
+#include <set>
+
+namespace kvaudit {
+namespace {
+
+// Quotes an argument for a POSIX shell when it holds anything but plainly safe characters.
+std::string shell_quote(const std::string& arg) {
+  const bool plain = !arg.empty() && arg.find_first_not_of(
+                                         "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                                         "0123456789_-./=:,+@%") == std::string::npos;
+  if (plain) return arg;
+  std::string quoted = "'";
+  for (const char c : arg) {
+    if (c == '\'') {
+      quoted += "'\\''";
+    } else {
+      quoted += c;
+    }
+  }
+  return quoted + "'";
+}
+
+std::string process_command_line() {
+  std::ifstream in("/proc/self/cmdline", std::ios::binary);
+  if (!in) return "";
+  const std::string raw((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::string line;
+  std::size_t start = 0;
+  while (start < raw.size()) {
+    std::size_t end = raw.find('\0', start);
+    if (end == std::string::npos) end = raw.size();
+    if (!line.empty()) line += ' ';
+    line += shell_quote(raw.substr(start, end - start));
+    start = end + 1;
+  }
+  return line;
+}
+
+}  // namespace
+
+Provenance current_provenance() {
+  Provenance provenance;
+  char host[256] = {};
+  if (gethostname(host, sizeof host - 1) == 0) provenance.host = host;
+  const std::time_t now = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
+  std::tm utc{};
+  gmtime_r(&now, &utc);
+  char date[32];
+  std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", &utc);
+  provenance.date_utc = date;
+  provenance.command_line = process_command_line();
+#ifdef KVAUDIT_VERSION
+  provenance.kvaudit_version = KVAUDIT_VERSION;
+#endif
+  return provenance;
+}
+
+double max_abs_over_ref_max(const ComparisonMetrics& metrics) {
+  if (metrics.reference_max_abs > 0.0) return metrics.max_abs / metrics.reference_max_abs;
+  return metrics.max_abs > 0.0 ? std::numeric_limits<double>::infinity() : 0.0;
+}
+
+bool fails_run(const ComparisonResult& result) {
+  return !result.judgement.pass && (result.sets_exit || result.metrics.nonfinite_mismatches > 0);
+}
+
+const ElementLocation& worst_location(const ComparisonResult& result) {
+  return result.metrics.nonfinite_mismatches > 0 ? result.metrics.first_nonfinite_mismatch
+                                                 : result.metrics.max_abs_at;
+}
+
+bool CheckRun::pass() const {
+  for (const ComparisonResult& result : comparisons) {
+    if (fails_run(result)) return false;
+  }
+  for (const IntegrityFinding& finding : integrity) {
+    if (!finding.pass) return false;
+  }
+  return true;
+}
+
+RunCounts count_results(const CheckRun& run) {
+  RunCounts counts;
+  counts.comparisons = run.comparisons.size();
+  for (const ComparisonResult& result : run.comparisons) {
+    if (result.judgement.pass) continue;
+    if (fails_run(result)) {
+      ++counts.failed;
+    } else {
+      ++counts.failed_report_only;
+    }
+  }
+  counts.integrity_checks = run.integrity.size();
+  for (const IntegrityFinding& finding : run.integrity) counts.integrity_failed += !finding.pass;
+  return counts;
+}
+
+const char* pool_state_name(PoolState state) {
+  switch (state) {
+    case PoolState::kNotChecked:
+      return "not checked";
+    case PoolState::kIntact:
+      return "intact";
+    case PoolState::kDamaged:
+      return "damaged";
+  }
+  return "unknown";
+}
+
+std::vector<StepSummary> summarize_steps(const CheckRun& run) {
+  std::map<int, StepSummary> steps;
+  std::map<int, std::set<int>> layers_of_step;
+  auto mark = [](PoolState& state, bool pass) {
+    if (!pass) {
+      state = PoolState::kDamaged;
+    } else if (state == PoolState::kNotChecked) {
+      state = PoolState::kIntact;
+    }
+  };
+  for (const IntegrityFinding& finding : run.integrity) {
+    StepSummary& summary = steps[finding.step];
+    summary.step = finding.step;
+    layers_of_step[finding.step].insert(finding.layer_id);
+    summary.pass = summary.pass && finding.pass;
+    if (finding.check == "nan_codes_in_pool") continue;  // data
+    if (finding.check == "captured_pool") {
+      mark(summary.captured_pool, finding.pass);
+      if (!finding.pass) {
+        (finding.carried_from_step >= 0 ? summary.carried_captured_slots
+                                        : summary.new_captured_slots) += finding.slot_count;
+      }
+      continue;
+    }
+    mark(summary.backend_pool, finding.pass);
+    if (finding.check == "read_consistency" && !finding.pass) {
+      summary.damaged_slots += finding.slot_count;
+      ++summary.damaged_layers;
+    }
+  }
+  for (const ComparisonResult& result : run.comparisons) {
+    StepSummary& summary = steps[result.step];
+    summary.step = result.step;
+    layers_of_step[result.step].insert(result.layer_id);
+    summary.pass = summary.pass && !fails_run(result);
+    ComparisonWorst& worst = summary.worst[result.comparison];
+    const double rel_l2 = result.metrics.rel_l2;
+    const bool worse = !worst.present || (std::isnan(rel_l2) && !std::isnan(worst.rel_l2)) ||
+                       rel_l2 > worst.rel_l2;
+    if (worse) {
+      worst.rel_l2 = rel_l2;
+      worst.layer_id = result.layer_id;
+    }
+    worst.present = true;
+    worst.nonfinite_mismatches += result.metrics.nonfinite_mismatches;
+    worst.failed += result.judgement.pass ? 0 : 1;
+  }
+  std::vector<StepSummary> ordered;
+  for (auto& [step, summary] : steps) {
+    summary.layers = static_cast<int>(layers_of_step[step].size());
+    ordered.push_back(std::move(summary));
+  }
+  return ordered;
+}
+
+namespace {
+
+nlohmann::json pool_state_json(PoolState state) {
+  return state == PoolState::kNotChecked ? nlohmann::json(nullptr)
+                                         : nlohmann::json(pool_state_name(state));
+}
+
+}  // namespace
+
+nlohmann::json to_json(const CheckRun& run) {
+  nlohmann::json j;
+  j["tool"] = "kvaudit";
+#ifdef KVAUDIT_VERSION
+  j["version"] = KVAUDIT_VERSION;
+#else
+  j["version"] = "unknown";
+#endif
+  j["verdict"] = run.pass() ? "pass" : "fail";
+  const RunCounts counts = count_results(run);
+  j["counts"] = {{"comparisons", counts.comparisons},
+                 {"failed", counts.failed},
+                 {"failed_report_only", counts.failed_report_only},
+                 {"integrity_checks", counts.integrity_checks},
+                 {"integrity_failed", counts.integrity_failed}};
+  j["backend"] = run.backend;
+  j["backend_description"] =
+      run.backend_description.is_null() ? nlohmann::json::object() : run.backend_description;
+  j["policy"] = to_json(run.policy);
+  j["dump"] = {
+      {"path", run.dump_path},
+      {"sha256", run.dump_sha256},
+      {"summary", run.dump_summary.is_null() ? nlohmann::json::object() : run.dump_summary}};
+
+  nlohmann::json results = nlohmann::json::array();
+  for (const ComparisonResult& result : run.comparisons) {
+    nlohmann::json metrics = to_json(result.metrics);
+    metrics["max_abs_over_ref_max"] = json_number(max_abs_over_ref_max(result.metrics));
+    results.push_back({{"step", result.step},
+                       {"layer", result.layer_id},
+                       {"comparison", comparison_name(result.comparison)},
+                       {"metrics", std::move(metrics)},
+                       {"worst", to_json(worst_location(result))},
+                       {"worst_request", result.worst_request},
+                       {"pass", result.judgement.pass},
+                       {"sets_exit", result.sets_exit || result.metrics.nonfinite_mismatches > 0},
+                       {"reasons", result.judgement.reasons}});
+  }
+  j["results"] = std::move(results);
+
+  nlohmann::json integrity = nlohmann::json::array();
+  for (const IntegrityFinding& finding : run.integrity) {
+    integrity.push_back({{"step", finding.step},
+                         {"layer", finding.layer_id},
+                         {"check", finding.check},
+                         {"pass", finding.pass},
+                         {"where", finding.where},
+                         {"detail", finding.detail},
+                         {"slots", finding.slots},
+                         {"slot_count", finding.slot_count},
+                         {"classification", finding.classification},
+                         {"carried_from_step", finding.carried_from_step >= 0
+                                                   ? nlohmann::json(finding.carried_from_step)
+                                                   : nlohmann::json(nullptr)}});
+  }
+  j["integrity"] = std::move(integrity);
+
+  nlohmann::json steps = nlohmann::json::array();
+  for (const StepSummary& summary : summarize_steps(run)) {
+    nlohmann::json comparisons = nlohmann::json::object();
+    for (const auto& [comparison, worst] : summary.worst) {
+      comparisons[comparison_name(comparison)] = {
+          {"worst_rel_l2", json_number(worst.rel_l2)},
+          {"worst_layer", worst.layer_id},
+          {"nonfinite_mismatches", worst.nonfinite_mismatches},
+          {"failed_layers", worst.failed}};
+    }
+    steps.push_back({{"step", summary.step},
+                     {"layers", summary.layers},
+                     {"backend_pool", pool_state_json(summary.backend_pool)},
+                     {"damaged_slots", summary.damaged_slots},
+                     {"damaged_layers", summary.damaged_layers},
+                     {"captured_pool", pool_state_json(summary.captured_pool)},
+                     {"new_captured_slots", summary.new_captured_slots},
+                     {"carried_captured_slots", summary.carried_captured_slots},
+                     {"comparisons", std::move(comparisons)},
+                     {"pass", summary.pass}});
+  }
+  j["steps"] = std::move(steps);
+
+  const double throughput = run.reference_seconds > 0.0
+                                ? run.reference_rows_heads_tokens / run.reference_seconds
+                                : std::numeric_limits<double>::quiet_NaN();
+  j["timing"] = {{"reference_seconds", json_number(run.reference_seconds)},
+                 {"reference_rows_heads_tokens", json_number(run.reference_rows_heads_tokens)},
+                 {"reference_throughput_rows_heads_tokens_per_s",
+                  std::isnan(throughput) ? nlohmann::json(nullptr) : json_number(throughput)},
+                 {"backend_seconds", json_number(run.backend_seconds)},
+                 {"total_seconds", json_number(run.total_seconds)}};
+
+  // Fill what the caller left empty with this process's values.
+  Provenance provenance = run.provenance;
+  if (provenance.host.empty() || provenance.date_utc.empty() || provenance.command_line.empty() ||
+      provenance.kvaudit_version.empty()) {
+    const Provenance here = current_provenance();
+    if (provenance.host.empty()) provenance.host = here.host;
+    if (provenance.date_utc.empty()) provenance.date_utc = here.date_utc;
+    if (provenance.command_line.empty()) provenance.command_line = here.command_line;
+    if (provenance.kvaudit_version.empty()) provenance.kvaudit_version = here.kvaudit_version;
+  }
+  j["provenance"] = {{"host", provenance.host},
+                     {"date", provenance.date_utc},
+                     {"command_line", provenance.command_line},
+                     {"kvaudit_version", provenance.kvaudit_version}};
+  return j;
+}
+
+}  // namespace kvaudit

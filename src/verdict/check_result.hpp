@@ -1,0 +1,120 @@
+// What one `kvaudit check` run found: comparisons per (step, layer), integrity findings per
+// (step, layer), and the verdict. Produced by the replay (src/replay/replay.cpp), rendered by the
+// reports (src/report/report.cpp).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "src/verdict/metrics.hpp"
+#include "src/verdict/policy.hpp"
+
+namespace kvaudit {
+
+struct ComparisonResult {
+  int step = 0;      // step index (S### number)
+  int layer_id = 0;  // model layer id (L### number)
+  Comparison comparison = Comparison::kKernel;
+  ComparisonMetrics metrics;
+  Judgement judgement;
+  bool sets_exit = true;  // whether a failure here fails the run under the policy
+  // The first failing request/row/head for bug reproduction (row is step-global).
+  int worst_request = -1;
+};
+
+struct IntegrityFinding {
+  int step = 0;
+  int layer_id = 0;
+  std::string where;  // the dump's groups, "S001 L000" (step and layer as named in the file)
+  std::string check;  // "storage", "written_slots", "unwritten_slots", "nan_written",
+                      // "read_consistency" (backend pool); "captured_pool"; "nan_codes_in_pool"
+  bool pass = true;
+  std::string detail;               // one line naming step, layer and slots
+  std::vector<std::int64_t> slots;  // first offending slots (at most kMaxListedSlots)
+  std::int64_t slot_count = 0;      // how many slots offend in all (slots may list fewer)
+  std::string classification;       // "wrong_slot", "bf16_bytes", "nan_code", "off_by_one_code",
+                               // "other" (src/replay/integrity.hpp); empty where not a slot finding
+  int carried_from_step = -1;  // damage first seen at an earlier step (captured pools), else -1
+};
+
+// Where and how a run was made, for the report. Empty fields are filled with this process's
+// values (current_provenance) when the run is written out.
+struct Provenance {
+  std::string host;
+  std::string date_utc;      // ISO-8601, "2026-11-29T09:30:00Z"
+  std::string command_line;  // as typed, arguments shell-quoted where needed
+  std::string kvaudit_version;
+};
+
+// This process: host name, the time now (UTC), its command line (from /proc/self/cmdline where
+// there is one), KVAUDIT_VERSION.
+Provenance current_provenance();
+
+struct CheckRun {
+  std::string dump_path;
+  std::string dump_sha256;
+  std::string backend;  // "cpu-fp8", "none", ...
+  nlohmann::json backend_description;
+  Policy policy;
+  nlohmann::json dump_summary;  // model, producer, shapes, layers, steps
+  std::vector<ComparisonResult> comparisons;
+  std::vector<IntegrityFinding> integrity;
+  double reference_seconds = 0.0;
+  double reference_rows_heads_tokens = 0.0;  // work done, for throughput
+  double backend_seconds = 0.0;
+  double total_seconds = 0.0;
+  Provenance provenance;
+  bool pass() const;  // no failing comparison that sets exit, no failing integrity finding
+};
+
+// Whether this comparison fails the run: it failed and either its kind sets the exit status under
+// the policy or it has a NaN/Inf mismatch (those always do, DESIGN.md "Numerics").
+bool fails_run(const ComparisonResult& result);
+// The element a reader should look at first: the first NaN/Inf mismatch, else the max_abs one.
+const ElementLocation& worst_location(const ComparisonResult& result);
+// max_abs / max|reference| as the policy judges it (0 for 0/0, inf for x/0).
+double max_abs_over_ref_max(const ComparisonMetrics& metrics);
+
+struct RunCounts {
+  std::size_t comparisons = 0;
+  std::size_t failed = 0;              // failing and failing the run
+  std::size_t failed_report_only = 0;  // failing, but reported only under this policy
+  std::size_t integrity_checks = 0;
+  std::size_t integrity_failed = 0;
+};
+RunCounts count_results(const CheckRun& run);
+
+// Per step, over the layers checked: whether the pools are intact and how error evolves from step
+// to step (report.json "steps", the report's "Across steps" table).
+enum class PoolState { kNotChecked, kIntact, kDamaged };
+const char* pool_state_name(PoolState state);  // "not checked" | "intact" | "damaged"
+
+struct ComparisonWorst {
+  bool present = false;
+  double rel_l2 = 0.0;                    // the worst over the step's layers (NaN wins)
+  int layer_id = -1;                      // where
+  std::int64_t nonfinite_mismatches = 0;  // summed over layers
+  int failed = 0;                         // layers where it failed
+};
+
+struct StepSummary {
+  int step = 0;
+  int layers = 0;
+  PoolState backend_pool = PoolState::kNotChecked;   // storage .. read_consistency
+  PoolState captured_pool = PoolState::kNotChecked;  // kv_cache_after
+  std::int64_t damaged_slots = 0;       // backend slots that differ from the reference, all layers
+  int damaged_layers = 0;               // layers with such slots
+  std::int64_t new_captured_slots = 0;  // captured slots first damaged at this step
+  std::int64_t carried_captured_slots = 0;  // captured slots damaged at an earlier step
+  std::map<Comparison, ComparisonWorst> worst;
+  bool pass = true;  // nothing at this step fails the run
+};
+
+std::vector<StepSummary> summarize_steps(const CheckRun& run);
+
+nlohmann::json to_json(const CheckRun& run);  // the report.json schema (docs/report-schema.md)
+
+}  // namespace kvaudit

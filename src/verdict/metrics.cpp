@@ -1,0 +1,233 @@
+// Error metrics between a reference and a candidate attention output (definitions in
+// src/verdict/metrics.hpp; DESIGN.md "Numerics").
+//
+// out : [rows, heads, dims]   lse : [rows, heads]   (row-major, the kvdump layout)
+//
+// Order of checks, as ggml's eval() does it: first the non-finite positions (NaN, +Inf, -Inf in
+// either tensor; a position whose classes differ is a mismatch, and the first one in (row, head)
+// order, out before lse, is kept), then the norms over the positions where both are finite.
+//
+// Numerics of the metrics themselves: all sums are in binary64. cos_diff is evaluated as
+//   sum (a - b)^2 / sum (a^2 + b^2),
+// which equals 1 - 2 sum(ab) / sum(a^2 + b^2) exactly in real arithmetic (sum(a^2 + b^2) -
+// 2 sum(ab) = sum (a - b)^2) but does not cancel catastrophically when a and b agree: the
+// kernel limits sit near 2^-13, and clean kernels near 2^-18, where 1 - ratio would keep only
+// ~35 of binary64's 53 bits. bf16 ULP distances round both values to bf16 in one step (a double
+// -> float -> bf16 path would round twice).
+#include "src/verdict/metrics.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+#include "src/core/fp8_e4m3.hpp"
+
+namespace kvaudit {
+namespace {
+
+enum class ValueClass { kFinite, kNan, kPositiveInf, kNegativeInf };
+
+ValueClass classify(double x) {
+  if (std::isnan(x)) return ValueClass::kNan;
+  if (std::isinf(x)) return x > 0 ? ValueClass::kPositiveInf : ValueClass::kNegativeInf;
+  return ValueClass::kFinite;
+}
+
+// Position on a line where adjacent bf16 values are 1 apart: sign-magnitude bits to a signed
+// integer, so +0 (0x0000) and -0 (0x8000) both map to 0 and -min_subnormal to -1.
+int bf16_ordered(std::uint16_t bits) {
+  const int magnitude = bits & 0x7FFF;
+  return (bits & 0x8000) != 0 ? -magnitude : magnitude;
+}
+
+std::uint16_t bf16_bits_of_value(double bf16_value) {
+  // bf16_value is a bf16 value (or +-inf), hence exactly a float with 16 zero low bits.
+  return static_cast<std::uint16_t>(float_bits(static_cast<float>(bf16_value)) >> 16);
+}
+
+ElementLocation location(int row, int head, int dim, double reference, double candidate) {
+  return ElementLocation{row, head, dim, reference, candidate};
+}
+
+}  // namespace
+
+double round_to_bf16(double x) {
+  if (!std::isfinite(x) || x == 0.0) return x;
+  // bf16 keeps 8 significand bits: the binade [2^(e-1), 2^e) has quantum 2^(e-8). Below the
+  // smallest normal 2^-126 the quantum stays that of the subnormals, 2^-133.
+  int exponent = 0;
+  (void)std::frexp(std::fabs(x), &exponent);  // |x| = m * 2^exponent, m in [0.5, 1)
+  const int quantum_exponent = std::max(exponent - 8, -133);
+  const double multiple = std::nearbyint(std::ldexp(x, -quantum_exponent));  // ties to even
+  const double rounded = std::ldexp(multiple, quantum_exponent);
+  // Largest finite bf16 is 0x7F7F = (2 - 2^-7) * 2^127; anything rounding beyond it is inf.
+  constexpr double kBf16MaxFinite = 0x1.fep+127;
+  if (std::fabs(rounded) > kBf16MaxFinite) {
+    return std::copysign(std::numeric_limits<double>::infinity(), x);
+  }
+  return rounded;
+}
+
+double bf16_ulp_distance(double a, double b) {
+  if (std::isnan(a) || std::isnan(b)) return std::numeric_limits<double>::infinity();
+  const int ordered_a = bf16_ordered(bf16_bits_of_value(round_to_bf16(a)));
+  const int ordered_b = bf16_ordered(bf16_bits_of_value(round_to_bf16(b)));
+  return static_cast<double>(std::abs(ordered_a - ordered_b));
+}
+
+ComparisonMetrics compare_outputs(TensorShape3 shape, std::span<const double> reference_out,
+                                  std::span<const double> candidate_out,
+                                  std::span<const double> reference_lse,
+                                  std::span<const double> candidate_lse, double rel_floor) {
+  // Sizes come from a validated dump; a disagreement here is a bug in the caller.
+  if (shape.rows < 0 || shape.heads < 0 || shape.dims < 0 || reference_out.size() != shape.size() ||
+      candidate_out.size() != shape.size()) {
+    throw std::invalid_argument("compare_outputs: out sizes disagree with the shape");
+  }
+  const std::size_t lse_size = static_cast<std::size_t>(shape.rows) * shape.heads;
+  const bool has_lse = !reference_lse.empty() && !candidate_lse.empty();
+  if (has_lse && (reference_lse.size() != lse_size || candidate_lse.size() != lse_size)) {
+    throw std::invalid_argument("compare_outputs: lse sizes disagree with the shape");
+  }
+
+  ComparisonMetrics m;
+  m.elements = shape.size();
+  m.rel_floor = rel_floor;
+  m.has_lse = has_lse;
+
+  double sum_diff_sq = 0.0;
+  double sum_ref_sq = 0.0;
+  double sum_both_sq = 0.0;  // sum a^2 + b^2
+  bool have_mismatch = false;
+  bool have_finite = false;
+  bool have_finite_lse = false;
+
+  // Non-finite bookkeeping for one position; returns whether both values are finite.
+  auto check_finite = [&](double a, double b, int row, int head, int dim) {
+    const ValueClass class_a = classify(a);
+    const ValueClass class_b = classify(b);
+    if (class_a != ValueClass::kFinite) ++m.reference_nonfinite;
+    if (class_b != ValueClass::kFinite) ++m.candidate_nonfinite;
+    if (class_a != class_b) {
+      ++m.nonfinite_mismatches;
+      if (!have_mismatch) {
+        m.first_nonfinite_mismatch = location(row, head, dim, a, b);
+        have_mismatch = true;
+      }
+    }
+    return class_a == ValueClass::kFinite && class_b == ValueClass::kFinite;
+  };
+
+  for (int row = 0; row < shape.rows; ++row) {
+    for (int head = 0; head < shape.heads; ++head) {
+      const std::size_t base = (static_cast<std::size_t>(row) * shape.heads + head) * shape.dims;
+      for (int dim = 0; dim < shape.dims; ++dim) {
+        const double a = reference_out[base + dim];
+        const double b = candidate_out[base + dim];
+        if (!check_finite(a, b, row, head, dim)) continue;
+        ++m.finite_elements;
+        const double diff = std::fabs(a - b);
+        const double magnitude = std::fabs(a);
+        // A zero difference is zero relative error even where the denominator is 0.
+        const double denominator = std::max(magnitude, rel_floor);
+        const double rel = diff == 0.0         ? 0.0
+                           : denominator > 0.0 ? diff / denominator
+                                               : std::numeric_limits<double>::infinity();
+        // ULPs only where |a| >= rel_floor: below it bf16's quantum shrinks toward 2^-133 and
+        // a tiny absolute error near zero (or a sign change) reads as tens of thousands of ULPs.
+        const double ulp = magnitude >= rel_floor ? bf16_ulp_distance(a, b) : 0.0;
+        if (!have_finite || diff > m.max_abs) {
+          m.max_abs = diff;
+          m.max_abs_at = location(row, head, dim, a, b);
+        }
+        if (!have_finite || rel > m.max_rel) {
+          m.max_rel = rel;
+          m.max_rel_at = location(row, head, dim, a, b);
+        }
+        if (!have_finite || ulp > m.max_ulp_bf16) {
+          m.max_ulp_bf16 = ulp;
+          m.max_ulp_at = location(row, head, dim, a, b);
+        }
+        have_finite = true;
+        m.reference_max_abs = std::max(m.reference_max_abs, magnitude);
+        sum_diff_sq += (a - b) * (a - b);
+        sum_ref_sq += a * a;
+        sum_both_sq += a * a + b * b;
+      }
+      if (has_lse) {
+        const std::size_t index = static_cast<std::size_t>(row) * shape.heads + head;
+        const double a = reference_lse[index];
+        const double b = candidate_lse[index];
+        if (!check_finite(a, b, row, head, -1)) continue;
+        const double diff = std::fabs(a - b);
+        if (!have_finite_lse || diff > m.lse_max_abs) {
+          m.lse_max_abs = diff;
+          m.lse_max_abs_at = location(row, head, -1, a, b);
+        }
+        have_finite_lse = true;
+      }
+    }
+  }
+
+  if (m.finite_elements > 0) {
+    m.rms = std::sqrt(sum_diff_sq / static_cast<double>(m.finite_elements));
+  }
+  // ||a - b|| / ||a|| with ||a|| = 0: 0 if b is also 0, else infinitely wrong.
+  if (sum_ref_sq > 0.0) {
+    m.rel_l2 = std::sqrt(sum_diff_sq) / std::sqrt(sum_ref_sq);
+  } else if (sum_diff_sq > 0.0) {
+    m.rel_l2 = std::numeric_limits<double>::infinity();
+  }
+  if (sum_both_sq > 0.0) m.cos_diff = sum_diff_sq / sum_both_sq;
+  return m;
+}
+
+nlohmann::json json_number(double value) {
+  if (std::isnan(value)) return "nan";
+  if (std::isinf(value)) return value > 0 ? "inf" : "-inf";
+  return value;
+}
+
+nlohmann::json to_json(const ElementLocation& at) {
+  return nlohmann::json{{"row", at.row},
+                        {"head", at.head},
+                        {"dim", at.dim},
+                        {"reference", json_number(at.reference)},
+                        {"candidate", json_number(at.candidate)}};
+}
+
+nlohmann::json to_json(const ComparisonMetrics& m) {
+  nlohmann::json j;
+  j["elements"] = m.elements;
+  j["finite_elements"] = m.finite_elements;
+  j["max_abs"] = json_number(m.max_abs);
+  j["max_abs_at"] = to_json(m.max_abs_at);
+  j["max_rel"] = json_number(m.max_rel);
+  j["rel_floor"] = json_number(m.rel_floor);
+  j["max_rel_at"] = to_json(m.max_rel_at);
+  j["rms"] = json_number(m.rms);
+  j["rel_l2"] = json_number(m.rel_l2);
+  j["cos_diff"] = json_number(m.cos_diff);
+  j["max_ulp_bf16"] = json_number(m.max_ulp_bf16);
+  j["max_ulp_at"] = to_json(m.max_ulp_at);
+  j["reference_max_abs"] = json_number(m.reference_max_abs);
+  j["has_lse"] = m.has_lse;
+  if (m.has_lse) {
+    j["lse_max_abs"] = json_number(m.lse_max_abs);
+    j["lse_max_abs_at"] = to_json(m.lse_max_abs_at);
+  } else {
+    j["lse_max_abs"] = nullptr;
+    j["lse_max_abs_at"] = nullptr;
+  }
+  j["reference_nonfinite"] = m.reference_nonfinite;
+  j["candidate_nonfinite"] = m.candidate_nonfinite;
+  j["nonfinite_mismatches"] = m.nonfinite_mismatches;
+  j["first_nonfinite_mismatch"] =
+      m.nonfinite_mismatches > 0 ? to_json(m.first_nonfinite_mismatch) : nlohmann::json(nullptr);
+  return j;
+}
+
+}  // namespace kvaudit

@@ -1,0 +1,71 @@
+// The one place that turns metrics into pass/fail (DESIGN.md "one place that turns results into a
+// verdict"). Limits are per comparison; the defaults and where each number comes from are
+// documented in policy.cpp and the README.
+#pragma once
+
+#include <filesystem>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "src/core/result.hpp"
+#include "src/verdict/metrics.hpp"
+
+namespace kvaudit {
+
+// kernel       backend vs R8 on the pool the backend read (its own pool after its writes)
+// cache        R8 on that pool vs R8 on the reference replay's pool: what a corrupted cache costs
+// quantization R8 vs Rs;  total  backend vs Rs;  captured  the dump's out/lse vs R8
+enum class Comparison { kKernel, kQuantization, kTotal, kCaptured, kCache };
+const char* comparison_name(Comparison comparison);  // "kernel" | "quantization" | ...
+// Every comparison, in report order: kernel, cache, captured, quantization, total.
+const std::vector<Comparison>& all_comparisons();
+
+// A limit that is absent (std::nullopt) is not checked. NaN/Inf mismatches always fail.
+struct ComparisonLimits {
+  std::optional<double> max_abs_over_ref_max;  // max_abs / max|reference out|
+  std::optional<double> rel_l2;
+  std::optional<double> cos_diff;
+  std::optional<double> max_ulp_bf16;
+  std::optional<double> lse_max_abs;
+  // Where each number comes from, by limit name ("rel_l2", ...): written into reports.
+  std::map<std::string, std::string> derivations;
+};
+
+// The limit names, in report order: max_abs_over_ref_max, rel_l2, cos_diff, max_ulp_bf16,
+// lse_max_abs.
+const std::vector<std::string>& limit_names();
+std::optional<double> limit_value(const ComparisonLimits& limits, const std::string& name);
+
+struct Policy {
+  std::string name;        // "default", "signoff", or the policy file's name
+  double rel_floor = 0.0;  // floor for max_rel denominators (reported, not judged)
+  ComparisonLimits kernel;
+  ComparisonLimits cache;
+  ComparisonLimits captured;
+  ComparisonLimits quantization;  // sign-off limits
+  ComparisonLimits total;
+  bool quantization_sets_exit = false;  // true under --signoff or when a policy file asks
+  std::string rel_floor_derivation;
+};
+
+const ComparisonLimits& limits_for(const Policy& policy, Comparison comparison);
+
+struct Judgement {
+  bool pass = true;
+  std::vector<std::string> reasons;  // "rel_l2 0.031 > 0.0156 (kernel limit)"
+};
+
+Policy default_policy();
+Policy signoff_policy();
+Result<Policy> load_policy(const std::filesystem::path& path);  // JSON, same keys as to_json
+nlohmann::json to_json(const Policy& policy);
+
+Judgement judge(const Policy& policy, Comparison comparison, const ComparisonMetrics& metrics);
+// Whether a failing comparison of this kind sets the exit status under this policy. A NaN/Inf
+// mismatch sets it whatever the kind (CheckRun::pass, fails_run in src/verdict/check_result.hpp).
+bool comparison_sets_exit(const Policy& policy, Comparison comparison);
+
+}  // namespace kvaudit

@@ -1,0 +1,317 @@
+// Integrity checks on hand-made pools: every expected pool here is built with the kvdump write
+// rule from fp8_e4m3.hpp (kvdump_quantize), never by the code under test.
+#include <algorithm>
+#include <catch2/catch.hpp>
+#include <cstdint>
+#include <vector>
+
+#include "src/core/fp8_e4m3.hpp"
+#include "src/replay/integrity.hpp"
+
+namespace kvaudit {
+namespace {
+
+constexpr int kWidth = 6;
+constexpr std::int64_t kSlots = 8;
+constexpr float kScale = 0.125f;
+
+struct Scenario {
+  std::vector<std::int32_t> slots = {2, 5};
+  std::vector<float> new_kv;  // [2, kWidth]
+  KvPool before;
+  KvPool expected;
+  StepLayerWrites writes() const { return {3, 7, slots, new_kv, kScale}; }
+};
+
+Scenario make_scenario() {
+  Scenario s;
+  s.new_kv = {0.5f, -1.25f, 3.0f,  70.0f, -0.0625f, 1.0f,  // row 0: 70 / 0.125 = 560 > 464: 448
+              2.0f, 0.75f,  -3.5f, 0.25f, 1.5f,     -0.5f};
+  s.before = KvPool::zeros(KvDtype::kFloat8E4m3fn, kSlots, kWidth);
+  for (std::int64_t slot = 0; slot < kSlots; ++slot) {
+    for (int c = 0; c < kWidth; ++c)
+      s.before.row(slot)[c] = static_cast<std::uint8_t>(slot * 8 + c);
+  }
+  s.expected = s.before;
+  for (std::size_t i = 0; i < s.slots.size(); ++i) {
+    for (int c = 0; c < kWidth; ++c) {
+      s.expected.row(s.slots[i])[c] = kvdump_quantize(s.new_kv[i * kWidth + c], kScale);
+    }
+  }
+  return s;
+}
+
+const IntegrityFinding& finding(const std::vector<IntegrityFinding>& findings,
+                                const std::string& check) {
+  const auto it = std::find_if(findings.begin(), findings.end(),
+                               [&](const IntegrityFinding& f) { return f.check == check; });
+  REQUIRE(it != findings.end());
+  return *it;
+}
+
+}  // namespace
+
+TEST_CASE("backend pool that wrote exactly the step's slots passes every check", "[integrity]") {
+  const Scenario s = make_scenario();
+  REQUIRE(s.expected.row(2)[3] == 0x7E);  // saturated, not NaN
+  const auto findings = check_backend_pool(s.writes(), s.before, s.expected, s.expected);
+  REQUIRE(findings.size() == 5);
+  for (const IntegrityFinding& f : findings) {
+    INFO(f.check << ": " << f.detail);
+    CHECK(f.pass);
+    CHECK(f.step == 3);
+    CHECK(f.layer_id == 7);
+  }
+}
+
+TEST_CASE("write to the neighbouring slot fails written and unwritten checks naming slots",
+          "[integrity]") {
+  const Scenario s = make_scenario();
+  KvPool after = s.before;
+  // Slot 5's row lands in slot 6; slot 2 is written correctly.
+  std::copy_n(s.expected.row(2), kWidth, after.row(2));
+  std::copy_n(s.expected.row(5), kWidth, after.row(6));
+  const auto findings = check_backend_pool(s.writes(), s.before, after, s.expected);
+  const IntegrityFinding& written = finding(findings, "written_slots");
+  CHECK_FALSE(written.pass);
+  CHECK(written.slots == std::vector<std::int64_t>{5});
+  CHECK_THAT(written.detail, Catch::Contains("S003 L007") && Catch::Contains("slot 5"));
+  const IntegrityFinding& unwritten = finding(findings, "unwritten_slots");
+  CHECK_FALSE(unwritten.pass);
+  CHECK(unwritten.slots == std::vector<std::int64_t>{6});
+  CHECK(unwritten.classification == "wrong_slot");
+  const IntegrityFinding& consistency = finding(findings, "read_consistency");
+  CHECK_FALSE(consistency.pass);
+  CHECK(consistency.slots == std::vector<std::int64_t>{5, 6});
+  CHECK(finding(findings, "storage").pass);
+  CHECK(finding(findings, "nan_written").pass);
+}
+
+TEST_CASE("NaN code written for a finite value is named", "[integrity]") {
+  const Scenario s = make_scenario();
+  KvPool after = s.expected;
+  after.row(2)[3] = 0x7F;  // a no-saturation encoder: 560 -> NaN
+  const auto findings = check_backend_pool(s.writes(), s.before, after, s.expected);
+  CHECK(finding(findings, "nan_written").slots == std::vector<std::int64_t>{2});
+  CHECK_FALSE(finding(findings, "nan_written").pass);
+  CHECK_FALSE(finding(findings, "written_slots").pass);
+  CHECK(finding(findings, "unwritten_slots").pass);
+}
+
+TEST_CASE("a pool whose storage became bf16 fails storage", "[integrity]") {
+  const Scenario s = make_scenario();
+  const KvPool after = KvPool::zeros(KvDtype::kBfloat16, kSlots, kWidth);
+  const auto findings = check_backend_pool(s.writes(), s.before, after, s.expected);
+  const IntegrityFinding& storage = finding(findings, "storage");
+  CHECK_FALSE(storage.pass);
+  CHECK_THAT(storage.detail, Catch::Contains("bfloat16"));
+  CHECK(std::none_of(findings.begin(), findings.end(), [](const auto& f) { return f.pass; }));
+}
+
+TEST_CASE("captured pool: equal passes, corruptions are classified per slot", "[integrity]") {
+  const Scenario s = make_scenario();
+  SECTION("equal") {
+    const auto findings = check_captured_pool(s.writes(), s.expected, s.expected);
+    REQUIRE(findings.size() == 1);
+    CHECK(findings[0].pass);
+  }
+  SECTION("bf16 high bytes in a written slot (the bytes a bf16 -> u8 truncation leaves)") {
+    KvPool captured = s.expected;
+    for (int c = 0; c < kWidth; ++c) {
+      captured.row(5)[c] = static_cast<std::uint8_t>(bf16_from_float(s.new_kv[kWidth + c]) >> 8);
+    }
+    const auto findings = check_captured_pool(s.writes(), captured, s.expected);
+    REQUIRE(findings.size() == 1);
+    CHECK_FALSE(findings[0].pass);
+    CHECK(findings[0].classification == "bf16_bytes");
+    CHECK(findings[0].slots == std::vector<std::int64_t>{5});
+  }
+  SECTION("NaN where satfinite stores 448") {
+    KvPool captured = s.expected;
+    captured.row(2)[3] = 0x7F;
+    const auto findings = check_captured_pool(s.writes(), captured, s.expected);
+    REQUIRE(findings.size() == 1);
+    CHECK(findings[0].classification == "nan_code");
+    CHECK(findings[0].slots == std::vector<std::int64_t>{2});
+  }
+  SECTION("rounded toward zero") {
+    KvPool captured = s.expected;
+    // 1.5 / 0.125 = 12 is exact; make one element one code smaller in magnitude.
+    captured.row(5)[4] = static_cast<std::uint8_t>(captured.row(5)[4] - 1);
+    const auto findings = check_captured_pool(s.writes(), captured, s.expected);
+    REQUIRE(findings.size() == 1);
+    CHECK(findings[0].classification == "off_by_one_code");
+  }
+  SECTION("row written to the neighbouring slot") {
+    KvPool captured = s.expected;
+    std::copy_n(s.before.row(5), kWidth, captured.row(5));
+    std::copy_n(s.expected.row(5), kWidth, captured.row(6));
+    const auto findings = check_captured_pool(s.writes(), captured, s.expected);
+    REQUIRE(findings.size() == 1);
+    CHECK(findings[0].classification == "wrong_slot");
+    CHECK(findings[0].slots == std::vector<std::int64_t>{5, 6});
+    CHECK_THAT(findings[0].detail, Catch::Contains("S003 L007"));
+  }
+  SECTION("an unwritten slot that changed") {
+    KvPool captured = s.expected;
+    captured.row(0)[0] = 0x55;
+    const auto findings = check_captured_pool(s.writes(), captured, s.expected);
+    REQUIRE(findings.size() == 1);
+    CHECK(findings[0].classification == "other");
+    CHECK(findings[0].slots == std::vector<std::int64_t>{0});
+  }
+  SECTION("a real bf16 store: 2 bytes per element over the slot, spilling into the next") {
+    // The little-endian bf16 row of slot 5's values is 2 * kWidth bytes: the first kWidth land
+    // in slot 5, the rest in slot 6. Built here byte by byte from bf16_from_float.
+    KvPool captured = s.expected;
+    std::vector<std::uint8_t> row_bytes;
+    for (int c = 0; c < kWidth; ++c) {
+      const std::uint16_t bits = bf16_from_float(s.new_kv[kWidth + c]);
+      row_bytes.push_back(static_cast<std::uint8_t>(bits & 0xFF));
+      row_bytes.push_back(static_cast<std::uint8_t>(bits >> 8));
+    }
+    std::copy_n(row_bytes.begin(), kWidth, captured.row(5));
+    std::copy_n(row_bytes.begin() + kWidth, kWidth, captured.row(6));
+    const auto findings = check_captured_pool(s.writes(), captured, s.expected);
+    REQUIRE(findings.size() == 1);
+    CHECK_FALSE(findings[0].pass);
+    CHECK(findings[0].classification == "bf16_bytes");
+    CHECK(findings[0].slots == std::vector<std::int64_t>{5, 6});
+    CHECK(findings[0].slot_count == 2);
+  }
+}
+
+TEST_CASE("one code off by one is a rounding difference even where it looks like a bf16 byte",
+          "[integrity]") {
+  // 0.24375 / 0.125 = 1.95: RNE stores 2.0 (0x40); the code below it, 1.875, is 0x3F, which is
+  // also the high byte of bf16(1.95). One such byte is a rounding difference, not a bf16 store.
+  const std::vector<std::int32_t> slots = {0};
+  const std::vector<float> row = {0.24375f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f};
+  const StepLayerWrites writes{0, 0, slots, row, kScale};
+  KvPool expected = KvPool::zeros(KvDtype::kFloat8E4m3fn, 2, kWidth);
+  for (int c = 0; c < kWidth; ++c) expected.row(0)[c] = kvdump_quantize(row[c], kScale);
+  REQUIRE(expected.row(0)[0] == 0x40);
+  REQUIRE(static_cast<std::uint8_t>(bf16_from_float(row[0] / kScale) >> 8) == 0x3F);
+  KvPool captured = expected;
+  captured.row(0)[0] = 0x3F;
+  CHECK(classify_slot(writes, captured, expected, 0) == "off_by_one_code");
+}
+
+TEST_CASE("backend pool: failing written slots carry the class of what is in them", "[integrity]") {
+  const Scenario s = make_scenario();
+  KvPool after = s.expected;
+  for (int c = 0; c < kWidth; ++c) {
+    after.row(2)[c] = static_cast<std::uint8_t>(bf16_from_float(s.new_kv[c]) >> 8);
+  }
+  after.row(5)[0] = static_cast<std::uint8_t>(after.row(5)[0] + 1);  // 2.0 / 0.125 = 16, one up
+  const auto findings = check_backend_pool(s.writes(), s.before, after, s.expected);
+  std::vector<std::string> classes;
+  for (const IntegrityFinding& f : findings) {
+    if (f.check == "written_slots") {
+      CHECK_FALSE(f.pass);
+      classes.push_back(f.classification);
+      CHECK(f.slots == std::vector<std::int64_t>{f.classification == "bf16_bytes" ? 2 : 5});
+    }
+  }
+  CHECK(classes == std::vector<std::string>{"bf16_bytes", "off_by_one_code"});
+}
+
+TEST_CASE("captured pool: damage that persists is reported as carried from its first step",
+          "[integrity]") {
+  const Scenario s = make_scenario();
+  PoolDamageHistory history;
+  KvPool captured = s.expected;
+  captured.row(2)[3] = 0x7F;  // NaN where satfinite stores 448
+  const auto first = check_captured_pool(s.writes(), captured, s.expected, &history);
+  REQUIRE(first.size() == 1);
+  CHECK(first[0].classification == "nan_code");
+  CHECK(first[0].carried_from_step == -1);
+
+  // The next step writes slot 4 only; the captured pool still holds the NaN in slot 2.
+  const std::vector<std::int32_t> next_slots = {4};
+  const std::vector<float> next_kv = {1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f};
+  const StepLayerWrites next{4, 7, next_slots, next_kv, kScale};
+  KvPool next_expected = s.expected;
+  for (int c = 0; c < kWidth; ++c) next_expected.row(4)[c] = kvdump_quantize(1.0f, kScale);
+  KvPool next_captured = next_expected;
+  next_captured.row(2)[3] = 0x7F;
+  const auto second = check_captured_pool(next, next_captured, next_expected, &history);
+  REQUIRE(second.size() == 1);
+  CHECK_FALSE(second[0].pass);
+  CHECK(second[0].classification == "nan_code");
+  CHECK(second[0].carried_from_step == 3);
+  CHECK(second[0].slots == std::vector<std::int64_t>{2});
+  CHECK_THAT(second[0].detail, Catch::Contains("unchanged since step 3"));
+
+  // The same slot damaged differently at the next step (not written there): new damage, with its
+  // own class, not hidden behind the old one.
+  {
+    PoolDamageHistory changed = history;
+    KvPool other_damage = next_expected;
+    other_damage.row(2)[0] = 0x7F;  // NaN codes now, in place of 0.5's code
+    other_damage.row(2)[3] = 0x7F;
+    const auto again = check_captured_pool(next, other_damage, next_expected, &changed);
+    REQUIRE(again.size() == 1);
+    CHECK(again[0].carried_from_step == -1);
+    CHECK(again[0].classification == "nan_code");
+  }
+
+  // Repaired at the step after: passes, and the history forgets the slot.
+  const auto third = check_captured_pool(next, next_expected, next_expected, &history);
+  REQUIRE(third.size() == 1);
+  CHECK(third[0].pass);
+  CHECK(history.size() == 0);
+}
+
+TEST_CASE("NaN codes already in the pool are reported as data, split by whether they are read",
+          "[integrity]") {
+  const Scenario s = make_scenario();
+  CHECK_FALSE(report_nan_codes(s.writes(), s.expected, std::vector<std::int64_t>{2, 5}));
+  KvPool pool = s.expected;
+  pool.row(7)[1] = 0xFF;  // an unused slot
+  pool.row(6)[0] = 0x7F;  // and one a request reads
+  pool.row(6)[4] = 0x7F;
+  const auto finding = report_nan_codes(s.writes(), pool, std::vector<std::int64_t>{2, 5, 6});
+  REQUIRE(finding);
+  CHECK(finding->pass);
+  CHECK(finding->check == "nan_codes_in_pool");
+  CHECK(finding->slots == std::vector<std::int64_t>{6, 7});
+  CHECK(finding->slot_count == 2);
+  CHECK_THAT(finding->detail,
+             Catch::Contains("3 NaN code(s)") &&
+                 Catch::Contains("1 slot(s) no request of this step reads, 1 read"));
+}
+
+}  // namespace kvaudit
+
+namespace kvaudit {
+
+TEST_CASE("PoolNanCodes follows the writes: a NaN overwritten goes, a NaN written comes",
+          "[integrity]") {
+  KvPool pool = KvPool::zeros(KvDtype::kFloat8E4m3fn, 4, 3);
+  pool.row(1)[0] = 0x7F;
+  pool.row(3)[2] = 0xFF;
+  PoolNanCodes nan_codes;
+  nan_codes.scan(pool);
+  const std::vector<std::int32_t> written = {1, 2};
+  const std::vector<float> rows = {1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f};
+  const StepLayerWrites writes{0, 0, written, rows, 1.0f};
+  auto before = nan_codes.report(writes, pool.num_slots, std::vector<std::int64_t>{});
+  REQUIRE(before);
+  CHECK(before->slots == std::vector<std::int64_t>{1, 3});
+
+  pool.row(1)[0] = 0x38;  // slot 1 rewritten finite
+  pool.row(2)[1] = 0x7F;  // slot 2 written with a NaN
+  nan_codes.update(pool, written);
+  const auto after = nan_codes.report(writes, pool.num_slots, std::vector<std::int64_t>{2});
+  REQUIRE(after);
+  CHECK(after->slots == std::vector<std::int64_t>{2, 3});
+  CHECK_THAT(after->detail, Catch::Contains("2 NaN code(s)") &&
+                                Catch::Contains("1 slot(s) no request of this step reads, 1 read"));
+  // The same as a full scan of the pool.
+  const auto full = report_nan_codes(writes, pool, std::vector<std::int64_t>{2});
+  REQUIRE(full);
+  CHECK(full->detail == after->detail);
+}
+
+}  // namespace kvaudit

@@ -1,0 +1,159 @@
+// Reports of a hand-built run: the stdout table, report.json and report.md in a directory.
+#include <catch2/catch.hpp>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "src/report/report.hpp"
+#include "tests/verdict/check_run_fixture.hpp"
+
+using kvaudit::CheckRun;
+using kvaudit::testing::make_failing_run;
+
+namespace {
+
+std::filesystem::path test_dir(const std::string& name) {
+#ifdef KVAUDIT_TEST_TMPDIR
+  const std::filesystem::path base = KVAUDIT_TEST_TMPDIR;
+#else
+  const std::filesystem::path base = std::filesystem::temp_directory_path();
+#endif
+  const std::filesystem::path dir = base / ("kvaudit_test_report_" + name);
+  std::filesystem::remove_all(dir);
+  return dir;
+}
+
+std::string read_text(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// The table line that starts with this step, layer and comparison.
+std::string table_line(const std::string& table, int step, int layer,
+                       const std::string& comparison) {
+  std::istringstream lines(table);
+  std::string line;
+  while (std::getline(lines, line)) {
+    std::istringstream fields(line);
+    std::string s, l, c;
+    fields >> s >> l >> c;
+    if (s == std::to_string(step) && l == std::to_string(layer) && c == comparison) return line;
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST_CASE("stdout table: FAIL, report-only, worst location, integrity, verdict", "[report]") {
+  std::ostringstream out;
+  kvaudit::print_check_table(out, make_failing_run());
+  const std::string table = out.str();
+  INFO(table);
+  CHECK(table.find("comparison") != std::string::npos);
+  CHECK(table.find("rel_l2") != std::string::npos);
+
+  const std::string failing = table_line(table, 1, 3, "kernel");
+  CHECK(failing.find("FAIL") != std::string::npos);
+  CHECK(failing.find("report-only") == std::string::npos);
+  CHECK(failing.find("(5,2,17)") != std::string::npos);
+  CHECK(failing.find("2.500e-02") != std::string::npos);  // rel_l2
+
+  const std::string passing = table_line(table, 0, 0, "kernel");
+  CHECK(passing.find("PASS") != std::string::npos);
+  CHECK(passing.find("FAIL") == std::string::npos);
+  CHECK(table_line(table, 1, 3, "quantization").find("FAIL report-only") != std::string::npos);
+  CHECK(table_line(table, 0, 0, "quantization").find("PASS report-only") != std::string::npos);
+
+  CHECK(table.find("step 1 layer 3 kernel: rel_l2 0.025 > 0.00391 (kernel limit) [request 1]") !=
+        std::string::npos);
+  CHECK(table.find("step 1 layer 3 written_slots [bf16_bytes]: step 1 layer 3: slots 12, 13") !=
+        std::string::npos);
+  CHECK(table.find("verdict: FAIL (policy default, backend cpu-fp8, 4 comparisons, 1 failed, 1 "
+                   "failed report-only, 2 integrity checks, 1 failed)\n") != std::string::npos);
+}
+
+TEST_CASE("verdict line of a passing run", "[report]") {
+  CheckRun run = make_failing_run();
+  run.comparisons.resize(2);  // the two passing comparisons
+  run.integrity.resize(1);
+  CHECK(kvaudit::verdict_summary(run) ==
+        "verdict: PASS (policy default, backend cpu-fp8, 2 comparisons, 0 failed, 1 integrity "
+        "checks, 0 failed)");
+}
+
+TEST_CASE("report directory: report.json parses with the schema's keys", "[report]") {
+  const std::filesystem::path dir = test_dir("json") / "nested";
+  const CheckRun run = make_failing_run();
+  const kvaudit::Status written = kvaudit::write_report_dir(dir, run);
+  REQUIRE(written.ok());
+  const nlohmann::json j = nlohmann::json::parse(read_text(dir / "report.json"));
+  for (const char* key : {"tool", "version", "verdict", "backend", "backend_description", "policy",
+                          "dump", "results", "integrity", "timing", "provenance"}) {
+    INFO(key);
+    CHECK(j.contains(key));
+  }
+  CHECK(j.at("verdict") == "fail");
+  CHECK(j.at("dump").at("sha256") ==
+        "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  CHECK(j.at("results").size() == 4);
+  CHECK(j.at("results")[2].at("pass") == false);
+  CHECK(j.at("integrity")[1].at("classification") == "bf16_bytes");
+  CHECK(j.at("integrity")[1].at("detail") == "step 1 layer 3: slots 12, 13 hold bf16 bytes");
+}
+
+TEST_CASE("report directory: report.md holds verdict, provenance, tables", "[report]") {
+  const std::filesystem::path dir = test_dir("md");
+  const CheckRun run = make_failing_run();
+  nlohmann::json report = kvaudit::to_json(run);
+  report["notes"] = {"step 0 layer 3: no kv_source for 2 tokens"};
+  REQUIRE(kvaudit::write_report_dir(dir, run, report).ok());
+  const std::string md = read_text(dir / "report.md");
+  INFO(md);
+  CHECK(md.rfind("# kvaudit check report\n", 0) == 0);
+  CHECK(md.find("**Verdict: FAIL** — policy `default`, backend `cpu-fp8`: 4 comparisons, 1 failed "
+                "(and 1 failed report-only); 2 integrity checks, 1 failed.\n") !=
+        std::string::npos);
+  CHECK(md.find("ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad") !=
+        std::string::npos);
+  CHECK(md.find("| model | GLM-5 |") != std::string::npos);
+  // The summary's list of layers becomes its own table.
+  // (nlohmann's objects keep keys sorted: group, kv_scale, layer_id.)
+  CHECK(
+      md.find("### layers\n\n| group | kv_scale | layer_id |\n| --- | --- | --- |\n| L000 | 0.5 | "
+              "0 |\n| L003 | 0.25 | 3 |\n") != std::string::npos);
+  // Result rows, the failing one marked and with its reason.
+  CHECK(md.find("| 0 | 0 | kernel | ") != std::string::npos);
+  // max_abs 0.0125 = 0.5 * rel_l2, over max|ref| 2; ULPs as a plain count.
+  CHECK(md.find("| 1 | 3 | kernel | 0.0125 | 0.00625 | 0.025 | 0.0003125 | 3 | 1e-05 | 0 | ") !=
+        std::string::npos);
+  CHECK(md.find("**FAIL** | (5,2,17) | rel_l2 0.025 > 0.00391 (kernel limit) |") !=
+        std::string::npos);
+  CHECK(md.find("**FAIL report-only**") != std::string::npos);
+  // Policy with derivations.
+  CHECK(md.find("| kernel | rel_l2 | 0.003906 | yes | 2^-8:") != std::string::npos);
+  CHECK(md.find("| quantization | rel_l2 | 0.0625 | no |") != std::string::npos);
+  // Sign-off per layer: layer 3's worst quantization rel_l2 0.07, kernel 0.025, ratio 0.3571.
+  CHECK(md.find("| 3 | 0.07 | 0.00245 | ") != std::string::npos);
+  CHECK(md.find("| 0.025 | 0.3571 | - | **FAIL** |") != std::string::npos);
+  CHECK(md.find("| 1 | 3 | written_slots | **FAIL** | bf16_bytes | 12, 13 |") != std::string::npos);
+  CHECK(md.find("- step 0 layer 3: no kv_source for 2 tokens") != std::string::npos);
+  // Across steps: step 1 has one layer (3), its pool damaged, the kernel's worst rel_l2 there.
+  CHECK(md.find("## Across steps") != std::string::npos);
+  CHECK(md.find("| 1 | 1 | damaged | 0 | - | 0.025 (L3) | - |") != std::string::npos);
+  CHECK(md.find("| host | testhost |") != std::string::npos);
+  CHECK(md.find("| reference throughput | 5e+05 rows x heads x tokens / s |") != std::string::npos);
+}
+
+TEST_CASE("report directory that cannot be created is bad input naming it", "[report]") {
+  const std::filesystem::path dir = test_dir("blocked");
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "file") << "x";
+  const kvaudit::Status written =
+      kvaudit::write_report_dir(dir / "file" / "sub", make_failing_run());
+  REQUIRE_FALSE(written.ok());
+  CHECK(written.error().kind == kvaudit::ErrorKind::kBadInput);
+  CHECK(written.error().where.find("file/sub") != std::string::npos);
+}

@@ -1,0 +1,202 @@
+// CheckRun's verdict and its report.json form on a hand-built run
+// (tests/verdict/check_run_fixture.hpp).
+#include <catch2/catch.hpp>
+#include <limits>
+
+#include "src/verdict/check_result.hpp"
+#include "tests/verdict/check_run_fixture.hpp"
+
+using kvaudit::CheckRun;
+using kvaudit::Comparison;
+using kvaudit::ComparisonResult;
+using kvaudit::default_policy;
+using kvaudit::IntegrityFinding;
+using kvaudit::PoolState;
+using kvaudit::StepSummary;
+using kvaudit::summarize_steps;
+using kvaudit::to_json;
+using kvaudit::testing::make_comparison;
+using kvaudit::testing::make_failing_run;
+namespace testing = kvaudit::testing;
+
+TEST_CASE("a run fails on a failing kernel comparison or integrity finding", "[check_result]") {
+  CheckRun run = make_failing_run();
+  CHECK_FALSE(run.pass());
+  run.comparisons.erase(run.comparisons.begin() + 2);  // the failing kernel comparison
+  CHECK_FALSE(run.pass());                             // the storage finding still fails it
+  run.integrity.pop_back();
+  // Left: a report-only quantization failure, which does not fail the run.
+  CHECK(run.pass());
+  const kvaudit::RunCounts counts = kvaudit::count_results(run);
+  CHECK(counts.failed == 0);
+  CHECK(counts.failed_report_only == 1);
+}
+
+TEST_CASE("a NaN/Inf mismatch fails the run even in a report-only comparison", "[check_result]") {
+  CheckRun run;
+  run.policy = kvaudit::default_policy();
+  auto quantization = make_comparison(0, 0, Comparison::kQuantization, 0.01, false, false);
+  quantization.metrics.nonfinite_mismatches = 1;
+  quantization.judgement.reasons = {"1 NaN/Inf mismatches"};
+  run.comparisons.push_back(quantization);
+  CHECK(kvaudit::fails_run(run.comparisons[0]));
+  CHECK_FALSE(run.pass());
+  run.comparisons[0].metrics.nonfinite_mismatches = 0;
+  CHECK(run.pass());
+}
+
+TEST_CASE("max_abs over the reference's max", "[check_result]") {
+  kvaudit::ComparisonMetrics m;
+  m.max_abs = 0.5;
+  m.reference_max_abs = 4.0;
+  CHECK(kvaudit::max_abs_over_ref_max(m) == 0.125);
+  m.reference_max_abs = 0.0;
+  CHECK(std::isinf(kvaudit::max_abs_over_ref_max(m)));
+  m.max_abs = 0.0;
+  CHECK(kvaudit::max_abs_over_ref_max(m) == 0.0);
+}
+
+TEST_CASE("report.json schema of a failing run", "[check_result]") {
+  const nlohmann::json j = kvaudit::to_json(make_failing_run());
+  CHECK(j.at("tool") == "kvaudit");
+  CHECK(j.at("version").is_string());
+  CHECK(j.at("verdict") == "fail");
+  CHECK(j.at("backend") == "cpu-fp8");
+  CHECK(j.at("backend_description").at("threads") == 2);
+  CHECK(j.at("policy").at("name") == "default");
+  CHECK(j.at("policy").at("kernel").at("rel_l2").at("limit") == 0.00390625);
+  CHECK(j.at("dump").at("path") == "/data/glm5_two_layers.h5");
+  CHECK(j.at("dump").at("sha256") ==
+        "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  CHECK(j.at("dump").at("summary").at("model") == "GLM-5");
+  CHECK(j.at("counts").at("comparisons") == 4);
+  CHECK(j.at("counts").at("failed") == 1);
+  CHECK(j.at("counts").at("failed_report_only") == 1);
+  CHECK(j.at("counts").at("integrity_failed") == 1);
+
+  const nlohmann::json& results = j.at("results");
+  REQUIRE(results.size() == 4);
+  const nlohmann::json& failing = results[2];
+  CHECK(failing.at("step") == 1);
+  CHECK(failing.at("layer") == 3);
+  CHECK(failing.at("comparison") == "kernel");
+  CHECK(failing.at("pass") == false);
+  CHECK(failing.at("sets_exit") == true);
+  CHECK(failing.at("reasons")[0] == "rel_l2 0.025 > 0.00391 (kernel limit)");
+  CHECK(failing.at("worst") ==
+        nlohmann::json(
+            {{"row", 5}, {"head", 2}, {"dim", 17}, {"reference", 1.5}, {"candidate", 1.53125}}));
+  CHECK(failing.at("worst_request") == 1);
+  CHECK(failing.at("metrics").at("rel_l2") == 0.025);
+  // max_abs = 0.5 * 0.025 over reference_max_abs 2.
+  CHECK(failing.at("metrics").at("max_abs_over_ref_max") == Approx(0.00625));
+  CHECK(results[3].at("comparison") == "quantization");
+  CHECK(results[3].at("sets_exit") == false);
+
+  const nlohmann::json& integrity = j.at("integrity");
+  REQUIRE(integrity.size() == 2);
+  CHECK(integrity[1].at("check") == "written_slots");
+  CHECK(integrity[1].at("pass") == false);
+  CHECK(integrity[1].at("slots") == nlohmann::json({12, 13}));
+  CHECK(integrity[1].at("classification") == "bf16_bytes");
+  CHECK(integrity[1].at("detail") == "step 1 layer 3: slots 12, 13 hold bf16 bytes");
+  for (const char* key : {"step", "layer", "check", "pass", "slots", "detail"}) {
+    INFO(key);
+    CHECK(integrity[0].contains(key));
+  }
+  CHECK(integrity[1].at("layer") == 3);
+
+  // 1e6 rows*heads*tokens in 2 s.
+  CHECK(j.at("timing").at("reference_throughput_rows_heads_tokens_per_s") == 500000.0);
+  CHECK(j.at("timing").at("backend_seconds") == 0.5);
+  CHECK(j.at("provenance").at("host") == "testhost");
+  CHECK(j.at("provenance").at("date") == "2026-11-29T09:30:00Z");
+  CHECK(j.at("provenance").at("command_line") == "kvaudit check /data/glm5_two_layers.h5");
+}
+
+TEST_CASE("report.json writes infinities as strings and fills missing provenance",
+          "[check_result]") {
+  CheckRun run;
+  run.policy = kvaudit::default_policy();
+  auto zero_reference = make_comparison(0, 0, Comparison::kKernel, 0.0, false, true);
+  zero_reference.metrics.rel_l2 = std::numeric_limits<double>::infinity();
+  zero_reference.metrics.reference_max_abs = 0.0;
+  run.comparisons.push_back(zero_reference);
+  const nlohmann::json j = kvaudit::to_json(run);
+  CHECK(j.at("results")[0].at("metrics").at("rel_l2") == "inf");
+  CHECK(j.at("verdict") == "fail");
+  CHECK(j.at("timing").at("reference_throughput_rows_heads_tokens_per_s").is_null());
+  // Filled from this process: a date in ISO-8601 UTC form.
+  const std::string date = j.at("provenance").at("date");
+  REQUIRE(date.size() == 20);
+  CHECK(date[10] == 'T');
+  CHECK(date.back() == 'Z');
+  CHECK_FALSE(j.at("provenance").at("command_line").get<std::string>().empty());
+  // The whole document must serialise (no NaN/inf numbers, which JSON cannot hold).
+  CHECK(nlohmann::json::parse(j.dump()) == j);
+}
+
+TEST_CASE("per-step summary: pools intact or damaged, and the worst error with its layer",
+          "[check_result]") {
+  CheckRun run;
+  run.policy = default_policy();
+  // Step 0: two layers, clean. Step 1: layer 3's backend pool lost 5 slots (read_consistency),
+  // its cache comparison is NaN in 2 positions; the captured pool of layer 0 carries 2 slots
+  // damaged at step 0 and 1 new one.
+  run.comparisons.push_back(testing::make_comparison(0, 0, Comparison::kKernel, 0.002, true, true));
+  run.comparisons.push_back(testing::make_comparison(0, 3, Comparison::kKernel, 0.003, true, true));
+  run.comparisons.push_back(testing::make_comparison(1, 0, Comparison::kKernel, 0.001, true, true));
+  ComparisonResult cache = testing::make_comparison(1, 3, Comparison::kCache, 0.2, false, true);
+  cache.metrics.nonfinite_mismatches = 2;
+  run.comparisons.push_back(cache);
+  auto finding = [](int step, int layer, const char* check, bool pass, std::int64_t slots,
+                    int carried) {
+    IntegrityFinding f;
+    f.step = step;
+    f.layer_id = layer;
+    f.check = check;
+    f.pass = pass;
+    f.slot_count = slots;
+    f.carried_from_step = carried;
+    return f;
+  };
+  run.integrity.push_back(finding(0, 0, "read_consistency", true, 0, -1));
+  run.integrity.push_back(finding(0, 3, "read_consistency", true, 0, -1));
+  run.integrity.push_back(finding(0, 0, "nan_codes_in_pool", true, 7, -1));
+  run.integrity.push_back(finding(1, 3, "written_slots", false, 5, -1));
+  run.integrity.push_back(finding(1, 3, "read_consistency", false, 5, -1));
+  run.integrity.push_back(finding(1, 0, "read_consistency", true, 0, -1));
+  run.integrity.push_back(finding(1, 0, "captured_pool", false, 2, 0));
+  run.integrity.push_back(finding(1, 0, "captured_pool", false, 1, -1));
+
+  const std::vector<StepSummary> steps = summarize_steps(run);
+  REQUIRE(steps.size() == 2);
+  CHECK(steps[0].step == 0);
+  CHECK(steps[0].layers == 2);
+  CHECK(steps[0].backend_pool == PoolState::kIntact);
+  CHECK(steps[0].captured_pool == PoolState::kNotChecked);
+  CHECK(steps[0].pass);
+  CHECK(steps[0].worst.at(Comparison::kKernel).rel_l2 == 0.003);
+  CHECK(steps[0].worst.at(Comparison::kKernel).layer_id == 3);
+
+  CHECK(steps[1].backend_pool == PoolState::kDamaged);
+  CHECK(steps[1].damaged_slots == 5);
+  CHECK(steps[1].damaged_layers == 1);
+  CHECK(steps[1].captured_pool == PoolState::kDamaged);
+  CHECK(steps[1].new_captured_slots == 1);
+  CHECK(steps[1].carried_captured_slots == 2);
+  CHECK(steps[1].worst.at(Comparison::kCache).layer_id == 3);
+  CHECK(steps[1].worst.at(Comparison::kCache).nonfinite_mismatches == 2);
+  CHECK(steps[1].worst.at(Comparison::kCache).failed == 1);
+  CHECK_FALSE(steps[1].pass);
+
+  const nlohmann::json j = to_json(run);
+  REQUIRE(j.at("steps").size() == 2);
+  CHECK(j.at("steps")[0].at("backend_pool") == "intact");
+  CHECK(j.at("steps")[0].at("captured_pool").is_null());
+  CHECK(j.at("steps")[1].at("backend_pool") == "damaged");
+  CHECK(j.at("steps")[1].at("damaged_slots") == 5);
+  CHECK(j.at("steps")[1].at("comparisons").at("cache").at("worst_rel_l2") == 0.2);
+  CHECK(j.at("steps")[1].at("comparisons").at("cache").at("worst_layer") == 3);
+  CHECK(j.at("steps")[1].at("pass") == false);
+}

@@ -1,0 +1,215 @@
+// Metrics on tensors small enough that every expected value is worked out by hand in the comments.
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "src/verdict/metrics.hpp"
+
+using kvaudit::bf16_ulp_distance;
+using kvaudit::compare_outputs;
+using kvaudit::ComparisonMetrics;
+using kvaudit::round_to_bf16;
+using kvaudit::TensorShape3;
+
+namespace {
+
+constexpr double kNan = std::numeric_limits<double>::quiet_NaN();
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+ComparisonMetrics compare(TensorShape3 shape, const std::vector<double>& a,
+                          const std::vector<double>& b, double rel_floor = 0.0) {
+  return compare_outputs(shape, a, b, {}, {}, rel_floor);
+}
+
+}  // namespace
+
+TEST_CASE("metrics of a=[1,2,3,4] against b=[1,2,3,5]", "[metrics]") {
+  const ComparisonMetrics m = compare({1, 1, 4}, {1, 2, 3, 4}, {1, 2, 3, 5});
+  // Differences [0,0,0,1]: max 1 at dim 3; rms = sqrt(1/4) = 0.5.
+  CHECK(m.elements == 4);
+  CHECK(m.finite_elements == 4);
+  CHECK(m.max_abs == 1.0);
+  CHECK(m.max_abs_at.row == 0);
+  CHECK(m.max_abs_at.head == 0);
+  CHECK(m.max_abs_at.dim == 3);
+  CHECK(m.max_abs_at.reference == 4.0);
+  CHECK(m.max_abs_at.candidate == 5.0);
+  CHECK(m.rms == 0.5);
+  // ||a||^2 = 1 + 4 + 9 + 16 = 30, so rel_l2 = 1 / sqrt(30).
+  CHECK(m.rel_l2 == Approx(1.0 / std::sqrt(30.0)).epsilon(1e-15));
+  // sum ab = 1 + 4 + 9 + 20 = 34, sum a^2 + b^2 = 30 + 39 = 69: 1 - 68/69 = 1/69.
+  CHECK(m.cos_diff == Approx(1.0 / 69.0).epsilon(1e-15));
+  // Relative errors with no floor: 1/4 at dim 3, the only non-zero one.
+  CHECK(m.max_rel == 0.25);
+  CHECK(m.max_rel_at.dim == 3);
+  CHECK(m.reference_max_abs == 4.0);
+  // 4 and 5 are bf16 values in the binade [4, 8) whose quantum is 2^-5: (5 - 4) / 2^-5 = 32.
+  CHECK(m.max_ulp_bf16 == 32.0);
+  CHECK(m.max_ulp_at.dim == 3);
+  CHECK_FALSE(m.has_lse);
+  CHECK(m.nonfinite_mismatches == 0);
+  CHECK(m.first_nonfinite_mismatch.row == -1);
+}
+
+TEST_CASE("metrics locate the worst element by (row, head, dim)", "[metrics]") {
+  // shape [2 rows, 2 heads, 2 dims]; only element (row 1, head 0, dim 1) = index 5 differs, by 3.
+  const std::vector<double> a = {1, 1, 1, 1, 1, 1, 1, 1};
+  const std::vector<double> b = {1, 1, 1, 1, 1, 4, 1, 1};
+  const ComparisonMetrics m = compare({2, 2, 2}, a, b);
+  CHECK(m.max_abs == 3.0);
+  CHECK(m.max_abs_at.row == 1);
+  CHECK(m.max_abs_at.head == 0);
+  CHECK(m.max_abs_at.dim == 1);
+  // rms = sqrt(9 / 8); rel_l2 = 3 / sqrt(8); cos_diff = 9 / (8 + 7 + 16) = 9 / 31.
+  CHECK(m.rms == Approx(std::sqrt(9.0 / 8.0)).epsilon(1e-15));
+  CHECK(m.rel_l2 == Approx(3.0 / std::sqrt(8.0)).epsilon(1e-15));
+  CHECK(m.cos_diff == Approx(9.0 / 31.0).epsilon(1e-15));
+}
+
+TEST_CASE("NaN in the candidate only is a mismatch with its location; norms skip it", "[metrics]") {
+  // [1 row, 2 heads, 2 dims]: candidate NaN at (0, 1, 0) where the reference is 2.
+  const std::vector<double> a = {1, 1, 2, 1};
+  const std::vector<double> b = {1, 1.5, kNan, 1};
+  const ComparisonMetrics m = compare({1, 2, 2}, a, b);
+  CHECK(m.reference_nonfinite == 0);
+  CHECK(m.candidate_nonfinite == 1);
+  CHECK(m.nonfinite_mismatches == 1);
+  CHECK(m.first_nonfinite_mismatch.row == 0);
+  CHECK(m.first_nonfinite_mismatch.head == 1);
+  CHECK(m.first_nonfinite_mismatch.dim == 0);
+  CHECK(m.first_nonfinite_mismatch.reference == 2.0);
+  CHECK(std::isnan(m.first_nonfinite_mismatch.candidate));
+  // Norms over the 3 finite positions: differences [0, 0.5, 0]; ||a||^2 over them = 3.
+  CHECK(m.finite_elements == 3);
+  CHECK(m.max_abs == 0.5);
+  CHECK(m.rel_l2 == Approx(0.5 / std::sqrt(3.0)).epsilon(1e-15));
+  CHECK(std::isfinite(m.cos_diff));
+}
+
+TEST_CASE("NaN in both, Inf against Inf, and NaN against Inf", "[metrics]") {
+  const std::vector<double> a = {kNan, kInf, kInf, -kInf, 1};
+  const std::vector<double> b = {kNan, kInf, kNan, kInf, 1};
+  const ComparisonMetrics m = compare({1, 1, 5}, a, b);
+  CHECK(m.reference_nonfinite == 4);
+  CHECK(m.candidate_nonfinite == 4);
+  // Same class at dims 0 and 1; Inf vs NaN at 2 and -Inf vs +Inf at 3 disagree.
+  CHECK(m.nonfinite_mismatches == 2);
+  CHECK(m.first_nonfinite_mismatch.dim == 2);
+  CHECK(m.finite_elements == 1);
+  CHECK(m.max_abs == 0.0);
+}
+
+TEST_CASE("lse error and a non-finite lse ordered before later out positions", "[metrics]") {
+  // [2 rows, 2 heads, 1 dim]. lse index = row * heads + head.
+  const std::vector<double> a = {1, 2, 3, 4};
+  const std::vector<double> b = {1, 2, 3, kNan};  // out mismatch at (1, 1, 0)
+  const std::vector<double> lse_a = {0.5, 1.0, 2.0, 3.0};
+  const std::vector<double> lse_b = {0.5, kInf, 2.25, 3.0};  // lse mismatch at (0, 1)
+  const ComparisonMetrics m = compare_outputs({2, 2, 1}, a, b, lse_a, lse_b, 0.0);
+  REQUIRE(m.has_lse);
+  CHECK(m.nonfinite_mismatches == 2);
+  CHECK(m.first_nonfinite_mismatch.row == 0);
+  CHECK(m.first_nonfinite_mismatch.head == 1);
+  CHECK(m.first_nonfinite_mismatch.dim == -1);
+  // Finite lse differences: 0, 0.25 (at row 1, head 0), 0.
+  CHECK(m.lse_max_abs == 0.25);
+  CHECK(m.lse_max_abs_at.row == 1);
+  CHECK(m.lse_max_abs_at.head == 0);
+  CHECK(m.lse_max_abs_at.dim == -1);
+}
+
+TEST_CASE("relative error floor", "[metrics]") {
+  // a = [0, 0.5, 2], b = [2^-7, 0.5, 2.25]: |a - b| = [2^-7, 0, 0.25].
+  const std::vector<double> a = {0, 0.5, 2};
+  const std::vector<double> b = {0.0078125, 0.5, 2.25};
+  SECTION("no floor: an error at a zero reference is infinitely relative") {
+    const ComparisonMetrics m = compare({1, 1, 3}, a, b, 0.0);
+    CHECK(std::isinf(m.max_rel));
+    CHECK(m.max_rel_at.dim == 0);
+  }
+  SECTION("floor 2^-5: 2^-7 / 2^-5 = 0.25 beats 0.25 / 2 = 0.125") {
+    const ComparisonMetrics m = compare({1, 1, 3}, a, b, 0.03125);
+    CHECK(m.max_rel == 0.25);
+    CHECK(m.max_rel_at.dim == 0);
+    CHECK(m.rel_floor == 0.03125);
+  }
+  SECTION("floor 1: 2^-7 / 1 loses to 0.25 / max(2, 1) = 0.125") {
+    const ComparisonMetrics m = compare({1, 1, 3}, a, b, 1.0);
+    CHECK(m.max_rel == 0.125);
+    CHECK(m.max_rel_at.dim == 2);
+  }
+  SECTION("equal zeros are no error even with no floor") {
+    const ComparisonMetrics m = compare({1, 1, 2}, {0, 1}, {0, 1}, 0.0);
+    CHECK(m.max_rel == 0.0);
+  }
+}
+
+TEST_CASE("all-zero reference: rel_l2 is 0 against zeros and infinite otherwise", "[metrics]") {
+  const ComparisonMetrics same = compare({1, 1, 2}, {0, 0}, {0, 0});
+  CHECK(same.rel_l2 == 0.0);
+  CHECK(same.cos_diff == 0.0);
+  CHECK(same.rms == 0.0);
+  const ComparisonMetrics off = compare({1, 1, 2}, {0, 0}, {0, 1});
+  CHECK(std::isinf(off.rel_l2));
+  // sum (a - b)^2 / sum (a^2 + b^2) = 1 / 1.
+  CHECK(off.cos_diff == 1.0);
+}
+
+TEST_CASE("bf16 ULP distance", "[metrics][bf16]") {
+  // 1.0 = 0x3F80; the next bf16 up is 1 + 2^-7 = 1.0078125 (0x3F81).
+  CHECK(bf16_ulp_distance(1.0, 1.0078125) == 1.0);
+  // Below 1.0 the binade [0.5, 1) has quantum 2^-8: 1 - 2^-8 = 0.99609375 = 0x3F7F.
+  CHECK(bf16_ulp_distance(1.0, 0.99609375) == 1.0);
+  CHECK(bf16_ulp_distance(0.99609375, 1.0078125) == 2.0);
+  CHECK(bf16_ulp_distance(-0.0, 0.0) == 0.0);
+  CHECK(bf16_ulp_distance(2.0, 2.0) == 0.0);
+  // Symmetric around zero: +-1.0 are 0x3F80 = 16256 steps from zero each.
+  CHECK(bf16_ulp_distance(1.0, -1.0) == 32512.0);
+  // Smallest subnormal 2^-133 and its negative straddle the two zeros: 2 steps.
+  CHECK(bf16_ulp_distance(std::ldexp(1.0, -133), -std::ldexp(1.0, -133)) == 2.0);
+  CHECK(std::isinf(bf16_ulp_distance(kNan, 1.0)));
+}
+
+TEST_CASE("values are rounded to bf16 once, nearest even, before the distance", "[metrics][bf16]") {
+  // 1 + 2^-8 is the midpoint of 0x3F80 and 0x3F81: ties to the even 0x3F80.
+  CHECK(round_to_bf16(1.00390625) == 1.0);
+  CHECK(bf16_ulp_distance(1.00390625, 1.0) == 0.0);
+  // 1 + 3 * 2^-8 is the midpoint of 0x3F81 and 0x3F82: ties to the even 0x3F82 = 1 + 2^-6.
+  CHECK(round_to_bf16(1.01171875) == 1.015625);
+  // Just above the first midpoint rounds up. Through float it would first round to the midpoint
+  // (2^-40 is below float's 2^-23 quantum at 1) and then tie down to 1.0: double rounding.
+  const double above_midpoint = 1.00390625 + std::ldexp(1.0, -40);
+  CHECK(round_to_bf16(above_midpoint) == 1.0078125);
+  CHECK(bf16_ulp_distance(above_midpoint, 1.0) == 1.0);
+  // Largest finite bf16 is (2 - 2^-7) * 2^127; at or past the midpoint to 2^128 it overflows.
+  const double max_finite = std::ldexp(2.0 - 0.0078125, 127);
+  CHECK(round_to_bf16(max_finite) == max_finite);
+  CHECK(std::isinf(round_to_bf16(std::ldexp(2.0 - 0.00390625, 127))));
+  CHECK(round_to_bf16(-3.0) == -3.0);
+}
+
+TEST_CASE("metrics JSON writes non-finite values as strings", "[metrics]") {
+  const ComparisonMetrics m = compare({1, 1, 2}, {0, 0}, {0, 1});
+  const nlohmann::json j = kvaudit::to_json(m);
+  CHECK(j.at("rel_l2") == "inf");
+  CHECK(j.at("max_abs") == 1.0);
+  CHECK(j.at("max_abs_at").at("dim") == 1);
+  CHECK(j.at("lse_max_abs").is_null());
+  CHECK(j.at("first_nonfinite_mismatch").is_null());
+  CHECK(j.at("elements") == 2);
+}
+
+TEST_CASE("bf16 ULPs are counted only where |reference| reaches the floor", "[metrics]") {
+  // a = [2^-20, 1], b = [-2^-20, 1.015625]: the first pair crosses zero (thousands of bf16 steps
+  // apart, 2 * 0x3580 = 27392), the second is 2 ULPs apart (quantum 2^-7 in [1, 2)).
+  const std::vector<double> a = {std::ldexp(1.0, -20), 1.0};
+  const std::vector<double> b = {-std::ldexp(1.0, -20), 1.015625};
+  CHECK(bf16_ulp_distance(a[0], b[0]) == 27392.0);
+  const ComparisonMetrics no_floor = compare({1, 1, 2}, a, b, 0.0);
+  CHECK(no_floor.max_ulp_bf16 == 27392.0);
+  CHECK(no_floor.max_ulp_at.dim == 0);
+  const ComparisonMetrics floored = compare({1, 1, 2}, a, b, 0.00390625);
+  CHECK(floored.max_ulp_bf16 == 2.0);
+  CHECK(floored.max_ulp_at.dim == 1);
+}
