@@ -1,13 +1,11 @@
-// SHA-256 (FIPS 180-4, section 6.2), streaming, for the dump provenance in reports.
-//
-// The message is processed in 512-bit blocks; padding appends 0x80, zeros, and the message length
-// in bits as a 64-bit big-endian integer so the padded length is a multiple of 512 bits.
+// SHA-256 digests for provenance (the dump a report or golden file was made from), computed with
+// nettle (Debian's nettle-dev); kvaudit only streams bytes into it and prints hex.
 #pragma once
 
 #include <array>
-#include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
@@ -21,19 +19,18 @@ class Sha256 {
   using Digest = std::array<std::uint8_t, 32>;
 
   Sha256();
+  Sha256(Sha256&&) noexcept;
+  Sha256& operator=(Sha256&&) noexcept;
+  ~Sha256();
+
   void update(std::span<const std::uint8_t> bytes);
   void update(std::string_view text);
-  // Pads, processes the last block(s) and returns the digest. The object is reset afterwards.
+  // The digest of everything fed so far; the object starts over afterwards.
   Digest finish();
 
  private:
-  void process_block(const std::uint8_t* block);
-  void reset();
-
-  std::array<std::uint32_t, 8> state_{};
-  std::array<std::uint8_t, 64> buffer_{};
-  std::size_t buffered_ = 0;
-  std::uint64_t total_bytes_ = 0;
+  struct State;  // nettle's sha256_ctx, kept out of this header
+  std::unique_ptr<State> state_;
 };
 
 std::string to_hex(const Sha256::Digest& digest);  // 64 lower-case hex digits
