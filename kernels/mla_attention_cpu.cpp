@@ -13,15 +13,14 @@
 
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <cmath>
 #include <limits>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "kernels/mla_attention_model.hpp"
 #include "src/core/fp8_e4m3.hpp"
+#include "src/core/parallel_for.hpp"
 #include "src/format/step_indices.hpp"
 
 namespace kvaudit {
@@ -250,11 +249,6 @@ class TileWorker {
   std::vector<float> l_;
 };
 
-int resolve_threads(int threads) {
-  if (threads > 0) return threads;
-  return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
-}
-
 }  // namespace
 
 Result<AttentionOutput> mla_attention_cpu(const DumpAttributes& attrs, const StepMeta& step,
@@ -284,7 +278,7 @@ Result<AttentionOutput> mla_attention_cpu(const DumpAttributes& attrs, const Ste
   output.lse.assign(rows * heads, 0.0f);
   if (rows == 0 || heads == 0) return output;
 
-  const int threads = resolve_threads(options.threads);
+  const int threads = resolve_thread_count(options.threads);
   CpuProblem problem;
   problem.step = &step;
   problem.pool = &pool;
@@ -310,25 +304,15 @@ Result<AttentionOutput> mla_attention_cpu(const DumpAttributes& attrs, const Ste
   problem.units_per_row = (attrs.num_heads + problem.heads_per_unit - 1) / problem.heads_per_unit;
 
   const std::size_t units = rows * problem.units_per_row;
-  const int workers = static_cast<int>(std::min<std::size_t>(threads, units));
-  std::atomic<std::size_t> next{0};
-  auto work = [&] {
-    TileWorker worker(problem);
-    for (std::size_t u = next++; u < units; u = next++) {
-      const int row = static_cast<int>(u / problem.units_per_row);
-      const int head_begin = static_cast<int>(u % problem.units_per_row) * problem.heads_per_unit;
-      const int head_end = std::min(attrs.num_heads, head_begin + problem.heads_per_unit);
+  parallel_for(units, threads, [&] {
+    return [&problem, worker = TileWorker(problem)](std::size_t unit) mutable {
+      const int row = static_cast<int>(unit / problem.units_per_row);
+      const int head_begin =
+          static_cast<int>(unit % problem.units_per_row) * problem.heads_per_unit;
+      const int head_end = std::min(problem.num_heads, head_begin + problem.heads_per_unit);
       worker.run(row, head_begin, head_end);
-    }
-  };
-  if (workers <= 1) {
-    work();
-  } else {
-    std::vector<std::thread> pool_threads;
-    pool_threads.reserve(workers);
-    for (int w = 0; w < workers; ++w) pool_threads.emplace_back(work);
-    for (auto& thread : pool_threads) thread.join();
-  }
+    };
+  });
   return output;
 }
 
@@ -345,7 +329,7 @@ class CpuFp8Backend final : public Backend {
     return {
         {"name", "cpu-fp8"},
         {"device", "cpu"},
-        {"threads", resolve_threads(options_.threads)},
+        {"threads", resolve_thread_count(options_.threads)},
         {"kv_tile_tokens", mla::kKvTileTokens},
         {"injection", injection_ == Injection::kNone ? "none" : injection_info(injection_).name},
         {"write_rule", options_.reciprocal_scale

@@ -7,12 +7,12 @@
 #include "references/mla_reference.hpp"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <string>
-#include <thread>
+
+#include "src/core/parallel_for.hpp"
 
 namespace kvaudit {
 
@@ -441,24 +441,12 @@ Result<std::int64_t> mla_reference_attention(const DumpAttributes& attrs, const 
     work += problem.visible_of_row[i] * static_cast<std::int64_t>(heads);
   }
 
-  const std::size_t pairs = rows * heads;
-  int workers = threads > 0 ? threads : static_cast<int>(std::thread::hardware_concurrency());
-  workers = static_cast<int>(std::clamp<std::size_t>(workers, 1, std::max<std::size_t>(pairs, 1)));
-  std::atomic<std::size_t> next{0};
-  auto worker = [&] {
-    typename KernelFor<Acc>::type kernel(problem);
-    for (std::size_t pair = next++; pair < pairs; pair = next++) {
+  parallel_for(rows * heads, threads, [&] {
+    return [&problem, heads,
+            kernel = typename KernelFor<Acc>::type(problem)](std::size_t pair) mutable {
       kernel.run(static_cast<int>(pair / heads), static_cast<int>(pair % heads));
-    }
-  };
-  if (workers == 1) {
-    worker();
-  } else {
-    std::vector<std::thread> pool;
-    pool.reserve(workers);
-    for (int w = 0; w < workers; ++w) pool.emplace_back(worker);
-    for (auto& thread : pool) thread.join();
-  }
+    };
+  });
   return work;
 }
 

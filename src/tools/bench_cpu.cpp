@@ -6,11 +6,11 @@
 #include <numeric>
 #include <random>
 #include <span>
-#include <thread>
 #include <vector>
 
 #include "references/mla_reference.hpp"
 #include "src/core/fp8_e4m3.hpp"
+#include "src/core/parallel_for.hpp"
 #include "src/format/kvdump.hpp"
 
 namespace kvaudit::bench {
@@ -43,9 +43,7 @@ Result<CpuBenchResult> run_cpu_reference_bench(const CpuBenchOptions& options) {
   }
   CpuBenchResult result;
   result.options = options;
-  result.threads = options.threads > 0
-                       ? options.threads
-                       : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  result.threads = resolve_thread_count(options.threads);
   result.accumulation = "double-double";
 
   DumpAttributes attrs;
