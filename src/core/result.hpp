@@ -64,4 +64,15 @@ inline Error internal_error(std::string where, std::string what) {
     if (!kvaudit_try_result_.ok()) return kvaudit_try_result_.error(); \
   } while (0)
 
+// Declare `lhs` from the value of an expression returning Result<...>, or propagate its error:
+//   KVAUDIT_ASSIGN_OR_RETURN(KvPool pool, reader.read_pool(layer));
+#define KVAUDIT_CONCAT_INNER(a, b) a##b
+#define KVAUDIT_CONCAT(a, b) KVAUDIT_CONCAT_INNER(a, b)
+#define KVAUDIT_ASSIGN_OR_RETURN(lhs, expr) \
+  KVAUDIT_ASSIGN_OR_RETURN_IMPL(KVAUDIT_CONCAT(kvaudit_result_, __LINE__), lhs, expr)
+#define KVAUDIT_ASSIGN_OR_RETURN_IMPL(result, lhs, expr) \
+  auto result = (expr);                                  \
+  if (!result.ok()) return result.error();               \
+  lhs = std::move(result).value()
+
 }  // namespace kvaudit
