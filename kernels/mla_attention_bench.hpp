@@ -10,7 +10,7 @@
 //   q_nope : [batch * q_len, num_heads, 512] bf16    q_pe : [batch * q_len, num_heads, 64] bf16
 //   pool   : [pool_slots, 576] e4m3 codes            out  : [batch * q_len, num_heads, 512] bf16
 //
-// What is counted per case (KERNEL-NOTES.md "Arithmetic of MLA decode"):
+// What is counted per case (docs/kernels.md "Arithmetic of MLA decode"):
 //   KV bytes  = batch * context * 576: each request's tokens once, in FP8, however many heads or
 //               query rows read them (heads share the row; the kernel must not re-read it).
 //   FLOP      = 2176 per (query row, head, visible token): 576 multiply-adds for the score and

@@ -1,4 +1,4 @@
-// The high-precision CPU reference for MLA attention (kvdump-v1.md "Semantics"). No CUDA here.
+// The high-precision CPU reference for MLA attention (docs/kvdump-v1.md "Semantics"). No CUDA here.
 //
 // For one (step, layer), query row i (token position pos(i), kvdump-v1 causal rule), head h, and
 // the visible tokens t = 0 .. pos(i) of the row's request, with (c_t, r_t) the KV row of token t:

@@ -1,4 +1,4 @@
-"""kvdump: write kvdump v1 HDF5 files (kvdump-v1.md) for `kvaudit` from a running server.
+"""kvdump: write kvdump v1 HDF5 files (docs/kvdump-v1.md) for `kvaudit` from a running server.
 
 numpy and h5py only; torch tensors are accepted by duck typing (torch is not imported here).
 """

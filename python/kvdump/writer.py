@@ -1,4 +1,4 @@
-"""Writer of kvdump v1 files (kvdump-v1.md): what a server captures for `kvaudit` to replay.
+"""Writer of kvdump v1 files (docs/kvdump-v1.md): what a server captures for `kvaudit` to replay.
 
 Shapes (H = num_heads, Dc = kv_lora_rank, Dr = qk_rope_head_dim, D = Dc + Dr, Nq = query rows of
 a step, B = requests of a step):
@@ -300,7 +300,7 @@ class KvDumpWriter:
         """Adds /steps/S### (the next in replay order) and returns its StepWriter.
 
         kind: "prefill" (extend, causal) or "decode" (at most one row per request).
-        Index arrays follow FlashInfer's paged layout; see kvdump-v1.md "Steps" and "Semantics".
+        Index arrays follow FlashInfer's paged layout; see docs/kvdump-v1.md "Steps" and "Semantics".
         """
         path = f"/steps/S{len(self._steps):03d}"
         self._require_open(path)

@@ -1,4 +1,4 @@
-// One interface for every attention implementation under test (DESIGN.md "Pipeline").
+// One interface for every attention implementation under test (docs/design.md "Pipeline").
 //
 // For one (step, layer): write the step's new tokens into `pool` (prefill and decode both write,
 // with the kvdump write rule), then run MLA attention for the step's query rows and return

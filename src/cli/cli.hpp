@@ -1,6 +1,6 @@
 // The kvaudit command line: each subcommand lives in its own src/cli/cli_<name>.cpp and registers
 // itself here. A runner returns the exit status: 0 pass, 1 checks failed, 2 bad input or usage,
-// 3 internal error (DESIGN.md).
+// 3 internal error (docs/design.md).
 #pragma once
 
 #include <CLI/CLI.hpp>

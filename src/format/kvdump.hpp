@@ -1,4 +1,4 @@
-// kvdump v1 (../shared/kvdump-v1.md): the data model, a validating reader and a writer.
+// kvdump v1 (docs/kvdump-v1.md): the data model, a validating reader and a writer.
 //
 // Shapes (H = num_heads, Dc = kv_lora_rank, Dr = qk_rope_head_dim, D = Dc + Dr, Nq = rows of a
 // step, S = num_pages * page_size slots):

@@ -1,4 +1,4 @@
-// kvdump v1 reader (../shared/kvdump-v1.md): validates the whole layout when a file is opened,
+// kvdump v1 reader (docs/kvdump-v1.md): validates the whole layout when a file is opened,
 // then reads the bulk tensors one layer (pool, source) or one (step, layer) at a time.
 //
 // Shapes (H = num_heads, Dc = kv_lora_rank, Dr = qk_rope_head_dim, D = Dc + Dr, Nq = rows):

@@ -1,4 +1,4 @@
-// kvdump v1 writer (../shared/kvdump-v1.md).
+// kvdump v1 writer (docs/kvdump-v1.md).
 //
 // Shapes (H = num_heads, Dc = kv_lora_rank, Dr = qk_rope_head_dim, D = Dc + Dr, Nq = rows):
 //   /layers/L###/kv_cache, kv_source, /steps/S###/L###/kv_cache_after : [num_pages, page_size, D]

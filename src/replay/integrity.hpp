@@ -1,4 +1,4 @@
-// Integrity of the KV cache across steps (DESIGN.md "Integrity of the cache").
+// Integrity of the KV cache across steps (docs/design.md "Integrity of the cache").
 //
 // Pools are [num_slots, row_width] as stored: one e4m3 code per element (or two bytes of bf16
 // bits). After a step's writes the expected pool is the reference replay's own pool, in which

@@ -424,7 +424,7 @@ Result<ReplayOutcome> replay_dump(const DumpReader& reader, Backend* backend,
 
       // 3. The backend under test, on its own pool, then the integrity of that pool.
       std::optional<AttentionOutput> backend_output;
-      // R8 on the pool the backend read (DESIGN.md "Numerics"): its own pool after its writes.
+      // R8 on the pool the backend read (docs/design.md "Numerics"): its own pool after its writes.
       // Equal to R8 while the slots the step reads hold the reference's bytes (the reference is
       // deterministic), so it is only computed again when they do not.
       std::vector<double> r8_read_out;

@@ -1,4 +1,4 @@
-// The replay engine of `kvaudit check` (DESIGN.md "Pipeline", kvdump-v1.md "Semantics").
+// The replay engine of `kvaudit check` (docs/design.md "Pipeline", docs/kvdump-v1.md "Semantics").
 //
 // Layer-outer, step-inner, so that one layer's pool is in memory at a time. For each selected
 // layer: the reference replay keeps its own pool (reference_pool) and the backend a separate copy

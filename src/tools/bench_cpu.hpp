@@ -1,5 +1,5 @@
 // Throughput of the high-precision CPU reference (references/mla_reference.hpp), which is what
-// limits `kvaudit check` on a full dump without a GPU (DESIGN.md "Performance").
+// limits `kvaudit check` on a full dump without a GPU (docs/design.md "Performance").
 //
 // One synthetic decode step: `batch` requests of `context` tokens each (page size 1, slots a
 // random permutation of the pool), `num_heads` heads, KV values decoded e4m3 codes times a

@@ -22,7 +22,7 @@ namespace kvaudit::bench {
 // The seed's pool (SGLang GLM-5 server, one layer) in slots.
 inline constexpr std::int64_t kSeedPoolSlots = 495552;
 
-// quick: a few tiny cases for tests and smoke runs; otherwise the full grid (DESIGN.md
+// quick: a few tiny cases for tests and smoke runs; otherwise the full grid (docs/design.md
 // "Performance"; about 50 cases, well under a minute of GPU time on an H200).
 std::vector<GpuCase> bench_grid(bool quick);
 

@@ -1,5 +1,5 @@
 // Synthetic kvdumps: deterministic, seeded MLA traces shaped like GLM-5 / DeepSeek-V3 latent
-// caches, written through DumpWriter (kvdump-v1.md).
+// caches, written through DumpWriter (docs/kvdump-v1.md).
 //
 // Shapes (H = num_heads, Dc = kv_lora_rank, Dr = rope_dim, D = Dc + Dr, Nq = rows of a step):
 //   kv_cache, kv_source : [num_pages, page_size, D]

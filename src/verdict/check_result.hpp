@@ -71,7 +71,7 @@ struct CheckRun {
 };
 
 // Whether this comparison fails the run: it failed and either its kind sets the exit status under
-// the policy or it has a NaN/Inf mismatch (those always do, DESIGN.md "Numerics").
+// the policy or it has a NaN/Inf mismatch (those always do, docs/design.md "Numerics").
 bool fails_run(const ComparisonResult& result);
 // The element a reader should look at first: the first NaN/Inf mismatch, else the max_abs one.
 const ElementLocation& worst_location(const ComparisonResult& result);

@@ -1,5 +1,5 @@
 // Error metrics between a reference and a candidate attention output (definitions in
-// src/verdict/metrics.hpp; DESIGN.md "Numerics").
+// src/verdict/metrics.hpp; docs/design.md "Numerics").
 //
 // out : [rows, heads, dims]   lse : [rows, heads]   (row-major, the kvdump layout)
 //

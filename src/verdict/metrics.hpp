@@ -1,4 +1,4 @@
-// Error metrics between a reference tensor and a candidate (DESIGN.md "Numerics").
+// Error metrics between a reference tensor and a candidate (docs/design.md "Numerics").
 //
 // Inputs, for one (step, layer, comparison):
 //   reference_out : [num_rows, num_heads, kv_lora_rank] (double; R8 or Rs)

@@ -1,4 +1,4 @@
-// The one place that turns metrics into pass/fail (DESIGN.md "one place that turns results into a
+// The one place that turns metrics into pass/fail (docs/design.md "one place that turns results into a
 // verdict"). Limits are per comparison; the defaults and where each number comes from are
 // documented in policy.cpp and the README.
 #pragma once

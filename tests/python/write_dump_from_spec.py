@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""Write a small kvdump v1 file using only the format page (kvdump-v1.md), h5py and numpy.
+"""Write a small kvdump v1 file using only the format page (docs/kvdump-v1.md), h5py and numpy.
 
 A second, independent writer: if kvaudit's C++ reader and this script disagree about the format,
 tests/format/test_kvdump_reader.cpp ("a dump written by h5py from the format page") fails.

@@ -1,6 +1,6 @@
 // Tests of the high-precision MLA reference (references/mla_reference.hpp).
 //
-// Targets (DESIGN.md "Numerics"): relative error <= 1e-15 on out, absolute <= 1e-15 on lse, the
+// Targets (docs/design.md "Numerics"): relative error <= 1e-15 on out, absolute <= 1e-15 on lse, the
 // result being a double. Both are checked by comparing evaluations at different precisions
 // (Boost cpp_bin_float at 50 and 100 digits, and the double-double default), plus hand-checkable
 // cases whose expected values are written down independently of the code under test.
