@@ -24,6 +24,7 @@
 #include "src/backend/injection.hpp"
 #include "src/core/cuda_device.hpp"
 #include "src/core/fp8_e4m3.hpp"
+#include "src/format/step_indices.hpp"
 
 namespace kvaudit::cuda {
 
@@ -160,17 +161,7 @@ Result<AttentionOutput> CudaMlaBackend::run_step(const StepLayerInput& input, Kv
     return bad_input(where, "tensor sizes disagree with the step's rows");
   }
   // The device writes through these indices: refuse anything out of range here.
-  const std::int64_t num_pages = page_size > 0 ? pool.num_slots / page_size : 0;
-  for (const std::int32_t page : step.kv_indices) {
-    if (page < 0 || page >= num_pages) return bad_input(where, "kv_indices entry out of range");
-  }
-  for (const std::int32_t slot : step.new_kv_slots) {
-    if (slot < 0 || slot >= pool.num_slots) return bad_input(where, "new_kv_slots out of range");
-  }
-  if (step.kv_indptr.size() != static_cast<std::size_t>(batch) + 1 ||
-      step.qo_indptr.size() != static_cast<std::size_t>(batch) + 1) {
-    return bad_input(where, "indptr sizes disagree with the batch");
-  }
+  KVAUDIT_TRY(check_step_indices(step, page_size, pool.num_slots));
   int max_kv_len = 0;
   for (int b = 0; b < batch; ++b) {
     if (step.rows_of(b) > 0) {

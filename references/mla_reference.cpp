@@ -81,55 +81,6 @@ const float* KvRows::row(std::int64_t slot) const {
   return r < 0 ? nullptr : values_ + r * row_width_;
 }
 
-// ---- step indices ------------------------------------------------------------------------------
-
-Status check_step_indices(const StepMeta& step, int page_size, std::int64_t num_slots) {
-  const std::string where = "step " + step.group;
-  const std::size_t batch = step.kv_last_page_len.size();
-  if (page_size < 1) return bad_input(where, "page_size must be >= 1");
-  if (step.qo_indptr.size() != batch + 1 || step.kv_indptr.size() != batch + 1) {
-    return bad_input(
-        where, "qo_indptr/kv_indptr must have B+1 = " + std::to_string(batch + 1) + " entries");
-  }
-  if (step.qo_indptr[0] != 0 || step.kv_indptr[0] != 0) {
-    return bad_input(where, "qo_indptr and kv_indptr must start at 0");
-  }
-  for (std::size_t b = 0; b < batch; ++b) {
-    if (step.qo_indptr[b + 1] < step.qo_indptr[b] || step.kv_indptr[b + 1] < step.kv_indptr[b]) {
-      return bad_input(where, "indptr decreases at request " + std::to_string(b));
-    }
-  }
-  if (static_cast<std::size_t>(step.kv_indptr.back()) > step.kv_indices.size()) {
-    return bad_input(where, "kv_indptr ends past kv_indices");
-  }
-  if (step.new_kv_slots.size() != static_cast<std::size_t>(step.num_rows())) {
-    return bad_input(where, "new_kv_slots must have one entry per query row");
-  }
-  const std::int64_t num_pages = num_slots / page_size;
-  for (const std::int32_t page : step.kv_indices) {
-    if (page < 0 || page >= num_pages) {
-      return bad_input(where, "page id " + std::to_string(page) + " out of range");
-    }
-  }
-  for (std::size_t b = 0; b < batch; ++b) {
-    const int pages = step.kv_indptr[b + 1] - step.kv_indptr[b];
-    const int last = step.kv_last_page_len[b];
-    if (pages > 0 ? (last < 1 || last > page_size) : last != 0) {
-      return bad_input(where, "kv_last_page_len of request " + std::to_string(b) + " is " +
-                                  std::to_string(last));
-    }
-    if (step.rows_of(static_cast<int>(b)) > step.kv_len(static_cast<int>(b), page_size)) {
-      return bad_input(where, "request " + std::to_string(b) + " has more rows than tokens");
-    }
-  }
-  for (const std::int32_t slot : step.new_kv_slots) {
-    if (slot < 0 || slot >= num_slots) {
-      return bad_input(where, "new_kv_slots entry " + std::to_string(slot) + " out of range");
-    }
-  }
-  return ok_status();
-}
-
 std::vector<std::int64_t> visible_slots(const StepMeta& step, int page_size) {
   std::vector<std::int64_t> slots;
   for (int b = 0; b < step.batch_size(); ++b) {

@@ -48,8 +48,4 @@ class Backend {
   virtual Result<AttentionOutput> run_step(const StepLayerInput& input, KvPool& pool) = 0;
 };
 
-// Names accepted by --backend, in the order --help lists them ("none" is handled by the caller).
-std::vector<std::string> backend_names();
-Result<std::unique_ptr<Backend>> make_backend(std::string_view name, const BackendOptions& options);
-
 }  // namespace kvaudit

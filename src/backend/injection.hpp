@@ -1,6 +1,6 @@
 // Fault injection (`kvaudit check --inject NAME`): a mutation test of the harness itself. Each
-// injection reproduces one failure mode of docs/design.md inside a backend (cpu-fp8 and cuda-fp8), and
-// names the check that is meant to catch it. The mutated write rules are host/device functions
+// injection reproduces one failure mode of docs/design.md inside a backend (cpu-fp8 and cuda-fp8),
+// and names the check that is meant to catch it. The mutated write rules are host/device functions
 // so the CPU model and the CUDA kernels inject the same fault.
 #pragma once
 

@@ -1,10 +1,11 @@
-// The backend registry: --backend NAME -> a Backend (src/backend/backend.hpp). The CPU model builds
+// The backend registry (src/cli/backend_registry.hpp). The CPU model builds
 // everywhere; the CUDA backends exist only in a build with KVAUDIT_HAVE_CUDA, and a build without
 // them says so instead of pretending.
+#include "src/cli/backend_registry.hpp"
+
 #include <string>
 
 #include "kernels/mla_attention_cpu.hpp"
-#include "src/backend/backend.hpp"
 
 #if defined(KVAUDIT_HAVE_CUDA) && __has_include("kernels/mla_attention_cuda.hpp")
 #include "kernels/mla_attention_cuda.hpp"

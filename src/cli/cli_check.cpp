@@ -15,6 +15,7 @@
 
 #include "src/backend/backend.hpp"
 #include "src/backend/injection.hpp"
+#include "src/cli/backend_registry.hpp"
 #include "src/cli/cli.hpp"
 #include "src/core/sha256.hpp"
 #include "src/format/dump_probe.hpp"

@@ -171,14 +171,6 @@ class DumpWriter {
   std::unique_ptr<Impl> impl_;
 };
 
-// The index rules of kvdump-v1 for one step (indptr shapes, starts and monotonicity, page ids below
-// num_pages, kv_last_page_len, rows that would see no token, decode rows, and new_kv_slots equal
-// to the slot of each row's position). `where` is "file:/steps/S###"; errors name the dataset
-// below it. DumpReader::open applies it to every step; DumpWriter::write_step too. (The
-// in-memory check_step_indices of src/format/step_indices.hpp is the replay-side guard.)
-Status validate_step_indices(const StepMeta& step, std::int64_t num_pages, int page_size,
-                             const std::string& where);
-
 // Group names: "L" + 3+ digits, "S" + 3+ digits.
 std::string layer_group_name(int layer_id);
 std::string step_group_name(int step_index);

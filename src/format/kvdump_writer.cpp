@@ -25,6 +25,7 @@
 
 #include "src/core/hdf5_handles.hpp"
 #include "src/format/kvdump.hpp"
+#include "src/format/step_indices.hpp"
 
 namespace kvaudit {
 namespace {

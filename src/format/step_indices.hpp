@@ -1,18 +1,28 @@
-// Index checks on an in-memory step (kvdump-v1 "Semantics" and "Errors"), for the code that
-// indexes a pool with a StepMeta it did not read from a file itself (the reference, the cpu-fp8
-// backend): a bad index is an Error value, never an out-of-bounds read.
+// The index rules of kvdump v1 for one step (docs/kvdump-v1.md "Semantics" and "Errors"), written
+// once: the reader applies them to every step of a file, the writer before it writes one, and the
+// code that indexes a pool with a step it did not read itself (the reference, the cpu-fp8 model,
+// the CUDA launcher) before it indexes, so a bad index is an Error value, never an out-of-bounds
+// read or write.
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "src/core/result.hpp"
 #include "src/format/kvdump.hpp"
 
 namespace kvaudit {
 
-// Checks the index arrays of an in-memory step (kvdump-v1 rules the reader enforces on files):
-// sizes B+1/B/Nq, monotone indptrs, page ids and slots in range, every row at a position >= 0.
-// where = "step <group>". Used by the reference and by the cpu-fp8 backend before they index.
+// indptr shapes ([B+1]), starts at 0 and monotonicity; kv_indptr ending at the size of kv_indices
+// and qo_indptr at the size of new_kv_slots; page ids below num_pages; kv_last_page_len in
+// 1..page_size (0 for a request without pages); no row that would see zero tokens; at most one row
+// per request in a decode step; new_kv_slots equal to the slot of each row's token position.
+// `where` is "file:/steps/S###" (or "step S###" for a step in memory); errors name the dataset
+// below it.
+Status validate_step_indices(const StepMeta& step, std::int64_t num_pages, int page_size,
+                             const std::string& where);
+
+// The same rules for a step in memory over a pool of num_slots slots (where = "step <group>").
 Status check_step_indices(const StepMeta& step, int page_size, std::int64_t num_slots);
 
 }  // namespace kvaudit

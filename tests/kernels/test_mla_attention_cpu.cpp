@@ -33,6 +33,7 @@
 #include "kernels/mla_attention_model.hpp"
 #include "references/mla_reference.hpp"
 #include "src/backend/backend.hpp"
+#include "src/cli/backend_registry.hpp"
 #include "tests/references/mla_test_case.hpp"
 
 namespace kvaudit {

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "src/backend/backend.hpp"
+#include "src/cli/backend_registry.hpp"
 #include "src/core/fp8_e4m3.hpp"
 #include "src/replay/replay.hpp"
 #include "tests/replay/check_dumps.hpp"
