@@ -6,6 +6,8 @@
 // Subtracting m changes nothing mathematically; it keeps exp in range.
 #include "references/mla_reference.hpp"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -331,6 +333,64 @@ struct KernelFor<dd::DoubleDouble> {
   using type = DoubleDoubleKernel;
 };
 
+// Sizes the step and attrs imply: KV rows of width Dc + Dr, q_nope and out [Nq, H, Dc], q_pe
+// [Nq, H, Dr], lse [Nq, H].
+Status check_reference_sizes(const DumpAttributes& attrs, const StepMeta& step,
+                             const Problem& problem, const KvRows& kv, const std::string& where) {
+  const std::size_t rows = static_cast<std::size_t>(step.num_rows());
+  const std::size_t heads = static_cast<std::size_t>(attrs.num_heads);
+  const std::size_t dc = static_cast<std::size_t>(attrs.kv_lora_rank);
+  const std::size_t dr = static_cast<std::size_t>(attrs.qk_rope_head_dim);
+  if (kv.row_width() != attrs.row_width()) {
+    return bad_input(where, fmt::format("KV rows have width {}, expected Dc + Dr = {}",
+                                        kv.row_width(), attrs.row_width()));
+  }
+  if (problem.q_nope.size() != rows * heads * dc || problem.q_pe.size() != rows * heads * dr ||
+      problem.out.size() != rows * heads * dc || problem.lse.size() != rows * heads) {
+    return bad_input(where, "q_nope/q_pe/out/lse sizes disagree with [Nq, H, Dc/Dr]");
+  }
+  return ok_status();
+}
+
+// The KV row of every token position of every request that has rows (kvdump-v1: a request with
+// no rows is skipped); every one must be held by `kv`.
+Status resolve_token_rows(const StepMeta& step, int page_size, const KvRows& kv,
+                          const std::string& where, Problem* problem) {
+  problem->token_rows.resize(step.batch_size());
+  for (int b = 0; b < step.batch_size(); ++b) {
+    if (step.rows_of(b) == 0) continue;
+    const std::int64_t len = step.kv_len(b, page_size);
+    auto& token_rows = problem->token_rows[b];
+    token_rows.resize(static_cast<std::size_t>(len));
+    for (std::int64_t p = 0; p < len; ++p) {
+      const std::int64_t slot = step.slot_of(b, p, page_size);
+      token_rows[p] = kv.row(slot);
+      if (token_rows[p] == nullptr) {
+        return internal_error(
+            where,
+            fmt::format("KV rows do not hold slot {} (position {} of request {})", slot, p, b));
+      }
+    }
+  }
+  return ok_status();
+}
+
+// Each query row's request and visible tokens (pos + 1). Returns the work in row*head*token units.
+std::int64_t resolve_query_rows(const StepMeta& step, int page_size, Problem* problem) {
+  const std::size_t rows = static_cast<std::size_t>(step.num_rows());
+  std::int64_t work = 0;
+  problem->request_of_row.resize(rows);
+  problem->visible_of_row.resize(rows);
+  for (std::size_t i = 0; i < rows; ++i) {
+    const int row = static_cast<int>(i);
+    problem->request_of_row[i] = step.request_of_row(row);
+    problem->visible_of_row[i] = step.position_of_row(row, page_size) + 1;
+    problem->max_visible = std::max<std::int64_t>(problem->max_visible, problem->visible_of_row[i]);
+    work += problem->visible_of_row[i] * static_cast<std::int64_t>(problem->num_heads);
+  }
+  return work;
+}
+
 }  // namespace
 
 template <class Acc>
@@ -340,21 +400,7 @@ Result<std::int64_t> mla_reference_attention(const DumpAttributes& attrs, const 
                                              std::span<double> out, std::span<double> lse,
                                              int threads) {
   const std::string where = "reference step " + step.group;
-  const int page_size = attrs.page_size;
-  KVAUDIT_TRY(check_step_indices(step, page_size, kv.num_slots()));
-  const std::size_t rows = static_cast<std::size_t>(step.num_rows());
-  const std::size_t heads = static_cast<std::size_t>(attrs.num_heads);
-  const std::size_t dc = static_cast<std::size_t>(attrs.kv_lora_rank);
-  const std::size_t dr = static_cast<std::size_t>(attrs.qk_rope_head_dim);
-  if (kv.row_width() != attrs.row_width()) {
-    return bad_input(where, "KV rows have width " + std::to_string(kv.row_width()) +
-                                ", expected Dc + Dr = " + std::to_string(attrs.row_width()));
-  }
-  if (q_nope.size() != rows * heads * dc || q_pe.size() != rows * heads * dr ||
-      out.size() != rows * heads * dc || lse.size() != rows * heads) {
-    return bad_input(where, "q_nope/q_pe/out/lse sizes disagree with [Nq, H, Dc/Dr]");
-  }
-
+  KVAUDIT_TRY(check_step_indices(step, attrs.page_size, kv.num_slots()));
   Problem problem;
   problem.num_heads = attrs.num_heads;
   problem.dc = attrs.kv_lora_rank;
@@ -365,34 +411,13 @@ Result<std::int64_t> mla_reference_attention(const DumpAttributes& attrs, const 
   problem.q_pe = q_pe;
   problem.out = out;
   problem.lse = lse;
-  problem.token_rows.resize(step.batch_size());
-  for (int b = 0; b < step.batch_size(); ++b) {
-    if (step.rows_of(b) == 0) continue;  // kvdump-v1: a request with no rows is skipped
-    const std::int64_t len = step.kv_len(b, page_size);
-    auto& token_rows = problem.token_rows[b];
-    token_rows.resize(static_cast<std::size_t>(len));
-    for (std::int64_t p = 0; p < len; ++p) {
-      const std::int64_t slot = step.slot_of(b, p, page_size);
-      token_rows[p] = kv.row(slot);
-      if (token_rows[p] == nullptr) {
-        return internal_error(where, "KV rows do not hold slot " + std::to_string(slot) +
-                                         " (position " + std::to_string(p) + " of request " +
-                                         std::to_string(b) + ")");
-      }
-    }
-  }
-  std::int64_t work = 0;
-  problem.request_of_row.resize(rows);
-  problem.visible_of_row.resize(rows);
-  for (std::size_t i = 0; i < rows; ++i) {
-    const int row = static_cast<int>(i);
-    problem.request_of_row[i] = step.request_of_row(row);
-    problem.visible_of_row[i] = step.position_of_row(row, page_size) + 1;
-    problem.max_visible = std::max<std::int64_t>(problem.max_visible, problem.visible_of_row[i]);
-    work += problem.visible_of_row[i] * static_cast<std::int64_t>(heads);
-  }
+  KVAUDIT_TRY(check_reference_sizes(attrs, step, problem, kv, where));
+  KVAUDIT_TRY(resolve_token_rows(step, attrs.page_size, kv, where, &problem));
+  const std::int64_t work = resolve_query_rows(step, attrs.page_size, &problem);
 
-  parallel_for(rows * heads, threads, [&] {
+  // One kernel (with its scratch) per thread; pair = row * H + head.
+  const std::size_t heads = static_cast<std::size_t>(attrs.num_heads);
+  parallel_for(static_cast<std::size_t>(step.num_rows()) * heads, threads, [&] {
     return [&problem, heads,
             kernel = typename KernelFor<Acc>::type(problem)](std::size_t pair) mutable {
       kernel.run(static_cast<int>(pair / heads), static_cast<int>(pair % heads));

@@ -1,7 +1,9 @@
-// The backend registry (src/cli/backend_registry.hpp). The CPU model builds
-// everywhere; the CUDA backends exist only in a build with KVAUDIT_HAVE_CUDA, and a build without
-// them says so instead of pretending.
+// The backend registry (src/cli/backend_registry.hpp). The CPU model builds everywhere; the CUDA
+// backends exist only in a build with KVAUDIT_HAVE_CUDA, and a build without them says so instead
+// of pretending.
 #include "src/cli/backend_registry.hpp"
+
+#include <fmt/format.h>
 
 #include <string>
 
@@ -24,15 +26,14 @@ Result<std::unique_ptr<Backend>> make_backend(std::string_view name,
     return name == "cuda-fp8" ? cuda::make_cuda_fp8_backend(options)
                               : cuda::make_cuda_cast_bf16_backend(options);
 #else
-    return bad_input("--backend " + std::string(name),
+    return bad_input(fmt::format("--backend {}", name),
                      "kvaudit was built without CUDA (configure with -DKVAUDIT_CUDA=ON where nvcc "
                      "exists); use --backend cpu-fp8");
 #endif
   }
-  std::string valid;
-  for (const std::string& known : backend_names()) valid += (valid.empty() ? "" : ", ") + known;
-  return bad_input("--backend " + std::string(name),
-                   "unknown backend '" + std::string(name) + "' (valid: " + valid + ")");
+  return bad_input(
+      fmt::format("--backend {}", name),
+      fmt::format("unknown backend '{}' (valid: {})", name, fmt::join(backend_names(), ", ")));
 }
 
 }  // namespace kvaudit

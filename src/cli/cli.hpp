@@ -1,11 +1,10 @@
 // The kvaudit command line: each subcommand lives in its own src/cli/cli_<name>.cpp and registers
-// itself here. A runner returns the exit status: 0 pass, 1 checks failed, 2 bad input or usage,
-// 3 internal error (docs/design.md).
+// itself here; main.cpp parses and runs the one chosen. A runner returns the exit status: 0 pass,
+// 1 checks failed, 2 bad input or usage, 3 internal error (docs/design.md).
 #pragma once
 
 #include <CLI/CLI.hpp>
 #include <functional>
-#include <iosfwd>
 
 #include "src/core/result.hpp"
 
@@ -24,7 +23,8 @@ void register_synth_command(CLI::App& app, CommandRunner& runner);
 void register_check_command(CLI::App& app, CommandRunner& runner);
 void register_bench_command(CLI::App& app, CommandRunner& runner);
 
-// Prints "kvaudit: <where>: <what>" on stderr and returns the exit status for the error's kind.
+// Prints "kvaudit: <where>: <what>" on stderr and returns the exit status for the error's kind:
+// 3 for an internal error, 2 otherwise (defined in cli_info.cpp).
 int report_error(const Error& error);
 
 }  // namespace kvaudit

@@ -23,14 +23,16 @@ struct InfoOptions {
   bool json = false;
 };
 
+// The crash-safe probe, the validating open, then the summary; the first error stops it.
+Result<nlohmann::json> summarise(const std::string& dump) {
+  KVAUDIT_TRY(probe_dump_in_child(dump));
+  KVAUDIT_ASSIGN_OR_RETURN(const DumpReader reader, DumpReader::open(dump));
+  return dump_info(reader);
+}
+
 int run_info(const InfoOptions& options) {
-  if (const Status probe = probe_dump_in_child(options.dump); !probe.ok()) {
-    return report_error(probe.error());
-  }
-  auto reader = DumpReader::open(options.dump);
-  if (!reader.ok()) return report_error(reader.error());
-  auto info = dump_info(*reader);
-  if (!info.ok()) return report_error(info.error());
+  const Result<nlohmann::json> info = summarise(options.dump);
+  if (!info) return report_error(info.error());
   if (options.json) {
     std::cout << info->dump(2) << "\n";
   } else {

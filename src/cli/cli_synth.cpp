@@ -1,8 +1,9 @@
 // `kvaudit synth`: writes a deterministic synthetic kvdump (src/tools/synth.hpp) from command-line
 // options. The dump's producer attribute repeats the full command, so a file says how to
 // regenerate itself.
+#include <fmt/format.h>
+
 #include <algorithm>
-#include <cstdio>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -25,31 +26,40 @@ struct SynthOptions {
   CLI::Option* kv_scale_option = nullptr;
 };
 
-int run_synth(SynthOptions& options) {
+// The spec the options describe (the options CLI11 cannot hold in a SynthSpec directly).
+Result<SynthSpec> spec_of(const SynthOptions& options) {
   SynthSpec spec = options.spec;
-  auto layers = parse_layer_list(options.layers);
-  if (!layers) return report_error(layers.error());
-  spec.layer_ids = *layers;
+  KVAUDIT_ASSIGN_OR_RETURN(spec.layer_ids, parse_layer_list(options.layers));
   spec.kv_dtype = options.kv_dtype == "bfloat16" ? KvDtype::kBfloat16 : KvDtype::kFloat8E4m3fn;
   if (options.num_pages_option->count() > 0) spec.num_pages = options.num_pages;
   if (options.kv_scale_option->count() > 0) spec.kv_scale = options.kv_scale;
+  return spec;
+}
 
-  auto plan = plan_synth(spec);
-  if (!plan) return report_error(plan.error());
-  auto scales = write_synth_dump(options.out, spec);
-  if (!scales) return report_error(scales.error());
-
+// "wrote FILE: ..." and one line per layer with its kv_scale (9 digits: the float exactly).
+std::string summary(const std::string& out, const SynthSpec& spec, const SynthPlan& plan,
+                    const std::vector<float>& scales) {
   std::vector<int> ids = spec.layer_ids;
   std::sort(ids.begin(), ids.end());
-  std::cout << "wrote " << options.out << ": " << ids.size() << " layer(s), " << plan->steps.size()
-            << " step(s), " << plan->prefix_lens.size() << " request(s), " << plan->num_pages
-            << " pages of " << spec.page_size << " slot(s), kv_dtype "
-            << kv_dtype_name(spec.kv_dtype) << "\n";
+  std::string text = fmt::format(
+      "wrote {}: {} layer(s), {} step(s), {} request(s), {} pages of {} slot(s), kv_dtype {}\n",
+      out, ids.size(), plan.steps.size(), plan.prefix_lens.size(), plan.num_pages, spec.page_size,
+      kv_dtype_name(spec.kv_dtype));
   for (std::size_t l = 0; l < ids.size(); ++l) {
-    char scale[32];
-    std::snprintf(scale, sizeof scale, "%.9g", static_cast<double>((*scales)[l]));
-    std::cout << "  " << layer_group_name(ids[l]) << " kv_scale " << scale << "\n";
+    text += fmt::format("  {} kv_scale {:.9g}\n", layer_group_name(ids[l]),
+                        static_cast<double>(scales[l]));
   }
+  return text;
+}
+
+int run_synth(const SynthOptions& options) {
+  const Result<SynthSpec> spec = spec_of(options);
+  if (!spec) return report_error(spec.error());
+  const Result<SynthPlan> plan = plan_synth(*spec);
+  if (!plan) return report_error(plan.error());
+  const Result<std::vector<float>> scales = write_synth_dump(options.out, *spec);
+  if (!scales) return report_error(scales.error());
+  std::cout << summary(options.out, *spec, *plan, *scales);
   return kExitPass;
 }
 

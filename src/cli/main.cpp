@@ -1,22 +1,26 @@
 // kvaudit: numerical accuracy harness for FP8 e4m3 KV-cache MLA attention.
+//
+// main() builds the command line from the subcommands (each registers itself from its
+// src/cli/cli_<name>.cpp), parses it, then runs the chosen command. Exit status: 0 pass, 1 checks
+// failed, 2 bad input or usage, 3 internal error (src/cli/cli.hpp).
 #include <exception>
 #include <iostream>
+#include <new>
+#include <optional>
+#include <string>
 
 #include "src/cli/cli.hpp"
 
-int main(int argc, char** argv) {
-  CLI::App app{
-      "kvaudit: replay MLA attention kvdumps (HDF5) through FP8 KV-cache kernels and a "
-      "high-precision reference; report per-layer kernel and quantization error and cache "
-      "integrity.\nExit status: 0 pass, 1 checks failed, 2 bad input or usage, 3 internal error.",
-      "kvaudit"};
-  app.set_version_flag("--version", std::string("kvaudit ") + KVAUDIT_VERSION);
-  app.require_subcommand(1);
-  kvaudit::CommandRunner runner;
-  kvaudit::register_info_command(app, runner);
-  kvaudit::register_synth_command(app, runner);
-  kvaudit::register_check_command(app, runner);
-  kvaudit::register_bench_command(app, runner);
+namespace {
+
+constexpr const char* kDescription =
+    "kvaudit: replay MLA attention kvdumps (HDF5) through FP8 KV-cache kernels and a "
+    "high-precision reference; report per-layer kernel and quantization error and cache "
+    "integrity.\nExit status: 0 pass, 1 checks failed, 2 bad input or usage, 3 internal error.";
+
+// Parses the command line. Returns the exit status when parsing ends the run: --help and
+// --version (0, after printing), a usage error (2, after CLI11's message); nothing otherwise.
+std::optional<int> parse_command_line(CLI::App& app, int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -29,6 +33,12 @@ int main(int argc, char** argv) {
     app.exit(e);
     return kvaudit::kExitBadInput;
   }
+  return std::nullopt;
+}
+
+// Runs the chosen command. Errors are values inside kvaudit; an exception that still escapes
+// (out of memory, a library's) is an internal error, reported on one line.
+int run_command(const kvaudit::CommandRunner& runner) {
   try {
     return runner ? runner() : kvaudit::kExitBadInput;
   } catch (const std::bad_alloc&) {
@@ -38,4 +48,19 @@ int main(int argc, char** argv) {
     std::cerr << "kvaudit: internal error: " << e.what() << "\n";
     return kvaudit::kExitInternal;
   }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{kDescription, "kvaudit"};
+  app.set_version_flag("--version", std::string("kvaudit ") + KVAUDIT_VERSION);
+  app.require_subcommand(1);
+  kvaudit::CommandRunner runner;
+  kvaudit::register_info_command(app, runner);
+  kvaudit::register_synth_command(app, runner);
+  kvaudit::register_check_command(app, runner);
+  kvaudit::register_bench_command(app, runner);
+  if (const std::optional<int> status = parse_command_line(app, argc, argv)) return *status;
+  return run_command(runner);
 }

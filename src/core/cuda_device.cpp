@@ -1,7 +1,10 @@
+// The CUDA device probe (src/core/cuda_device.hpp): device 0's name and capabilities through the
+// CUDA runtime, or why there is none.
 #include "src/core/cuda_device.hpp"
 
 #ifdef KVAUDIT_HAVE_CUDA
 #include <cuda_runtime.h>
+#include <fmt/format.h>
 #endif
 
 namespace kvaudit {
@@ -13,7 +16,7 @@ CudaDeviceInfo cuda_device_info() {
   const cudaError_t status = cudaGetDeviceCount(&count);
   if (status != cudaSuccess || count == 0) {
     info.reason = status != cudaSuccess
-                      ? std::string("no CUDA device: ") + cudaGetErrorString(status)
+                      ? fmt::format("no CUDA device: {}", cudaGetErrorString(status))
                       : std::string("no CUDA device found");
     return info;
   }

@@ -1,12 +1,13 @@
-// Small RAII owners for HDF5 C API identifiers (hid_t), and error-stack handling.
+// Small RAII owners for HDF5 C API identifiers (hid_t), error-stack handling and shape text.
 //
-// Every HDF5 object the kvdump reader and writer open is held in one of these so that an early
-// return on a malformed file never leaks an identifier (a leaked file id keeps the file open).
-// HDF5 prints its error stack to stderr by default; kvaudit turns that off once
-// (silence_hdf5_errors) and instead folds the innermost HDF5 message into its own one-line error
-// (hdf5_error_text).
+// Every HDF5 object that kvaudit opens (the kvdump reader, validator and writer in src/format/,
+// the saved outputs in src/report/) is held in one of these so that an early return on a
+// malformed file never leaks an identifier (a leaked file id keeps the file open). HDF5 prints
+// its error stack to stderr by default; kvaudit turns that off once (silence_hdf5_errors) and
+// instead folds the innermost HDF5 message into its own one-line error (with_hdf5_reason).
 #pragma once
 
+#include <fmt/format.h>
 #include <hdf5.h>
 
 #include <string>
@@ -84,18 +85,13 @@ inline std::string hdf5_error_text() {
 // `what` followed by the innermost HDF5 message, when the error stack holds one.
 inline std::string with_hdf5_reason(std::string what) {
   const std::string reason = hdf5_error_text();
-  if (!reason.empty()) what += " (HDF5: " + reason + ")";
-  return what;
+  if (reason.empty()) return what;
+  return fmt::format("{} (HDF5: {})", what, reason);
 }
 
 // "[4, 16, 512]"
 inline std::string shape_text(const std::vector<hsize_t>& dims) {
-  std::string text = "[";
-  for (std::size_t i = 0; i < dims.size(); ++i) {
-    if (i > 0) text += ", ";
-    text += std::to_string(dims[i]);
-  }
-  return text + "]";
+  return fmt::format("[{}]", fmt::join(dims, ", "));
 }
 
 }  // namespace kvaudit::h5

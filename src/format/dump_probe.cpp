@@ -1,5 +1,8 @@
+// Opening a kvdump in a forked child first (src/format/dump_probe.hpp): the child's crash or
+// timeout becomes an Error of the parent.
 #include "src/format/dump_probe.hpp"
 
+#include <fmt/format.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -48,19 +51,20 @@ Status probe_dump_in_child(const std::filesystem::path& path) {
     if (std::chrono::steady_clock::now() >= deadline) {
       kill(child, SIGKILL);
       waitpid(child, &status, 0);
-      return bad_input(path.string(), "reading the file's HDF5 metadata did not finish within " +
-                                          std::to_string(timeout_seconds) +
-                                          " s: the file is damaged");
+      return bad_input(path.string(),
+                       fmt::format("reading the file's HDF5 metadata did not finish within {} s: "
+                                   "the file is damaged",
+                                   timeout_seconds));
     }
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::milliseconds(50));
   }
   if (WIFSIGNALED(status)) {
     const int signal_number = WTERMSIG(status);
-    return bad_input(path.string(), "the HDF5 library crashed reading the file (signal " +
-                                        std::to_string(signal_number) + ", " +
-                                        strsignal(signal_number) +
-                                        "): the file is damaged, e.g. its global heap");
+    return bad_input(path.string(),
+                     fmt::format("the HDF5 library crashed reading the file (signal {}, {}): the "
+                                 "file is damaged, e.g. its global heap",
+                                 signal_number, strsignal(signal_number)));
   }
   return ok_status();
 }

@@ -8,10 +8,11 @@
 // bfloat16 tensors are held as float (exact widening); a float32 dataset is accepted in their
 // place. Pools are held as raw storage bytes so that integrity checks see exactly what is stored.
 //
-// The reader validates every rule of the format's Errors section when it opens a file (root
-// attributes, every object's presence, type and shape, indptr/indices/slots), without reading the
-// bulk tensors; those are read one (layer) or one (step, layer) at a time, so a dump larger than
-// memory can be replayed layer by layer.
+// The reader (kvdump_reader.cpp) validates every rule of the format's Errors section when it opens
+// a file (kvdump_validator.hpp: root attributes, every object's presence, type and shape;
+// step_indices.hpp: indptr/indices/slots), without reading the bulk tensors; those are read one
+// (layer) or one (step, layer) at a time, so a dump larger than memory can be replayed layer by
+// layer. The writer (kvdump_writer.cpp) refuses a step the reader would refuse.
 #pragma once
 
 #include <cstdint>

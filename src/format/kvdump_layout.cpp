@@ -1,8 +1,8 @@
-// The in-memory kvdump model: index arithmetic of kvdump-v1 "Semantics" and pool element access.
+// The in-memory kvdump model (src/format/kvdump.hpp): names of the enums and groups, the index
+// arithmetic of docs/kvdump-v1.md "Semantics" and pool element access.
+#include <fmt/format.h>
+
 #include <algorithm>
-#include <cstdio>
-#include <cstring>
-#include <stdexcept>
 
 #include "src/format/kvdump.hpp"
 
@@ -16,17 +16,9 @@ const char* step_kind_name(StepKind kind) {
   return kind == StepKind::kDecode ? "decode" : "prefill";
 }
 
-std::string layer_group_name(int layer_id) {
-  char name[32];
-  std::snprintf(name, sizeof name, "L%03d", layer_id);
-  return name;
-}
+std::string layer_group_name(int layer_id) { return fmt::format("L{:03d}", layer_id); }
 
-std::string step_group_name(int step_index) {
-  char name[32];
-  std::snprintf(name, sizeof name, "S%03d", step_index);
-  return name;
-}
+std::string step_group_name(int step_index) { return fmt::format("S{:03d}", step_index); }
 
 // kv_len(b) = (pages - 1) * page_size + kv_last_page_len[b], 0 without pages.
 std::int64_t StepMeta::kv_len(int request, int page_size) const {

@@ -14,6 +14,7 @@
 // storage, fixed object order and the 1.8 file-format objects (H5F_LIBVER_V18), whose metadata
 // carries checksums so a damaged file is refused by HDF5 rather than misparsed. Identical input
 // gives identical bytes.
+#include <fmt/format.h>
 #include <hdf5.h>
 
 #include <algorithm>
@@ -63,6 +64,24 @@ struct DumpWriter::Impl {
   Error misuse(const std::string& object, std::string what) const {
     return internal_error(file_text + ":" + object, std::move(what));
   }
+  // A step is complete once every layer has its (step, layer) group.
+  bool last_step_complete() const {
+    return steps.empty() || steps.back().layers_written.size() == layers.size();
+  }
+  Error incomplete_last_step() const {
+    return misuse("/steps/" + steps.back().group,
+                  fmt::format("has {} of {} layers written", steps.back().layers_written.size(),
+                              layers.size()));
+  }
+
+  // The file-access, file-creation and object-creation property lists of a deterministic file.
+  Status set_up_property_lists(h5::PropertyList* fapl, h5::PropertyList* fcpl);
+  Status write_root_attributes(hid_t root) const;
+  // The layer group name of the next (step, layer) of the last step written, or why there is none.
+  Result<std::string> next_step_layer(const StepMeta& step, const LayerMeta& layer) const;
+  // q_nope, q_pe, new_kv and the captures present, under the (step, layer) group.
+  Status write_step_tensors(hid_t group, const std::string& path, int rows,
+                            const StepLayerTensors& tensors) const;
 
   Result<h5::Group> create_group(hid_t parent, const std::string& name,
                                  const std::string& path) const {
@@ -77,7 +96,7 @@ struct DumpWriter::Impl {
     h5::Attribute attribute(
         H5Acreate2(object, name, file_type, space.get(), acpl.get(), H5P_DEFAULT));
     if (!attribute || H5Awrite(attribute.get(), memory_type, value) < 0) {
-      return fail(path, std::string("cannot write attribute ") + name);
+      return fail(path, fmt::format("cannot write attribute {}", name));
     }
     return ok_status();
   }
@@ -123,9 +142,9 @@ struct DumpWriter::Impl {
   Status write_bf16(hid_t parent, const std::string& parent_path, const char* name,
                     const std::vector<hsize_t>& dims, const std::vector<float>& values) const {
     if (values.size() != element_count(dims)) {
-      return misuse(parent_path + "/" + name, "holds " + std::to_string(values.size()) +
-                                                  " values; shape " + shape_text(dims) + " needs " +
-                                                  std::to_string(element_count(dims)));
+      return misuse(parent_path + "/" + name,
+                    fmt::format("holds {} values; shape {} needs {}", values.size(),
+                                shape_text(dims), element_count(dims)));
     }
     std::vector<std::uint16_t> bits(values.size());
     for (std::size_t i = 0; i < values.size(); ++i) bits[i] = bf16_from_float(values[i]);
@@ -148,14 +167,13 @@ struct DumpWriter::Impl {
                     const KvPool& pool) const {
     const std::string path = parent_path + "/" + name;
     if (pool.dtype != attrs.kv_dtype) {
-      return misuse(path, std::string("pool is ") + kv_dtype_name(pool.dtype) +
-                              " but the dump's kv_dtype is " + kv_dtype_name(attrs.kv_dtype));
+      return misuse(path, fmt::format("pool is {} but the dump's kv_dtype is {}",
+                                      kv_dtype_name(pool.dtype), kv_dtype_name(attrs.kv_dtype)));
     }
     if (pool.num_slots != num_pages * attrs.page_size || pool.row_width != attrs.row_width() ||
         pool.bytes.size() != static_cast<std::size_t>(pool.num_slots) * pool.row_bytes()) {
-      return misuse(path, "pool of " + std::to_string(pool.num_slots) + " slots x " +
-                              std::to_string(pool.row_width) + " does not match " +
-                              shape_text(pool_dims()));
+      return misuse(path, fmt::format("pool of {} slots x {} does not match {}", pool.num_slots,
+                                      pool.row_width, shape_text(pool_dims())));
     }
     if (pool.dtype == KvDtype::kFloat8E4m3fn) {
       return write_dataset(parent, parent_path, name, pool_dims(), H5T_STD_U8LE, H5T_NATIVE_UINT8,
@@ -174,6 +192,63 @@ DumpWriter::~DumpWriter() {
   if (impl_ && impl_->file) (void)close();
 }
 
+namespace {
+
+// The shapes and the scale kind version 1 can describe.
+Status check_create_arguments(const std::string& file_text, const DumpAttributes& attrs,
+                              std::int64_t num_pages) {
+  if (attrs.num_heads < 1 || attrs.kv_lora_rank < 1 || attrs.qk_rope_head_dim < 0 ||
+      attrs.page_size < 1 || num_pages < 0) {
+    return internal_error(file_text,
+                          "invalid shape: num_heads, kv_lora_rank and page_size must be >= 1, "
+                          "qk_rope_head_dim and num_pages >= 0");
+  }
+  if (attrs.kv_scale_kind != "per_tensor") {
+    return internal_error(
+        file_text, fmt::format("kv_scale_kind \"{}\" is not v1's per_tensor", attrs.kv_scale_kind));
+  }
+  return ok_status();
+}
+
+}  // namespace
+
+Status DumpWriter::Impl::set_up_property_lists(h5::PropertyList* fapl, h5::PropertyList* fcpl) {
+  *fapl = h5::PropertyList(H5Pcreate(H5P_FILE_ACCESS));
+  *fcpl = h5::PropertyList(H5Pcreate(H5P_FILE_CREATE));
+  gcpl = h5::PropertyList(H5Pcreate(H5P_GROUP_CREATE));
+  dcpl = h5::PropertyList(H5Pcreate(H5P_DATASET_CREATE));
+  acpl = h5::PropertyList(H5Pcreate(H5P_ATTRIBUTE_CREATE));
+  if (!*fapl || !*fcpl || !gcpl || !dcpl || !acpl ||
+      H5Pset_libver_bounds(fapl->get(), H5F_LIBVER_V18, H5F_LIBVER_V18) < 0 ||
+      // The file creation list also creates the root group: no timestamps there either.
+      H5Pset_obj_track_times(fcpl->get(), false) < 0 ||
+      H5Pset_obj_track_times(gcpl.get(), false) < 0 ||
+      H5Pset_obj_track_times(dcpl.get(), false) < 0 ||
+      H5Pset_layout(dcpl.get(), H5D_CONTIGUOUS) < 0 ||
+      H5Pset_char_encoding(acpl.get(), H5T_CSET_UTF8) < 0) {
+    return internal_error(file_text, with_hdf5_reason("cannot set up HDF5 property lists"));
+  }
+  H5Pset_file_locking(fapl->get(), false, true);
+  return ok_status();
+}
+
+Status DumpWriter::Impl::write_root_attributes(hid_t root) const {
+  const std::int32_t version = 1;
+  KVAUDIT_TRY(write_string(root, "/", "format", "kvdump"));
+  KVAUDIT_TRY(write_int(root, "/", "format_version", version));
+  KVAUDIT_TRY(write_string(root, "/", "model", attrs.model));
+  KVAUDIT_TRY(write_string(root, "/", "producer", attrs.producer));
+  KVAUDIT_TRY(write_int(root, "/", "num_heads", attrs.num_heads));
+  KVAUDIT_TRY(write_int(root, "/", "kv_lora_rank", attrs.kv_lora_rank));
+  KVAUDIT_TRY(write_int(root, "/", "qk_rope_head_dim", attrs.qk_rope_head_dim));
+  KVAUDIT_TRY(
+      write_attribute(root, "/", "sm_scale", H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &attrs.sm_scale));
+  KVAUDIT_TRY(write_int(root, "/", "page_size", attrs.page_size));
+  KVAUDIT_TRY(write_string(root, "/", "kv_dtype", kv_dtype_name(attrs.kv_dtype)));
+  KVAUDIT_TRY(write_string(root, "/", "kv_scale_kind", attrs.kv_scale_kind));
+  return ok_status();
+}
+
 Result<DumpWriter> DumpWriter::create(const std::filesystem::path& path,
                                       const DumpAttributes& attrs, std::int64_t num_pages) {
   h5::silence_hdf5_errors();
@@ -183,55 +258,17 @@ Result<DumpWriter> DumpWriter::create(const std::filesystem::path& path,
   impl->attrs = attrs;
   impl->num_pages = num_pages;
   const std::string& f = impl->file_text;
-  if (attrs.num_heads < 1 || attrs.kv_lora_rank < 1 || attrs.qk_rope_head_dim < 0 ||
-      attrs.page_size < 1 || num_pages < 0) {
-    return internal_error(f,
-                          "invalid shape: num_heads, kv_lora_rank and page_size must be >= 1, "
-                          "qk_rope_head_dim and num_pages >= 0");
-  }
-  if (attrs.kv_scale_kind != "per_tensor") {
-    return internal_error(f,
-                          "kv_scale_kind \"" + attrs.kv_scale_kind + "\" is not v1's per_tensor");
-  }
-
-  h5::PropertyList fapl(H5Pcreate(H5P_FILE_ACCESS));
-  h5::PropertyList fcpl(H5Pcreate(H5P_FILE_CREATE));
-  impl->gcpl = h5::PropertyList(H5Pcreate(H5P_GROUP_CREATE));
-  impl->dcpl = h5::PropertyList(H5Pcreate(H5P_DATASET_CREATE));
-  impl->acpl = h5::PropertyList(H5Pcreate(H5P_ATTRIBUTE_CREATE));
-  if (!fapl || !fcpl || !impl->gcpl || !impl->dcpl || !impl->acpl ||
-      H5Pset_libver_bounds(fapl.get(), H5F_LIBVER_V18, H5F_LIBVER_V18) < 0 ||
-      // The file creation list also creates the root group: no timestamps there either.
-      H5Pset_obj_track_times(fcpl.get(), false) < 0 ||
-      H5Pset_obj_track_times(impl->gcpl.get(), false) < 0 ||
-      H5Pset_obj_track_times(impl->dcpl.get(), false) < 0 ||
-      H5Pset_layout(impl->dcpl.get(), H5D_CONTIGUOUS) < 0 ||
-      H5Pset_char_encoding(impl->acpl.get(), H5T_CSET_UTF8) < 0) {
-    return internal_error(f, with_hdf5_reason("cannot set up HDF5 property lists"));
-  }
-  H5Pset_file_locking(fapl.get(), false, true);
+  KVAUDIT_TRY(check_create_arguments(f, attrs, num_pages));
+  h5::PropertyList fapl;
+  h5::PropertyList fcpl;
+  KVAUDIT_TRY(impl->set_up_property_lists(&fapl, &fcpl));
   impl->file = h5::File(H5Fcreate(f.c_str(), H5F_ACC_TRUNC, fcpl.get(), fapl.get()));
   if (!impl->file) return bad_input(f, with_hdf5_reason("cannot create the file"));
   h5::Group root(H5Gopen2(impl->file.get(), "/", H5P_DEFAULT));
   if (!root) return impl->fail("/", "cannot open the root group");
-  const hid_t r = root.get();
-  const std::int32_t version = 1;
-  KVAUDIT_TRY(impl->write_string(r, "/", "format", "kvdump"));
-  KVAUDIT_TRY(impl->write_int(r, "/", "format_version", version));
-  KVAUDIT_TRY(impl->write_string(r, "/", "model", attrs.model));
-  KVAUDIT_TRY(impl->write_string(r, "/", "producer", attrs.producer));
-  KVAUDIT_TRY(impl->write_int(r, "/", "num_heads", attrs.num_heads));
-  KVAUDIT_TRY(impl->write_int(r, "/", "kv_lora_rank", attrs.kv_lora_rank));
-  KVAUDIT_TRY(impl->write_int(r, "/", "qk_rope_head_dim", attrs.qk_rope_head_dim));
-  KVAUDIT_TRY(impl->write_attribute(r, "/", "sm_scale", H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE,
-                                    &attrs.sm_scale));
-  KVAUDIT_TRY(impl->write_int(r, "/", "page_size", attrs.page_size));
-  KVAUDIT_TRY(impl->write_string(r, "/", "kv_dtype", kv_dtype_name(attrs.kv_dtype)));
-  KVAUDIT_TRY(impl->write_string(r, "/", "kv_scale_kind", attrs.kv_scale_kind));
-  auto layers = impl->create_group(r, "layers", "/layers");
-  if (!layers.ok()) return layers.error();
-  auto steps = impl->create_group(r, "steps", "/steps");
-  if (!steps.ok()) return steps.error();
+  KVAUDIT_TRY(impl->write_root_attributes(root.get()));
+  KVAUDIT_TRY(impl->create_group(root.get(), "layers", "/layers"));
+  KVAUDIT_TRY(impl->create_group(root.get(), "steps", "/steps"));
   return DumpWriter(std::move(impl));
 }
 
@@ -247,14 +284,14 @@ Status DumpWriter::write_layer(const LayerMeta& layer, const KvPool& kv_cache,
   }
   h5::Group layers(H5Gopen2(w.file.get(), "/layers", H5P_DEFAULT));
   if (!layers) return w.fail("/layers", "cannot open");
-  auto group = w.create_group(layers.get(), name, path);
-  if (!group.ok()) return group.error();
-  KVAUDIT_TRY(w.write_int(group->get(), path, "layer_id", layer.layer_id));
-  KVAUDIT_TRY(w.write_attribute(group->get(), path, "kv_scale", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT,
-                                &layer.kv_scale));
-  KVAUDIT_TRY(w.write_pool(group->get(), path, "kv_cache", kv_cache));
+  KVAUDIT_ASSIGN_OR_RETURN(const h5::Group group, w.create_group(layers.get(), name, path));
+  const hid_t g = group.get();
+  KVAUDIT_TRY(w.write_int(g, path, "layer_id", layer.layer_id));
+  KVAUDIT_TRY(
+      w.write_attribute(g, path, "kv_scale", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, &layer.kv_scale));
+  KVAUDIT_TRY(w.write_pool(g, path, "kv_cache", kv_cache));
   if (kv_source != nullptr) {
-    KVAUDIT_TRY(w.write_bf16(group->get(), path, "kv_source", w.pool_dims(), *kv_source));
+    KVAUDIT_TRY(w.write_bf16(g, path, "kv_source", w.pool_dims(), *kv_source));
   }
   LayerMeta written = layer;
   written.group = name;
@@ -272,11 +309,7 @@ Status DumpWriter::write_step(const StepMeta& step) {
   for (const auto& other : w.steps) {
     if (other.group == name) return w.misuse(path, "written twice");
   }
-  if (!w.steps.empty() && w.steps.back().layers_written.size() != w.layers.size()) {
-    return w.misuse("/steps/" + w.steps.back().group,
-                    "has " + std::to_string(w.steps.back().layers_written.size()) + " of " +
-                        std::to_string(w.layers.size()) + " layers written");
-  }
+  if (!w.last_step_complete()) return w.incomplete_last_step();
   // Refuse to write a step the reader would refuse.
   const Status indices =
       validate_step_indices(step, w.num_pages, w.attrs.page_size, w.file_text + ":" + path);
@@ -287,9 +320,8 @@ Status DumpWriter::write_step(const StepMeta& step) {
   }
   h5::Group steps(H5Gopen2(w.file.get(), "/steps", H5P_DEFAULT));
   if (!steps) return w.fail("/steps", "cannot open");
-  auto group = w.create_group(steps.get(), name, path);
-  if (!group.ok()) return group.error();
-  const hid_t g = group->get();
+  KVAUDIT_ASSIGN_OR_RETURN(const h5::Group group, w.create_group(steps.get(), name, path));
+  const hid_t g = group.get();
   KVAUDIT_TRY(w.write_string(g, path, "kind", step_kind_name(step.kind)));
   KVAUDIT_TRY(w.write_int32(g, path, "qo_indptr", step.qo_indptr));
   KVAUDIT_TRY(w.write_int32(g, path, "kv_indptr", step.kv_indptr));
@@ -300,53 +332,62 @@ Status DumpWriter::write_step(const StepMeta& step) {
   return ok_status();
 }
 
+Result<std::string> DumpWriter::Impl::next_step_layer(const StepMeta& step,
+                                                      const LayerMeta& layer) const {
+  const StepState& state = steps.back();
+  if (!step.group.empty() && step.group != state.group) {
+    return misuse(
+        "/steps/" + step.group,
+        fmt::format("write_step_layer for a step other than the last written ({})", state.group));
+  }
+  const std::string layer_name =
+      layer.group.empty() ? layer_group_name(layer.layer_id) : layer.group;
+  const std::string path = "/steps/" + state.group + "/" + layer_name;
+  const bool known = std::any_of(layers.begin(), layers.end(),
+                                 [&](const LayerMeta& l) { return l.group == layer_name; });
+  if (!known) return misuse(path, "layer not written under /layers");
+  if (state.layers_written.count(layer_name) != 0) return misuse(path, "written twice");
+  return layer_name;
+}
+
+Status DumpWriter::Impl::write_step_tensors(hid_t group, const std::string& path, int rows,
+                                            const StepLayerTensors& tensors) const {
+  const hsize_t nq = static_cast<hsize_t>(rows);
+  const hsize_t heads = static_cast<hsize_t>(attrs.num_heads);
+  const hsize_t dc = static_cast<hsize_t>(attrs.kv_lora_rank);
+  const hsize_t dr = static_cast<hsize_t>(attrs.qk_rope_head_dim);
+  KVAUDIT_TRY(write_bf16(group, path, "q_nope", {nq, heads, dc}, tensors.q_nope));
+  KVAUDIT_TRY(write_bf16(group, path, "q_pe", {nq, heads, dr}, tensors.q_pe));
+  KVAUDIT_TRY(write_bf16(group, path, "new_kv", {nq, dc + dr}, tensors.new_kv));
+  if (tensors.out) KVAUDIT_TRY(write_bf16(group, path, "out", {nq, heads, dc}, *tensors.out));
+  if (tensors.lse) {
+    if (tensors.lse->size() != nq * heads) {
+      return misuse(path + "/lse", fmt::format("holds {} values; expected Nq * num_heads = {}",
+                                               tensors.lse->size(), nq * heads));
+    }
+    KVAUDIT_TRY(write_dataset(group, path, "lse", {nq, heads}, H5T_IEEE_F32LE, H5T_NATIVE_FLOAT,
+                              tensors.lse->data(), nullptr));
+  }
+  if (tensors.kv_cache_after) {
+    KVAUDIT_TRY(write_pool(group, path, "kv_cache_after", *tensors.kv_cache_after));
+  }
+  return ok_status();
+}
+
 Status DumpWriter::write_step_layer(const StepMeta& step, const LayerMeta& layer,
                                     const StepLayerTensors& tensors) {
   Impl& w = *impl_;
   if (!w.file) return internal_error(w.file_text, "write_step_layer after close");
   if (w.steps.empty()) return internal_error(w.file_text, "write_step_layer before write_step");
+  KVAUDIT_ASSIGN_OR_RETURN(const std::string layer_name, w.next_step_layer(step, layer));
   Impl::StepState& state = w.steps.back();
-  if (!step.group.empty() && step.group != state.group) {
-    return w.misuse("/steps/" + step.group,
-                    "write_step_layer for a step other than the last "
-                    "written (" +
-                        state.group + ")");
-  }
-  const std::string layer_name =
-      layer.group.empty() ? layer_group_name(layer.layer_id) : layer.group;
   const std::string step_path = "/steps/" + state.group;
   const std::string path = step_path + "/" + layer_name;
-  const bool known = std::any_of(w.layers.begin(), w.layers.end(),
-                                 [&](const LayerMeta& l) { return l.group == layer_name; });
-  if (!known) return w.misuse(path, "layer not written under /layers");
-  if (state.layers_written.count(layer_name) != 0) return w.misuse(path, "written twice");
-
   h5::Group step_group(H5Gopen2(w.file.get(), step_path.c_str(), H5P_DEFAULT));
   if (!step_group) return w.fail(step_path, "cannot open");
-  auto group = w.create_group(step_group.get(), layer_name, path);
-  if (!group.ok()) return group.error();
-  const hid_t g = group->get();
-  const auto& a = w.attrs;
-  const hsize_t nq = static_cast<hsize_t>(step.num_rows());
-  const hsize_t heads = static_cast<hsize_t>(a.num_heads);
-  const hsize_t dc = static_cast<hsize_t>(a.kv_lora_rank);
-  const hsize_t dr = static_cast<hsize_t>(a.qk_rope_head_dim);
-  KVAUDIT_TRY(w.write_bf16(g, path, "q_nope", {nq, heads, dc}, tensors.q_nope));
-  KVAUDIT_TRY(w.write_bf16(g, path, "q_pe", {nq, heads, dr}, tensors.q_pe));
-  KVAUDIT_TRY(w.write_bf16(g, path, "new_kv", {nq, dc + dr}, tensors.new_kv));
-  if (tensors.out) KVAUDIT_TRY(w.write_bf16(g, path, "out", {nq, heads, dc}, *tensors.out));
-  if (tensors.lse) {
-    if (tensors.lse->size() != nq * heads) {
-      return w.misuse(path + "/lse",
-                      "holds " + std::to_string(tensors.lse->size()) +
-                          " values; expected Nq * num_heads = " + std::to_string(nq * heads));
-    }
-    KVAUDIT_TRY(w.write_dataset(g, path, "lse", {nq, heads}, H5T_IEEE_F32LE, H5T_NATIVE_FLOAT,
-                                tensors.lse->data(), nullptr));
-  }
-  if (tensors.kv_cache_after) {
-    KVAUDIT_TRY(w.write_pool(g, path, "kv_cache_after", *tensors.kv_cache_after));
-  }
+  KVAUDIT_ASSIGN_OR_RETURN(const h5::Group group,
+                           w.create_group(step_group.get(), layer_name, path));
+  KVAUDIT_TRY(w.write_step_tensors(group.get(), path, step.num_rows(), tensors));
   state.layers_written.insert(layer_name);
   return ok_status();
 }
@@ -357,10 +398,8 @@ Status DumpWriter::close() {
   Status complete = ok_status();
   if (w.layers.empty()) {
     complete = w.misuse("/layers", "no layer was written");
-  } else if (!w.steps.empty() && w.steps.back().layers_written.size() != w.layers.size()) {
-    complete = w.misuse("/steps/" + w.steps.back().group,
-                        "has " + std::to_string(w.steps.back().layers_written.size()) + " of " +
-                            std::to_string(w.layers.size()) + " layers written");
+  } else if (!w.last_step_complete()) {
+    complete = w.incomplete_last_step();
   }
   w.gcpl.reset();
   w.dcpl.reset();

@@ -1,100 +1,151 @@
-// The index rules of one step (src/format/step_indices.hpp).
+// The index rules of one step (src/format/step_indices.hpp), checked in a fixed order so that a
+// step breaking several rules always gives the same message: the sizes of the index datasets, the
+// indptr values, the page ids, each request's last page and rows, then new_kv_slots.
 #include "src/format/step_indices.hpp"
+
+#include <fmt/format.h>
 
 #include <string>
 
 namespace kvaudit {
+namespace {
 
-Status validate_step_indices(const StepMeta& step, std::int64_t num_pages, int page_size,
-                             const std::string& where) {
-  auto at = [&](const char* name) { return where + "/" + name; };
+// `where` is the step; errors about one dataset name it below the step.
+struct StepSite {
+  const std::string& where;
+
+  std::string at(const char* name) const { return where + "/" + name; }
+};
+
+// [B+1] indptrs, kv_last_page_len [B].
+Status check_index_sizes(const StepMeta& step, const StepSite& site) {
   const auto& qo = step.qo_indptr;
   const auto& kv = step.kv_indptr;
-  if (qo.empty()) return bad_input(at("qo_indptr"), "is empty; expected [B+1] entries");
+  if (qo.empty()) return bad_input(site.at("qo_indptr"), "is empty; expected [B+1] entries");
   const std::size_t batch = qo.size() - 1;
   if (kv.size() != qo.size()) {
-    return bad_input(at("kv_indptr"), "has " + std::to_string(kv.size()) +
-                                          " entries; qo_indptr has " + std::to_string(qo.size()) +
-                                          " (both are [B+1])");
+    return bad_input(
+        site.at("kv_indptr"),
+        fmt::format("has {} entries; qo_indptr has {} (both are [B+1])", kv.size(), qo.size()));
   }
   if (step.kv_last_page_len.size() != batch) {
-    return bad_input(at("kv_last_page_len"), "has " + std::to_string(step.kv_last_page_len.size()) +
-                                                 " entries; expected B = " + std::to_string(batch));
+    return bad_input(site.at("kv_last_page_len"), fmt::format("has {} entries; expected B = {}",
+                                                              step.kv_last_page_len.size(), batch));
   }
-  for (const auto* indptr : {&qo, &kv}) {
-    const char* name = indptr == &qo ? "qo_indptr" : "kv_indptr";
-    if ((*indptr)[0] != 0) {
-      return bad_input(at(name), "starts at " + std::to_string((*indptr)[0]) + ", not 0");
+  return ok_status();
+}
+
+// Starts at 0 and never decreases.
+Status check_indptr(const std::vector<std::int32_t>& indptr, const char* name,
+                    const StepSite& site) {
+  if (indptr[0] != 0) {
+    return bad_input(site.at(name), fmt::format("starts at {}, not 0", indptr[0]));
+  }
+  for (std::size_t b = 0; b + 1 < indptr.size(); ++b) {
+    if (indptr[b + 1] < indptr[b]) {
+      return bad_input(site.at(name), fmt::format("is not monotone: [{}] = {} < [{}] = {}", b + 1,
+                                                  indptr[b + 1], b, indptr[b]));
     }
-    for (std::size_t b = 0; b < batch; ++b) {
-      if ((*indptr)[b + 1] < (*indptr)[b]) {
-        return bad_input(at(name), "is not monotone: [" + std::to_string(b + 1) +
-                                       "] = " + std::to_string((*indptr)[b + 1]) + " < [" +
-                                       std::to_string(b) + "] = " + std::to_string((*indptr)[b]));
-      }
-    }
   }
-  if (static_cast<std::size_t>(kv.back()) != step.kv_indices.size()) {
-    return bad_input(at("kv_indptr"), "ends at " + std::to_string(kv.back()) + "; kv_indices has " +
-                                          std::to_string(step.kv_indices.size()) + " entries");
+  return ok_status();
+}
+
+// kv_indptr ends at the size of kv_indices, qo_indptr at the size of new_kv_slots (Nq).
+Status check_indptr_ends(const StepMeta& step, const StepSite& site) {
+  const std::int32_t pages = step.kv_indptr.back();
+  const std::int32_t rows = step.qo_indptr.back();
+  if (static_cast<std::size_t>(pages) != step.kv_indices.size()) {
+    return bad_input(site.at("kv_indptr"), fmt::format("ends at {}; kv_indices has {} entries",
+                                                       pages, step.kv_indices.size()));
   }
-  if (static_cast<std::size_t>(qo.back()) != step.new_kv_slots.size()) {
-    return bad_input(at("qo_indptr"), "ends at Nq = " + std::to_string(qo.back()) +
-                                          "; new_kv_slots has " +
-                                          std::to_string(step.new_kv_slots.size()) + " entries");
+  if (static_cast<std::size_t>(rows) != step.new_kv_slots.size()) {
+    return bad_input(site.at("qo_indptr"),
+                     fmt::format("ends at Nq = {}; new_kv_slots has {} entries", rows,
+                                 step.new_kv_slots.size()));
   }
+  return ok_status();
+}
+
+Status check_page_ids(const StepMeta& step, std::int64_t num_pages, const StepSite& site) {
   for (std::size_t i = 0; i < step.kv_indices.size(); ++i) {
     if (step.kv_indices[i] < 0 || step.kv_indices[i] >= num_pages) {
-      return bad_input(at("kv_indices"),
-                       "[" + std::to_string(i) + "] = " + std::to_string(step.kv_indices[i]) +
-                           " is out of range (num_pages = " + std::to_string(num_pages) + ")");
+      return bad_input(site.at("kv_indices"),
+                       fmt::format("[{}] = {} is out of range (num_pages = {})", i,
+                                   step.kv_indices[i], num_pages));
     }
   }
-  for (std::size_t b = 0; b < batch; ++b) {
+  return ok_status();
+}
+
+// Per request b: kv_last_page_len[b] in 1..page_size (0 without pages), no more rows than tokens
+// (a row would see zero tokens), at most one row in a decode step.
+Status check_requests(const StepMeta& step, int page_size, const StepSite& site) {
+  const auto& qo = step.qo_indptr;
+  const auto& kv = step.kv_indptr;
+  for (std::size_t b = 0; b + 1 < qo.size(); ++b) {
     const std::int32_t pages = kv[b + 1] - kv[b];
     const std::int32_t last = step.kv_last_page_len[b];
     if (pages == 0 ? last != 0 : (last < 1 || last > page_size)) {
-      return bad_input(at("kv_last_page_len"),
-                       "[" + std::to_string(b) + "] = " + std::to_string(last) +
-                           " for a request with " + std::to_string(pages) + " page(s); expected " +
-                           (pages == 0 ? std::string("0") : "1.." + std::to_string(page_size)));
+      const std::string expected = pages == 0 ? "0" : fmt::format("1..{}", page_size);
+      return bad_input(site.at("kv_last_page_len"),
+                       fmt::format("[{}] = {} for a request with {} page(s); expected {}", b, last,
+                                   pages, expected));
     }
     const std::int64_t rows = qo[b + 1] - qo[b];
     const std::int64_t tokens = step.kv_len(static_cast<int>(b), page_size);
     if (rows > tokens) {
-      return bad_input(where, "request " + std::to_string(b) + " has " + std::to_string(rows) +
-                                  " query rows but " + std::to_string(tokens) +
-                                  " tokens: a row would see zero tokens");
+      return bad_input(site.where,
+                       fmt::format("request {} has {} query rows but {} tokens: a row would see "
+                                   "zero tokens",
+                                   b, rows, tokens));
     }
     if (step.kind == StepKind::kDecode && rows > 1) {
-      return bad_input(where, "decode step has " + std::to_string(rows) + " rows for request " +
-                                  std::to_string(b) + "; at most one is allowed");
+      return bad_input(
+          site.where,
+          fmt::format("decode step has {} rows for request {}; at most one is allowed", rows, b));
     }
   }
-  for (std::size_t b = 0; b < batch; ++b) {
+  return ok_status();
+}
+
+// new_kv_slots[row] is the slot of the row's token position.
+Status check_new_kv_slots(const StepMeta& step, int page_size, const StepSite& site) {
+  const auto& qo = step.qo_indptr;
+  for (std::size_t b = 0; b + 1 < qo.size(); ++b) {
     for (std::int32_t row = qo[b]; row < qo[b + 1]; ++row) {
       const std::int64_t position = step.position_of_row(row, page_size);
       const std::int64_t slot = step.slot_of(static_cast<int>(b), position, page_size);
       if (step.new_kv_slots[row] != slot) {
-        return bad_input(at("new_kv_slots"), "[" + std::to_string(row) +
-                                                 "] = " + std::to_string(step.new_kv_slots[row]) +
-                                                 " but row " + std::to_string(row) + " (request " +
-                                                 std::to_string(b) + ", token position " +
-                                                 std::to_string(position) + ") is slot " +
-                                                 std::to_string(slot));
+        return bad_input(site.at("new_kv_slots"),
+                         fmt::format("[{}] = {} but row {} (request {}, token position {}) is "
+                                     "slot {}",
+                                     row, step.new_kv_slots[row], row, b, position, slot));
       }
     }
   }
   return ok_status();
 }
 
+}  // namespace
+
+Status validate_step_indices(const StepMeta& step, std::int64_t num_pages, int page_size,
+                             const std::string& where) {
+  const StepSite site{where};
+  KVAUDIT_TRY(check_index_sizes(step, site));
+  KVAUDIT_TRY(check_indptr(step.qo_indptr, "qo_indptr", site));
+  KVAUDIT_TRY(check_indptr(step.kv_indptr, "kv_indptr", site));
+  KVAUDIT_TRY(check_indptr_ends(step, site));
+  KVAUDIT_TRY(check_page_ids(step, num_pages, site));
+  KVAUDIT_TRY(check_requests(step, page_size, site));
+  return check_new_kv_slots(step, page_size, site);
+}
+
 Status check_step_indices(const StepMeta& step, int page_size, std::int64_t num_slots) {
   const std::string where = "step " + step.group;
   if (page_size < 1) return bad_input(where, "page_size must be >= 1");
   if (num_slots % page_size != 0) {
-    return bad_input(where, "a pool of " + std::to_string(num_slots) +
-                                " slots is not a whole number of pages of " +
-                                std::to_string(page_size));
+    return bad_input(where, fmt::format("a pool of {} slots is not a whole number of pages of {}",
+                                        num_slots, page_size));
   }
   return validate_step_indices(step, num_slots / page_size, page_size, where);
 }

@@ -1,8 +1,8 @@
 // The index rules of kvdump v1 for one step (docs/kvdump-v1.md "Semantics" and "Errors"), written
-// once: the reader applies them to every step of a file, the writer before it writes one, and the
-// code that indexes a pool with a step it did not read itself (the reference, the cpu-fp8 model,
-// the CUDA launcher) before it indexes, so a bad index is an Error value, never an out-of-bounds
-// read or write.
+// once: the validator (kvdump_validator.cpp) applies them to every step of a file the reader
+// opens, the writer before it writes one, and the code that indexes a pool with a step it did not
+// read itself (the reference, the cpu-fp8 model, the CUDA launcher) before it indexes, so a bad
+// index is an Error value, never an out-of-bounds read or write.
 #pragma once
 
 #include <cstdint>

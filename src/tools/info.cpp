@@ -1,9 +1,11 @@
 // `kvaudit info` summary of a kvdump (see info.hpp for the JSON schema).
 #include "src/tools/info.hpp"
 
-#include <cstdio>
+#include <fmt/format.h>
+
 #include <set>
 #include <string>
+#include <vector>
 
 namespace kvaudit {
 
@@ -24,134 +26,140 @@ PoolCodeCounts count_pool_codes(const KvPool& pool) {
   return counts;
 }
 
+namespace {
+
+nlohmann::json shapes_info(const DumpLayout& layout) {
+  const DumpAttributes& a = layout.attrs;
+  return {{"num_heads", a.num_heads},
+          {"kv_lora_rank", a.kv_lora_rank},
+          {"qk_rope_head_dim", a.qk_rope_head_dim},
+          {"page_size", a.page_size},
+          {"num_pages", layout.num_pages},
+          {"num_slots", layout.num_slots()},
+          {"kv_dtype", kv_dtype_name(a.kv_dtype)},
+          {"kv_scale_kind", a.kv_scale_kind},
+          {"sm_scale", a.sm_scale}};
+}
+
+// One layer, with the codes of its initial pool (read here).
+Result<nlohmann::json> layer_info(const DumpReader& reader, std::size_t layer_index) {
+  const DumpLayout& layout = reader.layout();
+  const LayerMeta& layer = layout.layers[layer_index];
+  KVAUDIT_ASSIGN_OR_RETURN(const KvPool pool, reader.read_pool(layer_index));
+  const PoolCodeCounts counts = count_pool_codes(pool);
+  nlohmann::json entry = {{"group", layer.group},
+                          {"layer_id", layer.layer_id},
+                          {"kv_scale", layer.kv_scale},
+                          {"has_kv_source", layer.has_source},
+                          {"nan_codes", counts.nan}};
+  if (layout.attrs.kv_dtype == KvDtype::kFloat8E4m3fn) {
+    entry["saturated_codes"] = counts.saturated;
+  } else {
+    entry["saturated_codes"] = nullptr;
+  }
+  return entry;
+}
+
+nlohmann::json step_info(const DumpLayout& layout, const StepMeta& step) {
+  std::int64_t tokens = 0;
+  for (int b = 0; b < step.batch_size(); ++b) tokens += step.kv_len(b, layout.attrs.page_size);
+  const std::set<std::int32_t> distinct(step.kv_indices.begin(), step.kv_indices.end());
+  nlohmann::json captures = {{"out", nlohmann::json::array()},
+                             {"lse", nlohmann::json::array()},
+                             {"kv_cache_after", nlohmann::json::array()}};
+  for (std::size_t l = 0; l < layout.layers.size(); ++l) {
+    if (step.has_out[l]) captures["out"].push_back(layout.layers[l].group);
+    if (step.has_lse[l]) captures["lse"].push_back(layout.layers[l].group);
+    if (step.has_kv_cache_after[l]) captures["kv_cache_after"].push_back(layout.layers[l].group);
+  }
+  return {{"group", step.group},
+          {"kind", step_kind_name(step.kind)},
+          {"requests", step.batch_size()},
+          {"rows", step.num_rows()},
+          {"tokens", tokens},
+          {"page_refs", step.kv_indices.size()},
+          {"pages_used", distinct.size()},
+          {"captures", std::move(captures)}};
+}
+
+}  // namespace
+
 Result<nlohmann::json> dump_info(const DumpReader& reader) {
   const DumpLayout& layout = reader.layout();
-  const DumpAttributes& a = layout.attrs;
   nlohmann::json info;
   info["file"] = reader.path().string();
   info["format_version"] = layout.format_version;
-  info["model"] = a.model;
-  info["producer"] = a.producer;
-  info["shapes"] = {{"num_heads", a.num_heads},
-                    {"kv_lora_rank", a.kv_lora_rank},
-                    {"qk_rope_head_dim", a.qk_rope_head_dim},
-                    {"page_size", a.page_size},
-                    {"num_pages", layout.num_pages},
-                    {"num_slots", layout.num_slots()},
-                    {"kv_dtype", kv_dtype_name(a.kv_dtype)},
-                    {"kv_scale_kind", a.kv_scale_kind},
-                    {"sm_scale", a.sm_scale}};
+  info["model"] = layout.attrs.model;
+  info["producer"] = layout.attrs.producer;
+  info["shapes"] = shapes_info(layout);
   nlohmann::json layers = nlohmann::json::array();
   for (std::size_t l = 0; l < layout.layers.size(); ++l) {
-    const LayerMeta& layer = layout.layers[l];
-    auto pool = reader.read_pool(l);
-    if (!pool.ok()) return pool.error();
-    const PoolCodeCounts counts = count_pool_codes(*pool);
-    nlohmann::json entry = {{"group", layer.group},
-                            {"layer_id", layer.layer_id},
-                            {"kv_scale", layer.kv_scale},
-                            {"has_kv_source", layer.has_source},
-                            {"nan_codes", counts.nan}};
-    if (a.kv_dtype == KvDtype::kFloat8E4m3fn) {
-      entry["saturated_codes"] = counts.saturated;
-    } else {
-      entry["saturated_codes"] = nullptr;
-    }
-    layers.push_back(std::move(entry));
+    KVAUDIT_ASSIGN_OR_RETURN(nlohmann::json layer, layer_info(reader, l));
+    layers.push_back(std::move(layer));
   }
   info["layers"] = std::move(layers);
   nlohmann::json steps = nlohmann::json::array();
-  for (const StepMeta& step : layout.steps) {
-    std::int64_t tokens = 0;
-    for (int b = 0; b < step.batch_size(); ++b) tokens += step.kv_len(b, a.page_size);
-    const std::set<std::int32_t> distinct(step.kv_indices.begin(), step.kv_indices.end());
-    nlohmann::json captures = {{"out", nlohmann::json::array()},
-                               {"lse", nlohmann::json::array()},
-                               {"kv_cache_after", nlohmann::json::array()}};
-    for (std::size_t l = 0; l < layout.layers.size(); ++l) {
-      if (step.has_out[l]) captures["out"].push_back(layout.layers[l].group);
-      if (step.has_lse[l]) captures["lse"].push_back(layout.layers[l].group);
-      if (step.has_kv_cache_after[l]) captures["kv_cache_after"].push_back(layout.layers[l].group);
-    }
-    steps.push_back({{"group", step.group},
-                     {"kind", step_kind_name(step.kind)},
-                     {"requests", step.batch_size()},
-                     {"rows", step.num_rows()},
-                     {"tokens", tokens},
-                     {"page_refs", step.kv_indices.size()},
-                     {"pages_used", distinct.size()},
-                     {"captures", std::move(captures)}});
-  }
+  for (const StepMeta& step : layout.steps) steps.push_back(step_info(layout, step));
   info["steps"] = std::move(steps);
   return info;
 }
 
 namespace {
 
-std::string number_text(double value, int digits) {
-  char text[64];
-  std::snprintf(text, sizeof text, "%.*g", digits, value);
-  return text;
-}
-
 // "all" / "none" / "L000 L003" for a capture present in some layers.
 std::string capture_text(const nlohmann::json& groups, std::size_t layer_count) {
   if (groups.empty()) return "none";
   if (groups.size() == layer_count) return "all";
-  std::string text;
-  for (const auto& group : groups) {
-    if (!text.empty()) text += ' ';
-    text += group.get<std::string>();
-  }
-  return text;
+  std::vector<std::string> names;
+  for (const auto& group : groups) names.push_back(group.get<std::string>());
+  return fmt::format("{}", fmt::join(names, " "));
+}
+
+std::string layer_line(const nlohmann::json& layer) {
+  const auto& saturated = layer["saturated_codes"];
+  return fmt::format(
+      "  {}  layer_id={}  kv_scale={:.9g}  kv_source={}  nan_codes={}  saturated_codes={}\n",
+      layer["group"].get<std::string>(), layer["layer_id"].get<int>(),
+      layer["kv_scale"].get<double>(), layer["has_kv_source"].get<bool>() ? "yes" : "no",
+      layer["nan_codes"].get<std::int64_t>(),
+      saturated.is_null() ? std::string("n/a") : std::to_string(saturated.get<std::int64_t>()));
+}
+
+std::string step_line(const nlohmann::json& step, std::size_t layer_count) {
+  const auto& c = step["captures"];
+  return fmt::format(
+      "  {}  {}  requests={}  rows={}  tokens={}  pages_used={}  page_refs={}  out={}  lse={}  "
+      "kv_cache_after={}\n",
+      step["group"].get<std::string>(), step["kind"].get<std::string>(),
+      step["requests"].get<int>(), step["rows"].get<int>(), step["tokens"].get<std::int64_t>(),
+      step["pages_used"].get<std::int64_t>(), step["page_refs"].get<std::int64_t>(),
+      capture_text(c["out"], layer_count), capture_text(c["lse"], layer_count),
+      capture_text(c["kv_cache_after"], layer_count));
 }
 
 }  // namespace
 
 std::string format_dump_info(const nlohmann::json& info) {
   const auto& s = info["shapes"];
-  std::string text;
-  text += "file      " + info["file"].get<std::string>() + "\n";
-  text += "format    kvdump v" + std::to_string(info["format_version"].get<int>()) + "\n";
-  text += "model     " + info["model"].get<std::string>() + "\n";
-  text += "producer  " + info["producer"].get<std::string>() + "\n";
-  text += "shapes    H=" + std::to_string(s["num_heads"].get<int>()) +
-          " Dc=" + std::to_string(s["kv_lora_rank"].get<int>()) +
-          " Dr=" + std::to_string(s["qk_rope_head_dim"].get<int>()) +
-          " page_size=" + std::to_string(s["page_size"].get<int>()) +
-          " num_pages=" + std::to_string(s["num_pages"].get<std::int64_t>()) +
-          " slots=" + std::to_string(s["num_slots"].get<std::int64_t>()) + "\n";
-  text += "kv        kv_dtype=" + s["kv_dtype"].get<std::string>() +
-          " kv_scale_kind=" + s["kv_scale_kind"].get<std::string>() +
-          " sm_scale=" + number_text(s["sm_scale"].get<double>(), 17) + "\n";
   const auto& layers = info["layers"];
-  text += "layers    " + std::to_string(layers.size()) + "\n";
-  for (const auto& layer : layers) {
-    text += "  " + layer["group"].get<std::string>() +
-            "  layer_id=" + std::to_string(layer["layer_id"].get<int>()) +
-            "  kv_scale=" + number_text(layer["kv_scale"].get<double>(), 9) +
-            "  kv_source=" + (layer["has_kv_source"].get<bool>() ? "yes" : "no") +
-            "  nan_codes=" + std::to_string(layer["nan_codes"].get<std::int64_t>()) +
-            "  saturated_codes=" +
-            (layer["saturated_codes"].is_null()
-                 ? std::string("n/a")
-                 : std::to_string(layer["saturated_codes"].get<std::int64_t>())) +
-            "\n";
-  }
   const auto& steps = info["steps"];
-  text += "steps     " + std::to_string(steps.size()) + "\n";
-  for (const auto& step : steps) {
-    const auto& c = step["captures"];
-    text += "  " + step["group"].get<std::string>() + "  " + step["kind"].get<std::string>() +
-            "  requests=" + std::to_string(step["requests"].get<int>()) +
-            "  rows=" + std::to_string(step["rows"].get<int>()) +
-            "  tokens=" + std::to_string(step["tokens"].get<std::int64_t>()) +
-            "  pages_used=" + std::to_string(step["pages_used"].get<std::int64_t>()) +
-            "  page_refs=" + std::to_string(step["page_refs"].get<std::int64_t>()) +
-            "  out=" + capture_text(c["out"], layers.size()) +
-            "  lse=" + capture_text(c["lse"], layers.size()) +
-            "  kv_cache_after=" + capture_text(c["kv_cache_after"], layers.size()) + "\n";
-  }
+  std::string text = fmt::format(
+      "file      {}\n"
+      "format    kvdump v{}\n"
+      "model     {}\n"
+      "producer  {}\n"
+      "shapes    H={} Dc={} Dr={} page_size={} num_pages={} slots={}\n"
+      "kv        kv_dtype={} kv_scale_kind={} sm_scale={:.17g}\n",
+      info["file"].get<std::string>(), info["format_version"].get<int>(),
+      info["model"].get<std::string>(), info["producer"].get<std::string>(),
+      s["num_heads"].get<int>(), s["kv_lora_rank"].get<int>(), s["qk_rope_head_dim"].get<int>(),
+      s["page_size"].get<int>(), s["num_pages"].get<std::int64_t>(),
+      s["num_slots"].get<std::int64_t>(), s["kv_dtype"].get<std::string>(),
+      s["kv_scale_kind"].get<std::string>(), s["sm_scale"].get<double>());
+  text += fmt::format("layers    {}\n", layers.size());
+  for (const auto& layer : layers) text += layer_line(layer);
+  text += fmt::format("steps     {}\n", steps.size());
+  for (const auto& step : steps) text += step_line(step, layers.size());
   return text;
 }
 

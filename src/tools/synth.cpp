@@ -8,13 +8,13 @@
 // FMA, so the bytes of a dump depend only on the spec.
 #include "src/tools/synth.hpp"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <initializer_list>
 #include <limits>
 #include <numeric>
-#include <sstream>
 
 #include "src/core/fp8_e4m3.hpp"
 
@@ -191,21 +191,6 @@ std::vector<int> broadcast(const std::vector<int>& list, std::size_t n) {
   return list;
 }
 
-std::string join_ints(const std::vector<int>& values) {
-  std::string text;
-  for (std::size_t i = 0; i < values.size(); ++i) {
-    if (i) text += ',';
-    text += std::to_string(values[i]);
-  }
-  return text;
-}
-
-std::string format_double(double value, int digits) {
-  char text[64];
-  std::snprintf(text, sizeof text, "%.*g", digits, value);
-  return text;
-}
-
 // Builds one step from the request lengths after its writes and its rows per request.
 StepMeta make_step(int index, StepKind kind, const std::vector<std::int64_t>& lengths,
                    const std::vector<int>& rows, const SynthPlan& plan, int page_size,
@@ -246,7 +231,7 @@ std::vector<int> sorted_layer_ids(const SynthSpec& spec) {
 
 Result<std::vector<int>> parse_layer_list(const std::string& text) {
   const auto bad = [&](const std::string& why) {
-    return bad_input(kWhere, "--layers '" + text + "': " + why);
+    return bad_input(kWhere, fmt::format("--layers '{}': {}", text, why));
   };
   if (text.empty()) return bad("empty");
   const bool is_list = text.find(',') != std::string::npos;
@@ -260,7 +245,7 @@ Result<std::vector<int>> parse_layer_list(const std::string& text) {
       return bad("empty item");
     }
     if (item.size() > 9 || item.find_first_not_of("0123456789") != std::string::npos) {
-      return bad("'" + item + "' is not a non-negative integer");
+      return bad(fmt::format("'{}' is not a non-negative integer", item));
     }
     values.push_back(std::stoi(item));
     start = end + 1;
@@ -279,7 +264,7 @@ Status validate_synth_spec(const SynthSpec& spec) {
   if (spec.layer_ids.empty()) return bad("--layers: no layer");
   {
     std::vector<int> ids = sorted_layer_ids(spec);
-    if (ids.front() < 0) return bad("--layers: negative layer id " + std::to_string(ids.front()));
+    if (ids.front() < 0) return bad(fmt::format("--layers: negative layer id {}", ids.front()));
     if (std::adjacent_find(ids.begin(), ids.end()) != ids.end()) {
       return bad("--layers: layer id listed twice");
     }
@@ -292,14 +277,14 @@ Status validate_synth_spec(const SynthSpec& spec) {
   if (spec.prefill_tokens.empty()) return bad("--prefill-tokens: no request");
   if (spec.prefix_lens.size() != spec.prefill_tokens.size() && spec.prefix_lens.size() != 1 &&
       spec.prefill_tokens.size() != 1) {
-    return bad("--prefix-lens has " + std::to_string(spec.prefix_lens.size()) +
-               " requests but --prefill-tokens has " + std::to_string(spec.prefill_tokens.size()));
+    return bad(fmt::format("--prefix-lens has {} requests but --prefill-tokens has {}",
+                           spec.prefix_lens.size(), spec.prefill_tokens.size()));
   }
   for (const int n : spec.prefix_lens) {
-    if (n < 0) return bad("--prefix-lens: negative length " + std::to_string(n));
+    if (n < 0) return bad(fmt::format("--prefix-lens: negative length {}", n));
   }
   for (const int n : spec.prefill_tokens) {
-    if (n < 0) return bad("--prefill-tokens: negative count " + std::to_string(n));
+    if (n < 0) return bad(fmt::format("--prefill-tokens: negative count {}", n));
   }
   if (spec.decode_steps < 0) return bad("--decode-steps must be at least 0");
   if (spec.num_pages && *spec.num_pages < 1) return bad("--num-pages must be at least 1");
@@ -324,118 +309,155 @@ Status validate_synth_spec(const SynthSpec& spec) {
   return ok_status();
 }
 
-Result<SynthPlan> plan_synth(const SynthSpec& spec) {
-  KVAUDIT_TRY(validate_synth_spec(spec));
-  SynthPlan plan;
-  const std::size_t batch = std::max(spec.prefix_lens.size(), spec.prefill_tokens.size());
-  plan.prefix_lens = broadcast(spec.prefix_lens, batch);
-  plan.prefill_tokens = broadcast(spec.prefill_tokens, batch);
-  const std::int64_t page_size = spec.page_size;
+namespace {
 
-  // A request decodes when it holds a token after the prefill; an empty one stays empty.
-  std::vector<bool> active(batch);
-  std::vector<std::int64_t>& final_len = plan.final_lens;
-  final_len.resize(batch);
+// ---- planning ----------------------------------------------------------------------------------
+
+// Whether each request decodes (it holds a token after the prefill; an empty one stays empty),
+// and what the requests need in total.
+struct RequestPlan {
+  std::vector<bool> active;
   std::int64_t pages_needed = 0;
   bool any_prefill = false;
   bool any_active = false;
+};
+
+// Broadcasts the request lists into `plan` and sets its final_lens.
+RequestPlan plan_requests(const SynthSpec& spec, SynthPlan* plan) {
+  const std::size_t batch = std::max(spec.prefix_lens.size(), spec.prefill_tokens.size());
+  plan->prefix_lens = broadcast(spec.prefix_lens, batch);
+  plan->prefill_tokens = broadcast(spec.prefill_tokens, batch);
+  plan->final_lens.resize(batch);
+  RequestPlan requests;
+  requests.active.resize(batch);
   for (std::size_t b = 0; b < batch; ++b) {
     const std::int64_t after_prefill =
-        static_cast<std::int64_t>(plan.prefix_lens[b]) + plan.prefill_tokens[b];
-    active[b] = after_prefill > 0;
-    any_active = any_active || active[b];
-    any_prefill = any_prefill || plan.prefill_tokens[b] > 0;
-    final_len[b] = after_prefill + (active[b] ? spec.decode_steps : 0);
-    pages_needed += ceil_div(final_len[b], page_size);
+        static_cast<std::int64_t>(plan->prefix_lens[b]) + plan->prefill_tokens[b];
+    requests.active[b] = after_prefill > 0;
+    requests.any_active = requests.any_active || requests.active[b];
+    requests.any_prefill = requests.any_prefill || plan->prefill_tokens[b] > 0;
+    plan->final_lens[b] = after_prefill + (requests.active[b] ? spec.decode_steps : 0);
+    requests.pages_needed += ceil_div(plan->final_lens[b], spec.page_size);
   }
-  if (!any_prefill && (spec.decode_steps == 0 || !any_active)) {
+  return requests;
+}
+
+// The trace must have a step, and decode steps something to decode.
+Status check_trace(const SynthSpec& spec, const RequestPlan& requests) {
+  if (!requests.any_prefill && (spec.decode_steps == 0 || !requests.any_active)) {
     return bad_input(kWhere, "the trace has no step: no prefill token and nothing to decode");
   }
-  if (spec.decode_steps > 0 && !any_active) {
+  if (spec.decode_steps > 0 && !requests.any_active) {
     return bad_input(kWhere, "--decode-steps: every request is empty, nothing to decode");
   }
-  // Spare pages (one in eight, at least two) stay unused, so that unused slots exist in the pool.
-  plan.num_pages = spec.num_pages
-                       ? *spec.num_pages
-                       : pages_needed + std::max<std::int64_t>(2, ceil_div(pages_needed, 8));
-  if (plan.num_pages < pages_needed) {
-    return bad_input(kWhere, "--num-pages " + std::to_string(plan.num_pages) +
-                                 " is less than the " + std::to_string(pages_needed) +
-                                 " pages the requests need");
+  return ok_status();
+}
+
+// --num-pages, or the pages needed plus spare pages (one in eight, at least two) that stay unused,
+// so that unused slots exist in the pool.
+Result<std::int64_t> plan_num_pages(const SynthSpec& spec, std::int64_t pages_needed) {
+  const std::int64_t num_pages =
+      spec.num_pages ? *spec.num_pages
+                     : pages_needed + std::max<std::int64_t>(2, ceil_div(pages_needed, 8));
+  if (num_pages < pages_needed) {
+    return bad_input(kWhere, fmt::format("--num-pages {} is less than the {} pages the requests "
+                                         "need",
+                                         num_pages, pages_needed));
   }
-  if (plan.num_pages * page_size > std::numeric_limits<std::int32_t>::max()) {
+  if (num_pages * spec.page_size > std::numeric_limits<std::int32_t>::max()) {
     return bad_input(kWhere, "the pool's slots exceed int32 indices");
   }
+  return num_pages;
+}
 
-  // Scattered allocation: a seeded Fisher-Yates shuffle of every page id.
+// Scattered allocation: a seeded Fisher-Yates shuffle of every page id; request b takes the next
+// ceil(final_len(b) / page_size) pages.
+std::vector<std::vector<std::int32_t>> allocate_pages(const SynthSpec& spec,
+                                                      const SynthPlan& plan) {
   std::vector<std::int32_t> pages(static_cast<std::size_t>(plan.num_pages));
   std::iota(pages.begin(), pages.end(), 0);
   Rng rng{spec.seed, kTagPages};
   for (std::size_t i = pages.size(); i > 1; --i) std::swap(pages[i - 1], pages[rng.below(i)]);
+  std::vector<std::vector<std::int32_t>> request_pages(plan.final_lens.size());
   std::size_t next = 0;
-  plan.request_pages.resize(batch);
-  for (std::size_t b = 0; b < batch; ++b) {
-    const auto count = static_cast<std::size_t>(ceil_div(final_len[b], page_size));
-    plan.request_pages[b].assign(pages.begin() + next, pages.begin() + next + count);
+  for (std::size_t b = 0; b < request_pages.size(); ++b) {
+    const auto count = static_cast<std::size_t>(ceil_div(plan.final_lens[b], spec.page_size));
+    request_pages[b].assign(pages.begin() + next, pages.begin() + next + count);
     next += count;
   }
+  return request_pages;
+}
 
+// The prefill step (when a request has prefill tokens), then decode_steps decode steps.
+std::vector<StepMeta> plan_steps(const SynthSpec& spec, const SynthPlan& plan,
+                                 const RequestPlan& requests) {
+  const std::size_t batch = plan.prefix_lens.size();
   const std::size_t num_layers = spec.layer_ids.size();
+  std::vector<StepMeta> steps;
   int index = 0;
-  if (any_prefill) {
+  if (requests.any_prefill) {
     std::vector<std::int64_t> lengths(batch);
     for (std::size_t b = 0; b < batch; ++b) {
       lengths[b] = static_cast<std::int64_t>(plan.prefix_lens[b]) + plan.prefill_tokens[b];
     }
-    plan.steps.push_back(make_step(index++, StepKind::kPrefill, lengths, plan.prefill_tokens, plan,
-                                   spec.page_size, num_layers));
+    steps.push_back(make_step(index++, StepKind::kPrefill, lengths, plan.prefill_tokens, plan,
+                              spec.page_size, num_layers));
   }
   for (int k = 1; k <= spec.decode_steps; ++k) {
     std::vector<std::int64_t> lengths(batch, 0);
     std::vector<int> rows(batch, 0);
     for (std::size_t b = 0; b < batch; ++b) {
-      if (!active[b]) continue;
+      if (!requests.active[b]) continue;
       lengths[b] = static_cast<std::int64_t>(plan.prefix_lens[b]) + plan.prefill_tokens[b] + k;
       rows[b] = 1;
     }
-    plan.steps.push_back(
+    steps.push_back(
         make_step(index++, StepKind::kDecode, lengths, rows, plan, spec.page_size, num_layers));
   }
+  return steps;
+}
+
+}  // namespace
+
+Result<SynthPlan> plan_synth(const SynthSpec& spec) {
+  KVAUDIT_TRY(validate_synth_spec(spec));
+  SynthPlan plan;
+  const RequestPlan requests = plan_requests(spec, &plan);
+  KVAUDIT_TRY(check_trace(spec, requests));
+  KVAUDIT_ASSIGN_OR_RETURN(plan.num_pages, plan_num_pages(spec, requests.pages_needed));
+  plan.request_pages = allocate_pages(spec, plan);
+  plan.steps = plan_steps(spec, plan, requests);
   return plan;
 }
 
 std::string describe_synth_spec(const SynthSpec& spec) {
-  std::ostringstream text;
   const bool quote = spec.model.find_first_of(" \t'\"") != std::string::npos;
-  text << "kvaudit synth --seed " << spec.seed << " --model "
-       << (quote ? "'" + spec.model + "'" : spec.model) << " --layers "
-       << join_ints(sorted_layer_ids(spec)) << (spec.layer_ids.size() == 1 ? "," : "")
-       << " --heads " << spec.num_heads << " --kv-lora-rank " << spec.kv_lora_rank << " --rope-dim "
-       << spec.rope_dim << " --page-size " << spec.page_size << " --prefix-lens "
-       << join_ints(spec.prefix_lens) << " --prefill-tokens " << join_ints(spec.prefill_tokens)
-       << " --decode-steps " << spec.decode_steps;
-  if (spec.num_pages) text << " --num-pages " << *spec.num_pages;
-  if (spec.kv_scale) text << " --kv-scale " << format_double(*spec.kv_scale, 9);
+  // A single layer id is written "77," so that it is not read back as a layer count.
+  std::string text = fmt::format(
+      "kvaudit synth --seed {} --model {} --layers {}{} --heads {} --kv-lora-rank {} --rope-dim {} "
+      "--page-size {} --prefix-lens {} --prefill-tokens {} --decode-steps {}",
+      spec.seed, quote ? "'" + spec.model + "'" : spec.model,
+      fmt::join(sorted_layer_ids(spec), ","), spec.layer_ids.size() == 1 ? "," : "", spec.num_heads,
+      spec.kv_lora_rank, spec.rope_dim, spec.page_size, fmt::join(spec.prefix_lens, ","),
+      fmt::join(spec.prefill_tokens, ","), spec.decode_steps);
+  if (spec.num_pages) text += fmt::format(" --num-pages {}", *spec.num_pages);
+  // Enough digits to read back the same float (9) or double (17).
+  if (spec.kv_scale) text += fmt::format(" --kv-scale {:.9g}", static_cast<double>(*spec.kv_scale));
   if (spec.saturate_fraction > 0.0) {
-    text << " --saturate-fraction " << format_double(spec.saturate_fraction, 17);
+    text += fmt::format(" --saturate-fraction {:.17g}", spec.saturate_fraction);
   }
-  if (spec.nan_unused) text << " --nan-unused";
-  if (spec.with_source) text << " --with-source";
-  text << " --sm-scale " << format_double(spec.sm_scale, 17) << " --kv-dtype "
-       << kv_dtype_name(spec.kv_dtype);
-  return text.str();
+  if (spec.nan_unused) text += " --nan-unused";
+  if (spec.with_source) text += " --with-source";
+  text +=
+      fmt::format(" --sm-scale {:.17g} --kv-dtype {}", spec.sm_scale, kv_dtype_name(spec.kv_dtype));
+  return text;
 }
 
-Result<std::vector<float>> write_synth_dump(const std::filesystem::path& path,
-                                            const SynthSpec& spec) {
-  auto planned = plan_synth(spec);
-  if (!planned) return planned.error();
-  const SynthPlan& plan = *planned;
-  const std::vector<int> layer_ids = sorted_layer_ids(spec);
-  const int width = spec.kv_lora_rank + spec.rope_dim;
-  const std::int64_t num_slots = plan.num_pages * spec.page_size;
-  const auto row_floats = static_cast<std::size_t>(width);
+namespace {
 
+// ---- writing -----------------------------------------------------------------------------------
+
+DumpAttributes synth_attributes(const SynthSpec& spec) {
   DumpAttributes attrs;
   attrs.model = spec.model;
   attrs.producer = describe_synth_spec(spec);
@@ -446,115 +468,165 @@ Result<std::vector<float>> write_synth_dump(const std::filesystem::path& path,
   attrs.page_size = spec.page_size;
   attrs.kv_dtype = spec.kv_dtype;
   attrs.kv_scale_kind = "per_tensor";
+  return attrs;
+}
 
-  auto created = DumpWriter::create(path, attrs, plan.num_pages);
-  if (!created) return created.error();
-  DumpWriter& writer = *created;
+// The slot of token `pos` of request b over the whole trace.
+std::int64_t trace_slot(const SynthPlan& plan, int page_size, std::size_t b, std::int64_t pos) {
+  return static_cast<std::int64_t>(plan.request_pages[b][pos / page_size]) * page_size +
+         pos % page_size;
+}
 
-  // The slot of token `pos` of request b over the whole trace.
-  const auto slot_of = [&](std::size_t b, std::int64_t pos) {
-    return static_cast<std::int64_t>(plan.request_pages[b][pos / spec.page_size]) * spec.page_size +
-           pos % spec.page_size;
-  };
+// One layer as the steps need it: its value model and its scale.
+struct SynthLayer {
+  LayerProfile profile;
+  LayerMeta meta;
+};
+
+// 1 for a bf16 pool; --kv-scale; or calibrated: amax / 448 over the prefix tokens and every
+// token the steps will write (saturated values left out).
+float layer_kv_scale(const SynthSpec& spec, const SynthPlan& plan, const LayerProfile& profile,
+                     int layer_id) {
+  if (spec.kv_dtype != KvDtype::kFloat8E4m3fn) return 1.0f;
+  if (spec.kv_scale) return *spec.kv_scale;
+  std::vector<float> row(profile.sigma.size());
+  float amax = 0.0f;
+  for (std::size_t b = 0; b < plan.prefix_lens.size(); ++b) {
+    for (std::int64_t p = 0; p < plan.final_lens[b]; ++p) {
+      generate_token(spec, profile, layer_id, static_cast<int>(b), p, 1.0f, row.data(), &amax);
+    }
+  }
+  return amax > 0.0f ? amax / kE4m3MaxFinite : 1.0f;
+}
+
+// The pool (and kv_source, [num_slots, D], when spec.with_source) before step 0.
+struct InitialPool {
+  KvPool pool;
+  std::vector<float> source;
+};
+
+// Every prefix token, written with the kvdump write rule (and kept as is in kv_source).
+void write_prefix_tokens(const SynthSpec& spec, const SynthPlan& plan, const SynthLayer& layer,
+                         InitialPool* initial) {
+  const int width = initial->pool.row_width;
+  std::vector<float> row(static_cast<std::size_t>(width));
+  for (std::size_t b = 0; b < plan.prefix_lens.size(); ++b) {
+    for (std::int64_t p = 0; p < plan.prefix_lens[b]; ++p) {
+      float unused_amax = 0.0f;
+      generate_token(spec, layer.profile, layer.meta.layer_id, static_cast<int>(b), p,
+                     layer.meta.kv_scale, row.data(), &unused_amax);
+      const std::int64_t slot = trace_slot(plan, spec.page_size, b, p);
+      initial->pool.write_row(slot, row.data(), layer.meta.kv_scale);
+      if (spec.with_source)
+        std::copy(row.begin(), row.end(), initial->source.begin() + slot * width);
+    }
+  }
+}
+
+// --nan-unused: NaN codes of random sign in every slot that holds no prefix token (NaN in
+// kv_source).
+void fill_unused_with_nan(const SynthSpec& spec, const std::vector<bool>& holds_prefix,
+                          int layer_id, InitialPool* initial) {
+  KvPool& pool = initial->pool;
+  const int width = pool.row_width;
+  for (std::int64_t slot = 0; slot < pool.num_slots; ++slot) {
+    if (holds_prefix[slot]) continue;
+    Rng rng{spec.seed, kTagUnused, key_of(layer_id), static_cast<std::uint64_t>(slot)};
+    std::uint64_t bits = 0;
+    for (int c = 0; c < width; ++c) {
+      if (c % 64 == 0) bits = rng.next();
+      const bool negative = (bits >> (c % 64)) & 1;
+      if (spec.kv_dtype == KvDtype::kBfloat16) {
+        pool.set_bf16_bits(slot, c, negative ? 0xFFC0 : 0x7FC0);
+      } else {
+        pool.row(slot)[c] = negative ? 0xFF : kE4m3NanCode;
+      }
+      if (spec.with_source) {
+        initial->source[slot * width + c] = negative ? -std::numeric_limits<float>::quiet_NaN()
+                                                     : std::numeric_limits<float>::quiet_NaN();
+      }
+    }
+  }
+}
+
+// Generates and writes every layer (kv_scale, initial pool, kv_source), in layer id order.
+Result<std::vector<SynthLayer>> write_layers(DumpWriter& writer, const SynthSpec& spec,
+                                             const SynthPlan& plan) {
+  const int width = spec.kv_lora_rank + spec.rope_dim;
+  const std::int64_t num_slots = plan.num_pages * spec.page_size;
   std::vector<bool> holds_prefix(static_cast<std::size_t>(num_slots), false);
   for (std::size_t b = 0; b < plan.prefix_lens.size(); ++b) {
-    for (std::int64_t p = 0; p < plan.prefix_lens[b]; ++p) holds_prefix[slot_of(b, p)] = true;
+    for (std::int64_t p = 0; p < plan.prefix_lens[b]; ++p) {
+      holds_prefix[trace_slot(plan, spec.page_size, b, p)] = true;
+    }
   }
-
-  std::vector<LayerProfile> profiles;
-  std::vector<LayerMeta> metas;
-  std::vector<float> scales;
-  std::vector<float> row(row_floats);
-  for (const int layer_id : layer_ids) {
-    LayerProfile profile = make_profile(spec, layer_id);
-    float kv_scale = 1.0f;
-    if (spec.kv_dtype == KvDtype::kFloat8E4m3fn) {
-      if (spec.kv_scale) {
-        kv_scale = *spec.kv_scale;
-      } else {
-        // Calibration: amax over the prefix tokens and every token the steps will write.
-        float amax = 0.0f;
-        for (std::size_t b = 0; b < plan.prefix_lens.size(); ++b) {
-          for (std::int64_t p = 0; p < plan.final_lens[b]; ++p) {
-            generate_token(spec, profile, layer_id, static_cast<int>(b), p, 1.0f, row.data(),
-                           &amax);
-          }
-        }
-        kv_scale = amax > 0.0f ? amax / kE4m3MaxFinite : 1.0f;
-      }
+  std::vector<SynthLayer> layers;
+  for (const int layer_id : sorted_layer_ids(spec)) {
+    SynthLayer layer{make_profile(spec, layer_id), {}};
+    layer.meta.group = layer_group_name(layer_id);
+    layer.meta.layer_id = layer_id;
+    layer.meta.kv_scale = layer_kv_scale(spec, plan, layer.profile, layer_id);
+    layer.meta.has_source = spec.with_source;
+    InitialPool initial{KvPool::zeros(spec.kv_dtype, num_slots, width), {}};
+    if (spec.with_source) {
+      initial.source.assign(static_cast<std::size_t>(num_slots) * width, 0.0f);
     }
-
-    KvPool pool = KvPool::zeros(spec.kv_dtype, num_slots, width);
-    std::vector<float> source;
-    if (spec.with_source) source.assign(static_cast<std::size_t>(num_slots) * row_floats, 0.0f);
-    for (std::size_t b = 0; b < plan.prefix_lens.size(); ++b) {
-      for (std::int64_t p = 0; p < plan.prefix_lens[b]; ++p) {
-        float unused_amax = 0.0f;
-        generate_token(spec, profile, layer_id, static_cast<int>(b), p, kv_scale, row.data(),
-                       &unused_amax);
-        const std::int64_t slot = slot_of(b, p);
-        pool.write_row(slot, row.data(), kv_scale);
-        if (spec.with_source) {
-          std::copy(row.begin(), row.end(), source.begin() + slot * width);
-        }
-      }
-    }
-    if (spec.nan_unused) {
-      for (std::int64_t slot = 0; slot < num_slots; ++slot) {
-        if (holds_prefix[slot]) continue;
-        Rng rng{spec.seed, kTagUnused, key_of(layer_id), static_cast<std::uint64_t>(slot)};
-        std::uint64_t bits = 0;
-        for (int c = 0; c < width; ++c) {
-          if (c % 64 == 0) bits = rng.next();
-          const bool negative = (bits >> (c % 64)) & 1;
-          if (spec.kv_dtype == KvDtype::kBfloat16) {
-            pool.set_bf16_bits(slot, c, negative ? 0xFFC0 : 0x7FC0);
-          } else {
-            pool.row(slot)[c] = negative ? 0xFF : kE4m3NanCode;
-          }
-          if (spec.with_source) {
-            source[slot * width + c] = negative ? -std::numeric_limits<float>::quiet_NaN()
-                                                : std::numeric_limits<float>::quiet_NaN();
-          }
-        }
-      }
-    }
-
-    LayerMeta meta;
-    meta.group = layer_group_name(layer_id);
-    meta.layer_id = layer_id;
-    meta.kv_scale = kv_scale;
-    meta.has_source = spec.with_source;
-    KVAUDIT_TRY(writer.write_layer(meta, pool, spec.with_source ? &source : nullptr));
-    profiles.push_back(std::move(profile));
-    metas.push_back(meta);
-    scales.push_back(kv_scale);
+    write_prefix_tokens(spec, plan, layer, &initial);
+    if (spec.nan_unused) fill_unused_with_nan(spec, holds_prefix, layer_id, &initial);
+    KVAUDIT_TRY(
+        writer.write_layer(layer.meta, initial.pool, spec.with_source ? &initial.source : nullptr));
+    layers.push_back(std::move(layer));
   }
+  return layers;
+}
 
+// q_nope, q_pe and new_kv of every row of one (step, layer).
+StepLayerTensors step_layer_tensors(const SynthSpec& spec, const StepMeta& step,
+                                    const SynthLayer& layer) {
+  const auto rows = static_cast<std::size_t>(step.num_rows());
   const auto q_nope_floats = static_cast<std::size_t>(spec.num_heads) * spec.kv_lora_rank;
   const auto q_pe_floats = static_cast<std::size_t>(spec.num_heads) * spec.rope_dim;
+  const auto row_floats = static_cast<std::size_t>(spec.kv_lora_rank + spec.rope_dim);
+  StepLayerTensors tensors;
+  tensors.q_nope.resize(rows * q_nope_floats);
+  tensors.q_pe.resize(rows * q_pe_floats);
+  tensors.new_kv.resize(rows * row_floats);
+  for (std::size_t i = 0; i < rows; ++i) {
+    const int b = step.request_of_row(static_cast<int>(i));
+    const std::int64_t pos = step.position_of_row(static_cast<int>(i), spec.page_size);
+    float unused_amax = 0.0f;
+    generate_token(spec, layer.profile, layer.meta.layer_id, b, pos, layer.meta.kv_scale,
+                   tensors.new_kv.data() + i * row_floats, &unused_amax);
+    generate_query(spec, layer.profile, layer.meta.layer_id, b, pos,
+                   tensors.q_nope.data() + i * q_nope_floats,
+                   tensors.q_pe.data() + i * q_pe_floats);
+  }
+  return tensors;
+}
+
+Status write_steps(DumpWriter& writer, const SynthSpec& spec, const SynthPlan& plan,
+                   const std::vector<SynthLayer>& layers) {
   for (const StepMeta& step : plan.steps) {
     KVAUDIT_TRY(writer.write_step(step));
-    const auto rows = static_cast<std::size_t>(step.num_rows());
-    for (std::size_t l = 0; l < layer_ids.size(); ++l) {
-      StepLayerTensors tensors;
-      tensors.q_nope.resize(rows * q_nope_floats);
-      tensors.q_pe.resize(rows * q_pe_floats);
-      tensors.new_kv.resize(rows * row_floats);
-      for (std::size_t i = 0; i < rows; ++i) {
-        const int b = step.request_of_row(static_cast<int>(i));
-        const std::int64_t pos = step.position_of_row(static_cast<int>(i), spec.page_size);
-        float unused_amax = 0.0f;
-        generate_token(spec, profiles[l], layer_ids[l], b, pos, scales[l],
-                       tensors.new_kv.data() + i * row_floats, &unused_amax);
-        generate_query(spec, profiles[l], layer_ids[l], b, pos,
-                       tensors.q_nope.data() + i * q_nope_floats,
-                       tensors.q_pe.data() + i * q_pe_floats);
-      }
-      KVAUDIT_TRY(writer.write_step_layer(step, metas[l], tensors));
+    for (const SynthLayer& layer : layers) {
+      KVAUDIT_TRY(writer.write_step_layer(step, layer.meta, step_layer_tensors(spec, step, layer)));
     }
   }
+  return ok_status();
+}
+
+}  // namespace
+
+Result<std::vector<float>> write_synth_dump(const std::filesystem::path& path,
+                                            const SynthSpec& spec) {
+  KVAUDIT_ASSIGN_OR_RETURN(const SynthPlan plan, plan_synth(spec));
+  KVAUDIT_ASSIGN_OR_RETURN(DumpWriter writer,
+                           DumpWriter::create(path, synth_attributes(spec), plan.num_pages));
+  KVAUDIT_ASSIGN_OR_RETURN(const std::vector<SynthLayer> layers, write_layers(writer, spec, plan));
+  KVAUDIT_TRY(write_steps(writer, spec, plan, layers));
   KVAUDIT_TRY(writer.close());
+  std::vector<float> scales;
+  for (const SynthLayer& layer : layers) scales.push_back(layer.meta.kv_scale);
   return scales;
 }
 

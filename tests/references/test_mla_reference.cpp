@@ -1,7 +1,7 @@
 // Tests of the high-precision MLA reference (references/mla_reference.hpp).
 //
-// Targets (docs/design.md "Numerics"): relative error <= 1e-15 on out, absolute <= 1e-15 on lse, the
-// result being a double. Both are checked by comparing evaluations at different precisions
+// Targets (docs/design.md "Numerics"): relative error <= 1e-15 on out, absolute <= 1e-15 on lse,
+// the result being a double. Both are checked by comparing evaluations at different precisions
 // (Boost cpp_bin_float at 50 and 100 digits, and the double-double default), plus hand-checkable
 // cases whose expected values are written down independently of the code under test.
 #include <catch2/catch.hpp>

@@ -1,0 +1,519 @@
+// The kvdump v1 validation rules (what is checked: src/format/kvdump_validator.hpp).
+//
+// The file is walked root, /layers, /steps, in that order and in name (layers) or number (steps)
+// order, and the first rule broken is the error, so the same file always gives the same message.
+#include "src/format/kvdump_validator.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "src/core/hdf5_handles.hpp"
+#include "src/format/hdf5_objects.hpp"
+#include "src/format/step_indices.hpp"
+
+namespace kvaudit {
+namespace {
+
+using h5::shape_text;
+using h5::with_hdf5_reason;
+
+constexpr const char* kDtypeBf16 = "bfloat16";
+constexpr const char* kDtypeFp8 = "float8_e4m3fn";
+constexpr const char* kDtypeF32 = "float32";
+
+// Upper bounds on the root integers. They are far above any real MLA model (Dc = 512, Dr = 64,
+// H <= 128) and keep every product of shapes below in int64.
+constexpr std::int64_t kMaxDim = 1 << 20;
+// An index dataset longer than this (1 GiB of int32) is refused rather than read at open.
+constexpr hsize_t kMaxIndexLength = hsize_t{1} << 28;
+
+// ---- element types and shapes ------------------------------------------------------------------
+
+// " (dtype=\"...\")" when the dataset has a dtype attribute, for messages.
+std::string dtype_suffix(const DatasetDesc& desc) {
+  return desc.dtype ? fmt::format(" (dtype=\"{}\")", *desc.dtype) : std::string();
+}
+
+Status expect_shape(const ObjectReader& r, const DatasetDesc& desc,
+                    const std::vector<hsize_t>& expected, const std::string& meaning) {
+  if (desc.dims == expected) return ok_status();
+  return r.bad(desc.path, fmt::format("shape {} disagrees with {} = {}", shape_text(desc.dims),
+                                      meaning, shape_text(expected)));
+}
+
+// u8 or u16 raw bits need a dtype attribute saying what they encode.
+Error missing_dtype(const ObjectReader& r, const DatasetDesc& desc, const char* wanted) {
+  return r.bad(desc.path,
+               fmt::format("{} dataset without a dtype attribute (raw bits need dtype=\"{}\")",
+                           desc.type_text, wanted));
+}
+
+// A tensor the format names bfloat16: u16 + dtype "bfloat16", or float32.
+Status expect_bf16(const ObjectReader& r, const DatasetDesc& desc) {
+  switch (desc.element) {
+    case ElementClass::kU16:
+      if (!desc.dtype) return missing_dtype(r, desc, kDtypeBf16);
+      if (*desc.dtype != kDtypeBf16) {
+        return r.bad(desc.path, fmt::format("u16 dataset with dtype=\"{}\"; expected "
+                                            "dtype=\"bfloat16\"",
+                                            *desc.dtype));
+      }
+      return ok_status();
+    case ElementClass::kFloat32:
+      if (desc.dtype && *desc.dtype != kDtypeF32 && *desc.dtype != kDtypeBf16) {
+        return r.bad(desc.path, fmt::format("float32 dataset with dtype=\"{}\"", *desc.dtype));
+      }
+      return ok_status();
+    case ElementClass::kU8:
+      if (!desc.dtype) return missing_dtype(r, desc, kDtypeBf16);
+      [[fallthrough]];
+    default:
+      return r.bad(desc.path, fmt::format("element type {}{}; expected bfloat16 (u16 with "
+                                          "dtype=\"bfloat16\") or float32",
+                                          desc.type_text, dtype_suffix(desc)));
+  }
+}
+
+// A pool tensor: the fp8 codes, or bfloat16 for a bf16 baseline pool.
+Status expect_pool_type(const ObjectReader& r, const DatasetDesc& desc, KvDtype kv_dtype) {
+  if (kv_dtype == KvDtype::kBfloat16) return expect_bf16(r, desc);
+  if (desc.element == ElementClass::kU8) {
+    if (!desc.dtype) return missing_dtype(r, desc, kDtypeFp8);
+    if (*desc.dtype != kDtypeFp8) {
+      return r.bad(desc.path,
+                   fmt::format("u8 dataset with dtype=\"{}\"; expected dtype=\"float8_e4m3fn\"",
+                               *desc.dtype));
+    }
+    return ok_status();
+  }
+  if (desc.element == ElementClass::kU16 && !desc.dtype) return missing_dtype(r, desc, kDtypeFp8);
+  return r.bad(desc.path, fmt::format("element type {}{}; kv_dtype is float8_e4m3fn, so expected "
+                                      "u8 with dtype=\"float8_e4m3fn\"",
+                                      desc.type_text, dtype_suffix(desc)));
+}
+
+Status expect_float32(const ObjectReader& r, const DatasetDesc& desc) {
+  if (desc.element == ElementClass::kFloat32 && (!desc.dtype || *desc.dtype == kDtypeF32)) {
+    return ok_status();
+  }
+  if ((desc.element == ElementClass::kU8 || desc.element == ElementClass::kU16) && !desc.dtype) {
+    return missing_dtype(r, desc, kDtypeF32);
+  }
+  return r.bad(desc.path, fmt::format("element type {}{}; expected float32", desc.type_text,
+                                      dtype_suffix(desc)));
+}
+
+// How a tensor's element type is checked.
+enum class TensorType { kBfloat16, kFloat32, kPool };
+
+// One tensor of a (step, layer) group: name, element type, shape and the shape's meaning.
+struct TensorRule {
+  const char* name;
+  TensorType type;
+  std::vector<hsize_t> shape;
+  const char* meaning;
+};
+
+Status check_tensor(const ObjectReader& r, hid_t group, const std::string& path,
+                    const TensorRule& rule, KvDtype kv_dtype) {
+  KVAUDIT_ASSIGN_OR_RETURN(const DatasetDesc desc, r.describe(group, path, rule.name));
+  switch (rule.type) {
+    case TensorType::kBfloat16:
+      KVAUDIT_TRY(expect_bf16(r, desc));
+      break;
+    case TensorType::kFloat32:
+      KVAUDIT_TRY(expect_float32(r, desc));
+      break;
+    case TensorType::kPool:
+      KVAUDIT_TRY(expect_pool_type(r, desc, kv_dtype));
+      break;
+  }
+  return expect_shape(r, desc, rule.shape, rule.meaning);
+}
+
+// A capture the format makes optional: checked when present. Returns whether it is.
+Result<bool> check_optional_tensor(const ObjectReader& r, hid_t group, const std::string& path,
+                                   const TensorRule& rule, KvDtype kv_dtype) {
+  KVAUDIT_ASSIGN_OR_RETURN(const bool present, r.has_link(group, path, rule.name));
+  if (present) KVAUDIT_TRY(check_tensor(r, group, path, rule, kv_dtype));
+  return present;
+}
+
+// ---- index datasets ----------------------------------------------------------------------------
+
+// Any integer type wider than 16 bits holds indices (int64 from PyTorch is common); u8/u16 are the
+// raw-bits types of the format and never indices. Indices are one-dimensional and not huge.
+Status expect_index_dataset(const ObjectReader& r, const DatasetDesc& desc) {
+  if (desc.element != ElementClass::kOtherInteger) {
+    if ((desc.element == ElementClass::kU8 || desc.element == ElementClass::kU16) && !desc.dtype) {
+      return r.bad(desc.path,
+                   desc.type_text + " dataset without a dtype attribute; indices must be int32");
+    }
+    return r.bad(desc.path, fmt::format("element type {}{}; expected int32", desc.type_text,
+                                        dtype_suffix(desc)));
+  }
+  if (desc.dims.size() != 1) {
+    return r.bad(desc.path, fmt::format("shape {} is not one-dimensional", shape_text(desc.dims)));
+  }
+  if (desc.dims[0] > kMaxIndexLength) {
+    return r.bad(desc.path, fmt::format("length {} exceeds {}", desc.dims[0], kMaxIndexLength));
+  }
+  return ok_status();
+}
+
+// A rank-1 integer dataset read whole, values in int32.
+Result<std::vector<std::int32_t>> read_index(const ObjectReader& r, hid_t group,
+                                             const std::string& group_path,
+                                             const std::string& name) {
+  KVAUDIT_ASSIGN_OR_RETURN(const DatasetDesc desc, r.describe(group, group_path, name));
+  KVAUDIT_TRY(expect_index_dataset(r, desc));
+  std::vector<std::int64_t> wide(static_cast<std::size_t>(desc.dims[0]));
+  if (!wide.empty()) {
+    h5::Dataset dataset(H5Dopen2(group, name.c_str(), H5P_DEFAULT));
+    if (!dataset ||
+        H5Dread(dataset.get(), H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, wide.data()) < 0) {
+      return r.bad(desc.path, with_hdf5_reason("cannot read"));
+    }
+  }
+  std::vector<std::int32_t> values(wide.size());
+  for (std::size_t i = 0; i < wide.size(); ++i) {
+    if (wide[i] < std::numeric_limits<std::int32_t>::min() ||
+        wide[i] > std::numeric_limits<std::int32_t>::max()) {
+      return r.bad(desc.path, fmt::format("[{}] = {} does not fit in int32", i, wide[i]));
+    }
+    values[i] = static_cast<std::int32_t>(wide[i]);
+  }
+  return values;
+}
+
+// ---- numbered groups ---------------------------------------------------------------------------
+
+// "L" or "S" followed by three or more digits; the number, or nothing.
+std::optional<std::int64_t> group_number(const std::string& name, char prefix) {
+  if (name.size() < 4 || name.size() > 19 || name[0] != prefix) return std::nullopt;
+  std::int64_t number = 0;
+  for (std::size_t i = 1; i < name.size(); ++i) {
+    if (name[i] < '0' || name[i] > '9') return std::nullopt;
+    number = number * 10 + (name[i] - '0');
+  }
+  return number;
+}
+
+std::string misnamed_group_text(char prefix) {
+  return fmt::format("name does not match {} followed by three or more digits", prefix);
+}
+
+// (number, name) of the member groups of /layers or /steps.
+using NumberedGroups = std::vector<std::pair<std::int64_t, std::string>>;
+
+// Every member of `group` must be a group named prefix + digits; sorted by number (then name).
+Result<NumberedGroups> numbered_groups(const ObjectReader& r, hid_t group, const std::string& path,
+                                       char prefix) {
+  KVAUDIT_ASSIGN_OR_RETURN(const std::vector<std::string> names, r.link_names(group, path));
+  NumberedGroups groups;
+  for (const std::string& name : names) {
+    const std::string member = join_path(path, name);
+    const auto number = group_number(name, prefix);
+    if (!number) return r.bad(member, misnamed_group_text(prefix));
+    h5::Object object(H5Oopen(group, name.c_str(), H5P_DEFAULT));
+    if (!object) return r.bad(member, with_hdf5_reason("cannot open"));
+    if (H5Iget_type(object.get()) != H5I_GROUP) return r.bad(member, "is not a group");
+    groups.emplace_back(*number, name);
+  }
+  std::sort(groups.begin(), groups.end());
+  return groups;
+}
+
+// ---- root --------------------------------------------------------------------------------------
+
+Result<KvDtype> parse_kv_dtype(const ObjectReader& r, const std::string& text) {
+  if (text == kDtypeFp8) return KvDtype::kFloat8E4m3fn;
+  if (text == kDtypeBf16) return KvDtype::kBfloat16;
+  return r.unsupported_at(
+      "/", fmt::format("kv_dtype \"{}\" is unknown; expected float8_e4m3fn or bfloat16", text));
+}
+
+// format and format_version: what this reader can read at all.
+Status check_format(const ObjectReader& r, hid_t root) {
+  KVAUDIT_ASSIGN_OR_RETURN(const std::string format, r.read_string(root, "/", "format"));
+  if (format != "kvdump") {
+    return r.bad("/", fmt::format("attribute format is \"{}\", not \"kvdump\"", format));
+  }
+  KVAUDIT_ASSIGN_OR_RETURN(const std::int64_t version, r.read_int(root, "/", "format_version"));
+  if (version != 1) {
+    return r.unsupported_at(
+        "/", fmt::format("format_version {} is unknown; this reader reads version 1", version));
+  }
+  return ok_status();
+}
+
+Result<DumpAttributes> read_root_attributes(const ObjectReader& r, hid_t root) {
+  KVAUDIT_TRY(check_format(r, root));
+  DumpAttributes attrs;
+  KVAUDIT_ASSIGN_OR_RETURN(attrs.model, r.read_string(root, "/", "model"));
+  KVAUDIT_ASSIGN_OR_RETURN(attrs.producer, r.read_string(root, "/", "producer"));
+  KVAUDIT_ASSIGN_OR_RETURN(attrs.num_heads, r.read_int_in(root, "/", "num_heads", 1, kMaxDim));
+  KVAUDIT_ASSIGN_OR_RETURN(attrs.kv_lora_rank,
+                           r.read_int_in(root, "/", "kv_lora_rank", 1, kMaxDim));
+  KVAUDIT_ASSIGN_OR_RETURN(attrs.qk_rope_head_dim,
+                           r.read_int_in(root, "/", "qk_rope_head_dim", 0, kMaxDim));
+  KVAUDIT_ASSIGN_OR_RETURN(attrs.sm_scale, r.read_float(root, "/", "sm_scale"));
+  if (!std::isfinite(attrs.sm_scale)) return r.bad("/", "attribute sm_scale is not finite");
+  KVAUDIT_ASSIGN_OR_RETURN(attrs.page_size, r.read_int_in(root, "/", "page_size", 1, kMaxDim));
+  KVAUDIT_ASSIGN_OR_RETURN(const std::string kv_dtype, r.read_string(root, "/", "kv_dtype"));
+  KVAUDIT_ASSIGN_OR_RETURN(attrs.kv_dtype, parse_kv_dtype(r, kv_dtype));
+  KVAUDIT_ASSIGN_OR_RETURN(attrs.kv_scale_kind, r.read_string(root, "/", "kv_scale_kind"));
+  if (attrs.kv_scale_kind != "per_tensor") {
+    return r.unsupported_at("/", fmt::format("kv_scale_kind \"{}\" is unknown; version 1 has "
+                                             "per_tensor only",
+                                             attrs.kv_scale_kind));
+  }
+  return attrs;
+}
+
+// ---- layers ------------------------------------------------------------------------------------
+
+// layer_id, and kv_scale: finite and positive in float32 (the write rule divides by
+// fp32(kv_scale)), exactly 1 for a bfloat16 pool.
+Status read_layer_attributes(const ObjectReader& r, hid_t group, const std::string& path,
+                             KvDtype kv_dtype, LayerMeta* meta) {
+  KVAUDIT_ASSIGN_OR_RETURN(meta->layer_id, r.read_int_in(group, path, "layer_id", 0,
+                                                         std::numeric_limits<std::int32_t>::max()));
+  KVAUDIT_ASSIGN_OR_RETURN(const double scale, r.read_float(group, path, "kv_scale"));
+  const float kv_scale = static_cast<float>(scale);
+  if (!std::isfinite(scale) || !std::isfinite(kv_scale)) {
+    return r.bad(path, "attribute kv_scale is not finite in float32");
+  }
+  if (!(kv_scale > 0.0f)) {
+    return r.bad(path, fmt::format("attribute kv_scale = {:f} is not positive", scale));
+  }
+  if (kv_dtype == KvDtype::kBfloat16 && kv_scale != 1.0f) {
+    return r.bad(path, fmt::format("attribute kv_scale = {:f} but a bfloat16 pool requires "
+                                   "kv_scale = 1",
+                                   scale));
+  }
+  meta->kv_scale = kv_scale;
+  return ok_status();
+}
+
+// kv_cache: the pool type, shape [num_pages, page_size, D]. The first layer (num_pages < 0) fixes
+// num_pages, the others must agree. Returns num_pages.
+Result<std::int64_t> check_layer_pool(const ObjectReader& r, hid_t group, const std::string& path,
+                                      const DumpAttributes& attrs, std::int64_t num_pages) {
+  KVAUDIT_ASSIGN_OR_RETURN(const DatasetDesc cache, r.describe(group, path, "kv_cache"));
+  KVAUDIT_TRY(expect_pool_type(r, cache, attrs.kv_dtype));
+  const auto& dims = cache.dims;
+  if (dims.size() != 3 || dims[1] != static_cast<hsize_t>(attrs.page_size) ||
+      dims[2] != static_cast<hsize_t>(attrs.row_width())) {
+    return r.bad(cache.path, fmt::format("shape {} disagrees with [num_pages, page_size, "
+                                         "kv_lora_rank + qk_rope_head_dim] = [num_pages, {}, {}]",
+                                         shape_text(dims), attrs.page_size, attrs.row_width()));
+  }
+  if (num_pages >= 0) {
+    if (static_cast<std::int64_t>(dims[0]) == num_pages) return num_pages;
+    return r.bad(cache.path, fmt::format("num_pages = {} disagrees with the first layer's {}",
+                                         dims[0], num_pages));
+  }
+  // Keep num_pages * page_size * D (bytes of one pool) inside int64.
+  const long double slots = static_cast<long double>(dims[0]) * attrs.page_size;
+  if (slots * attrs.row_width() * 2 > static_cast<long double>(std::int64_t{1} << 62)) {
+    return r.bad(cache.path, fmt::format("num_pages = {} is implausibly large", dims[0]));
+  }
+  return static_cast<std::int64_t>(dims[0]);
+}
+
+std::vector<hsize_t> pool_shape(const DumpAttributes& attrs, std::int64_t num_pages) {
+  return {static_cast<hsize_t>(num_pages), static_cast<hsize_t>(attrs.page_size),
+          static_cast<hsize_t>(attrs.row_width())};
+}
+
+// /layers/<name>. `num_pages` is -1 for the first layer, which sets it.
+Result<LayerMeta> validate_layer(const ObjectReader& r, hid_t layers, const std::string& name,
+                                 const DumpAttributes& attrs, std::int64_t* num_pages) {
+  const std::string path = "/layers/" + name;
+  h5::Group group(H5Gopen2(layers, name.c_str(), H5P_DEFAULT));
+  if (!group) return r.bad(path, with_hdf5_reason("cannot open"));
+  LayerMeta meta;
+  meta.group = name;
+  KVAUDIT_TRY(read_layer_attributes(r, group.get(), path, attrs.kv_dtype, &meta));
+  KVAUDIT_ASSIGN_OR_RETURN(*num_pages, check_layer_pool(r, group.get(), path, attrs, *num_pages));
+  const TensorRule source{"kv_source", TensorType::kBfloat16, pool_shape(attrs, *num_pages),
+                          "kv_cache's shape"};
+  KVAUDIT_ASSIGN_OR_RETURN(meta.has_source,
+                           check_optional_tensor(r, group.get(), path, source, attrs.kv_dtype));
+  return meta;
+}
+
+// /layers: at least one layer, layer ids unique; sets layout->layers and layout->num_pages.
+Status validate_layers(const ObjectReader& r, hid_t root, DumpLayout* layout) {
+  KVAUDIT_ASSIGN_OR_RETURN(const h5::Group layers, r.open_group(root, "/layers", "missing group"));
+  KVAUDIT_ASSIGN_OR_RETURN(const NumberedGroups names,
+                           numbered_groups(r, layers.get(), "/layers", 'L'));
+  if (names.empty()) return r.bad("/layers", "holds no layer group");
+  std::int64_t num_pages = -1;
+  std::map<int, std::string> group_of_id;
+  for (const auto& [number, name] : names) {
+    KVAUDIT_ASSIGN_OR_RETURN(LayerMeta meta,
+                             validate_layer(r, layers.get(), name, layout->attrs, &num_pages));
+    const auto [it, inserted] = group_of_id.emplace(meta.layer_id, name);
+    if (!inserted) {
+      return r.bad("/layers/" + name, fmt::format("layer_id {} is also the layer_id of /layers/{}",
+                                                  meta.layer_id, it->second));
+    }
+    layout->layers.push_back(std::move(meta));
+  }
+  layout->num_pages = num_pages;
+  return ok_status();
+}
+
+// ---- steps -------------------------------------------------------------------------------------
+
+// The optional captures of one (step, layer) group.
+struct Captures {
+  bool out = false;
+  bool lse = false;
+  bool kv_cache_after = false;
+};
+
+// /steps/S###/L###: the required tensors, then the captures that are present.
+Result<Captures> validate_step_layer(const ObjectReader& r, hid_t step_group,
+                                     const std::string& step_path, const LayerMeta& layer,
+                                     const DumpLayout& layout, int rows) {
+  const std::string path = step_path + "/" + layer.group;
+  KVAUDIT_ASSIGN_OR_RETURN(
+      const h5::Group group,
+      r.open_group(step_group, path, "missing group: every step needs one per layer"));
+  const hid_t g = group.get();
+  const DumpAttributes& a = layout.attrs;
+  const hsize_t nq = static_cast<hsize_t>(rows);
+  const hsize_t heads = static_cast<hsize_t>(a.num_heads);
+  const hsize_t dc = static_cast<hsize_t>(a.kv_lora_rank);
+  const hsize_t dr = static_cast<hsize_t>(a.qk_rope_head_dim);
+  using enum TensorType;
+  const TensorRule required[] = {
+      {"q_nope", kBfloat16, {nq, heads, dc}, "[Nq, num_heads, kv_lora_rank]"},
+      {"q_pe", kBfloat16, {nq, heads, dr}, "[Nq, num_heads, qk_rope_head_dim]"},
+      {"new_kv", kBfloat16, {nq, dc + dr}, "[Nq, kv_lora_rank + qk_rope_head_dim]"},
+  };
+  for (const TensorRule& rule : required) KVAUDIT_TRY(check_tensor(r, g, path, rule, a.kv_dtype));
+  const TensorRule out{"out", kBfloat16, {nq, heads, dc}, "[Nq, num_heads, kv_lora_rank]"};
+  const TensorRule lse{"lse", kFloat32, {nq, heads}, "[Nq, num_heads]"};
+  const TensorRule after{"kv_cache_after", kPool, pool_shape(a, layout.num_pages),
+                         "[num_pages, page_size, kv_lora_rank + qk_rope_head_dim]"};
+  Captures captures;
+  KVAUDIT_ASSIGN_OR_RETURN(captures.out, check_optional_tensor(r, g, path, out, a.kv_dtype));
+  KVAUDIT_ASSIGN_OR_RETURN(captures.lse, check_optional_tensor(r, g, path, lse, a.kv_dtype));
+  KVAUDIT_ASSIGN_OR_RETURN(captures.kv_cache_after,
+                           check_optional_tensor(r, g, path, after, a.kv_dtype));
+  return captures;
+}
+
+Result<StepKind> read_step_kind(const ObjectReader& r, hid_t group, const std::string& path) {
+  KVAUDIT_ASSIGN_OR_RETURN(const std::string kind, r.read_string(group, path, "kind"));
+  if (kind == "prefill") return StepKind::kPrefill;
+  if (kind == "decode") return StepKind::kDecode;
+  return r.bad(path,
+               fmt::format("attribute kind = \"{}\" is unknown; expected prefill or decode", kind));
+}
+
+// The index datasets, read whole (their rules are checked by validate_step_indices).
+Status read_step_indices(const ObjectReader& r, hid_t group, const std::string& path,
+                         StepMeta* step) {
+  KVAUDIT_ASSIGN_OR_RETURN(step->qo_indptr, read_index(r, group, path, "qo_indptr"));
+  KVAUDIT_ASSIGN_OR_RETURN(step->kv_indptr, read_index(r, group, path, "kv_indptr"));
+  KVAUDIT_ASSIGN_OR_RETURN(step->kv_indices, read_index(r, group, path, "kv_indices"));
+  KVAUDIT_ASSIGN_OR_RETURN(step->kv_last_page_len, read_index(r, group, path, "kv_last_page_len"));
+  KVAUDIT_ASSIGN_OR_RETURN(step->new_kv_slots, read_index(r, group, path, "new_kv_slots"));
+  return ok_status();
+}
+
+// Every member group of a step must be one of the layers under /layers (datasets are the indices).
+Status check_step_members(const ObjectReader& r, hid_t group, const std::string& path,
+                          const std::vector<LayerMeta>& layers) {
+  KVAUDIT_ASSIGN_OR_RETURN(const std::vector<std::string> names, r.link_names(group, path));
+  for (const std::string& member : names) {
+    const std::string member_path = path + "/" + member;
+    h5::Object object(H5Oopen(group, member.c_str(), H5P_DEFAULT));
+    if (!object) return r.bad(member_path, with_hdf5_reason("cannot open"));
+    if (H5Iget_type(object.get()) != H5I_GROUP) continue;
+    if (!group_number(member, 'L')) return r.bad(member_path, misnamed_group_text('L'));
+    const bool known = std::any_of(layers.begin(), layers.end(),
+                                   [&](const LayerMeta& l) { return l.group == member; });
+    if (!known) return r.bad(member_path, "is not a layer under /layers");
+  }
+  return ok_status();
+}
+
+// /steps/<name>: kind, indices, member groups, then one (step, layer) group per layer.
+Result<StepMeta> validate_step(const ObjectReader& r, hid_t steps, const std::string& name,
+                               const DumpLayout& layout) {
+  const std::string path = "/steps/" + name;
+  h5::Group group(H5Gopen2(steps, name.c_str(), H5P_DEFAULT));
+  if (!group) return r.bad(path, with_hdf5_reason("cannot open"));
+  StepMeta step;
+  step.group = name;
+  KVAUDIT_ASSIGN_OR_RETURN(step.kind, read_step_kind(r, group.get(), path));
+  KVAUDIT_TRY(read_step_indices(r, group.get(), path, &step));
+  KVAUDIT_TRY(
+      validate_step_indices(step, layout.num_pages, layout.attrs.page_size, r.file() + ":" + path));
+  KVAUDIT_TRY(check_step_members(r, group.get(), path, layout.layers));
+  for (const LayerMeta& layer : layout.layers) {
+    KVAUDIT_ASSIGN_OR_RETURN(
+        const Captures captures,
+        validate_step_layer(r, group.get(), path, layer, layout, step.num_rows()));
+    step.has_out.push_back(captures.out);
+    step.has_lse.push_back(captures.lse);
+    step.has_kv_cache_after.push_back(captures.kv_cache_after);
+  }
+  return step;
+}
+
+// Two groups with one number (S001 and S0001) would leave the replay order undefined.
+Status check_distinct_step_numbers(const ObjectReader& r, const NumberedGroups& steps) {
+  for (std::size_t i = 1; i < steps.size(); ++i) {
+    if (steps[i].first == steps[i - 1].first) {
+      return r.bad("/steps/" + steps[i].second,
+                   fmt::format("has the same step number as /steps/{}: the replay order is "
+                               "ambiguous",
+                               steps[i - 1].second));
+    }
+  }
+  return ok_status();
+}
+
+// /steps, in step-number order; sets layout->steps.
+Status validate_steps(const ObjectReader& r, hid_t root, DumpLayout* layout) {
+  KVAUDIT_ASSIGN_OR_RETURN(const h5::Group steps, r.open_group(root, "/steps", "missing group"));
+  KVAUDIT_ASSIGN_OR_RETURN(const NumberedGroups names,
+                           numbered_groups(r, steps.get(), "/steps", 'S'));
+  KVAUDIT_TRY(check_distinct_step_numbers(r, names));
+  for (const auto& [number, name] : names) {
+    KVAUDIT_ASSIGN_OR_RETURN(StepMeta step, validate_step(r, steps.get(), name, *layout));
+    layout->steps.push_back(std::move(step));
+  }
+  return ok_status();
+}
+
+}  // namespace
+
+Result<DumpLayout> validate_dump_layout(hid_t file, const std::string& file_text) {
+  const ObjectReader r(file_text);
+  h5::Group root(H5Gopen2(file, "/", H5P_DEFAULT));
+  if (!root) return r.bad("/", with_hdf5_reason("cannot open the root group"));
+  DumpLayout layout;
+  KVAUDIT_ASSIGN_OR_RETURN(layout.attrs, read_root_attributes(r, root.get()));
+  layout.format_version = 1;
+  KVAUDIT_TRY(validate_layers(r, root.get(), &layout));
+  KVAUDIT_TRY(validate_steps(r, root.get(), &layout));
+  return layout;
+}
+
+}  // namespace kvaudit

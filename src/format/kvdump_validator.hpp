@@ -1,0 +1,30 @@
+// The rules of docs/kvdump-v1.md "Errors" for a whole file, applied by DumpReader::open before any
+// bulk tensor is read:
+//   root       the attributes format, format_version, model, producer, num_heads, kv_lora_rank,
+//              qk_rope_head_dim, sm_scale, page_size, kv_dtype, kv_scale_kind (type and range);
+//   /layers    at least one L### group; per layer layer_id (unique) and kv_scale, kv_cache
+//              [num_pages, page_size, D] in the pool type (num_pages equal in every layer),
+//              kv_source (optional) bfloat16 of the same shape;
+//   /steps     S### groups with distinct numbers; per step its kind, the index datasets (read
+//              whole; their rules are src/format/step_indices.hpp) and one group per layer and no
+//              other; per (step, layer) q_nope [Nq, H, Dc], q_pe [Nq, H, Dr], new_kv [Nq, D]
+//              bfloat16, and the optional captures out [Nq, H, Dc] bfloat16, lse [Nq, H] float32,
+//              kv_cache_after in the pool type and shape.
+// (H = num_heads, Dc = kv_lora_rank, Dr = qk_rope_head_dim, D = Dc + Dr, Nq = rows of the step.)
+// Only attributes, dataspaces and the small index datasets are read. Every error is one Error
+// naming "file:/hdf5/path" and what is wrong there.
+#pragma once
+
+#include <hdf5.h>
+
+#include <string>
+
+#include "src/core/result.hpp"
+#include "src/format/kvdump.hpp"
+
+namespace kvaudit {
+
+// Validates the open HDF5 file `file`, named `file_text` in errors, and returns its layout.
+Result<DumpLayout> validate_dump_layout(hid_t file, const std::string& file_text);
+
+}  // namespace kvaudit
