@@ -9,6 +9,8 @@
 
 #include <cstdint>
 
+#include "kernels/ptx.cuh"
+
 namespace kvaudit::cuda::detail {
 
 // The kvdump write rule on the device: e4m3_rne_satfinite(value / kv_scale), one IEEE fp32
@@ -22,15 +24,9 @@ __device__ __forceinline__ std::uint8_t kvdump_quantize_device(float value, floa
 // (cvt.rn.f16x2.e4m3x2), f16 -> f32 exact, and every e4m3 value is a bf16 value, so the final
 // rounding is exact too. NaN codes stay NaN.
 __device__ __forceinline__ std::uint32_t e4m3x2_to_bf16x2(std::uint16_t codes) {
-  std::uint32_t halves;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(halves) : "h"(codes));
   float lo, hi;
-  asm("{ .reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;\n}\n"
-      : "=f"(lo), "=f"(hi)
-      : "r"(halves));
-  std::uint32_t out;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(out) : "f"(hi), "f"(lo));
-  return out;
+  ptx::cvt_f32_f16x2(ptx::cvt_rn_f16x2_e4m3x2(codes), lo, hi);
+  return ptx::cvt_rn_bf16x2_f32(lo, hi);
 }
 
 __device__ __forceinline__ uint2 e4m3x4_to_bf16x4(std::uint32_t codes) {

@@ -54,6 +54,7 @@
 
 #include "kernels/fp8_e4m3_device.cuh"
 #include "kernels/mla_attention_model.hpp"
+#include "kernels/ptx.cuh"
 #include "src/backend/injection.hpp"
 #include "src/core/fp8_e4m3.hpp"
 
@@ -120,50 +121,6 @@ struct MlaSmemLayout {
   static constexpr int kBlocksPerSm = 1;
   static_assert(kBytes <= 227 * 1024, "shared memory of one block exceeds the sm_90 limit");
 };
-
-// ---- small device primitives ------------------------------------------------------------------
-
-__device__ __forceinline__ std::uint32_t smem_address(const void* pointer) {
-  return static_cast<std::uint32_t>(__cvta_generic_to_shared(pointer));
-}
-
-__device__ __forceinline__ void cp_async_16(std::uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&r)[4], std::uint32_t address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(std::uint32_t (&r)[4], std::uint32_t address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address));
-}
-
-// d += a * b, m16n8k16, bf16 operands, fp32 accumulators.
-__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const std::uint32_t (&a)[4],
-                                               std::uint32_t b0, std::uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ std::uint32_t pack_bf16x2(float lo, float hi) {
-  std::uint32_t out;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(out) : "f"(hi), "f"(lo));
-  return out;
-}
 
 // ---- KV write and pool cast -------------------------------------------------------------------
 
@@ -396,9 +353,9 @@ __global__ void __launch_bounds__(kThreads, (MlaSmemLayout<kMTiles, kBf16Pool>::
 #pragma unroll
   for (int j = 0; j < kPvTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 
-  const std::uint32_t q_base = smem_address(q_s);
-  const std::uint32_t kv_base = smem_address(kv_s);
-  const std::uint32_t p_base = smem_address(p_s);
+  const std::uint32_t q_base = ptx::smem_address(q_s);
+  const std::uint32_t kv_base = ptx::smem_address(kv_s);
+  const std::uint32_t p_base = ptx::smem_address(p_s);
 
   // One m16 tile over eight warps: warp (kh = wn / 4, tp = wn % 4) computes the scores of tokens
   // 16 tp .. 16 tp + 15 (two n8 tiles) over k steps 18 kh .. 18 kh + 17. Its Q fragments for those
@@ -413,7 +370,7 @@ __global__ void __launch_bounds__(kThreads, (MlaSmemLayout<kMTiles, kBf16Pool>::
     const std::uint32_t a_addr =
         q_base + (a_row * kSmemRow + 8 * (lane / 16)) * 2 + kh * kQkSteps * 32;
 #pragma unroll
-    for (int ks = 0; ks < kQkSteps; ++ks) ldmatrix_x4(q_frag[ks], a_addr + ks * 32);
+    for (int ks = 0; ks < kQkSteps; ++ks) ptx::ldmatrix_m8n8_x4(q_frag[ks], a_addr + ks * 32);
   }
 
   for (int tile = tile_begin; tile < tile_end; ++tile) {
@@ -451,14 +408,14 @@ __global__ void __launch_bounds__(kThreads, (MlaSmemLayout<kMTiles, kBf16Pool>::
         uint4* dst = reinterpret_cast<uint4*>(kv_s + token * kSmemRow + chunk * 8);
         if (token < loaded) {
           const std::int32_t slot = slot_of(p, range, tile * kTile + token);
-          cp_async_16(smem_address(dst),
-                      p.pool + (static_cast<std::int64_t>(slot) * kD) * 2 + chunk * 16);
+          ptx::cp_async_cg_16(ptx::smem_address(dst),
+                              p.pool + (static_cast<std::int64_t>(slot) * kD) * 2 + chunk * 16);
         } else {
           *dst = make_uint4(0, 0, 0, 0);
         }
       }
-      cp_async_commit();
-      cp_async_wait<0>();
+      ptx::cp_async_commit_group();
+      ptx::cp_async_wait_group<0>();
     }
     __syncthreads();  // bf16 tile ready
 
@@ -481,9 +438,9 @@ __global__ void __launch_bounds__(kThreads, (MlaSmemLayout<kMTiles, kBf16Pool>::
 #pragma unroll
       for (int ks = 0; ks < kQkSteps; ++ks) {
         std::uint32_t b[4];
-        ldmatrix_x4(b, b_addr + ks * 32);
-        mma_bf16_16816(part[0], q_frag[ks], b[0], b[1]);
-        mma_bf16_16816(part[1], q_frag[ks], b[2], b[3]);
+        ptx::ldmatrix_m8n8_x4(b, b_addr + ks * 32);
+        ptx::mma_m16n8k16_bf16_f32(part[0], q_frag[ks], b[0], b[1]);
+        ptx::mma_m16n8k16_bf16_f32(part[1], q_frag[ks], b[2], b[3]);
       }
       float* half = s_part_s + kh * 16 * kSRow;
 #pragma unroll
@@ -514,14 +471,14 @@ __global__ void __launch_bounds__(kThreads, (MlaSmemLayout<kMTiles, kBf16Pool>::
 #pragma unroll 1
       for (int kk = 0; kk < kD / 32; ++kk) {
         std::uint32_t a0[4], a1[4];
-        ldmatrix_x4(a0, a_addr + kk * 64);
-        ldmatrix_x4(a1, a_addr + kk * 64 + 32);
+        ptx::ldmatrix_m8n8_x4(a0, a_addr + kk * 64);
+        ptx::ldmatrix_m8n8_x4(a1, a_addr + kk * 64 + 32);
 #pragma unroll
         for (int j = 0; j < kQkTiles; ++j) {
           std::uint32_t b[4];
-          ldmatrix_x4(b, b_addr + j * 8 * kSmemRow * 2 + kk * 64);
-          mma_bf16_16816(s[j], a0, b[0], b[1]);
-          mma_bf16_16816(s2[j], a1, b[2], b[3]);
+          ptx::ldmatrix_m8n8_x4(b, b_addr + j * 8 * kSmemRow * 2 + kk * 64);
+          ptx::mma_m16n8k16_bf16_f32(s[j], a0, b[0], b[1]);
+          ptx::mma_m16n8k16_bf16_f32(s2[j], a1, b[2], b[3]);
         }
       }
       // Two accumulator chains (even / odd 16-column steps) halve the MMA dependency chain.
@@ -574,9 +531,9 @@ __global__ void __launch_bounds__(kThreads, (MlaSmemLayout<kMTiles, kBf16Pool>::
       part_sum[1] += p2 + p3;
       const int col = token0 + j * 8 + 2 * quad;
       *reinterpret_cast<std::uint32_t*>(p_s + (mt * 16 + group) * kPRow + col) =
-          pack_bf16x2(p0, p1);
+          ptx::cvt_rn_bf16x2_f32(p0, p1);
       *reinterpret_cast<std::uint32_t*>(p_s + (mt * 16 + group + 8) * kPRow + col) =
-          pack_bf16x2(p2, p3);
+          ptx::cvt_rn_bf16x2_f32(p2, p3);
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -615,13 +572,13 @@ __global__ void __launch_bounds__(kThreads, (MlaSmemLayout<kMTiles, kBf16Pool>::
 #pragma unroll
       for (int kt = 0; kt < kTile / 16; ++kt) {
         std::uint32_t a[4];
-        ldmatrix_x4(a, a_addr + kt * 32);
+        ptx::ldmatrix_m8n8_x4(a, a_addr + kt * 32);
 #pragma unroll
         for (int j = 0; j < kPvTiles; j += 2) {
           std::uint32_t b[4];
-          ldmatrix_x4_trans(b, v_addr + (kt * 16 * kSmemRow + j * 8) * 2);
-          mma_bf16_16816(acc[j], a, b[0], b[1]);
-          mma_bf16_16816(acc[j + 1], a, b[2], b[3]);
+          ptx::ldmatrix_m8n8_x4_trans(b, v_addr + (kt * 16 * kSmemRow + j * 8) * 2);
+          ptx::mma_m16n8k16_bf16_f32(acc[j], a, b[0], b[1]);
+          ptx::mma_m16n8k16_bf16_f32(acc[j + 1], a, b[2], b[3]);
         }
       }
     }
@@ -640,7 +597,7 @@ __global__ void __launch_bounds__(kThreads, (MlaSmemLayout<kMTiles, kBf16Pool>::
 #pragma unroll
       for (int j = 0; j < kPvTiles; ++j) {
         *reinterpret_cast<std::uint32_t*>(out + j * 8) =
-            pack_bf16x2(acc[j][2 * h] * factor, acc[j][2 * h + 1] * factor);
+            ptx::cvt_rn_bf16x2_f32(acc[j][2 * h] * factor, acc[j][2 * h + 1] * factor);
       }
       if (wn == 0 && quad == 0)
         p.lse[out_row] = (m_run[h] + log2f(l_run[h])) * 0.69314718055994531f;
@@ -727,8 +684,9 @@ __global__ void __launch_bounds__(kMergeThreads)
   }
   const float factor = p.kv_scale / weight_sum;
   std::uint16_t* out = p.out + row_head * kDc + dim;
-  *reinterpret_cast<uint2*>(out) = make_uint2(pack_bf16x2(sum.x * factor, sum.y * factor),
-                                              pack_bf16x2(sum.z * factor, sum.w * factor));
+  *reinterpret_cast<uint2*>(out) =
+      make_uint2(ptx::cvt_rn_bf16x2_f32(sum.x * factor, sum.y * factor),
+                 ptx::cvt_rn_bf16x2_f32(sum.z * factor, sum.w * factor));
   if (threadIdx.x == 0) p.lse[row_head] = (lse_max + log2f(weight_sum)) * 0.69314718055994531f;
 }
 
