@@ -20,6 +20,26 @@ __device__ __forceinline__ std::uint8_t kvdump_quantize_device(float value, floa
   return __nv_cvt_float_to_fp8(__fdiv_rn(value, kv_scale), __NV_SATFINITE, __NV_E4M3);
 }
 
+// The harness's named --reciprocal-scale option on the device: value * fp32(1 / kv_scale) (IEEE
+// division for the reciprocal, then one fp32 product), then the same satfinite conversion, as the
+// host's kvdump_quantize_reciprocal.
+__device__ __forceinline__ std::uint8_t kvdump_quantize_reciprocal_device(float value,
+                                                                          float kv_scale) {
+  return __nv_cvt_float_to_fp8(value * __fdiv_rn(1.0f, kv_scale), __NV_SATFINITE, __NV_E4M3);
+}
+
+// The two kvdump roundings for the write rules shared with the host (kv_write_code in
+// src/backend/injection.hpp): the device's cvt.rn.satfinite.e4m3x2.f32 where the host uses the
+// software codec (HostE4m3Rounding); tests/core/test_fp8_e4m3_cuda.cu shows they agree.
+struct DeviceE4m3Rounding {
+  __device__ __forceinline__ static std::uint8_t divide(float value, float kv_scale) {
+    return kvdump_quantize_device(value, kv_scale);
+  }
+  __device__ __forceinline__ static std::uint8_t reciprocal(float value, float kv_scale) {
+    return kvdump_quantize_reciprocal_device(value, kv_scale);
+  }
+};
+
 // Two e4m3 codes (low byte first) -> two bf16 (low half first), exactly: e4m3 -> f16 is exact
 // (cvt.rn.f16x2.e4m3x2), f16 -> f32 exact, and every e4m3 value is a bf16 value, so the final
 // rounding is exact too. NaN codes stay NaN.

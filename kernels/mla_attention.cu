@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <type_traits>
 
 #include "kernels/mla_attention.cuh"
 #include "kernels/mla_attention_cuda.hpp"
@@ -155,6 +156,17 @@ Status launch_attention_kernel(const detail::MlaAttentionParams& params, long lo
   return cuda_status(cudaGetLastError(), "mla_attention_kernel launch");
 }
 
+// The grid-stride kernels (KV write, pool cast): 256 threads per block, grids capped at 65,535
+// blocks (write) and 16 blocks per SM of an H100/H200 (cast).
+constexpr int kElementwiseThreads = 256;
+constexpr long long kMaxWriteBlocks = 65535;
+constexpr long long kMaxCastBlocks = 132LL * 16;
+
+long long elementwise_blocks(long long elements, long long max_blocks) {
+  return std::min<long long>((elements + kElementwiseThreads - 1) / kElementwiseThreads,
+                             max_blocks);
+}
+
 }  // namespace
 
 std::size_t mla_attention_workspace_bytes(const MlaAttentionProblem& problem) {
@@ -245,15 +257,20 @@ Status launch_kv_write(const std::uint16_t* new_kv, const std::int32_t* new_kv_s
                        int row_width, float kv_scale, PoolElement pool_element, void* pool,
                        cudaStream_t stream) {
   if (num_rows <= 0 || row_width <= 0) return ok_status();
-  const long long total = static_cast<long long>(num_rows) * row_width;
-  const int threads = 256;
-  const long long blocks = std::min<long long>((total + threads - 1) / threads, 65535);
+  const long long blocks =
+      elementwise_blocks(static_cast<long long>(num_rows) * row_width, kMaxWriteBlocks);
   if (pool_element == PoolElement::kFp8E4m3) {
-    detail::kv_write_fp8_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
-        new_kv, new_kv_slots, num_rows, row_width, kv_scale, static_cast<std::uint8_t*>(pool));
+    const detail::KvWriteParams<std::uint8_t> params{
+        new_kv, new_kv_slots, num_rows, row_width, kv_scale, static_cast<std::uint8_t*>(pool), 0,
+        0};
+    detail::kv_write_fp8_kernel<KvWriteRule::kDivide, false>
+        <<<static_cast<unsigned>(blocks), kElementwiseThreads, 0, stream>>>(params);
   } else {
-    detail::kv_write_bf16_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
-        new_kv, new_kv_slots, num_rows, row_width, static_cast<std::uint16_t*>(pool));
+    const detail::KvWriteParams<std::uint16_t> params{
+        new_kv, new_kv_slots, num_rows, row_width, kv_scale, static_cast<std::uint16_t*>(pool), 0,
+        0};
+    detail::kv_write_bf16_kernel<<<static_cast<unsigned>(blocks), kElementwiseThreads, 0, stream>>>(
+        params);
   }
   return cuda_status(cudaGetLastError(), "kv_write kernel launch");
 }
@@ -264,23 +281,26 @@ Status launch_kv_write_rule(const std::uint16_t* new_kv, const std::int32_t* new
                             cudaStream_t stream) {
   if (num_rows <= 0 || row_width <= 0) return ok_status();
   if (num_slots <= 0) return internal_error(kWhere, "kv write into an empty pool");
-  const long long total = static_cast<long long>(num_rows) * row_width;
-  const int threads = 256;
-  const long long blocks = std::min<long long>((total + threads - 1) / threads, 65535);
-  detail::kv_write_fp8_rule_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
-      new_kv, new_kv_slots, num_rows, row_width, kv_scale, pool, num_slots, static_cast<int>(rule),
-      slot_offset);
+  const long long blocks =
+      elementwise_blocks(static_cast<long long>(num_rows) * row_width, kMaxWriteBlocks);
+  const detail::KvWriteParams<std::uint8_t> params{new_kv,   new_kv_slots, num_rows,  row_width,
+                                                   kv_scale, pool,         num_slots, slot_offset};
+  dispatch_kv_write_rule(rule, [&](auto kind) {
+    detail::kv_write_fp8_kernel<decltype(kind)::value, true>
+        <<<static_cast<unsigned>(blocks), kElementwiseThreads, 0, stream>>>(params);
+  });
   return cuda_status(cudaGetLastError(), "kv_write_rule kernel launch");
 }
 
 Status launch_cast_pool_to_bf16(const std::uint8_t* pool, std::int64_t num_elements,
                                 std::uint16_t* pool_bf16, cudaStream_t stream) {
   if (num_elements <= 0) return ok_status();
-  const int threads = 256;
-  const long long blocks =
-      std::min<long long>((num_elements / 4 + threads - 1) / threads + 1, 132LL * 16);
-  detail::cast_pool_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
-      pool, num_elements, pool_bf16);
+  // + 1: at least one block, also for a pool of fewer than 4 elements (the tail loop only).
+  const long long blocks = std::min<long long>(
+      (num_elements / 4 + kElementwiseThreads - 1) / kElementwiseThreads + 1, kMaxCastBlocks);
+  const detail::CastPoolParams params{pool, num_elements, pool_bf16};
+  detail::cast_pool_kernel<<<static_cast<unsigned>(blocks), kElementwiseThreads, 0, stream>>>(
+      params);
   return cuda_status(cudaGetLastError(), "cast_pool kernel launch");
 }
 

@@ -102,6 +102,32 @@ struct MlaAttentionParams {
   float* partial_lse;
 };
 
+// kv_write_fp8_kernel / kv_write_bf16_kernel: a grid-stride loop over [num_rows, row_width].
+template <typename PoolElementT>
+struct KvWriteParams {
+  using InElement = std::uint16_t;   // new_kv: bf16 bits
+  using PoolElement = PoolElementT;  // e4m3 code (std::uint8_t) or bf16 bits (std::uint16_t)
+
+  const InElement* new_kv;    // [num_rows, row_width]
+  const std::int32_t* slots;  // [num_rows]
+  int num_rows;
+  int row_width;
+  float kv_scale;
+  PoolElement* pool;       // [num_slots, row_width]
+  std::int64_t num_slots;  // kv_write_fp8_kernel<kRule, kWrapSlot = true> only
+  int slot_offset;         // fault neighbour-slot-write: 1 writes slot (s + 1) mod num_slots
+};
+
+// cast_pool_kernel: every element of the pool.
+struct CastPoolParams {
+  using PoolElement = std::uint8_t;  // e4m3 code
+  using OutElement = std::uint16_t;  // bf16 bits
+
+  const PoolElement* pool;  // [num_elements]
+  std::int64_t num_elements;
+  OutElement* pool_bf16;  // [num_elements]
+};
+
 // Shared-memory carve-up of one block; the launcher sizes the dynamic allocation with it.
 template <int kMTiles, bool kBf16Pool>
 struct MlaSmemLayout {
@@ -124,86 +150,65 @@ struct MlaSmemLayout {
 
 // ---- KV write and pool cast -------------------------------------------------------------------
 
-// pool[slots[i], c] = kvdump_quantize_device(new_kv[i, c], kv_scale).
-__global__ void kv_write_fp8_kernel(const std::uint16_t* __restrict__ new_kv,
-                                    const std::int32_t* __restrict__ slots, int num_rows,
-                                    int row_width, float kv_scale,
-                                    std::uint8_t* __restrict__ pool) {
-  const std::int64_t total = static_cast<std::int64_t>(num_rows) * row_width;
+// The elementwise kernels read their inputs through __ldg (ld.global.nc): the inputs are read-only
+// for the kernel's lifetime, which a params struct cannot state with __restrict__.
+
+// One new_kv row as the shared write rules read it (kv_write_code, src/backend/injection.hpp):
+// bf16 bits in device memory, widened exactly to fp32.
+struct Bf16RowView {
+  const std::uint16_t* bits;
+
+  __device__ __forceinline__ float value(int col) const {
+    return __uint_as_float(static_cast<std::uint32_t>(__ldg(bits + col)) << 16);
+  }
+  __device__ __forceinline__ std::uint16_t bf16_bits(int col) const { return __ldg(bits + col); }
+};
+
+// pool[slot_i, c] = kv_write_code<kRule>(new_kv[i, :], c), slot_i = slots[i], or with kWrapSlot
+// (slots[i] + slot_offset) mod num_slots: the kvdump rule (kDivide, what launch_kv_write runs),
+// the --reciprocal-scale option and the write faults, each case written once in
+// src/backend/injection.hpp for this kernel and the CPU model.
+template <KvWriteRule kRule, bool kWrapSlot>
+__global__ void kv_write_fp8_kernel(const __grid_constant__ KvWriteParams<std::uint8_t> p) {
+  const std::int64_t total = static_cast<std::int64_t>(p.num_rows) * p.row_width;
   for (std::int64_t e = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; e < total;
        e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const std::int64_t row = e / row_width;
-    const int col = static_cast<int>(e - row * row_width);
-    const float value = __uint_as_float(static_cast<std::uint32_t>(new_kv[e]) << 16);
-    pool[static_cast<std::int64_t>(slots[row]) * row_width + col] =
-        kvdump_quantize_device(value, kv_scale);
+    const std::int64_t row = e / p.row_width;
+    const int col = static_cast<int>(e - row * p.row_width);
+    const Bf16RowView new_row{p.new_kv + row * p.row_width};
+    const std::uint8_t code = kv_write_code<kRule, DeviceE4m3Rounding>(new_row, col, p.kv_scale);
+    std::int64_t slot = __ldg(p.slots + row);
+    if constexpr (kWrapSlot) slot = (slot + p.slot_offset) % p.num_slots;
+    p.pool[slot * p.row_width + col] = code;
   }
 }
 
-__global__ void kv_write_bf16_kernel(const std::uint16_t* __restrict__ new_kv,
-                                     const std::int32_t* __restrict__ slots, int num_rows,
-                                     int row_width, std::uint16_t* __restrict__ pool) {
-  const std::int64_t total = static_cast<std::int64_t>(num_rows) * row_width;
+// pool[slots[i], c] = new_kv[i, c]: a bf16 pool stores the bf16 bits unchanged.
+__global__ void kv_write_bf16_kernel(const __grid_constant__ KvWriteParams<std::uint16_t> p) {
+  const std::int64_t total = static_cast<std::int64_t>(p.num_rows) * p.row_width;
   for (std::int64_t e = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; e < total;
        e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const std::int64_t row = e / row_width;
-    const int col = static_cast<int>(e - row * row_width);
-    pool[static_cast<std::int64_t>(slots[row]) * row_width + col] = new_kv[e];
-  }
-}
-
-// pool[(slots[i] + slot_offset) mod num_slots, c] = rule(new_kv[i, c]): the write rules other than
-// kvdump's (KvWriteRule in kernels/mla_attention_cuda.hpp; rule values as that enum).
-__global__ void kv_write_fp8_rule_kernel(const std::uint16_t* __restrict__ new_kv,
-                                         const std::int32_t* __restrict__ slots, int num_rows,
-                                         int row_width, float kv_scale,
-                                         std::uint8_t* __restrict__ pool, std::int64_t num_slots,
-                                         int rule, int slot_offset) {
-  const std::int64_t total = static_cast<std::int64_t>(num_rows) * row_width;
-  for (std::int64_t e = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; e < total;
-       e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const std::int64_t row = e / row_width;
-    const int col = static_cast<int>(e - row * row_width);
-    const float value = __uint_as_float(static_cast<std::uint32_t>(new_kv[e]) << 16);
-    std::uint8_t code;
-    switch (rule) {
-      case 1:
-        code = __nv_cvt_float_to_fp8(value * __fdiv_rn(1.0f, kv_scale), __NV_SATFINITE, __NV_E4M3);
-        break;
-      case 2:
-        code = kvdump_quantize_injected(value, kv_scale, Injection::kRoundTowardZero);
-        break;
-      case 3:
-        code = kvdump_quantize_injected(value, kv_scale, Injection::kNoSaturation);
-        break;
-      case 4: {
-        const std::uint16_t bits = new_kv[row * row_width + col / 2];
-        code = static_cast<std::uint8_t>(col % 2 == 0 ? bits & 0xFF : bits >> 8);
-        break;
-      }
-      default:
-        code = kvdump_quantize_device(value, kv_scale);
-    }
-    const std::int64_t slot = (static_cast<std::int64_t>(slots[row]) + slot_offset) % num_slots;
-    pool[slot * row_width + col] = code;
+    const std::int64_t row = e / p.row_width;
+    const int col = static_cast<int>(e - row * p.row_width);
+    p.pool[static_cast<std::int64_t>(__ldg(p.slots + row)) * p.row_width + col] =
+        __ldg(p.new_kv + e);
   }
 }
 
 // pool_bf16[e] = bf16(decode(pool[e])), every element of the pool (the whole-pool cast).
-__global__ void cast_pool_kernel(const std::uint8_t* __restrict__ pool, std::int64_t num_elements,
-                                 std::uint16_t* __restrict__ pool_bf16) {
-  const std::int64_t vectors = num_elements / 4;
+__global__ void cast_pool_kernel(const __grid_constant__ CastPoolParams p) {
+  const std::int64_t vectors = p.num_elements / 4;
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   for (std::int64_t v = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
        v < vectors; v += stride) {
-    const std::uint32_t codes = reinterpret_cast<const std::uint32_t*>(pool)[v];
+    const std::uint32_t codes = __ldg(reinterpret_cast<const std::uint32_t*>(p.pool) + v);
     const uint2 r = e4m3x4_to_bf16x4(codes);
-    reinterpret_cast<uint2*>(pool_bf16)[v] = make_uint2(r.x, r.y);
+    reinterpret_cast<uint2*>(p.pool_bf16)[v] = make_uint2(r.x, r.y);
   }
   for (std::int64_t e =
            vectors * 4 + blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
-       e < num_elements; e += stride) {
-    pool_bf16[e] = static_cast<std::uint16_t>(e4m3x2_to_bf16x2(pool[e]) & 0xFFFF);
+       e < p.num_elements; e += stride) {
+    p.pool_bf16[e] = static_cast<std::uint16_t>(e4m3x2_to_bf16x2(__ldg(p.pool + e)) & 0xFFFF);
   }
 }
 

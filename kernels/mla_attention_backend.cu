@@ -229,13 +229,10 @@ Result<AttentionOutput> CudaMlaBackend::run_step(const StepLayerInput& input, Kv
   const std::int32_t* d_slots = d_last + n_last;
 
   const float kv_scale = input.layer.kv_scale;
-  // The write: kvdump's rule, or the named reciprocal option, or an injected write fault (the same
-  // host/device functions the CPU model injects with).
-  KvWriteRule rule = options_.reciprocal_scale ? KvWriteRule::kReciprocal : KvWriteRule::kDivide;
-  if (injection_ == Injection::kRoundTowardZero) rule = KvWriteRule::kRoundTowardZero;
-  if (injection_ == Injection::kNoSaturation) rule = KvWriteRule::kNoSaturation;
-  if (injection_ == Injection::kBf16Writeback) rule = KvWriteRule::kBf16Bytes;
-  const int slot_offset = injection_ == Injection::kNeighbourSlotWrite ? 1 : 0;
+  // The write: kvdump's rule, or the named reciprocal option, or an injected write fault (the rules
+  // of src/backend/injection.hpp, which the CPU model writes with too).
+  const KvWriteRule rule = kv_write_rule_of(injection_, options_.reciprocal_scale);
+  const int slot_offset = kv_write_slot_offset(injection_);
   if (rule == KvWriteRule::kDivide && slot_offset == 0) {
     KVAUDIT_TRY(launch_kv_write(new_kv_.as<std::uint16_t>(), d_slots, rows, width, kv_scale,
                                 element, pool_.data(), stream));

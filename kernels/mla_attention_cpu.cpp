@@ -11,6 +11,8 @@
 // same bits there.
 #include "kernels/mla_attention_cpu.hpp"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -31,43 +33,64 @@ float mla_score_scale(double sm_scale, float kv_scale) {
   return static_cast<float>(sm_scale * static_cast<double>(kv_scale) * mla::kLog2e);
 }
 
-Status write_new_kv(const StepMeta& step, std::span<const float> new_kv, float kv_scale,
-                    bool reciprocal_scale, KvPool& pool, Injection injection) {
-  const std::string where = "write step " + step.group;
-  const int width = pool.row_width;
+namespace {
+
+// ---- the KV write -------------------------------------------------------------------------------
+
+// One new_kv row as the shared write rules read it (kv_write_code, src/backend/injection.hpp):
+// fp32 values (kvdump's new_kv may be float32), their bf16 bits where a rule needs them.
+struct FloatRowView {
+  const float* values;
+
+  float value(int col) const { return values[col]; }
+  std::uint16_t bf16_bits(int col) const { return bf16_from_float(values[col]); }
+};
+
+// new_kv holds one row of pool.row_width values per new_kv_slots entry, each slot in the pool.
+Status check_new_kv(const StepMeta& step, std::span<const float> new_kv, const KvPool& pool) {
+  const std::string where = fmt::format("write step {}", step.group);
   const std::size_t rows = step.new_kv_slots.size();
-  if (new_kv.size() != rows * static_cast<std::size_t>(width)) {
-    return bad_input(where, "new_kv has " + std::to_string(new_kv.size()) + " values, expected " +
-                                std::to_string(rows) + " rows of " + std::to_string(width));
+  if (new_kv.size() != rows * static_cast<std::size_t>(pool.row_width)) {
+    return bad_input(where, fmt::format("new_kv has {} values, expected {} rows of {}",
+                                        new_kv.size(), rows, pool.row_width));
   }
   for (std::size_t i = 0; i < rows; ++i) {
-    std::int64_t slot = step.new_kv_slots[i];
+    const std::int64_t slot = step.new_kv_slots[i];
     if (slot < 0 || slot >= pool.num_slots) {
-      return bad_input(where, "new_kv_slots[" + std::to_string(i) + "] = " + std::to_string(slot) +
-                                  " is outside the pool");
+      return bad_input(where, fmt::format("new_kv_slots[{}] = {} is outside the pool", i, slot));
     }
-    if (injection == Injection::kNeighbourSlotWrite) slot = (slot + 1) % pool.num_slots;
+  }
+  return ok_status();
+}
+
+// dst[c] = kv_write_code<rule>(values, c) for the row's `width` elements (an fp8 slot).
+void write_fp8_row(KvWriteRule rule, const float* values, int width, float kv_scale,
+                   std::uint8_t* dst) {
+  dispatch_kv_write_rule(rule, [&](auto kind) {
+    const FloatRowView row{values};
+    for (int c = 0; c < width; ++c) {
+      dst[c] = kv_write_code<decltype(kind)::value, HostE4m3Rounding>(row, c, kv_scale);
+    }
+  });
+}
+
+}  // namespace
+
+Status write_new_kv(const StepMeta& step, std::span<const float> new_kv, float kv_scale,
+                    bool reciprocal_scale, KvPool& pool, Injection injection) {
+  KVAUDIT_TRY(check_new_kv(step, new_kv, pool));
+  // The same rule and slot the CUDA write kernel applies (src/backend/injection.hpp).
+  const KvWriteRule rule = kv_write_rule_of(injection, reciprocal_scale);
+  const int slot_offset = kv_write_slot_offset(injection);
+  const int width = pool.row_width;
+  for (std::size_t i = 0; i < step.new_kv_slots.size(); ++i) {
+    std::int64_t slot = step.new_kv_slots[i];
+    if (slot_offset != 0) slot = (slot + slot_offset) % pool.num_slots;
     const float* values = new_kv.data() + i * width;
-    const bool fp8 = pool.dtype == KvDtype::kFloat8E4m3fn;
-    if (fp8 && injection == Injection::kBf16Writeback) {
-      // A bf16 row copied byte for byte into the fp8 slot: element c receives byte c of the
-      // little-endian bf16 row (low byte of value c/2 for even c, high byte for odd c).
-      std::uint8_t* dst = pool.row(slot);
-      for (int c = 0; c < width; ++c) {
-        const std::uint16_t bits = bf16_from_float(values[c / 2]);
-        dst[c] = static_cast<std::uint8_t>(c % 2 == 0 ? bits & 0xFF : bits >> 8);
-      }
-    } else if (fp8 && (injection == Injection::kRoundTowardZero ||
-                       injection == Injection::kNoSaturation)) {
-      std::uint8_t* dst = pool.row(slot);
-      for (int c = 0; c < width; ++c) {
-        dst[c] = kvdump_quantize_injected(values[c], kv_scale, injection);
-      }
-    } else if (fp8 && reciprocal_scale) {
-      std::uint8_t* dst = pool.row(slot);
-      for (int c = 0; c < width; ++c) dst[c] = kvdump_quantize_reciprocal(values[c], kv_scale);
+    if (pool.dtype == KvDtype::kFloat8E4m3fn) {
+      write_fp8_row(rule, values, width, kv_scale, pool.row(slot));
     } else {
-      pool.write_row(slot, values, kv_scale);
+      pool.write_row(slot, values, kv_scale);  // a bf16 pool stores the bf16 bits of v
     }
   }
   return ok_status();
