@@ -9,6 +9,8 @@
 
 #include <cstdint>
 
+#include "kernels/ptx.cuh"
+
 namespace kvaudit::cuda::detail {
 
 // The kvdump write rule on the device: e4m3_rne_satfinite(value / kv_scale), one IEEE fp32
@@ -18,19 +20,33 @@ __device__ __forceinline__ std::uint8_t kvdump_quantize_device(float value, floa
   return __nv_cvt_float_to_fp8(__fdiv_rn(value, kv_scale), __NV_SATFINITE, __NV_E4M3);
 }
 
+// The harness's named --reciprocal-scale option on the device: value * fp32(1 / kv_scale) (IEEE
+// division for the reciprocal, then one fp32 product), then the same satfinite conversion, as the
+// host's kvdump_quantize_reciprocal.
+__device__ __forceinline__ std::uint8_t kvdump_quantize_reciprocal_device(float value,
+                                                                          float kv_scale) {
+  return __nv_cvt_float_to_fp8(value * __fdiv_rn(1.0f, kv_scale), __NV_SATFINITE, __NV_E4M3);
+}
+
+// The two kvdump roundings for the write rules shared with the host (kv_write_code in
+// src/backend/injection.hpp): the device's cvt.rn.satfinite.e4m3x2.f32 where the host uses the
+// software codec (HostE4m3Rounding); tests/core/test_fp8_e4m3_cuda.cu shows they agree.
+struct DeviceE4m3Rounding {
+  __device__ __forceinline__ static std::uint8_t divide(float value, float kv_scale) {
+    return kvdump_quantize_device(value, kv_scale);
+  }
+  __device__ __forceinline__ static std::uint8_t reciprocal(float value, float kv_scale) {
+    return kvdump_quantize_reciprocal_device(value, kv_scale);
+  }
+};
+
 // Two e4m3 codes (low byte first) -> two bf16 (low half first), exactly: e4m3 -> f16 is exact
 // (cvt.rn.f16x2.e4m3x2), f16 -> f32 exact, and every e4m3 value is a bf16 value, so the final
 // rounding is exact too. NaN codes stay NaN.
 __device__ __forceinline__ std::uint32_t e4m3x2_to_bf16x2(std::uint16_t codes) {
-  std::uint32_t halves;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(halves) : "h"(codes));
   float lo, hi;
-  asm("{ .reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;\n}\n"
-      : "=f"(lo), "=f"(hi)
-      : "r"(halves));
-  std::uint32_t out;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(out) : "f"(hi), "f"(lo));
-  return out;
+  ptx::cvt_f32_f16x2(ptx::cvt_rn_f16x2_e4m3x2(codes), lo, hi);
+  return ptx::cvt_rn_bf16x2_f32(lo, hi);
 }
 
 __device__ __forceinline__ uint2 e4m3x4_to_bf16x4(std::uint32_t codes) {

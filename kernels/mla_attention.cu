@@ -10,6 +10,9 @@
 // block, 4 warps per m16 tile), ceil(H / 32) head blocks.
 // Split-KV (flash-decoding): when rows * head_blocks alone leaves SMs idle, each row's tiles are
 // split over several blocks and mla_merge_kernel combines the partial (out, lse) exactly.
+// Runtime -> compile-time dispatch happens here only, one axis at a time (pool element, m16 tiles
+// per block; the write rule through dispatch_kv_write_rule), each with a default that is
+// `unsupported`.
 //
 // Measured on an H200 (driver 580.159.04, CUDA 13.0; kvaudit bench, L2 evicted between launches,
 // device-to-device copy ~4250 GB/s in the same run): decode B=64, ctx=8192, H=16, page 64:
@@ -26,6 +29,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <type_traits>
 
 #include "kernels/mla_attention.cuh"
 #include "kernels/mla_attention_cuda.hpp"
@@ -73,9 +77,7 @@ LaunchShape launch_shape(const MlaAttentionProblem& problem) {
   const long long base = static_cast<long long>(problem.num_rows) * shape.head_blocks;
   const int max_tiles =
       std::max(1, (problem.max_kv_len + mla::kKvTileTokens - 1) / mla::kKvTileTokens);
-  const int blocks_per_sm = shape.m_tiles == 1 ? detail::MlaSmemLayout<1, false>::kBlocksPerSm
-                                               : detail::MlaSmemLayout<2, false>::kBlocksPerSm;
-  const long long slots = static_cast<long long>(device_multiprocessors()) * blocks_per_sm;
+  const long long slots = static_cast<long long>(device_multiprocessors()) * detail::kBlocksPerSm;
   if (base <= 0 || base >= slots) return shape;
   long long best_cost = -1;
   for (int s = 1; s <= max_tiles && s <= slots; ++s) {
@@ -119,6 +121,39 @@ float score_scale_of(const MlaAttentionProblem& problem) {
                             static_cast<double>(problem.kv_scale) * mla::kLog2e);
 }
 
+// ---- runtime -> compile-time dispatch, one axis at a time (FlashInfer DISPATCH_*) -------------
+// Each calls `launch` with the axis' value as a compile-time constant; a value without a kernel
+// is `unsupported`, never a launch of the wrong instantiation.
+
+// Pool element: the FP8 pool read directly, or a bf16 pool (cuda-cast-bf16, fp8-read-as-bf16).
+template <typename Launch>
+Status dispatch_pool_element(PoolElement element, Launch&& launch) {
+  switch (element) {
+    case PoolElement::kFp8E4m3:
+      return launch(std::bool_constant<false>{});
+    case PoolElement::kBf16:
+      return launch(std::bool_constant<true>{});
+  }
+  return unsupported(kWhere,
+                     "no kernel for pool element " + std::to_string(static_cast<int>(element)));
+}
+
+// m16 tiles of heads per block: 1 (H <= 16) or 2 (32 heads per block).
+template <typename Launch>
+Status dispatch_m_tiles(int m_tiles, Launch&& launch) {
+  switch (m_tiles) {
+    case 1:
+      return launch(std::integral_constant<int, 1>{});
+    case 2:
+      return launch(std::integral_constant<int, 2>{});
+    default:
+      return unsupported(kWhere,
+                         "no kernel for " + std::to_string(m_tiles) + " m16 tiles per block");
+  }
+}
+
+// ---- launches ----------------------------------------------------------------------------------
+
 // The shared-memory opt-in of one instantiation, with the device's limit checked first: sm_89 and
 // sm_120 allow 99 KiB per block, less than a tile needs, which is unsupported rather than an
 // internal error (the H100/H200/B200 class allows 227 KiB).
@@ -155,24 +190,29 @@ Status launch_attention_kernel(const detail::MlaAttentionParams& params, long lo
   return cuda_status(cudaGetLastError(), "mla_attention_kernel launch");
 }
 
-}  // namespace
-
-std::size_t mla_attention_workspace_bytes(const MlaAttentionProblem& problem) {
-  if (!check_problem(problem).ok()) return 0;
-  const LaunchShape shape = launch_shape(problem);
-  if (shape.num_splits <= 1) return 0;
-  const std::size_t partial_rows = static_cast<std::size_t>(problem.num_rows) *
-                                   static_cast<std::size_t>(shape.num_splits) *
-                                   static_cast<std::size_t>(problem.num_heads);
-  return partial_rows * (mla::kKvLoraRank + 1) * sizeof(float);
+Status launch_merge_kernel(const detail::MlaAttentionParams& attention, cudaStream_t stream) {
+  detail::MlaMergeParams params{};
+  params.partial_out = attention.partial_out;
+  params.partial_lse = attention.partial_lse;
+  params.out = attention.out;
+  params.lse = attention.lse;
+  params.num_heads = attention.num_heads;
+  params.num_splits = attention.num_splits;
+  params.kv_scale = attention.kv_scale;
+  const long long blocks = static_cast<long long>(attention.num_rows) * attention.num_heads;
+  detail::mla_merge_kernel<<<static_cast<unsigned>(blocks), detail::kMergeThreads,
+                             static_cast<std::size_t>(params.num_splits) * sizeof(float), stream>>>(
+      params);
+  return cuda_status(cudaGetLastError(), "mla_merge_kernel launch");
 }
 
-Status launch_mla_attention(const MlaAttentionProblem& problem, void* workspace,
-                            std::size_t workspace_bytes, cudaStream_t stream) {
-  KVAUDIT_TRY(check_problem(problem));
-  if (problem.num_rows == 0 || problem.batch == 0) return ok_status();
-  const LaunchShape shape = launch_shape(problem);
+std::size_t partial_rows(const MlaAttentionProblem& problem, const LaunchShape& shape) {
+  return static_cast<std::size_t>(problem.num_rows) * static_cast<std::size_t>(shape.num_splits) *
+         static_cast<std::size_t>(problem.num_heads);
+}
 
+detail::MlaAttentionParams attention_params(const MlaAttentionProblem& problem,
+                                            const LaunchShape& shape) {
   detail::MlaAttentionParams params{};
   params.qo_indptr = problem.qo_indptr;
   params.kv_indptr = problem.kv_indptr;
@@ -192,52 +232,65 @@ Status launch_mla_attention(const MlaAttentionProblem& problem, void* workspace,
   params.q_pe = problem.q_pe;
   params.out = problem.out;
   params.lse = problem.lse;
-  if (shape.num_splits > 1) {
-    const std::size_t needed = mla_attention_workspace_bytes(problem);
-    if (workspace == nullptr || workspace_bytes < needed) {
-      return internal_error(kWhere, "workspace of " + std::to_string(workspace_bytes) +
-                                        " bytes, need " + std::to_string(needed));
-    }
-    const std::size_t partial_rows = static_cast<std::size_t>(problem.num_rows) *
-                                     static_cast<std::size_t>(shape.num_splits) *
-                                     static_cast<std::size_t>(problem.num_heads);
-    params.partial_out = static_cast<float*>(workspace);
-    params.partial_lse = params.partial_out + partial_rows * mla::kKvLoraRank;
-  }
+  return params;
+}
 
+// Split-KV: the partial (out, lse) live in the caller's workspace, [rows, splits, H, Dc] fp32
+// then [rows, splits, H] fp32.
+Status assign_workspace(const MlaAttentionProblem& problem, const LaunchShape& shape,
+                        void* workspace, std::size_t workspace_bytes,
+                        detail::MlaAttentionParams& params) {
+  const std::size_t needed = mla_attention_workspace_bytes(problem);
+  if (workspace == nullptr || workspace_bytes < needed) {
+    return internal_error(kWhere, "workspace of " + std::to_string(workspace_bytes) +
+                                      " bytes, need " + std::to_string(needed));
+  }
+  params.partial_out = static_cast<float*>(workspace);
+  params.partial_lse = params.partial_out + partial_rows(problem, shape) * mla::kKvLoraRank;
+  return ok_status();
+}
+
+// The grid-stride kernels (KV write, pool cast): 256 threads per block, grids capped at 65,535
+// blocks (write) and 16 blocks per SM of an H100/H200 (cast).
+constexpr int kElementwiseThreads = 256;
+constexpr long long kMaxWriteBlocks = 65535;
+constexpr long long kMaxCastBlocks = 132LL * 16;
+
+long long elementwise_blocks(long long elements, long long max_blocks) {
+  return std::min<long long>((elements + kElementwiseThreads - 1) / kElementwiseThreads,
+                             max_blocks);
+}
+
+}  // namespace
+
+std::size_t mla_attention_workspace_bytes(const MlaAttentionProblem& problem) {
+  if (!check_problem(problem).ok()) return 0;
+  const LaunchShape shape = launch_shape(problem);
+  if (shape.num_splits <= 1) return 0;
+  return partial_rows(problem, shape) * (mla::kKvLoraRank + 1) * sizeof(float);
+}
+
+Status launch_mla_attention(const MlaAttentionProblem& problem, void* workspace,
+                            std::size_t workspace_bytes, cudaStream_t stream) {
+  KVAUDIT_TRY(check_problem(problem));
+  if (problem.num_rows == 0 || problem.batch == 0) return ok_status();
+  const LaunchShape shape = launch_shape(problem);
+  detail::MlaAttentionParams params = attention_params(problem, shape);
+  if (shape.num_splits > 1) {
+    KVAUDIT_TRY(assign_workspace(problem, shape, workspace, workspace_bytes, params));
+  }
   const long long blocks =
       static_cast<long long>(problem.num_rows) * shape.head_blocks * shape.num_splits;
   if (blocks > 0x7FFFFFFFLL) {
     return unsupported(kWhere, "grid of " + std::to_string(blocks) + " blocks");
   }
-  // Runtime -> compile-time dispatch: (pool element, m16 tiles per block).
-  const bool bf16_pool = problem.pool_element == PoolElement::kBf16;
-  const int key = (bf16_pool ? 10 : 0) + shape.m_tiles;
-  switch (key) {
-    case 1:
-      KVAUDIT_TRY((launch_attention_kernel<1, false>(params, blocks, stream)));
-      break;
-    case 2:
-      KVAUDIT_TRY((launch_attention_kernel<2, false>(params, blocks, stream)));
-      break;
-    case 11:
-      KVAUDIT_TRY((launch_attention_kernel<1, true>(params, blocks, stream)));
-      break;
-    case 12:
-      KVAUDIT_TRY((launch_attention_kernel<2, true>(params, blocks, stream)));
-      break;
-    default:
-      return unsupported(kWhere, "no kernel for pool element " +
-                                     std::string(bf16_pool ? "bf16" : "e4m3") + " with " +
-                                     std::to_string(shape.m_tiles) + " m16 tiles per block");
-  }
-  if (shape.num_splits > 1) {
-    detail::mla_merge_kernel<<<
-        static_cast<unsigned>(static_cast<long long>(problem.num_rows) * problem.num_heads),
-        detail::kMergeThreads, static_cast<std::size_t>(shape.num_splits) * sizeof(float),
-        stream>>>(params);
-    KVAUDIT_TRY(cuda_status(cudaGetLastError(), "mla_merge_kernel launch"));
-  }
+  KVAUDIT_TRY(dispatch_pool_element(problem.pool_element, [&](auto bf16_pool) {
+    return dispatch_m_tiles(shape.m_tiles, [&](auto m_tiles) {
+      return launch_attention_kernel<decltype(m_tiles)::value, decltype(bf16_pool)::value>(
+          params, blocks, stream);
+    });
+  }));
+  if (shape.num_splits > 1) KVAUDIT_TRY(launch_merge_kernel(params, stream));
   return ok_status();
 }
 
@@ -245,15 +298,20 @@ Status launch_kv_write(const std::uint16_t* new_kv, const std::int32_t* new_kv_s
                        int row_width, float kv_scale, PoolElement pool_element, void* pool,
                        cudaStream_t stream) {
   if (num_rows <= 0 || row_width <= 0) return ok_status();
-  const long long total = static_cast<long long>(num_rows) * row_width;
-  const int threads = 256;
-  const long long blocks = std::min<long long>((total + threads - 1) / threads, 65535);
+  const long long blocks =
+      elementwise_blocks(static_cast<long long>(num_rows) * row_width, kMaxWriteBlocks);
   if (pool_element == PoolElement::kFp8E4m3) {
-    detail::kv_write_fp8_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
-        new_kv, new_kv_slots, num_rows, row_width, kv_scale, static_cast<std::uint8_t*>(pool));
+    const detail::KvWriteParams<std::uint8_t> params{
+        new_kv, new_kv_slots, num_rows, row_width, kv_scale, static_cast<std::uint8_t*>(pool), 0,
+        0};
+    detail::kv_write_fp8_kernel<KvWriteRule::kDivide, false>
+        <<<static_cast<unsigned>(blocks), kElementwiseThreads, 0, stream>>>(params);
   } else {
-    detail::kv_write_bf16_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
-        new_kv, new_kv_slots, num_rows, row_width, static_cast<std::uint16_t*>(pool));
+    const detail::KvWriteParams<std::uint16_t> params{
+        new_kv, new_kv_slots, num_rows, row_width, kv_scale, static_cast<std::uint16_t*>(pool), 0,
+        0};
+    detail::kv_write_bf16_kernel<<<static_cast<unsigned>(blocks), kElementwiseThreads, 0, stream>>>(
+        params);
   }
   return cuda_status(cudaGetLastError(), "kv_write kernel launch");
 }
@@ -264,23 +322,26 @@ Status launch_kv_write_rule(const std::uint16_t* new_kv, const std::int32_t* new
                             cudaStream_t stream) {
   if (num_rows <= 0 || row_width <= 0) return ok_status();
   if (num_slots <= 0) return internal_error(kWhere, "kv write into an empty pool");
-  const long long total = static_cast<long long>(num_rows) * row_width;
-  const int threads = 256;
-  const long long blocks = std::min<long long>((total + threads - 1) / threads, 65535);
-  detail::kv_write_fp8_rule_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
-      new_kv, new_kv_slots, num_rows, row_width, kv_scale, pool, num_slots, static_cast<int>(rule),
-      slot_offset);
+  const long long blocks =
+      elementwise_blocks(static_cast<long long>(num_rows) * row_width, kMaxWriteBlocks);
+  const detail::KvWriteParams<std::uint8_t> params{new_kv,   new_kv_slots, num_rows,  row_width,
+                                                   kv_scale, pool,         num_slots, slot_offset};
+  dispatch_kv_write_rule(rule, [&](auto kind) {
+    detail::kv_write_fp8_kernel<decltype(kind)::value, true>
+        <<<static_cast<unsigned>(blocks), kElementwiseThreads, 0, stream>>>(params);
+  });
   return cuda_status(cudaGetLastError(), "kv_write_rule kernel launch");
 }
 
 Status launch_cast_pool_to_bf16(const std::uint8_t* pool, std::int64_t num_elements,
                                 std::uint16_t* pool_bf16, cudaStream_t stream) {
   if (num_elements <= 0) return ok_status();
-  const int threads = 256;
-  const long long blocks =
-      std::min<long long>((num_elements / 4 + threads - 1) / threads + 1, 132LL * 16);
-  detail::cast_pool_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
-      pool, num_elements, pool_bf16);
+  // + 1: at least one block, also for a pool of fewer than 4 elements (the tail loop only).
+  const long long blocks = std::min<long long>(
+      (num_elements / 4 + kElementwiseThreads - 1) / kElementwiseThreads + 1, kMaxCastBlocks);
+  const detail::CastPoolParams params{pool, num_elements, pool_bf16};
+  detail::cast_pool_kernel<<<static_cast<unsigned>(blocks), kElementwiseThreads, 0, stream>>>(
+      params);
   return cuda_status(cudaGetLastError(), "cast_pool kernel launch");
 }
 

@@ -44,6 +44,21 @@
 //   * the final bf16 rounding of out can then land on the neighbouring bf16 value (1 bf16 ulp).
 //   * nvcc contracts l = l * alpha + tile_sum into one FMA (-fmad=true), where the model rounds
 //     the product and the sum separately: ~2^-24 relative in l, inside the fp32 terms above.
+//
+// The attention kernel body reads as the algorithm; each step is a __device__ __forceinline__
+// phase below (inlined: the phases are names, not calls):
+//   locate_block          which row, heads and tiles this block owns
+//   stage_q               Q [kRows, 576] bf16 into shared memory
+//   start_fp8_prefetch    slot tables of the first two tiles, first FP8 tile into registers
+//   load_q_fragments      (one m16 tile) Q's A fragments into registers, once per block
+//   per 64-token tile:
+//     stage_fp8_tile      decode the fetched FP8 rows into the bf16 tile, fetch the next tile
+//     stage_bf16_tile     (bf16 pool) cp.async the bf16 rows into the tile
+//     qk_scores_*         S = Q K^T (mma.sync), two variants of the warp tiling
+//     online_softmax_update  scale, mask, block row max, P = exp2(s - m) in bf16, l, rescale acc
+//     pv_mma              acc += P V (mma.sync, V = the tile's first 512 columns)
+//   write_attention_output  out and lse, or the split's partial (out, lse)
+// and mla_merge_kernel: load_split_weights, sum_split_group, write_merged_row.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -54,6 +69,7 @@
 
 #include "kernels/fp8_e4m3_device.cuh"
 #include "kernels/mla_attention_model.hpp"
+#include "kernels/ptx.cuh"
 #include "src/backend/injection.hpp"
 #include "src/core/fp8_e4m3.hpp"
 
@@ -74,7 +90,16 @@ inline constexpr int kPRow = kTile + 8;  // bf16 elements per row of P (144 byte
 inline constexpr int kSRow = kTile + 8;
 inline constexpr int kFp8RowVectors = kD / 16;       // 36 16-byte vectors per FP8 row
 inline constexpr int kBf16RowVectors = kD * 2 / 16;  // 72 per bf16 row
+// 16-byte FP8 loads per thread and tile (9): vector v = tid + k * kThreads of a tile.
+inline constexpr int kFp8VectorsPerThread = kTile * kFp8RowVectors / kThreads;
+static_assert(kTile * kFp8RowVectors % kThreads == 0, "FP8 tile split over the threads");
+// One block per SM: with one m16 tile the kernel holds Q fragments in registers (up to 255 per
+// thread); two blocks of ~106 KB fit the shared memory but measured no faster.
+inline constexpr int kBlocksPerSm = 1;
 
+// ---- parameters, one struct per kernel ---------------------------------------------------------
+
+// mla_attention_kernel: one block per (query row, block of 16 * kMTiles heads, split).
 struct MlaAttentionParams {
   using QElement = std::uint16_t;  // bf16 bits
   using OutElement = std::uint16_t;
@@ -101,7 +126,47 @@ struct MlaAttentionParams {
   float* partial_lse;
 };
 
-// Shared-memory carve-up of one block; the launcher sizes the dynamic allocation with it.
+// mla_merge_kernel: one block per (query row, head), combining the num_splits partials.
+struct MlaMergeParams {
+  using OutElement = std::uint16_t;  // bf16 bits
+
+  const float* partial_out;  // [num_rows, num_splits, H, Dc] fp32 (acc / l)
+  const float* partial_lse;  // [num_rows, num_splits, H] fp32 (base 2; -inf: empty split)
+  OutElement* out;           // [num_rows, H, Dc]
+  float* lse;                // [num_rows, H] (natural log)
+  int num_heads;
+  int num_splits;
+  float kv_scale;
+};
+
+// kv_write_fp8_kernel / kv_write_bf16_kernel: a grid-stride loop over [num_rows, row_width].
+template <typename PoolElementT>
+struct KvWriteParams {
+  using InElement = std::uint16_t;   // new_kv: bf16 bits
+  using PoolElement = PoolElementT;  // e4m3 code (std::uint8_t) or bf16 bits (std::uint16_t)
+
+  const InElement* new_kv;    // [num_rows, row_width]
+  const std::int32_t* slots;  // [num_rows]
+  int num_rows;
+  int row_width;
+  float kv_scale;
+  PoolElement* pool;       // [num_slots, row_width]
+  std::int64_t num_slots;  // kv_write_fp8_kernel<kRule, kWrapSlot = true> only
+  int slot_offset;         // fault neighbour-slot-write: 1 writes slot (s + 1) mod num_slots
+};
+
+// cast_pool_kernel: every element of the pool.
+struct CastPoolParams {
+  using PoolElement = std::uint8_t;  // e4m3 code
+  using OutElement = std::uint16_t;  // bf16 bits
+
+  const PoolElement* pool;  // [num_elements]
+  std::int64_t num_elements;
+  OutElement* pool_bf16;  // [num_elements]
+};
+
+// Shared-memory carve-up of one attention block; the launcher sizes the dynamic allocation with
+// it.
 template <int kMTiles, bool kBf16Pool>
 struct MlaSmemLayout {
   static constexpr int kRows = 16 * kMTiles;
@@ -115,142 +180,74 @@ struct MlaSmemLayout {
   static constexpr int kSPartOffset = kSumOffset + kRows * kWarpsPerMTile * 4;
   static constexpr int kSlotOffset = kSPartOffset + (kMTiles == 1 ? 2 * 16 * kSRow * 4 : 0);
   static constexpr int kBytes = kSlotOffset + 2 * kTile * 4;  // two tiles' slot tables
-  // One block per SM: with one m16 tile the kernel holds Q fragments in registers (up to 255 per
-  // thread); two blocks of ~106 KB fit the shared memory but measured no faster.
-  static constexpr int kBlocksPerSm = 1;
   static_assert(kBytes <= 227 * 1024, "shared memory of one block exceeds the sm_90 limit");
 };
 
-// ---- small device primitives ------------------------------------------------------------------
-
-__device__ __forceinline__ std::uint32_t smem_address(const void* pointer) {
-  return static_cast<std::uint32_t>(__cvta_generic_to_shared(pointer));
-}
-
-__device__ __forceinline__ void cp_async_16(std::uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&r)[4], std::uint32_t address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(std::uint32_t (&r)[4], std::uint32_t address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address));
-}
-
-// d += a * b, m16n8k16, bf16 operands, fp32 accumulators.
-__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const std::uint32_t (&a)[4],
-                                               std::uint32_t b0, std::uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ std::uint32_t pack_bf16x2(float lo, float hi) {
-  std::uint32_t out;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(out) : "f"(hi), "f"(lo));
-  return out;
-}
-
 // ---- KV write and pool cast -------------------------------------------------------------------
 
-// pool[slots[i], c] = kvdump_quantize_device(new_kv[i, c], kv_scale).
-__global__ void kv_write_fp8_kernel(const std::uint16_t* __restrict__ new_kv,
-                                    const std::int32_t* __restrict__ slots, int num_rows,
-                                    int row_width, float kv_scale,
-                                    std::uint8_t* __restrict__ pool) {
-  const std::int64_t total = static_cast<std::int64_t>(num_rows) * row_width;
+// The elementwise kernels read their inputs through __ldg (ld.global.nc): the inputs are read-only
+// for the kernel's lifetime, which a params struct cannot state with __restrict__.
+
+// One new_kv row as the shared write rules read it (kv_write_code, src/backend/injection.hpp):
+// bf16 bits in device memory, widened exactly to fp32.
+struct Bf16RowView {
+  const std::uint16_t* bits;
+
+  __device__ __forceinline__ float value(int col) const {
+    return __uint_as_float(static_cast<std::uint32_t>(__ldg(bits + col)) << 16);
+  }
+  __device__ __forceinline__ std::uint16_t bf16_bits(int col) const { return __ldg(bits + col); }
+};
+
+// pool[slot_i, c] = kv_write_code<kRule>(new_kv[i, :], c), slot_i = slots[i], or with kWrapSlot
+// (slots[i] + slot_offset) mod num_slots: the kvdump rule (kDivide, what launch_kv_write runs),
+// the --reciprocal-scale option and the write faults, each case written once in
+// src/backend/injection.hpp for this kernel and the CPU model.
+template <KvWriteRule kRule, bool kWrapSlot>
+__global__ void kv_write_fp8_kernel(const __grid_constant__ KvWriteParams<std::uint8_t> p) {
+  const std::int64_t total = static_cast<std::int64_t>(p.num_rows) * p.row_width;
   for (std::int64_t e = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; e < total;
        e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const std::int64_t row = e / row_width;
-    const int col = static_cast<int>(e - row * row_width);
-    const float value = __uint_as_float(static_cast<std::uint32_t>(new_kv[e]) << 16);
-    pool[static_cast<std::int64_t>(slots[row]) * row_width + col] =
-        kvdump_quantize_device(value, kv_scale);
+    const std::int64_t row = e / p.row_width;
+    const int col = static_cast<int>(e - row * p.row_width);
+    const Bf16RowView new_row{p.new_kv + row * p.row_width};
+    const std::uint8_t code = kv_write_code<kRule, DeviceE4m3Rounding>(new_row, col, p.kv_scale);
+    std::int64_t slot = __ldg(p.slots + row);
+    if constexpr (kWrapSlot) slot = (slot + p.slot_offset) % p.num_slots;
+    p.pool[slot * p.row_width + col] = code;
   }
 }
 
-__global__ void kv_write_bf16_kernel(const std::uint16_t* __restrict__ new_kv,
-                                     const std::int32_t* __restrict__ slots, int num_rows,
-                                     int row_width, std::uint16_t* __restrict__ pool) {
-  const std::int64_t total = static_cast<std::int64_t>(num_rows) * row_width;
+// pool[slots[i], c] = new_kv[i, c]: a bf16 pool stores the bf16 bits unchanged.
+__global__ void kv_write_bf16_kernel(const __grid_constant__ KvWriteParams<std::uint16_t> p) {
+  const std::int64_t total = static_cast<std::int64_t>(p.num_rows) * p.row_width;
   for (std::int64_t e = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; e < total;
        e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const std::int64_t row = e / row_width;
-    const int col = static_cast<int>(e - row * row_width);
-    pool[static_cast<std::int64_t>(slots[row]) * row_width + col] = new_kv[e];
-  }
-}
-
-// pool[(slots[i] + slot_offset) mod num_slots, c] = rule(new_kv[i, c]): the write rules other than
-// kvdump's (KvWriteRule in kernels/mla_attention_cuda.hpp; rule values as that enum).
-__global__ void kv_write_fp8_rule_kernel(const std::uint16_t* __restrict__ new_kv,
-                                         const std::int32_t* __restrict__ slots, int num_rows,
-                                         int row_width, float kv_scale,
-                                         std::uint8_t* __restrict__ pool, std::int64_t num_slots,
-                                         int rule, int slot_offset) {
-  const std::int64_t total = static_cast<std::int64_t>(num_rows) * row_width;
-  for (std::int64_t e = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; e < total;
-       e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const std::int64_t row = e / row_width;
-    const int col = static_cast<int>(e - row * row_width);
-    const float value = __uint_as_float(static_cast<std::uint32_t>(new_kv[e]) << 16);
-    std::uint8_t code;
-    switch (rule) {
-      case 1:
-        code = __nv_cvt_float_to_fp8(value * __fdiv_rn(1.0f, kv_scale), __NV_SATFINITE, __NV_E4M3);
-        break;
-      case 2:
-        code = kvdump_quantize_injected(value, kv_scale, Injection::kRoundTowardZero);
-        break;
-      case 3:
-        code = kvdump_quantize_injected(value, kv_scale, Injection::kNoSaturation);
-        break;
-      case 4: {
-        const std::uint16_t bits = new_kv[row * row_width + col / 2];
-        code = static_cast<std::uint8_t>(col % 2 == 0 ? bits & 0xFF : bits >> 8);
-        break;
-      }
-      default:
-        code = kvdump_quantize_device(value, kv_scale);
-    }
-    const std::int64_t slot = (static_cast<std::int64_t>(slots[row]) + slot_offset) % num_slots;
-    pool[slot * row_width + col] = code;
+    const std::int64_t row = e / p.row_width;
+    const int col = static_cast<int>(e - row * p.row_width);
+    p.pool[static_cast<std::int64_t>(__ldg(p.slots + row)) * p.row_width + col] =
+        __ldg(p.new_kv + e);
   }
 }
 
 // pool_bf16[e] = bf16(decode(pool[e])), every element of the pool (the whole-pool cast).
-__global__ void cast_pool_kernel(const std::uint8_t* __restrict__ pool, std::int64_t num_elements,
-                                 std::uint16_t* __restrict__ pool_bf16) {
-  const std::int64_t vectors = num_elements / 4;
+__global__ void cast_pool_kernel(const __grid_constant__ CastPoolParams p) {
+  const std::int64_t vectors = p.num_elements / 4;
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   for (std::int64_t v = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
        v < vectors; v += stride) {
-    const std::uint32_t codes = reinterpret_cast<const std::uint32_t*>(pool)[v];
+    const std::uint32_t codes = __ldg(reinterpret_cast<const std::uint32_t*>(p.pool) + v);
     const uint2 r = e4m3x4_to_bf16x4(codes);
-    reinterpret_cast<uint2*>(pool_bf16)[v] = make_uint2(r.x, r.y);
+    reinterpret_cast<uint2*>(p.pool_bf16)[v] = make_uint2(r.x, r.y);
   }
   for (std::int64_t e =
            vectors * 4 + blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
-       e < num_elements; e += stride) {
-    pool_bf16[e] = static_cast<std::uint16_t>(e4m3x2_to_bf16x2(pool[e]) & 0xFFFF);
+       e < p.num_elements; e += stride) {
+    p.pool_bf16[e] = static_cast<std::uint16_t>(e4m3x2_to_bf16x2(__ldg(p.pool + e)) & 0xFFFF);
   }
 }
 
-// ---- attention --------------------------------------------------------------------------------
+// ---- attention: where a block works ------------------------------------------------------------
 
 struct RowRange {
   int request;
@@ -288,376 +285,627 @@ __device__ __forceinline__ std::int32_t slot_of(const MlaAttentionParams& p, con
   return page * p.page_size + position % p.page_size;
 }
 
-// grid: num_rows * head_blocks * num_splits blocks (split fastest), kThreads threads.
-template <int kMTiles, bool kBf16Pool>
-__global__ void __launch_bounds__(kThreads, (MlaSmemLayout<kMTiles, kBf16Pool>::kBlocksPerSm))
-    mla_attention_kernel(const __grid_constant__ MlaAttentionParams p) {
-  using Layout = MlaSmemLayout<kMTiles, kBf16Pool>;
-  constexpr int kRows = Layout::kRows;
-  constexpr int kWn = Layout::kWarpsPerMTile;                  // warps sharing one m16 tile
-  constexpr int kQkTiles = kTile / 8 / kWn;                    // n8 token tiles per warp in Q.K^T
-  constexpr int kPvTiles = kDc / 8 / kWn;                      // n8 dim tiles per warp in P.V
-  constexpr int kVectors = kTile * kFp8RowVectors / kThreads;  // 16-byte FP8 loads per thread
-  static_assert(kTile * kFp8RowVectors % kThreads == 0, "FP8 tile split over the threads");
-  static_assert(kQkTiles >= 1 && kPvTiles % 2 == 0, "warp tiling");
+// The work of one block: query row `row`, heads head0 .. head0 + kRows - 1, and the 64-token
+// tiles [tile_begin, tile_end) of the row's visible tokens (its split).
+struct AttentionBlock {
+  int row;
+  int split;
+  int head0;
+  RowRange range;
+  int tile_begin;
+  int tile_end;
+};
 
-  extern __shared__ __align__(128) unsigned char smem[];
-  std::uint16_t* q_s = reinterpret_cast<std::uint16_t*>(smem + Layout::kQOffset);
-  std::uint16_t* kv_s = reinterpret_cast<std::uint16_t*>(smem + Layout::kKvOffset);
-  std::uint16_t* p_s = reinterpret_cast<std::uint16_t*>(smem + Layout::kPOffset);
-  float* max_s = reinterpret_cast<float*>(smem + Layout::kMaxOffset);
-  float* sum_s = reinterpret_cast<float*>(smem + Layout::kSumOffset);
-  std::int32_t* slot_s = reinterpret_cast<std::int32_t*>(smem + Layout::kSlotOffset);
-  float* s_part_s = reinterpret_cast<float*>(smem + Layout::kSPartOffset);
-
-  const int tid = threadIdx.x;
-  const int warp = tid / 32;
-  const int lane = tid % 32;
-  const int mt = warp / kWn;  // this warp's m16 tile
-  const int wn = warp % kWn;  // its part of the tokens (Q.K^T) and of the dims (P.V)
-  const int group = lane / 4;
-  const int quad = lane % 4;
-
-  const int split = blockIdx.x % p.num_splits;
+// grid: num_rows * head_blocks * num_splits blocks, split fastest.
+template <int kRows>
+__device__ __forceinline__ AttentionBlock locate_block(const MlaAttentionParams& p) {
+  AttentionBlock b;
+  b.split = blockIdx.x % p.num_splits;
   const int head_block = (blockIdx.x / p.num_splits) % p.head_blocks;
-  const int row = blockIdx.x / (p.num_splits * p.head_blocks);
-  const int head0 = head_block * kRows;
-
-  const RowRange range = locate_row(p, row);
-  const int num_tiles = (range.visible + kTile - 1) / kTile;
+  b.row = blockIdx.x / (p.num_splits * p.head_blocks);
+  b.head0 = head_block * kRows;
+  b.range = locate_row(p, b.row);
+  const int num_tiles = (b.range.visible + kTile - 1) / kTile;
   const int tiles_per_split = (num_tiles + p.num_splits - 1) / p.num_splits;
-  const int tile_begin = split * tiles_per_split;
-  const int tile_end = min(num_tiles, tile_begin + tiles_per_split);
+  b.tile_begin = b.split * tiles_per_split;
+  b.tile_end = min(num_tiles, b.tile_begin + tiles_per_split);
+  return b;
+}
 
-  if (tile_begin >= tile_end) {  // an empty split (short row): it contributes nothing
-    if (p.num_splits > 1) {
-      for (int r = tid; r < kRows; r += kThreads) {
-        const int head = head0 + r;
-        if (head < p.num_heads) {
-          p.partial_lse[(static_cast<std::int64_t>(row) * p.num_splits + split) * p.num_heads +
-                        head] = -INFINITY;
-        }
+// Warp tiling of mla_attention_kernel for kMTiles m16 tiles of heads (M = 16 * kMTiles rows).
+template <int kMTiles>
+struct AttentionWarpTiling {
+  static constexpr int kWn = kWarps / kMTiles;      // warps sharing one m16 tile
+  static constexpr int kQkTiles = kTile / 8 / kWn;  // n8 token tiles per warp in Q.K^T
+  static constexpr int kPvTiles = kDc / 8 / kWn;    // n8 dim tiles per warp in P.V
+  static constexpr int kQkSteps = kD / 16 / 2;      // k16 steps per k half (one m16 tile: 18)
+  static_assert(kQkTiles >= 1 && kPvTiles % 2 == 0, "warp tiling");
+};
+
+// This thread's place in the tiling: warp (mt, wn) works on m16 tile mt and on slice wn of the
+// tokens (Q.K^T) and of the dims (P.V); in an mma fragment it holds rows group and group + 8,
+// columns 2 quad and 2 quad + 1 (kernels/ptx.cuh).
+struct ThreadRole {
+  int tid;
+  int lane;
+  int mt;  // this warp's m16 tile
+  int wn;  // its part of the tokens (Q.K^T) and of the dims (P.V)
+  int group;
+  int quad;
+};
+
+template <int kWn>
+__device__ __forceinline__ ThreadRole thread_role() {
+  ThreadRole t;
+  t.tid = threadIdx.x;
+  const int warp = t.tid / 32;
+  t.lane = t.tid % 32;
+  t.mt = warp / kWn;
+  t.wn = warp % kWn;
+  t.group = t.lane / 4;
+  t.quad = t.lane % 4;
+  return t;
+}
+
+// The block's shared memory (MlaSmemLayout), with the 32-bit addresses ldmatrix takes:
+//   q      : [kRows, kSmemRow] bf16   Q rows [q_nope (512) | q_pe (64)], zero past H
+//   kv     : [kTile, kSmemRow] bf16   the decoded KV tile: K for Q.K^T, its first 512 columns V
+//   p      : [kRows, kPRow] bf16      P of the tile
+//   max    : [kRows, kWn] fp32        each warp's row max of the tile's scores
+//   sum    : [kRows, kWn] fp32        each warp's row sum of the tile's p
+//   s_part : [2, 16, kSRow] fp32      (one m16 tile) partial scores of the two k halves
+//   slot   : [2, kTile] int32         (FP8 pool) slot tables of the next two tiles
+struct AttentionSmem {
+  std::uint16_t* q;
+  std::uint16_t* kv;
+  std::uint16_t* p;
+  float* max;
+  float* sum;
+  std::int32_t* slot;
+  float* s_part;
+  // 32-bit shared addresses of q, kv and p (ldmatrix operands), set by set_tile_addresses.
+  std::uint32_t q_address;
+  std::uint32_t kv_address;
+  std::uint32_t p_address;
+
+  __device__ __forceinline__ void set_tile_addresses() {
+    q_address = ptx::smem_address(q);
+    kv_address = ptx::smem_address(kv);
+    p_address = ptx::smem_address(p);
+  }
+};
+
+template <typename Layout>
+__device__ __forceinline__ AttentionSmem carve_attention_smem(unsigned char* smem) {
+  AttentionSmem s;
+  s.q = reinterpret_cast<std::uint16_t*>(smem + Layout::kQOffset);
+  s.kv = reinterpret_cast<std::uint16_t*>(smem + Layout::kKvOffset);
+  s.p = reinterpret_cast<std::uint16_t*>(smem + Layout::kPOffset);
+  s.max = reinterpret_cast<float*>(smem + Layout::kMaxOffset);
+  s.sum = reinterpret_cast<float*>(smem + Layout::kSumOffset);
+  s.slot = reinterpret_cast<std::int32_t*>(smem + Layout::kSlotOffset);
+  s.s_part = reinterpret_cast<float*>(smem + Layout::kSPartOffset);
+  return s;
+}
+
+// An empty split (a row shorter than the split's first tile) contributes nothing: its partial
+// lse is -inf, which the merge skips.
+template <int kRows>
+__device__ __forceinline__ void write_empty_split(const MlaAttentionParams& p,
+                                                  const AttentionBlock& b, int tid) {
+  if (p.num_splits > 1) {
+    for (int r = tid; r < kRows; r += kThreads) {
+      const int head = b.head0 + r;
+      if (head < p.num_heads) {
+        p.partial_lse[(static_cast<std::int64_t>(b.row) * p.num_splits + b.split) * p.num_heads +
+                      head] = -INFINITY;
       }
     }
-    return;
   }
+}
 
-  // Stage Q (bf16) for this block's heads: rows [q_nope (512) | q_pe (64)], zero past H.
+// ---- attention: staging Q and KV tiles ---------------------------------------------------------
+
+// Q (bf16) for this block's heads: rows [q_nope (512) | q_pe (64)], zero past H.
+template <int kRows>
+__device__ __forceinline__ void stage_q(const MlaAttentionParams& p, const AttentionBlock& b,
+                                        int tid, std::uint16_t* q_s) {
   for (int v = tid; v < kRows * kBf16RowVectors; v += kThreads) {
     const int r = v / kBf16RowVectors;
     const int c = (v % kBf16RowVectors) * 8;  // element column
-    const int head = head0 + r;
+    const int head = b.head0 + r;
     uint4 value = make_uint4(0, 0, 0, 0);
     if (head < p.num_heads) {
-      const std::int64_t qrow = static_cast<std::int64_t>(row) * p.num_heads + head;
+      const std::int64_t qrow = static_cast<std::int64_t>(b.row) * p.num_heads + head;
       value = c < kDc ? *reinterpret_cast<const uint4*>(p.q_nope + qrow * kDc + c)
                       : *reinterpret_cast<const uint4*>(p.q_pe + qrow * kDr + (c - kDc));
     }
     *reinterpret_cast<uint4*>(q_s + r * kSmemRow + c) = value;
   }
+}
 
-  // Slot of token `token` of tile `tile`, or -1 past the row's visible range.
-  auto tile_slot = [&](int tile, int token) -> std::int32_t {
-    const int position = tile * kTile + token;
-    return (tile < tile_end && position < range.readable) ? slot_of(p, range, position) : -1;
-  };
-  // FP8 path: each thread owns kVectors 16-byte pieces of a tile (vector v = tid + k * kThreads:
-  // token v / 36, chunk v % 36, the same in every tile). Tile i + 1 is loaded into registers
-  // (ld.global.nc, coalesced per 576-byte row) while tile i is computed; slot tables for the
-  // next two tiles sit in shared memory (slot_s[tile % 2]), computed by threads 0..63.
-  uint4 fetched[kVectors];
-  auto load_tile = [&](int tile) {
-    if (tile >= tile_end) return;
-    const std::int32_t* slots = slot_s + (tile % 2) * kTile;
-#pragma unroll
-    for (int k = 0; k < kVectors; ++k) {
-      const int v = tid + k * kThreads;
-      const std::int32_t slot = slots[v / kFp8RowVectors];
-      if (slot >= 0) {
-        fetched[k] = __ldg(reinterpret_cast<const uint4*>(
-            p.pool + static_cast<std::int64_t>(slot) * kD + (v % kFp8RowVectors) * 16));
-      }
-    }
-  };
-  if constexpr (!kBf16Pool) {
-    if (tid < kTile) {
-      slot_s[(tile_begin % 2) * kTile + tid] = tile_slot(tile_begin, tid);
-      slot_s[((tile_begin + 1) % 2) * kTile + tid] = tile_slot(tile_begin + 1, tid);
-    }
-    __syncthreads();
-    load_tile(tile_begin);
-  }
+// Slot of token `token` of tile `tile`, or -1 past the block's tiles or the row's readable range.
+__device__ __forceinline__ std::int32_t tile_slot(const MlaAttentionParams& p,
+                                                  const AttentionBlock& b, int tile, int token) {
+  const int position = tile * kTile + token;
+  return (tile < b.tile_end && position < b.range.readable) ? slot_of(p, b.range, position) : -1;
+}
 
-  // Online-softmax state of this thread's two rows (group, group + 8 of tile mt); every warp of
-  // the m16 tile holds the same values (same inputs, same order).
-  float m_run[2] = {-INFINITY, -INFINITY};
-  float l_run[2] = {0.f, 0.f};
-  float acc[kPvTiles][4];
-#pragma unroll
-  for (int j = 0; j < kPvTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+// FP8 path: each thread owns kFp8VectorsPerThread 16-byte pieces of a tile (vector v = tid + k *
+// kThreads: token v / 36, chunk v % 36, the same in every tile). Tile i + 1 is loaded into
+// registers (ld.global.nc, coalesced per 576-byte row) while tile i is computed; slot tables for
+// the next two tiles sit in shared memory (slot_s[tile % 2]), computed by threads 0..63.
+using Fp8TileRegisters = uint4[kFp8VectorsPerThread];
 
-  const std::uint32_t q_base = smem_address(q_s);
-  const std::uint32_t kv_base = smem_address(kv_s);
-  const std::uint32_t p_base = smem_address(p_s);
-
-  // One m16 tile over eight warps: warp (kh = wn / 4, tp = wn % 4) computes the scores of tokens
-  // 16 tp .. 16 tp + 15 (two n8 tiles) over k steps 18 kh .. 18 kh + 17. Its Q fragments for those
-  // k steps (72 registers) are loaded once per block, so Q costs no shared-memory traffic per
-  // tile; the two k halves meet in shared memory (s_part_s).
-  constexpr int kQkSteps = kD / 16 / 2;  // 18 k16 steps per half
-  std::uint32_t q_frag[kWn == 8 ? kQkSteps : 1][4];
-  if constexpr (kWn == 8) {
-    __syncthreads();  // Q staged (the FP8 path synchronised already; the bf16 path has not)
-    const int kh = wn / 4;
-    const int a_row = mt * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
-    const std::uint32_t a_addr =
-        q_base + (a_row * kSmemRow + 8 * (lane / 16)) * 2 + kh * kQkSteps * 32;
+__device__ __forceinline__ void fetch_fp8_tile(const MlaAttentionParams& p, const AttentionBlock& b,
+                                               const std::int32_t* slot_s, int tid, int tile,
+                                               Fp8TileRegisters& fetched) {
+  if (tile >= b.tile_end) return;
+  const std::int32_t* slots = slot_s + (tile % 2) * kTile;
 #pragma unroll
-    for (int ks = 0; ks < kQkSteps; ++ks) ldmatrix_x4(q_frag[ks], a_addr + ks * 32);
-  }
-
-  for (int tile = tile_begin; tile < tile_end; ++tile) {
-    const int valid = min(kTile, range.visible - tile * kTile);  // tokens of this tile in range
-    // Tokens whose rows are loaded: `valid` (the fault masked-nan-leak loads more, masked below).
-    const int loaded = min(kTile, range.readable - tile * kTile);
-    std::int32_t next_slot = -1;
-    if constexpr (!kBf16Pool) {
-      __syncthreads();  // everyone done with the previous tile's kv_s, p_s, sums; slots visible
-      // Decode the fetched FP8 rows into the bf16 tile; rows past `valid` become zeros.
-#pragma unroll
-      for (int k = 0; k < kVectors; ++k) {
-        const int v = tid + k * kThreads;
-        const int token = v / kFp8RowVectors;
-        const int chunk = v % kFp8RowVectors;
-        uint4 lo = make_uint4(0, 0, 0, 0), hi = make_uint4(0, 0, 0, 0);
-        if (token < loaded) {
-          const uint4 codes = fetched[k];
-          const uint2 a = e4m3x4_to_bf16x4(codes.x), b = e4m3x4_to_bf16x4(codes.y);
-          const uint2 c = e4m3x4_to_bf16x4(codes.z), d = e4m3x4_to_bf16x4(codes.w);
-          lo = make_uint4(a.x, a.y, b.x, b.y);
-          hi = make_uint4(c.x, c.y, d.x, d.y);
-        }
-        uint4* dst = reinterpret_cast<uint4*>(kv_s + token * kSmemRow + chunk * 16);
-        dst[0] = lo;
-        dst[1] = hi;
-      }
-      load_tile(tile + 1);  // in flight while this tile is computed
-      if (tid < kTile) next_slot = tile_slot(tile + 2, tid);
-    } else {
-      __syncthreads();  // everyone done with the previous tile
-      for (int v = tid; v < kTile * kBf16RowVectors; v += kThreads) {
-        const int token = v / kBf16RowVectors;
-        const int chunk = v % kBf16RowVectors;
-        uint4* dst = reinterpret_cast<uint4*>(kv_s + token * kSmemRow + chunk * 8);
-        if (token < loaded) {
-          const std::int32_t slot = slot_of(p, range, tile * kTile + token);
-          cp_async_16(smem_address(dst),
-                      p.pool + (static_cast<std::int64_t>(slot) * kD) * 2 + chunk * 16);
-        } else {
-          *dst = make_uint4(0, 0, 0, 0);
-        }
-      }
-      cp_async_commit();
-      cp_async_wait<0>();
-    }
-    __syncthreads();  // bf16 tile ready
-
-    // ---- S = Q K^T for rows of tile mt, tokens [wn * 8 * kQkTiles, +8 * kQkTiles) ----
-    float s[kQkTiles][4], s2[kQkTiles][4];
-#pragma unroll
-    for (int j = 0; j < kQkTiles; ++j) {
-      s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-      s2[j][0] = s2[j][1] = s2[j][2] = s2[j][3] = 0.f;
-    }
-    const int token0 = wn * 8 * kQkTiles;
-    if constexpr (kWn == 8) {
-      const int kh = wn / 4, tp = wn % 4;
-      float part[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-      // B x4: matrices (n tile 0, k 0-7), (n tile 0, k 8-15), (n tile 1, k 0-7), (n tile 1, k
-      // 8-15).
-      const std::uint32_t b_addr =
-          kv_base + ((16 * tp + lane % 8 + 8 * (lane / 16)) * kSmemRow + 8 * ((lane / 8) % 2)) * 2 +
-          kh * kQkSteps * 32;
-#pragma unroll
-      for (int ks = 0; ks < kQkSteps; ++ks) {
-        std::uint32_t b[4];
-        ldmatrix_x4(b, b_addr + ks * 32);
-        mma_bf16_16816(part[0], q_frag[ks], b[0], b[1]);
-        mma_bf16_16816(part[1], q_frag[ks], b[2], b[3]);
-      }
-      float* half = s_part_s + kh * 16 * kSRow;
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int col = 16 * tp + 8 * j + 2 * quad;
-        *reinterpret_cast<float2*>(half + group * kSRow + col) =
-            make_float2(part[j][0], part[j][1]);
-        *reinterpret_cast<float2*>(half + (group + 8) * kSRow + col) =
-            make_float2(part[j][2], part[j][3]);
-      }
-      __syncthreads();
-      // Warp wn holds tokens 8 wn .. 8 wn + 7: S = half 0 + half 1.
-      const int col = token0 + 2 * quad;
-      const float2 r0 = *reinterpret_cast<const float2*>(s_part_s + group * kSRow + col);
-      const float2 r1 = *reinterpret_cast<const float2*>(s_part_s + (group + 8) * kSRow + col);
-      const float2 t0 = *reinterpret_cast<const float2*>(s_part_s + (16 + group) * kSRow + col);
-      const float2 t1 = *reinterpret_cast<const float2*>(s_part_s + (16 + group + 8) * kSRow + col);
-      s[0][0] = r0.x + t0.x;
-      s[0][1] = r0.y + t0.y;
-      s[0][2] = r1.x + t1.x;
-      s[0][3] = r1.y + t1.y;
-    } else {
-      // ldmatrix addresses: A (Q) x4 = rows 0-7/8-15 x k 0-7/8-15; B (K) x4 = two k16 steps of
-      // one n8 tile: matrices (k 0-7), (k 8-15), (k 16-23), (k 24-31).
-      const int a_row = mt * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
-      const std::uint32_t a_addr = q_base + (a_row * kSmemRow + 8 * (lane / 16)) * 2;
-      const std::uint32_t b_addr = kv_base + ((token0 + lane % 8) * kSmemRow + 8 * (lane / 8)) * 2;
-#pragma unroll 1
-      for (int kk = 0; kk < kD / 32; ++kk) {
-        std::uint32_t a0[4], a1[4];
-        ldmatrix_x4(a0, a_addr + kk * 64);
-        ldmatrix_x4(a1, a_addr + kk * 64 + 32);
-#pragma unroll
-        for (int j = 0; j < kQkTiles; ++j) {
-          std::uint32_t b[4];
-          ldmatrix_x4(b, b_addr + j * 8 * kSmemRow * 2 + kk * 64);
-          mma_bf16_16816(s[j], a0, b[0], b[1]);
-          mma_bf16_16816(s2[j], a1, b[2], b[3]);
-        }
-      }
-      // Two accumulator chains (even / odd 16-column steps) halve the MMA dependency chain.
-#pragma unroll
-      for (int j = 0; j < kQkTiles; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[j][e] += s2[j][e];
-      }
-    }
-    if constexpr (!kBf16Pool) {
-      if (tid < kTile) slot_s[(tile % 2) * kTile + tid] = next_slot;  // tile + 2's table
-    }
-    // Scale, mask past `valid`, row max over this warp's tokens.
-    float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int j = 0; j < kQkTiles; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int token = token0 + j * 8 + 2 * quad + (e % 2);
-        s[j][e] = token < valid ? s[j][e] * p.score_scale : -INFINITY;
-        tile_max[e / 2] = fmaxf(tile_max[e / 2], s[j][e]);
-      }
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
-      tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
-    }
-    if (quad == 0) {
-      max_s[(mt * 16 + group) * kWn + wn] = tile_max[0];
-      max_s[(mt * 16 + group + 8) * kWn + wn] = tile_max[1];
-    }
-    __syncthreads();
-    float m_new[2], m_use[2], alpha[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float m = m_run[h];
-      for (int w = 0; w < kWn; ++w) m = fmaxf(m, max_s[(mt * 16 + group + 8 * h) * kWn + w]);
-      m_new[h] = m;
-      m_use[h] = m == -INFINITY ? 0.f : m;  // a row whose scores are all -inf stays all zero
-      alpha[h] = m_run[h] == -INFINITY ? 0.f : exp2f(m_run[h] - m_use[h]);
-    }
-    // P = exp2(s - m), rounded to bf16 for P.V; the row sums use the unrounded values.
-    float part_sum[2] = {0.f, 0.f};
-#pragma unroll
-    for (int j = 0; j < kQkTiles; ++j) {
-      const float p0 = exp2f(s[j][0] - m_use[0]), p1 = exp2f(s[j][1] - m_use[0]);
-      const float p2 = exp2f(s[j][2] - m_use[1]), p3 = exp2f(s[j][3] - m_use[1]);
-      part_sum[0] += p0 + p1;
-      part_sum[1] += p2 + p3;
-      const int col = token0 + j * 8 + 2 * quad;
-      *reinterpret_cast<std::uint32_t*>(p_s + (mt * 16 + group) * kPRow + col) =
-          pack_bf16x2(p0, p1);
-      *reinterpret_cast<std::uint32_t*>(p_s + (mt * 16 + group + 8) * kPRow + col) =
-          pack_bf16x2(p2, p3);
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      part_sum[h] += __shfl_xor_sync(0xffffffffu, part_sum[h], 1);
-      part_sum[h] += __shfl_xor_sync(0xffffffffu, part_sum[h], 2);
-    }
-    if (quad == 0) {
-      sum_s[(mt * 16 + group) * kWn + wn] = part_sum[0];
-      sum_s[(mt * 16 + group + 8) * kWn + wn] = part_sum[1];
-    }
-    __syncthreads();
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float tile_sum = 0.f;
-      for (int w = 0; w < kWn; ++w) tile_sum += sum_s[(mt * 16 + group + 8 * h) * kWn + w];
-      l_run[h] = l_run[h] * alpha[h] + tile_sum;
-      m_run[h] = m_new[h];
-    }
-#pragma unroll
-    for (int j = 0; j < kPvTiles; ++j) {
-      acc[j][0] *= alpha[0];
-      acc[j][1] *= alpha[0];
-      acc[j][2] *= alpha[1];
-      acc[j][3] *= alpha[1];
-    }
-
-    // ---- acc += P V for dims [wn * 8 * kPvTiles, +8 * kPvTiles) ----
-    {
-      const int dim0 = wn * 8 * kPvTiles;
-      const int a_row = mt * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
-      const std::uint32_t a_addr = p_base + (a_row * kPRow + 8 * (lane / 16)) * 2;
-      // V^T fragments via ldmatrix.trans: matrices (tokens 0-7, dims 0-7), (tokens 8-15, dims
-      // 0-7), (tokens 0-7, dims 8-15), (tokens 8-15, dims 8-15) -> b0, b1 of two n8 tiles.
-      const int v_token = (lane % 8) + 8 * ((lane / 8) % 2);
-      const std::uint32_t v_addr = kv_base + (v_token * kSmemRow + dim0 + 8 * (lane / 16)) * 2;
-#pragma unroll
-      for (int kt = 0; kt < kTile / 16; ++kt) {
-        std::uint32_t a[4];
-        ldmatrix_x4(a, a_addr + kt * 32);
-#pragma unroll
-        for (int j = 0; j < kPvTiles; j += 2) {
-          std::uint32_t b[4];
-          ldmatrix_x4_trans(b, v_addr + (kt * 16 * kSmemRow + j * 8) * 2);
-          mma_bf16_16816(acc[j], a, b[0], b[1]);
-          mma_bf16_16816(acc[j + 1], a, b[2], b[3]);
-        }
-      }
-    }
-  }
-
-  // ---- epilogue ----
-  const int dim0 = wn * 8 * kPvTiles;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int head = head0 + mt * 16 + group + 8 * h;
-    if (head >= p.num_heads) continue;
-    const std::int64_t out_row = static_cast<std::int64_t>(row) * p.num_heads + head;
-    if (p.num_splits == 1) {
-      const float factor = p.kv_scale / l_run[h];
-      std::uint16_t* out = p.out + out_row * kDc + dim0 + 2 * quad;
-#pragma unroll
-      for (int j = 0; j < kPvTiles; ++j) {
-        *reinterpret_cast<std::uint32_t*>(out + j * 8) =
-            pack_bf16x2(acc[j][2 * h] * factor, acc[j][2 * h + 1] * factor);
-      }
-      if (wn == 0 && quad == 0)
-        p.lse[out_row] = (m_run[h] + log2f(l_run[h])) * 0.69314718055994531f;
-    } else {
-      const float inverse = 1.f / l_run[h];
-      const std::int64_t part_row =
-          (static_cast<std::int64_t>(row) * p.num_splits + split) * p.num_heads + head;
-      float* out = p.partial_out + part_row * kDc + dim0 + 2 * quad;
-#pragma unroll
-      for (int j = 0; j < kPvTiles; ++j) {
-        *reinterpret_cast<float2*>(out + j * 8) =
-            make_float2(acc[j][2 * h] * inverse, acc[j][2 * h + 1] * inverse);
-      }
-      if (wn == 0 && quad == 0) p.partial_lse[part_row] = m_run[h] + log2f(l_run[h]);
+  for (int k = 0; k < kFp8VectorsPerThread; ++k) {
+    const int v = tid + k * kThreads;
+    const std::int32_t slot = slots[v / kFp8RowVectors];
+    if (slot >= 0) {
+      fetched[k] = __ldg(reinterpret_cast<const uint4*>(
+          p.pool + static_cast<std::int64_t>(slot) * kD + (v % kFp8RowVectors) * 16));
     }
   }
 }
+
+// Slot tables of the block's first two tiles, then the first tile into registers.
+__device__ __forceinline__ void start_fp8_prefetch(const MlaAttentionParams& p,
+                                                   const AttentionBlock& b, int tid,
+                                                   std::int32_t* slot_s,
+                                                   Fp8TileRegisters& fetched) {
+  if (tid < kTile) {
+    slot_s[(b.tile_begin % 2) * kTile + tid] = tile_slot(p, b, b.tile_begin, tid);
+    slot_s[((b.tile_begin + 1) % 2) * kTile + tid] = tile_slot(p, b, b.tile_begin + 1, tid);
+  }
+  __syncthreads();
+  fetch_fp8_tile(p, b, slot_s, tid, b.tile_begin, fetched);
+}
+
+// Decodes the fetched FP8 rows of `tile` into the bf16 tile (rows past `loaded` become zeros, so
+// no code of a token the row may not see enters an MMA), then starts fetching tile + 1 (in flight
+// while this tile is computed). Returns the slot of token tid of tile + 2 (threads 0..63), which
+// the caller stores once every thread has read tile's table.
+__device__ __forceinline__ std::int32_t stage_fp8_tile(const MlaAttentionParams& p,
+                                                       const AttentionBlock& b, int tid, int tile,
+                                                       int loaded, const AttentionSmem& smem,
+                                                       Fp8TileRegisters& fetched) {
+  __syncthreads();  // everyone done with the previous tile's kv_s, p_s, sums; slots visible
+#pragma unroll
+  for (int k = 0; k < kFp8VectorsPerThread; ++k) {
+    const int v = tid + k * kThreads;
+    const int token = v / kFp8RowVectors;
+    const int chunk = v % kFp8RowVectors;
+    uint4 lo = make_uint4(0, 0, 0, 0), hi = make_uint4(0, 0, 0, 0);
+    if (token < loaded) {
+      const uint4 codes = fetched[k];
+      const uint2 a = e4m3x4_to_bf16x4(codes.x), b4 = e4m3x4_to_bf16x4(codes.y);
+      const uint2 c = e4m3x4_to_bf16x4(codes.z), d = e4m3x4_to_bf16x4(codes.w);
+      lo = make_uint4(a.x, a.y, b4.x, b4.y);
+      hi = make_uint4(c.x, c.y, d.x, d.y);
+    }
+    uint4* dst = reinterpret_cast<uint4*>(smem.kv + token * kSmemRow + chunk * 16);
+    dst[0] = lo;
+    dst[1] = hi;
+  }
+  fetch_fp8_tile(p, b, smem.slot, tid, tile + 1, fetched);
+  return tid < kTile ? tile_slot(p, b, tile + 2, tid) : -1;
+}
+
+// bf16 pool (cuda-cast-bf16, fault fp8-read-as-bf16): the tile's rows by cp.async straight into
+// the bf16 tile, rows past `loaded` zeroed.
+__device__ __forceinline__ void stage_bf16_tile(const MlaAttentionParams& p,
+                                                const AttentionBlock& b, int tid, int tile,
+                                                int loaded, std::uint16_t* kv_s) {
+  __syncthreads();  // everyone done with the previous tile
+  for (int v = tid; v < kTile * kBf16RowVectors; v += kThreads) {
+    const int token = v / kBf16RowVectors;
+    const int chunk = v % kBf16RowVectors;
+    uint4* dst = reinterpret_cast<uint4*>(kv_s + token * kSmemRow + chunk * 8);
+    if (token < loaded) {
+      const std::int32_t slot = slot_of(p, b.range, tile * kTile + token);
+      ptx::cp_async_cg_16(ptx::smem_address(dst),
+                          p.pool + (static_cast<std::int64_t>(slot) * kD) * 2 + chunk * 16);
+    } else {
+      *dst = make_uint4(0, 0, 0, 0);
+    }
+  }
+  ptx::cp_async_commit_group();
+  ptx::cp_async_wait_group<0>();
+}
+
+// ---- attention: S = Q K^T ----------------------------------------------------------------------
+
+// One m16 tile over eight warps: warp (kh = wn / 4, tp = wn % 4) computes the scores of tokens
+// 16 tp .. 16 tp + 15 (two n8 tiles) over k steps 18 kh .. 18 kh + 17. Its Q fragments for those
+// k steps (72 registers) are loaded once per block, so Q costs no shared-memory traffic per
+// tile; the two k halves meet in shared memory (s_part).
+template <int kQkSteps>
+__device__ __forceinline__ void load_q_fragments(std::uint32_t (&q_frag)[kQkSteps][4],
+                                                 const AttentionSmem& smem, const ThreadRole& t) {
+  __syncthreads();  // Q staged (the FP8 path synchronised already; the bf16 path has not)
+  const int kh = t.wn / 4;
+  const int a_row = t.mt * 16 + (t.lane % 8) + 8 * ((t.lane / 8) % 2);
+  const std::uint32_t a_addr =
+      smem.q_address + (a_row * kSmemRow + 8 * (t.lane / 16)) * 2 + kh * kQkSteps * 32;
+#pragma unroll
+  for (int ks = 0; ks < kQkSteps; ++ks) ptx::ldmatrix_m8n8_x4(q_frag[ks], a_addr + ks * 32);
+}
+
+// S for rows of the m16 tile, tokens 8 wn .. 8 wn + 7 (one n8 tile per warp): each warp sums its
+// k half for 16 tokens, the halves are exchanged through s_part, S = half 0 + half 1.
+template <int kQkSteps>
+__device__ __forceinline__ void qk_scores_split_k(float (&s)[1][4],
+                                                  const std::uint32_t (&q_frag)[kQkSteps][4],
+                                                  const AttentionSmem& smem, const ThreadRole& t,
+                                                  int token0) {
+  const int kh = t.wn / 4, tp = t.wn % 4;
+  float part[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+  // B x4: matrices (n tile 0, k 0-7), (n tile 0, k 8-15), (n tile 1, k 0-7), (n tile 1, k 8-15).
+  const std::uint32_t b_addr =
+      smem.kv_address +
+      ((16 * tp + t.lane % 8 + 8 * (t.lane / 16)) * kSmemRow + 8 * ((t.lane / 8) % 2)) * 2 +
+      kh * kQkSteps * 32;
+#pragma unroll
+  for (int ks = 0; ks < kQkSteps; ++ks) {
+    std::uint32_t b[4];
+    ptx::ldmatrix_m8n8_x4(b, b_addr + ks * 32);
+    ptx::mma_m16n8k16_bf16_f32(part[0], q_frag[ks], b[0], b[1]);
+    ptx::mma_m16n8k16_bf16_f32(part[1], q_frag[ks], b[2], b[3]);
+  }
+  float* half = smem.s_part + kh * 16 * kSRow;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int col = 16 * tp + 8 * j + 2 * t.quad;
+    *reinterpret_cast<float2*>(half + t.group * kSRow + col) = make_float2(part[j][0], part[j][1]);
+    *reinterpret_cast<float2*>(half + (t.group + 8) * kSRow + col) =
+        make_float2(part[j][2], part[j][3]);
+  }
+  __syncthreads();
+  // Warp wn holds tokens 8 wn .. 8 wn + 7: S = half 0 + half 1.
+  const float* s_part = smem.s_part;
+  const int col = token0 + 2 * t.quad;
+  const float2 r0 = *reinterpret_cast<const float2*>(s_part + t.group * kSRow + col);
+  const float2 r1 = *reinterpret_cast<const float2*>(s_part + (t.group + 8) * kSRow + col);
+  const float2 t0 = *reinterpret_cast<const float2*>(s_part + (16 + t.group) * kSRow + col);
+  const float2 t1 = *reinterpret_cast<const float2*>(s_part + (16 + t.group + 8) * kSRow + col);
+  s[0][0] = r0.x + t0.x;
+  s[0][1] = r0.y + t0.y;
+  s[0][2] = r1.x + t1.x;
+  s[0][3] = r1.y + t1.y;
+}
+
+// S for rows of m16 tile mt, tokens [token0, token0 + 8 * kQkTiles): every warp runs the whole
+// k range, Q and K by ldmatrix per k32 step, in two accumulator chains (even / odd 16-column
+// steps) that halve the MMA dependency chain and are added at the end.
+template <int kQkTiles>
+__device__ __forceinline__ void qk_scores_two_chains(float (&s)[kQkTiles][4],
+                                                     const AttentionSmem& smem, const ThreadRole& t,
+                                                     int token0) {
+  float s2[kQkTiles][4];
+#pragma unroll
+  for (int j = 0; j < kQkTiles; ++j) {
+    s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+    s2[j][0] = s2[j][1] = s2[j][2] = s2[j][3] = 0.f;
+  }
+  // ldmatrix addresses: A (Q) x4 = rows 0-7/8-15 x k 0-7/8-15; B (K) x4 = two k16 steps of
+  // one n8 tile: matrices (k 0-7), (k 8-15), (k 16-23), (k 24-31).
+  const int a_row = t.mt * 16 + (t.lane % 8) + 8 * ((t.lane / 8) % 2);
+  const std::uint32_t a_addr = smem.q_address + (a_row * kSmemRow + 8 * (t.lane / 16)) * 2;
+  const std::uint32_t b_addr =
+      smem.kv_address + ((token0 + t.lane % 8) * kSmemRow + 8 * (t.lane / 8)) * 2;
+#pragma unroll 1
+  for (int kk = 0; kk < kD / 32; ++kk) {
+    std::uint32_t a0[4], a1[4];
+    ptx::ldmatrix_m8n8_x4(a0, a_addr + kk * 64);
+    ptx::ldmatrix_m8n8_x4(a1, a_addr + kk * 64 + 32);
+#pragma unroll
+    for (int j = 0; j < kQkTiles; ++j) {
+      std::uint32_t b[4];
+      ptx::ldmatrix_m8n8_x4(b, b_addr + j * 8 * kSmemRow * 2 + kk * 64);
+      ptx::mma_m16n8k16_bf16_f32(s[j], a0, b[0], b[1]);
+      ptx::mma_m16n8k16_bf16_f32(s2[j], a1, b[2], b[3]);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kQkTiles; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[j][e] += s2[j][e];
+  }
+}
+
+// ---- attention: online softmax (base 2) --------------------------------------------------------
+
+// Online-softmax state of this thread's two rows (group, group + 8 of m16 tile mt); every warp of
+// the m16 tile holds the same m and l (same inputs, same order), and its own slice of acc.
+template <int kPvTiles>
+struct SoftmaxState {
+  float acc[kPvTiles][4];  // P.V over this warp's dims, relative to m
+  float l[2];              // running sum of exp2(s - m), unrounded p
+  float m[2];              // running max of the scores (base 2)
+
+  __device__ __forceinline__ void init() {
+    m[0] = m[1] = -INFINITY;
+    l[0] = l[1] = 0.f;
+#pragma unroll
+    for (int j = 0; j < kPvTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  }
+};
+
+// The tile's new row max and the factor that moves the running state onto it.
+struct RowRescale {
+  float m_new[2];
+  float m_use[2];  // m_new, or 0 for a row whose scores are all -inf (it stays all zero)
+  float alpha[2];  // exp2(m - m_new), 0 before the first tile
+};
+
+// s = dot * score_scale for tokens below `valid`, -inf past it; returns this warp's row max over
+// its tokens (reduced over the quad of threads holding a row).
+template <int kQkTiles>
+__device__ __forceinline__ void scale_mask_and_max(float (&s)[kQkTiles][4], int valid,
+                                                   float score_scale, int token0, int quad,
+                                                   float (&tile_max)[2]) {
+  tile_max[0] = tile_max[1] = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < kQkTiles; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int token = token0 + j * 8 + 2 * quad + (e % 2);
+      s[j][e] = token < valid ? s[j][e] * score_scale : -INFINITY;
+      tile_max[e / 2] = fmaxf(tile_max[e / 2], s[j][e]);
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
+    tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
+  }
+}
+
+// The block's row max over the kWn warps of the m16 tile (through shared memory), and the
+// rescale of the running state onto it.
+template <int kWn>
+__device__ __forceinline__ RowRescale block_row_max(const float (&tile_max)[2],
+                                                    const float (&m_run)[2], float* max_s,
+                                                    const ThreadRole& t) {
+  if (t.quad == 0) {
+    max_s[(t.mt * 16 + t.group) * kWn + t.wn] = tile_max[0];
+    max_s[(t.mt * 16 + t.group + 8) * kWn + t.wn] = tile_max[1];
+  }
+  __syncthreads();
+  RowRescale r;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float m = m_run[h];
+    for (int w = 0; w < kWn; ++w) m = fmaxf(m, max_s[(t.mt * 16 + t.group + 8 * h) * kWn + w]);
+    r.m_new[h] = m;
+    r.m_use[h] = m == -INFINITY ? 0.f : m;  // a row whose scores are all -inf stays all zero
+    r.alpha[h] = m_run[h] == -INFINITY ? 0.f : exp2f(m_run[h] - r.m_use[h]);
+  }
+  return r;
+}
+
+// P = exp2(s - m), rounded to bf16 into p_s for P.V; returns this warp's row sums of the
+// unrounded values (reduced over the quad).
+template <int kQkTiles>
+__device__ __forceinline__ void store_probabilities(const float (&s)[kQkTiles][4],
+                                                    const float (&m_use)[2], int token0,
+                                                    const ThreadRole& t, std::uint16_t* p_s,
+                                                    float (&part_sum)[2]) {
+  part_sum[0] = part_sum[1] = 0.f;
+#pragma unroll
+  for (int j = 0; j < kQkTiles; ++j) {
+    const float p0 = exp2f(s[j][0] - m_use[0]), p1 = exp2f(s[j][1] - m_use[0]);
+    const float p2 = exp2f(s[j][2] - m_use[1]), p3 = exp2f(s[j][3] - m_use[1]);
+    part_sum[0] += p0 + p1;
+    part_sum[1] += p2 + p3;
+    const int col = token0 + j * 8 + 2 * t.quad;
+    *reinterpret_cast<std::uint32_t*>(p_s + (t.mt * 16 + t.group) * kPRow + col) =
+        ptx::cvt_rn_bf16x2_f32(p0, p1);
+    *reinterpret_cast<std::uint32_t*>(p_s + (t.mt * 16 + t.group + 8) * kPRow + col) =
+        ptx::cvt_rn_bf16x2_f32(p2, p3);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    part_sum[h] += __shfl_xor_sync(0xffffffffu, part_sum[h], 1);
+    part_sum[h] += __shfl_xor_sync(0xffffffffu, part_sum[h], 2);
+  }
+}
+
+// l = l * alpha + (the block's row sum of the tile, warps in order), m = m_new.
+template <int kWn, int kPvTiles>
+__device__ __forceinline__ void update_running_sum(const float (&part_sum)[2], const RowRescale& r,
+                                                   float* sum_s, const ThreadRole& t,
+                                                   SoftmaxState<kPvTiles>& state) {
+  if (t.quad == 0) {
+    sum_s[(t.mt * 16 + t.group) * kWn + t.wn] = part_sum[0];
+    sum_s[(t.mt * 16 + t.group + 8) * kWn + t.wn] = part_sum[1];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float tile_sum = 0.f;
+    for (int w = 0; w < kWn; ++w) tile_sum += sum_s[(t.mt * 16 + t.group + 8 * h) * kWn + w];
+    state.l[h] = state.l[h] * r.alpha[h] + tile_sum;
+    state.m[h] = r.m_new[h];
+  }
+}
+
+template <int kPvTiles>
+__device__ __forceinline__ void rescale_accumulators(float (&acc)[kPvTiles][4],
+                                                     const float (&alpha)[2]) {
+#pragma unroll
+  for (int j = 0; j < kPvTiles; ++j) {
+    acc[j][0] *= alpha[0];
+    acc[j][1] *= alpha[0];
+    acc[j][2] *= alpha[1];
+    acc[j][3] *= alpha[1];
+  }
+}
+
+// One tile's step of the online softmax: from the raw dot products s of this warp's tokens to P
+// (bf16, in smem.p) and the running m, l and acc moved onto the new max.
+template <int kWn, int kQkTiles, int kPvTiles>
+__device__ __forceinline__ void online_softmax_update(float (&s)[kQkTiles][4], int valid,
+                                                      float score_scale, int token0,
+                                                      const AttentionSmem& smem,
+                                                      const ThreadRole& t,
+                                                      SoftmaxState<kPvTiles>& state) {
+  float tile_max[2];
+  scale_mask_and_max(s, valid, score_scale, token0, t.quad, tile_max);
+  const RowRescale r = block_row_max<kWn>(tile_max, state.m, smem.max, t);
+  float part_sum[2];
+  store_probabilities(s, r.m_use, token0, t, smem.p, part_sum);
+  update_running_sum<kWn>(part_sum, r, smem.sum, t, state);
+  rescale_accumulators(state.acc, r.alpha);
+}
+
+// ---- attention: acc += P V ---------------------------------------------------------------------
+
+// acc += P V for dims [wn * 8 * kPvTiles, +8 * kPvTiles) of this warp, V the tile's first 512
+// columns.
+template <int kPvTiles>
+__device__ __forceinline__ void pv_mma(float (&acc)[kPvTiles][4], const AttentionSmem& smem,
+                                       const ThreadRole& t) {
+  const int dim0 = t.wn * 8 * kPvTiles;
+  const int a_row = t.mt * 16 + (t.lane % 8) + 8 * ((t.lane / 8) % 2);
+  const std::uint32_t a_addr = smem.p_address + (a_row * kPRow + 8 * (t.lane / 16)) * 2;
+  // V^T fragments via ldmatrix.trans: matrices (tokens 0-7, dims 0-7), (tokens 8-15, dims
+  // 0-7), (tokens 0-7, dims 8-15), (tokens 8-15, dims 8-15) -> b0, b1 of two n8 tiles.
+  const int v_token = (t.lane % 8) + 8 * ((t.lane / 8) % 2);
+  const std::uint32_t v_addr =
+      smem.kv_address + (v_token * kSmemRow + dim0 + 8 * (t.lane / 16)) * 2;
+#pragma unroll
+  for (int kt = 0; kt < kTile / 16; ++kt) {
+    std::uint32_t a[4];
+    ptx::ldmatrix_m8n8_x4(a, a_addr + kt * 32);
+#pragma unroll
+    for (int j = 0; j < kPvTiles; j += 2) {
+      std::uint32_t b[4];
+      ptx::ldmatrix_m8n8_x4_trans(b, v_addr + (kt * 16 * kSmemRow + j * 8) * 2);
+      ptx::mma_m16n8k16_bf16_f32(acc[j], a, b[0], b[1]);
+      ptx::mma_m16n8k16_bf16_f32(acc[j + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// ---- attention: epilogue -----------------------------------------------------------------------
+
+// out = bf16(acc * (kv_scale / l)), lse = (m + log2 l) * ln 2, for row h (0: group, 1: group + 8).
+template <int kPvTiles>
+__device__ __forceinline__ void store_output_row(const MlaAttentionParams& p, std::int64_t out_row,
+                                                 int h, int dim0, const ThreadRole& t,
+                                                 const SoftmaxState<kPvTiles>& state) {
+  const float factor = p.kv_scale / state.l[h];
+  std::uint16_t* out = p.out + out_row * kDc + dim0 + 2 * t.quad;
+#pragma unroll
+  for (int j = 0; j < kPvTiles; ++j) {
+    *reinterpret_cast<std::uint32_t*>(out + j * 8) =
+        ptx::cvt_rn_bf16x2_f32(state.acc[j][2 * h] * factor, state.acc[j][2 * h + 1] * factor);
+  }
+  if (t.wn == 0 && t.quad == 0) {
+    p.lse[out_row] = (state.m[h] + log2f(state.l[h])) * 0.69314718055994531f;
+  }
+}
+
+// Split-KV: partial out = acc / l (fp32), partial lse = m + log2 l (base 2), for the merge.
+template <int kPvTiles>
+__device__ __forceinline__ void store_partial_row(const MlaAttentionParams& p,
+                                                  std::int64_t part_row, int h, int dim0,
+                                                  const ThreadRole& t,
+                                                  const SoftmaxState<kPvTiles>& state) {
+  const float inverse = 1.f / state.l[h];
+  float* out = p.partial_out + part_row * kDc + dim0 + 2 * t.quad;
+#pragma unroll
+  for (int j = 0; j < kPvTiles; ++j) {
+    *reinterpret_cast<float2*>(out + j * 8) =
+        make_float2(state.acc[j][2 * h] * inverse, state.acc[j][2 * h + 1] * inverse);
+  }
+  if (t.wn == 0 && t.quad == 0) p.partial_lse[part_row] = state.m[h] + log2f(state.l[h]);
+}
+
+template <int kPvTiles>
+__device__ __forceinline__ void write_attention_output(const MlaAttentionParams& p,
+                                                       const AttentionBlock& b, const ThreadRole& t,
+                                                       const SoftmaxState<kPvTiles>& state) {
+  const int dim0 = t.wn * 8 * kPvTiles;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int head = b.head0 + t.mt * 16 + t.group + 8 * h;
+    if (head >= p.num_heads) continue;
+    const std::int64_t out_row = static_cast<std::int64_t>(b.row) * p.num_heads + head;
+    if (p.num_splits == 1) {
+      store_output_row(p, out_row, h, dim0, t, state);
+    } else {
+      const std::int64_t part_row =
+          (static_cast<std::int64_t>(b.row) * p.num_splits + b.split) * p.num_heads + head;
+      store_partial_row(p, part_row, h, dim0, t, state);
+    }
+  }
+}
+
+// ---- attention: the kernel ---------------------------------------------------------------------
+
+// grid: num_rows * head_blocks * num_splits blocks (split fastest), kThreads threads, dynamic
+// shared memory MlaSmemLayout<kMTiles, kBf16Pool>::kBytes.
+template <int kMTiles, bool kBf16Pool>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+    mla_attention_kernel(const __grid_constant__ MlaAttentionParams p) {
+  using Layout = MlaSmemLayout<kMTiles, kBf16Pool>;
+  using Tiling = AttentionWarpTiling<kMTiles>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  AttentionSmem tiles = carve_attention_smem<Layout>(smem);
+  const ThreadRole t = thread_role<Tiling::kWn>();
+
+  const AttentionBlock block = locate_block<Layout::kRows>(p);
+  if (block.tile_begin >= block.tile_end) {  // an empty split (short row): it contributes nothing
+    write_empty_split<Layout::kRows>(p, block, t.tid);
+    return;
+  }
+  stage_q<Layout::kRows>(p, block, t.tid, tiles.q);
+  Fp8TileRegisters fetched;
+  if constexpr (!kBf16Pool) start_fp8_prefetch(p, block, t.tid, tiles.slot, fetched);
+
+  SoftmaxState<Tiling::kPvTiles> state;
+  state.init();
+  tiles.set_tile_addresses();
+  std::uint32_t q_frag[Tiling::kWn == 8 ? Tiling::kQkSteps : 1][4];
+  if constexpr (Tiling::kWn == 8) load_q_fragments(q_frag, tiles, t);
+
+  for (int tile = block.tile_begin; tile < block.tile_end; ++tile) {
+    const int valid =
+        min(kTile, block.range.visible - tile * kTile);  // tokens of this tile in range
+    // Tokens whose rows are loaded: `valid` (the fault masked-nan-leak loads more, masked below).
+    const int loaded = min(kTile, block.range.readable - tile * kTile);
+    std::int32_t next_slot = -1;
+    if constexpr (!kBf16Pool) {
+      next_slot = stage_fp8_tile(p, block, t.tid, tile, loaded, tiles, fetched);
+    } else {
+      stage_bf16_tile(p, block, t.tid, tile, loaded, tiles.kv);
+    }
+    __syncthreads();  // bf16 tile ready
+
+    float s[Tiling::kQkTiles][4];
+    const int token0 = t.wn * 8 * Tiling::kQkTiles;
+    if constexpr (Tiling::kWn == 8) {
+      qk_scores_split_k(s, q_frag, tiles, t, token0);
+    } else {
+      qk_scores_two_chains(s, tiles, t, token0);
+    }
+    if constexpr (!kBf16Pool) {
+      if (t.tid < kTile) tiles.slot[(tile % 2) * kTile + t.tid] = next_slot;  // tile + 2's table
+    }
+    online_softmax_update<Tiling::kWn>(s, valid, p.score_scale, token0, tiles, t, state);
+    pv_mma(state.acc, tiles, t);
+  }
+  write_attention_output(p, block, t, state);
+}
+
+// ---- split-KV merge ----------------------------------------------------------------------------
 
 // Exact merge of split-KV partials: with L = max_i lse_i (base 2), w_i = exp2(lse_i - L),
 //   out = bf16(kv_scale * sum_i w_i out_i / sum_i w_i),  lse = (L + log2 sum_i w_i) * ln 2.
@@ -669,17 +917,16 @@ __global__ void __launch_bounds__(kThreads, (MlaSmemLayout<kMTiles, kBf16Pool>::
 inline constexpr int kMergeGroups = 4;
 inline constexpr int kMergeThreads = 128 * kMergeGroups;
 
-__global__ void __launch_bounds__(kMergeThreads)
-    mla_merge_kernel(const __grid_constant__ MlaAttentionParams p) {
-  extern __shared__ float weight_s[];  // [num_splits]
-  __shared__ float lse_max_s;
-  __shared__ float4 sum_s[kMergeGroups][128];
-  const std::int64_t row_head = blockIdx.x;
-  const std::int64_t row = row_head / p.num_heads;
-  const int head = static_cast<int>(row_head % p.num_heads);
-  auto part_row = [&](int split) { return (row * p.num_splits + split) * p.num_heads + head; };
+__device__ __forceinline__ std::int64_t merge_part_row(const MlaMergeParams& p, std::int64_t row,
+                                                       int head, int split) {
+  return (row * p.num_splits + split) * p.num_heads + head;
+}
+
+// weight_s[i] = exp2(lse_i - L) (-1 for an empty split); returns L.
+__device__ __forceinline__ float load_split_weights(const MlaMergeParams& p, std::int64_t row,
+                                                    int head, float* weight_s, float& lse_max_s) {
   for (int i = threadIdx.x; i < p.num_splits; i += blockDim.x) {
-    weight_s[i] = p.partial_lse[part_row(i)];
+    weight_s[i] = p.partial_lse[merge_part_row(p, row, head, i)];
   }
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -694,8 +941,13 @@ __global__ void __launch_bounds__(kMergeThreads)
     weight_s[i] = part_lse == -INFINITY ? -1.f : exp2f(part_lse - lse_max);  // -1: empty split
   }
   __syncthreads();
-  const int group = threadIdx.x / 128;
-  const int dim = (threadIdx.x % 128) * 4;
+  return lse_max;
+}
+
+// sum_i w_i out_i over the splits of `group`, dims dim .. dim + 3.
+__device__ __forceinline__ float4 sum_split_group(const MlaMergeParams& p, std::int64_t row,
+                                                  int head, const float* weight_s, int group,
+                                                  int dim) {
   float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 4
   for (int i = group; i < p.num_splits; i += kMergeGroups) {
@@ -704,15 +956,20 @@ __global__ void __launch_bounds__(kMergeThreads)
     // 0 is still multiplied in, as the single-pass softmax multiplies by alpha = 0: a NaN it saw
     // (a visible NaN code) stays NaN, as in the CPU model and the reference.
     if (w < 0.f) continue;
-    const float4 v = *reinterpret_cast<const float4*>(p.partial_out + part_row(i) * kDc + dim);
+    const float4 v = *reinterpret_cast<const float4*>(p.partial_out +
+                                                      merge_part_row(p, row, head, i) * kDc + dim);
     sum.x += w * v.x;
     sum.y += w * v.y;
     sum.z += w * v.z;
     sum.w += w * v.w;
   }
-  sum_s[group][threadIdx.x % 128] = sum;
-  __syncthreads();
-  if (group != 0) return;
+  return sum;
+}
+
+// Group 0: adds the other groups' sums in group order, divides by sum_i w_i, writes out and lse.
+__device__ __forceinline__ void write_merged_row(const MlaMergeParams& p, std::int64_t row_head,
+                                                 const float* weight_s, const float4 (*sum_s)[128],
+                                                 float4 sum, float lse_max, int dim) {
   float weight_sum = 0.f;
   for (int i = 0; i < p.num_splits; ++i) {
     const float w = weight_s[i];
@@ -727,9 +984,29 @@ __global__ void __launch_bounds__(kMergeThreads)
   }
   const float factor = p.kv_scale / weight_sum;
   std::uint16_t* out = p.out + row_head * kDc + dim;
-  *reinterpret_cast<uint2*>(out) = make_uint2(pack_bf16x2(sum.x * factor, sum.y * factor),
-                                              pack_bf16x2(sum.z * factor, sum.w * factor));
+  *reinterpret_cast<uint2*>(out) =
+      make_uint2(ptx::cvt_rn_bf16x2_f32(sum.x * factor, sum.y * factor),
+                 ptx::cvt_rn_bf16x2_f32(sum.z * factor, sum.w * factor));
   if (threadIdx.x == 0) p.lse[row_head] = (lse_max + log2f(weight_sum)) * 0.69314718055994531f;
+}
+
+__global__ void __launch_bounds__(kMergeThreads)
+    mla_merge_kernel(const __grid_constant__ MlaMergeParams p) {
+  extern __shared__ float weight_s[];  // [num_splits]
+  __shared__ float lse_max_s;
+  __shared__ float4 sum_s[kMergeGroups][128];
+  const std::int64_t row_head = blockIdx.x;
+  const std::int64_t row = row_head / p.num_heads;
+  const int head = static_cast<int>(row_head % p.num_heads);
+
+  const float lse_max = load_split_weights(p, row, head, weight_s, lse_max_s);
+  const int group = threadIdx.x / 128;
+  const int dim = (threadIdx.x % 128) * 4;
+  const float4 sum = sum_split_group(p, row, head, weight_s, group, dim);
+  sum_s[group][threadIdx.x % 128] = sum;
+  __syncthreads();
+  if (group != 0) return;
+  write_merged_row(p, row_head, weight_s, sum_s, sum, lse_max, dim);
 }
 
 }  // namespace kvaudit::cuda::detail

@@ -79,6 +79,118 @@ std::vector<std::uint16_t> to_bf16_bits(const std::vector<float>& values) {
   return bits;
 }
 
+// The step's inputs as the device takes them: the five int32 index arrays in one buffer, q (q_nope
+// then q_pe) and new_kv as bf16 bits.
+struct HostStaging {
+  std::vector<std::int32_t> indices;  // qo_indptr | kv_indptr | kv_indices | last_page_len | slots
+  std::size_t qo_count = 0, kv_indptr_count = 0, kv_indices_count = 0, last_page_count = 0;
+  std::vector<std::uint16_t> q;  // [Nq, H, Dc] then [Nq, H, Dr]
+  std::size_t q_nope_elements = 0;
+  std::vector<std::uint16_t> new_kv;  // [Nq, D]
+};
+
+HostStaging stage_inputs(const StepLayerInput& input) {
+  const StepMeta& step = input.step;
+  HostStaging h;
+  h.qo_count = step.qo_indptr.size();
+  h.kv_indptr_count = step.kv_indptr.size();
+  h.kv_indices_count = step.kv_indices.size();
+  h.last_page_count = step.kv_last_page_len.size();
+  h.indices.reserve(h.qo_count + h.kv_indptr_count + h.kv_indices_count + h.last_page_count +
+                    step.new_kv_slots.size());
+  for (const auto* v : {&step.qo_indptr, &step.kv_indptr, &step.kv_indices, &step.kv_last_page_len,
+                        &step.new_kv_slots}) {
+    h.indices.insert(h.indices.end(), v->begin(), v->end());
+  }
+  h.q = to_bf16_bits(input.tensors.q_nope);
+  const std::vector<std::uint16_t> q_pe = to_bf16_bits(input.tensors.q_pe);
+  h.q_nope_elements = h.q.size();
+  h.q.insert(h.q.end(), q_pe.begin(), q_pe.end());
+  h.new_kv = to_bf16_bits(input.tensors.new_kv);
+  return h;
+}
+
+// Device pointers into the uploaded index buffer.
+struct DeviceIndices {
+  const std::int32_t* qo_indptr;
+  const std::int32_t* kv_indptr;
+  const std::int32_t* kv_indices;
+  const std::int32_t* kv_last_page_len;
+  const std::int32_t* new_kv_slots;
+};
+
+DeviceIndices device_indices(const std::int32_t* base, const HostStaging& h) {
+  DeviceIndices d;
+  d.qo_indptr = base;
+  d.kv_indptr = d.qo_indptr + h.qo_count;
+  d.kv_indices = d.kv_indptr + h.kv_indptr_count;
+  d.kv_last_page_len = d.kv_indices + h.kv_indices_count;
+  d.new_kv_slots = d.kv_last_page_len + h.last_page_count;
+  return d;
+}
+
+// The output buffer holds out [Nq, H, Dc] bf16, then (16-byte aligned) lse [Nq, H] fp32.
+std::size_t out_elements(const StepLayerInput& input) {
+  return static_cast<std::size_t>(input.step.num_rows()) *
+         static_cast<std::size_t>(input.attrs.num_heads) * input.attrs.kv_lora_rank;
+}
+std::size_t lse_offset_bytes(const StepLayerInput& input) {
+  return (out_elements(input) * 2 + 15) / 16 * 16;
+}
+
+// Longest kv_len over the requests with rows this step (sizes the split-KV grid).
+int max_kv_len(const StepMeta& step, int page_size) {
+  int longest = 0;
+  for (int b = 0; b < step.batch_size(); ++b) {
+    if (step.rows_of(b) > 0) {
+      longest = std::max<int>(longest, static_cast<int>(step.kv_len(b, page_size)));
+    }
+  }
+  return longest;
+}
+
+// The device write takes bf16 bits. kvdump accepts float32 new_kv, and the write rule divides
+// fp32(value): a value that is not a bf16 value would be rounded twice here (bf16, then e4m3),
+// so such a step is refused by name rather than written differently from the rule.
+Status check_new_kv_is_bf16(const std::vector<float>& new_kv, const std::string& where) {
+  for (std::size_t i = 0; i < new_kv.size(); ++i) {
+    const float value = new_kv[i];
+    if (!std::isnan(value) && bf16_round(value) != value) {
+      return unsupported(where, "new_kv[" + std::to_string(i) + "] = " + std::to_string(value) +
+                                    " is not a bf16 value; the CUDA write takes bf16 new_kv "
+                                    "(float32 new_kv needs --backend cpu-fp8)");
+    }
+  }
+  return ok_status();
+}
+
+Status check_step(const StepLayerInput& input, const KvPool& pool, const std::string& where) {
+  const DumpAttributes& attrs = input.attrs;
+  const StepMeta& step = input.step;
+  const int dc = attrs.kv_lora_rank;
+  const int dr = attrs.qk_rope_head_dim;
+  const int width = attrs.row_width();
+  if (dc != mla::kKvLoraRank || dr != mla::kQkRopeHeadDim) {
+    return unsupported(where, "MLA shape kv_lora_rank=" + std::to_string(dc) +
+                                  ", qk_rope_head_dim=" + std::to_string(dr) +
+                                  " (the CUDA kernels support 512 + 64 only)");
+  }
+  if (pool.row_width != width) {
+    return bad_input(
+        where, "pool row width " + std::to_string(pool.row_width) + " != " + std::to_string(width));
+  }
+  const std::size_t rows = static_cast<std::size_t>(step.num_rows());
+  const std::size_t heads = static_cast<std::size_t>(attrs.num_heads);
+  if (input.tensors.q_nope.size() != rows * heads * dc ||
+      input.tensors.q_pe.size() != rows * heads * dr ||
+      input.tensors.new_kv.size() != rows * width || step.new_kv_slots.size() != rows) {
+    return bad_input(where, "tensor sizes disagree with the step's rows");
+  }
+  // The device writes through these indices: refuse anything out of range here.
+  KVAUDIT_TRY(check_step_indices(step, attrs.page_size, pool.num_slots));
+  return check_new_kv_is_bf16(input.tensors.new_kv, where);
+}
+
 class CudaMlaBackend final : public Backend {
  public:
   CudaMlaBackend(bool cast_whole_pool, CudaDeviceInfo device, BackendOptions options,
@@ -113,11 +225,26 @@ class CudaMlaBackend final : public Backend {
     return j;
   }
 
+  // validate, stage the inputs on the host, upload, write the step's KV, attend (on the FP8 pool,
+  // or a bf16 view of it), download out, lse and the pool.
   Result<AttentionOutput> run_step(const StepLayerInput& input, KvPool& pool) override;
 
   CudaBackendAllocations allocations() const { return allocations_; }
 
  private:
+  Status upload(const StepLayerInput& input, const HostStaging& staged, const KvPool& pool,
+                const std::string& where);
+  Status write_kv(const StepLayerInput& input, const KvPool& pool, const DeviceIndices& indices,
+                  const std::string& where, cudaStream_t stream);
+  MlaAttentionProblem attention_problem(const StepLayerInput& input, const KvPool& pool,
+                                        const DeviceIndices& indices,
+                                        const HostStaging& staged) const;
+  Status select_attention_pool(const KvPool& pool, MlaAttentionProblem& problem,
+                               const std::string& where, cudaStream_t stream);
+  Status attend(const MlaAttentionProblem& problem, const std::string& where, cudaStream_t stream);
+  Result<AttentionOutput> download(const StepLayerInput& input, const MlaAttentionProblem& problem,
+                                   KvPool& pool, const std::string& where) const;
+
   bool cast_whole_pool_;
   CudaDeviceInfo device_;
   BackendOptions options_;
@@ -134,160 +261,123 @@ class CudaMlaBackend final : public Backend {
 
 Result<AttentionOutput> CudaMlaBackend::run_step(const StepLayerInput& input, KvPool& pool) {
   const std::string where = name() + ": step " + input.step.group + " layer " + input.layer.group;
-  const DumpAttributes& attrs = input.attrs;
-  const StepMeta& step = input.step;
-  const int heads = attrs.num_heads;
-  const int dc = attrs.kv_lora_rank;
-  const int dr = attrs.qk_rope_head_dim;
-  const int width = attrs.row_width();
-  const int rows = step.num_rows();
-  const int batch = step.batch_size();
-  const int page_size = attrs.page_size;
-
-  if (dc != mla::kKvLoraRank || dr != mla::kQkRopeHeadDim) {
-    return unsupported(where, "MLA shape kv_lora_rank=" + std::to_string(dc) +
-                                  ", qk_rope_head_dim=" + std::to_string(dr) +
-                                  " (the CUDA kernels support 512 + 64 only)");
-  }
-  if (pool.row_width != width) {
-    return bad_input(
-        where, "pool row width " + std::to_string(pool.row_width) + " != " + std::to_string(width));
-  }
-  const std::size_t rows_z = static_cast<std::size_t>(rows);
-  const std::size_t heads_z = static_cast<std::size_t>(heads);
-  if (input.tensors.q_nope.size() != rows_z * heads_z * dc ||
-      input.tensors.q_pe.size() != rows_z * heads_z * dr ||
-      input.tensors.new_kv.size() != rows_z * width || step.new_kv_slots.size() != rows_z) {
-    return bad_input(where, "tensor sizes disagree with the step's rows");
-  }
-  // The device writes through these indices: refuse anything out of range here.
-  KVAUDIT_TRY(check_step_indices(step, page_size, pool.num_slots));
-  int max_kv_len = 0;
-  for (int b = 0; b < batch; ++b) {
-    if (step.rows_of(b) > 0) {
-      max_kv_len = std::max<int>(max_kv_len, static_cast<int>(step.kv_len(b, page_size)));
-    }
-  }
-
-  const bool fp8_pool = pool.dtype == KvDtype::kFloat8E4m3fn;
-  const PoolElement element = fp8_pool ? PoolElement::kFp8E4m3 : PoolElement::kBf16;
-  const std::size_t pool_bytes = pool.bytes.size();
-
-  // Device buffers: pool; int32 indices; q (nope then pe); new_kv; out (bf16) then lse (fp32).
-  const std::size_t n_qo = step.qo_indptr.size(), n_kvp = step.kv_indptr.size(),
-                    n_idx = step.kv_indices.size(), n_last = step.kv_last_page_len.size(),
-                    n_slots = step.new_kv_slots.size();
-  std::vector<std::int32_t> host_indices;
-  host_indices.reserve(n_qo + n_kvp + n_idx + n_last + n_slots);
-  for (const auto* v : {&step.qo_indptr, &step.kv_indptr, &step.kv_indices, &step.kv_last_page_len,
-                        &step.new_kv_slots}) {
-    host_indices.insert(host_indices.end(), v->begin(), v->end());
-  }
-  std::vector<std::uint16_t> host_q = to_bf16_bits(input.tensors.q_nope);
-  const std::vector<std::uint16_t> host_q_pe = to_bf16_bits(input.tensors.q_pe);
-  const std::size_t q_nope_elems = host_q.size();
-  host_q.insert(host_q.end(), host_q_pe.begin(), host_q_pe.end());
-  // The device write takes bf16 bits. kvdump accepts float32 new_kv, and the write rule divides
-  // fp32(value): a value that is not a bf16 value would be rounded twice here (bf16, then e4m3),
-  // so such a step is refused by name rather than written differently from the rule.
-  for (std::size_t i = 0; i < input.tensors.new_kv.size(); ++i) {
-    const float value = input.tensors.new_kv[i];
-    if (!std::isnan(value) && bf16_round(value) != value) {
-      return unsupported(where, "new_kv[" + std::to_string(i) + "] = " + std::to_string(value) +
-                                    " is not a bf16 value; the CUDA write takes bf16 new_kv "
-                                    "(float32 new_kv needs --backend cpu-fp8)");
-    }
-  }
-  const std::vector<std::uint16_t> host_new_kv = to_bf16_bits(input.tensors.new_kv);
-  const std::size_t out_elems = rows_z * heads_z * dc;
-  const std::size_t out_bytes = (out_elems * 2 + 15) / 16 * 16;
-
-  KVAUDIT_TRY(pool_.reserve(std::max<std::size_t>(pool_bytes, 16), where));
-  KVAUDIT_TRY(indices_.reserve(std::max<std::size_t>(host_indices.size() * 4, 16), where));
-  KVAUDIT_TRY(q_.reserve(std::max<std::size_t>(host_q.size() * 2, 16), where));
-  KVAUDIT_TRY(new_kv_.reserve(std::max<std::size_t>(host_new_kv.size() * 2, 16), where));
-  KVAUDIT_TRY(out_.reserve(out_bytes + rows_z * heads_z * 4 + 16, where));
-
+  KVAUDIT_TRY(check_step(input, pool, where));
+  const HostStaging staged = stage_inputs(input);
+  KVAUDIT_TRY(upload(input, staged, pool, where));
+  const DeviceIndices indices = device_indices(indices_.as<std::int32_t>(), staged);
   cudaStream_t stream = nullptr;
+  KVAUDIT_TRY(write_kv(input, pool, indices, where, stream));
+  MlaAttentionProblem problem = attention_problem(input, pool, indices, staged);
+  KVAUDIT_TRY(select_attention_pool(pool, problem, where, stream));
+  KVAUDIT_TRY(attend(problem, where, stream));
+  return download(input, problem, pool, where);
+}
+
+// Device buffers: pool; int32 indices; q (nope then pe); new_kv; out (bf16) then lse (fp32).
+Status CudaMlaBackend::upload(const StepLayerInput& input, const HostStaging& staged,
+                              const KvPool& pool, const std::string& where) {
+  const std::size_t pool_bytes = pool.bytes.size();
+  const std::size_t lse_bytes =
+      static_cast<std::size_t>(input.step.num_rows()) * input.attrs.num_heads * 4;
+  KVAUDIT_TRY(pool_.reserve(std::max<std::size_t>(pool_bytes, 16), where));
+  KVAUDIT_TRY(indices_.reserve(std::max<std::size_t>(staged.indices.size() * 4, 16), where));
+  KVAUDIT_TRY(q_.reserve(std::max<std::size_t>(staged.q.size() * 2, 16), where));
+  KVAUDIT_TRY(new_kv_.reserve(std::max<std::size_t>(staged.new_kv.size() * 2, 16), where));
+  KVAUDIT_TRY(out_.reserve(lse_offset_bytes(input) + lse_bytes + 16, where));
+
   KVAUDIT_TRY(
       cuda_check(cudaMemcpy(pool_.data(), pool.bytes.data(), pool_bytes, cudaMemcpyHostToDevice),
                  where, "pool upload"));
-  KVAUDIT_TRY(cuda_check(cudaMemcpy(indices_.data(), host_indices.data(), host_indices.size() * 4,
-                                    cudaMemcpyHostToDevice),
+  KVAUDIT_TRY(cuda_check(cudaMemcpy(indices_.data(), staged.indices.data(),
+                                    staged.indices.size() * 4, cudaMemcpyHostToDevice),
                          where, "index upload"));
-  KVAUDIT_TRY(
-      cuda_check(cudaMemcpy(q_.data(), host_q.data(), host_q.size() * 2, cudaMemcpyHostToDevice),
-                 where, "q upload"));
-  KVAUDIT_TRY(cuda_check(cudaMemcpy(new_kv_.data(), host_new_kv.data(), host_new_kv.size() * 2,
-                                    cudaMemcpyHostToDevice),
-                         where, "new_kv upload"));
-  const std::int32_t* d_idx = indices_.as<std::int32_t>();
-  const std::int32_t* d_qo = d_idx;
-  const std::int32_t* d_kvp = d_qo + n_qo;
-  const std::int32_t* d_pages = d_kvp + n_kvp;
-  const std::int32_t* d_last = d_pages + n_idx;
-  const std::int32_t* d_slots = d_last + n_last;
+  KVAUDIT_TRY(cuda_check(
+      cudaMemcpy(q_.data(), staged.q.data(), staged.q.size() * 2, cudaMemcpyHostToDevice), where,
+      "q upload"));
+  return cuda_check(cudaMemcpy(new_kv_.data(), staged.new_kv.data(), staged.new_kv.size() * 2,
+                               cudaMemcpyHostToDevice),
+                    where, "new_kv upload");
+}
 
+// The write: kvdump's rule, or the named reciprocal option, or an injected write fault (the rules
+// of src/backend/injection.hpp, which the CPU model writes with too).
+Status CudaMlaBackend::write_kv(const StepLayerInput& input, const KvPool& pool,
+                                const DeviceIndices& indices, const std::string& where,
+                                cudaStream_t stream) {
+  const bool fp8_pool = pool.dtype == KvDtype::kFloat8E4m3fn;
+  const PoolElement element = fp8_pool ? PoolElement::kFp8E4m3 : PoolElement::kBf16;
+  const int rows = input.step.num_rows();
+  const int width = input.attrs.row_width();
   const float kv_scale = input.layer.kv_scale;
-  // The write: kvdump's rule, or the named reciprocal option, or an injected write fault (the same
-  // host/device functions the CPU model injects with).
-  KvWriteRule rule = options_.reciprocal_scale ? KvWriteRule::kReciprocal : KvWriteRule::kDivide;
-  if (injection_ == Injection::kRoundTowardZero) rule = KvWriteRule::kRoundTowardZero;
-  if (injection_ == Injection::kNoSaturation) rule = KvWriteRule::kNoSaturation;
-  if (injection_ == Injection::kBf16Writeback) rule = KvWriteRule::kBf16Bytes;
-  const int slot_offset = injection_ == Injection::kNeighbourSlotWrite ? 1 : 0;
+  const KvWriteRule rule = kv_write_rule_of(injection_, options_.reciprocal_scale);
+  const int slot_offset = kv_write_slot_offset(injection_);
   if (rule == KvWriteRule::kDivide && slot_offset == 0) {
-    KVAUDIT_TRY(launch_kv_write(new_kv_.as<std::uint16_t>(), d_slots, rows, width, kv_scale,
-                                element, pool_.data(), stream));
-  } else if (fp8_pool) {
-    KVAUDIT_TRY(launch_kv_write_rule(new_kv_.as<std::uint16_t>(), d_slots, rows, width, kv_scale,
-                                     pool_.as<std::uint8_t>(), pool.num_slots, rule, slot_offset,
-                                     stream));
-  } else {
-    return unsupported(where, std::string("the CUDA backends apply ") +
-                                  (slot_offset ? "neighbour-slot-write" : "this write rule") +
-                                  " to fp8 pools only");
+    return launch_kv_write(new_kv_.as<std::uint16_t>(), indices.new_kv_slots, rows, width, kv_scale,
+                           element, pool_.data(), stream);
   }
+  if (fp8_pool) {
+    return launch_kv_write_rule(new_kv_.as<std::uint16_t>(), indices.new_kv_slots, rows, width,
+                                kv_scale, pool_.as<std::uint8_t>(), pool.num_slots, rule,
+                                slot_offset, stream);
+  }
+  return unsupported(where, std::string("the CUDA backends apply ") +
+                                (slot_offset ? "neighbour-slot-write" : "this write rule") +
+                                " to fp8 pools only");
+}
 
+MlaAttentionProblem CudaMlaBackend::attention_problem(const StepLayerInput& input,
+                                                      const KvPool& pool,
+                                                      const DeviceIndices& indices,
+                                                      const HostStaging& staged) const {
+  const DumpAttributes& attrs = input.attrs;
+  const float kv_scale = input.layer.kv_scale;
   MlaAttentionProblem problem;
-  problem.qo_indptr = d_qo;
-  problem.kv_indptr = d_kvp;
-  problem.kv_indices = d_pages;
-  problem.kv_last_page_len = d_last;
-  problem.batch = batch;
-  problem.num_rows = rows;
-  problem.num_heads = heads;
-  problem.kv_lora_rank = dc;
-  problem.qk_rope_head_dim = dr;
-  problem.page_size = page_size;
+  problem.qo_indptr = indices.qo_indptr;
+  problem.kv_indptr = indices.kv_indptr;
+  problem.kv_indices = indices.kv_indices;
+  problem.kv_last_page_len = indices.kv_last_page_len;
+  problem.batch = input.step.batch_size();
+  problem.num_rows = input.step.num_rows();
+  problem.num_heads = attrs.num_heads;
+  problem.kv_lora_rank = attrs.kv_lora_rank;
+  problem.qk_rope_head_dim = attrs.qk_rope_head_dim;
+  problem.page_size = attrs.page_size;
   problem.num_slots = pool.num_slots;
-  problem.max_kv_len = max_kv_len;
+  problem.max_kv_len = max_kv_len(input.step, attrs.page_size);
   problem.sm_scale = static_cast<float>(attrs.sm_scale);
   problem.kv_scale =
       injection_ == Injection::kScaleMismatch ? power_of_two_scale(kv_scale) : kv_scale;
   // As the CPU model: the double sm_scale times kv_scale times log2 e, rounded once to fp32.
   problem.score_scale =
       static_cast<float>(attrs.sm_scale * static_cast<double>(problem.kv_scale) * mla::kLog2e);
-  problem.pool_element = element;
+  problem.pool_element =
+      pool.dtype == KvDtype::kFloat8E4m3fn ? PoolElement::kFp8E4m3 : PoolElement::kBf16;
   problem.pool = pool_.data();
   problem.read_masked_tail = injection_ == Injection::kMaskedNanLeak;
   problem.q_nope = q_.as<std::uint16_t>();
-  problem.q_pe = q_.as<std::uint16_t>() + q_nope_elems;
+  problem.q_pe = q_.as<std::uint16_t>() + staged.q_nope_elements;
   problem.out = out_.as<std::uint16_t>();
-  problem.lse = reinterpret_cast<float*>(out_.as<unsigned char>() + out_bytes);
+  problem.lse = reinterpret_cast<float*>(out_.as<unsigned char>() + lse_offset_bytes(input));
+  return problem;
+}
 
-  const bool cast = fp8_pool && (cast_whole_pool_ || injection_ == Injection::kWholePoolCast);
-  if (cast) {
-    const std::int64_t elements = pool.num_slots * width;
+// cuda-fp8 attends on the FP8 pool itself. cuda-cast-bf16 (and the fault whole-pool-cast) casts
+// the whole pool to bf16 first; the fault fp8-read-as-bf16 reads the fp8 bytes as bf16.
+Status CudaMlaBackend::select_attention_pool(const KvPool& pool, MlaAttentionProblem& problem,
+                                             const std::string& where, cudaStream_t stream) {
+  if (pool.dtype != KvDtype::kFloat8E4m3fn) return ok_status();
+  if (cast_whole_pool_ || injection_ == Injection::kWholePoolCast) {
+    const std::int64_t elements = pool.num_slots * pool.row_width;
     KVAUDIT_TRY(pool_bf16_.reserve(
         static_cast<std::size_t>(std::max<std::int64_t>(elements, 8)) * 2, where));
     KVAUDIT_TRY(launch_cast_pool_to_bf16(pool_.as<std::uint8_t>(), elements,
                                          pool_bf16_.as<std::uint16_t>(), stream));
     problem.pool_element = PoolElement::kBf16;
     problem.pool = pool_bf16_.data();
-  } else if (fp8_pool && injection_ == Injection::kFp8ReadAsBf16) {
+  } else if (injection_ == Injection::kFp8ReadAsBf16) {
     // The kv_data_type mix-up: the fp8 bytes addressed as a [S, D] bf16 array. Rows past the
     // buffer's end read zeros (a copy with a zero-filled second half), as the CPU model does.
+    const std::size_t pool_bytes = pool.bytes.size();
     KVAUDIT_TRY(pool_bf16_.reserve(std::max<std::size_t>(2 * pool_bytes, 16), where));
     KVAUDIT_TRY(cuda_check(cudaMemset(pool_bf16_.data(), 0, 2 * pool_bytes), where, "memset"));
     KVAUDIT_TRY(cuda_check(
@@ -296,23 +386,33 @@ Result<AttentionOutput> CudaMlaBackend::run_step(const StepLayerInput& input, Kv
     problem.pool_element = PoolElement::kBf16;
     problem.pool = pool_bf16_.data();
   }
+  return ok_status();
+}
+
+Status CudaMlaBackend::attend(const MlaAttentionProblem& problem, const std::string& where,
+                              cudaStream_t stream) {
   const std::size_t workspace_bytes = mla_attention_workspace_bytes(problem);
   if (workspace_bytes > 0) KVAUDIT_TRY(workspace_.reserve(workspace_bytes, where));
   KVAUDIT_TRY(launch_mla_attention(problem, workspace_.data(), workspace_bytes, stream));
-  KVAUDIT_TRY(cuda_check(cudaDeviceSynchronize(), where, "attention"));
+  return cuda_check(cudaDeviceSynchronize(), where, "attention");
+}
 
+// out, lse and the pool after the step's writes (the harness checks its integrity).
+Result<AttentionOutput> CudaMlaBackend::download(const StepLayerInput& input,
+                                                 const MlaAttentionProblem& problem, KvPool& pool,
+                                                 const std::string& where) const {
   AttentionOutput output;
-  output.out_bf16.resize(out_elems);
-  output.lse.resize(rows_z * heads_z);
-  KVAUDIT_TRY(cuda_check(
-      cudaMemcpy(output.out_bf16.data(), problem.out, out_elems * 2, cudaMemcpyDeviceToHost), where,
-      "out download"));
+  output.out_bf16.resize(out_elements(input));
+  output.lse.resize(static_cast<std::size_t>(input.step.num_rows()) * input.attrs.num_heads);
+  KVAUDIT_TRY(cuda_check(cudaMemcpy(output.out_bf16.data(), problem.out, output.out_bf16.size() * 2,
+                                    cudaMemcpyDeviceToHost),
+                         where, "out download"));
   KVAUDIT_TRY(cuda_check(
       cudaMemcpy(output.lse.data(), problem.lse, output.lse.size() * 4, cudaMemcpyDeviceToHost),
       where, "lse download"));
-  KVAUDIT_TRY(
-      cuda_check(cudaMemcpy(pool.bytes.data(), pool_.data(), pool_bytes, cudaMemcpyDeviceToHost),
-                 where, "pool download"));
+  KVAUDIT_TRY(cuda_check(
+      cudaMemcpy(pool.bytes.data(), pool_.data(), pool.bytes.size(), cudaMemcpyDeviceToHost), where,
+      "pool download"));
   return output;
 }
 
@@ -321,10 +421,9 @@ Result<std::unique_ptr<Backend>> make_backend_on_device(bool cast_whole_pool,
   const char* flag = cast_whole_pool ? "--backend cuda-cast-bf16" : "--backend cuda-fp8";
   CudaDeviceInfo device = cuda_device_info();
   if (!device.present) return bad_input(flag, device.reason);
-  auto injection = parse_injection(options.injection);
-  if (!injection.ok()) return injection.error();
+  KVAUDIT_ASSIGN_OR_RETURN(const Injection injection, parse_injection(options.injection));
   return std::unique_ptr<Backend>(
-      new CudaMlaBackend(cast_whole_pool, std::move(device), options, *injection));
+      new CudaMlaBackend(cast_whole_pool, std::move(device), options, injection));
 }
 
 }  // namespace

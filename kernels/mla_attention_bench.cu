@@ -199,22 +199,18 @@ Result<CopyBandwidth> measure_copy_bandwidth(const GpuBenchOptions& options) {
     return ok_status();
   };
   // No flush: the copy itself is far larger than L2.
-  auto times = time_launches(options, se, nullptr, copy);
-  if (!times.ok()) return times.error();
-  result.times = *times;
+  KVAUDIT_ASSIGN_OR_RETURN(result.times, time_launches(options, se, nullptr, copy));
   result.gbps = 2.0 * static_cast<double>(result.bytes) / (result.times.median_us * 1e3);
   return result;
 }
 
-Result<GpuCaseResult> run_gpu_case(const GpuCase& config, const GpuBenchOptions& options,
-                                   double copy_gbps) {
-  using cuda::PoolElement;
-  GpuCaseResult result;
-  result.config = config;
-  constexpr int kD = mla::kRowWidth;
-  constexpr int kDc = mla::kKvLoraRank;
-  constexpr int kDr = mla::kQkRopeHeadDim;
+namespace {
 
+constexpr int kD = mla::kRowWidth;
+constexpr int kDc = mla::kKvLoraRank;
+constexpr int kDr = mla::kQkRopeHeadDim;
+
+Status check_case(const GpuCase& config) {
   if (config.batch < 1 || config.context < 1 || config.q_len < 1 || config.num_heads < 1 ||
       config.page_size < 1 || config.q_len > config.context) {
     return bad_input(config.name(),
@@ -230,168 +226,228 @@ Result<GpuCaseResult> run_gpu_case(const GpuCase& config, const GpuBenchOptions&
   if (slots % config.page_size != 0) {
     return bad_input(config.name(), "pool slots must be a multiple of the page size");
   }
-  const std::int64_t num_pages = slots / config.page_size;
-  const std::int64_t rows = config.num_rows();
-  const int ppr = config.pages_per_request();
+  return ok_status();
+}
 
-  // Device memory needed, checked before allocating so that a case too large for this card is
-  // reported as skipped rather than failing halfway.
-  const double pool_bytes = static_cast<double>(slots) * kD;
-  const double needed = pool_bytes * (config.with_cast ? 3.0 : 1.0) +
-                        static_cast<double>(rows) * config.num_heads * (kD + kDc) * 2.0 * 2.0 +
-                        static_cast<double>(options.l2_flush_bytes);
+// Device memory needed, checked before allocating so that a case too large for this card is
+// reported as skipped rather than failing halfway. Returns the reason it does not fit, or "".
+Result<std::string> memory_shortfall(const GpuCase& config, const GpuBenchOptions& options) {
+  const double pool_bytes = static_cast<double>(config.effective_pool_slots()) * kD;
+  const double needed =
+      pool_bytes * (config.with_cast ? 3.0 : 1.0) +
+      static_cast<double>(config.num_rows()) * config.num_heads * (kD + kDc) * 2.0 * 2.0 +
+      static_cast<double>(options.l2_flush_bytes);
   std::size_t free_bytes = 0, total_bytes = 0;
   BENCH_CUDA(cudaMemGetInfo(&free_bytes, &total_bytes));
   if (needed > 0.9 * static_cast<double>(free_bytes)) {
-    result.skipped =
-        "needs about " + gib(needed) + " of device memory, " + gib(free_bytes) + " free";
-    return result;
+    return "needs about " + gib(needed) + " of device memory, " + gib(free_bytes) + " free";
   }
+  return std::string();
+}
 
-  // Page table on the host: request b owns pages perm[b * ppr .. (b + 1) * ppr - 1].
-  std::vector<std::int32_t> perm(static_cast<std::size_t>(num_pages));
-  std::iota(perm.begin(), perm.end(), 0);
+// Page table on the host: request b owns pages perm[b * ppr .. (b + 1) * ppr - 1] of a random
+// permutation of the pool's pages.
+struct HostPageTable {
+  std::vector<std::int32_t> perm;
+  std::vector<std::int32_t> qo_indptr, kv_indptr, last_page_len;
+  std::size_t nnz_pages = 0;
+};
+
+HostPageTable page_table(const GpuCase& config, const GpuBenchOptions& options) {
+  const std::int64_t slots = config.effective_pool_slots();
+  const int ppr = config.pages_per_request();
+  HostPageTable t;
+  t.perm.resize(static_cast<std::size_t>(slots / config.page_size));
+  std::iota(t.perm.begin(), t.perm.end(), 0);
   std::mt19937_64 rng(options.seed ^ (static_cast<std::uint64_t>(slots) * 0x9E3779B97F4A7C15ull));
-  std::shuffle(perm.begin(), perm.end(), rng);
-  std::vector<std::int32_t> qo_indptr(config.batch + 1), kv_indptr(config.batch + 1),
-      last_page_len(config.batch);
+  std::shuffle(t.perm.begin(), t.perm.end(), rng);
+  t.qo_indptr.resize(config.batch + 1);
+  t.kv_indptr.resize(config.batch + 1);
+  t.last_page_len.resize(config.batch);
   for (int b = 0; b <= config.batch; ++b) {
-    qo_indptr[b] = b * config.q_len;
-    kv_indptr[b] = b * ppr;
+    t.qo_indptr[b] = b * config.q_len;
+    t.kv_indptr[b] = b * ppr;
   }
   for (int b = 0; b < config.batch; ++b) {
-    last_page_len[b] = config.context - (ppr - 1) * config.page_size;
+    t.last_page_len[b] = config.context - (ppr - 1) * config.page_size;
   }
-  const std::size_t nnz_pages = static_cast<std::size_t>(config.batch) * ppr;
+  t.nnz_pages = static_cast<std::size_t>(config.batch) * ppr;
+  return t;
+}
 
-  StreamAndEvents se;
-  KVAUDIT_TRY(se.create(options.launches));
-  const cudaStream_t stream = se.stream();
+// The case's device buffers (freed when it goes out of scope).
+struct DeviceCase {
+  DeviceBuffer qo_indptr, kv_indptr, kv_indices, last_page_len, pool, q_nope, q_pe, out, lse, flush;
+};
 
-  DeviceBuffer d_qo, d_kv_indptr, d_kv_indices, d_last, d_pool, d_q_nope, d_q_pe, d_out, d_lse,
-      d_flush;
-  KVAUDIT_TRY(d_qo.allocate(qo_indptr.size() * 4));
-  KVAUDIT_TRY(d_kv_indptr.allocate(kv_indptr.size() * 4));
-  KVAUDIT_TRY(d_kv_indices.allocate(nnz_pages * 4));
-  KVAUDIT_TRY(d_last.allocate(last_page_len.size() * 4));
-  KVAUDIT_TRY(d_pool.allocate(static_cast<std::size_t>(slots) * kD));
-  KVAUDIT_TRY(d_q_nope.allocate(static_cast<std::size_t>(rows) * config.num_heads * kDc * 2));
-  KVAUDIT_TRY(d_q_pe.allocate(static_cast<std::size_t>(rows) * config.num_heads * kDr * 2));
-  KVAUDIT_TRY(d_out.allocate(static_cast<std::size_t>(rows) * config.num_heads * kDc * 2));
-  KVAUDIT_TRY(d_lse.allocate(static_cast<std::size_t>(rows) * config.num_heads * 4));
-  if (options.l2_flush_bytes > 0) KVAUDIT_TRY(d_flush.allocate(options.l2_flush_bytes));
+Status allocate_case(const GpuCase& config, const GpuBenchOptions& options,
+                     const HostPageTable& table, DeviceCase& d) {
+  const std::size_t rows_heads = static_cast<std::size_t>(config.num_rows()) * config.num_heads;
+  KVAUDIT_TRY(d.qo_indptr.allocate(table.qo_indptr.size() * 4));
+  KVAUDIT_TRY(d.kv_indptr.allocate(table.kv_indptr.size() * 4));
+  KVAUDIT_TRY(d.kv_indices.allocate(table.nnz_pages * 4));
+  KVAUDIT_TRY(d.last_page_len.allocate(table.last_page_len.size() * 4));
+  KVAUDIT_TRY(d.pool.allocate(static_cast<std::size_t>(config.effective_pool_slots()) * kD));
+  KVAUDIT_TRY(d.q_nope.allocate(rows_heads * kDc * 2));
+  KVAUDIT_TRY(d.q_pe.allocate(rows_heads * kDr * 2));
+  KVAUDIT_TRY(d.out.allocate(rows_heads * kDc * 2));
+  KVAUDIT_TRY(d.lse.allocate(rows_heads * 4));
+  if (options.l2_flush_bytes > 0) KVAUDIT_TRY(d.flush.allocate(options.l2_flush_bytes));
+  return ok_status();
+}
 
-  BENCH_CUDA(cudaMemcpyAsync(d_qo.get(), qo_indptr.data(), qo_indptr.size() * 4,
+// Page table up; pool (random valid codes) and queries filled on the device.
+Status fill_case(const GpuCase& config, const GpuBenchOptions& options, const HostPageTable& table,
+                 DeviceCase& d, cudaStream_t stream) {
+  const std::int64_t rows_heads = config.num_rows() * config.num_heads;
+  BENCH_CUDA(cudaMemcpyAsync(d.qo_indptr.get(), table.qo_indptr.data(), table.qo_indptr.size() * 4,
                              cudaMemcpyHostToDevice, stream));
-  BENCH_CUDA(cudaMemcpyAsync(d_kv_indptr.get(), kv_indptr.data(), kv_indptr.size() * 4,
+  BENCH_CUDA(cudaMemcpyAsync(d.kv_indptr.get(), table.kv_indptr.data(), table.kv_indptr.size() * 4,
                              cudaMemcpyHostToDevice, stream));
-  BENCH_CUDA(cudaMemcpyAsync(d_kv_indices.get(), perm.data(), nnz_pages * 4, cudaMemcpyHostToDevice,
-                             stream));
-  BENCH_CUDA(cudaMemcpyAsync(d_last.get(), last_page_len.data(), last_page_len.size() * 4,
+  BENCH_CUDA(cudaMemcpyAsync(d.kv_indices.get(), table.perm.data(), table.nnz_pages * 4,
                              cudaMemcpyHostToDevice, stream));
-  fill_e4m3_codes<<<kFillBlocks, kFillThreads, 0, stream>>>(d_pool.as<std::uint64_t>(),
-                                                            slots * kD / 8, options.seed + 1);
+  BENCH_CUDA(cudaMemcpyAsync(d.last_page_len.get(), table.last_page_len.data(),
+                             table.last_page_len.size() * 4, cudaMemcpyHostToDevice, stream));
+  fill_e4m3_codes<<<kFillBlocks, kFillThreads, 0, stream>>>(
+      d.pool.as<std::uint64_t>(), config.effective_pool_slots() * kD / 8, options.seed + 1);
   BENCH_CUDA(cudaGetLastError());
-  fill_bf16_uniform<<<kFillBlocks, kFillThreads, 0, stream>>>(
-      d_q_nope.as<std::uint16_t>(), rows * config.num_heads * kDc, options.seed + 2);
+  fill_bf16_uniform<<<kFillBlocks, kFillThreads, 0, stream>>>(d.q_nope.as<std::uint16_t>(),
+                                                              rows_heads * kDc, options.seed + 2);
   BENCH_CUDA(cudaGetLastError());
-  fill_bf16_uniform<<<kFillBlocks, kFillThreads, 0, stream>>>(
-      d_q_pe.as<std::uint16_t>(), rows * config.num_heads * kDr, options.seed + 3);
+  fill_bf16_uniform<<<kFillBlocks, kFillThreads, 0, stream>>>(d.q_pe.as<std::uint16_t>(),
+                                                              rows_heads * kDr, options.seed + 3);
   BENCH_CUDA(cudaGetLastError());
+  return ok_status();
+}
 
+cuda::MlaAttentionProblem case_problem(const GpuCase& config, const DeviceCase& d) {
   cuda::MlaAttentionProblem problem;
-  problem.qo_indptr = d_qo.as<std::int32_t>();
-  problem.kv_indptr = d_kv_indptr.as<std::int32_t>();
-  problem.kv_indices = d_kv_indices.as<std::int32_t>();
-  problem.kv_last_page_len = d_last.as<std::int32_t>();
+  problem.qo_indptr = d.qo_indptr.as<std::int32_t>();
+  problem.kv_indptr = d.kv_indptr.as<std::int32_t>();
+  problem.kv_indices = d.kv_indices.as<std::int32_t>();
+  problem.kv_last_page_len = d.last_page_len.as<std::int32_t>();
   problem.batch = config.batch;
-  problem.num_rows = static_cast<int>(rows);
+  problem.num_rows = static_cast<int>(config.num_rows());
   problem.num_heads = config.num_heads;
   problem.kv_lora_rank = kDc;
   problem.qk_rope_head_dim = kDr;
   problem.page_size = config.page_size;
-  problem.num_slots = slots;
+  problem.num_slots = config.effective_pool_slots();
   problem.max_kv_len = config.context;
   problem.sm_scale = static_cast<float>(1.0 / std::sqrt(192.0));  // GLM-5/DeepSeek qk head dim
   problem.kv_scale = 0.0625f;
-  problem.pool_element = PoolElement::kFp8E4m3;
-  problem.pool = d_pool.get();
-  problem.q_nope = d_q_nope.as<std::uint16_t>();
-  problem.q_pe = d_q_pe.as<std::uint16_t>();
-  problem.out = d_out.as<std::uint16_t>();
-  problem.lse = d_lse.as<float>();
+  problem.pool_element = cuda::PoolElement::kFp8E4m3;
+  problem.pool = d.pool.get();
+  problem.q_nope = d.q_nope.as<std::uint16_t>();
+  problem.q_pe = d.q_pe.as<std::uint16_t>();
+  problem.out = d.out.as<std::uint16_t>();
+  problem.lse = d.lse.as<float>();
+  return problem;
+}
 
+// The FP8 path: one untimed probe (a shape the kernel does not support is reported in
+// result.skipped, not timed), the timed launches, and what they produced (out, non-finite lse).
+Status time_fp8(const GpuCase& config, const GpuBenchOptions& options, double copy_gbps,
+                const cuda::MlaAttentionProblem& problem, const DeviceCase& d, StreamAndEvents& se,
+                GpuCaseResult& result, std::vector<std::uint16_t>& out_fp8) {
+  const cudaStream_t stream = se.stream();
   DeviceBuffer d_workspace;
   const std::size_t ws_bytes = cuda::mla_attention_workspace_bytes(problem);
   KVAUDIT_TRY(d_workspace.allocate(ws_bytes));
-
-  // One untimed probe: a shape the kernel does not support is reported, not timed.
-  {
-    Status probe = cuda::launch_mla_attention(problem, d_workspace.get(), ws_bytes, stream);
-    if (!probe.ok() && probe.error().kind == ErrorKind::kUnsupported) {
-      result.skipped = probe.error().message();
-      return result;
-    }
-    KVAUDIT_TRY(check_launch(probe));
-    BENCH_CUDA(cudaStreamSynchronize(stream));
+  Status probe = cuda::launch_mla_attention(problem, d_workspace.get(), ws_bytes, stream);
+  if (!probe.ok() && probe.error().kind == ErrorKind::kUnsupported) {
+    result.skipped = probe.error().message();
+    return ok_status();
   }
+  KVAUDIT_TRY(check_launch(probe));
+  BENCH_CUDA(cudaStreamSynchronize(stream));
 
-  const DeviceBuffer* flush = options.l2_flush_bytes > 0 ? &d_flush : nullptr;
+  const DeviceBuffer* flush = options.l2_flush_bytes > 0 ? &d.flush : nullptr;
   auto fp8_call = [&]() -> Status {
     return check_launch(cuda::launch_mla_attention(problem, d_workspace.get(), ws_bytes, stream));
   };
-  auto fp8_times = time_launches(options, se, flush, fp8_call);
-  if (!fp8_times.ok()) return fp8_times.error();
-  result.fp8 = *fp8_times;
+  KVAUDIT_ASSIGN_OR_RETURN(result.fp8, time_launches(options, se, flush, fp8_call));
 
-  const std::size_t out_elems = static_cast<std::size_t>(rows) * config.num_heads * kDc;
-  const std::size_t lse_elems = static_cast<std::size_t>(rows) * config.num_heads;
-  std::vector<std::uint16_t> out_fp8(out_elems), out_cast;
-  std::vector<float> lse(lse_elems);
-  BENCH_CUDA(cudaMemcpy(out_fp8.data(), d_out.get(), out_elems * 2, cudaMemcpyDeviceToHost));
-  BENCH_CUDA(cudaMemcpy(lse.data(), d_lse.get(), lse_elems * 4, cudaMemcpyDeviceToHost));
+  const std::size_t lse_elements = static_cast<std::size_t>(config.num_rows()) * config.num_heads;
+  out_fp8.resize(lse_elements * kDc);
+  std::vector<float> lse(lse_elements);
+  BENCH_CUDA(cudaMemcpy(out_fp8.data(), d.out.get(), out_fp8.size() * 2, cudaMemcpyDeviceToHost));
+  BENCH_CUDA(cudaMemcpy(lse.data(), d.lse.get(), lse.size() * 4, cudaMemcpyDeviceToHost));
   result.fp8_nonfinite_lse =
       std::count_if(lse.begin(), lse.end(), [](float v) { return !std::isfinite(v); });
-
   const double seconds = result.fp8.median_us * 1e-6;
   result.fp8_gbps = config.kv_bytes() / seconds * 1e-9;
   result.fp8_tflops = config.flops() / seconds * 1e-12;
   result.fp8_copy_ratio = copy_gbps > 0 ? result.fp8_gbps / copy_gbps : 0;
+  return ok_status();
+}
 
-  if (config.with_cast) {
-    DeviceBuffer d_pool_bf16;
-    KVAUDIT_TRY(d_pool_bf16.allocate(static_cast<std::size_t>(slots) * kD * 2));
-    cuda::MlaAttentionProblem cast_problem = problem;
-    cast_problem.pool_element = PoolElement::kBf16;
-    cast_problem.pool = d_pool_bf16.get();
-    DeviceBuffer d_cast_workspace;
-    const std::size_t cast_ws_bytes = cuda::mla_attention_workspace_bytes(cast_problem);
-    KVAUDIT_TRY(d_cast_workspace.allocate(cast_ws_bytes));
-    BENCH_CUDA(cudaMemsetAsync(d_out.get(), 0xFF, out_elems * 2, stream));
-    auto cast_call = [&]() -> Status {
-      KVAUDIT_TRY(check_launch(cuda::launch_cast_pool_to_bf16(
-          d_pool.as<std::uint8_t>(), slots * kD, d_pool_bf16.as<std::uint16_t>(), stream)));
-      return check_launch(
-          cuda::launch_mla_attention(cast_problem, d_cast_workspace.get(), cast_ws_bytes, stream));
-    };
-    auto cast_times = time_launches(options, se, flush, cast_call);
-    if (!cast_times.ok() && cast_times.error().kind == ErrorKind::kUnsupported) {
-      result.cast_skipped = cast_times.error().message();
-      return result;
-    }
-    if (!cast_times.ok()) return cast_times.error();
-    result.cast = *cast_times;
-    result.cast_speedup = result.cast->median_us / result.fp8.median_us;
-    out_cast.resize(out_elems);
-    BENCH_CUDA(cudaMemcpy(out_cast.data(), d_out.get(), out_elems * 2, cudaMemcpyDeviceToHost));
-    double worst = 0;
-    for (std::size_t i = 0; i < out_elems; ++i) {
-      const double d = std::fabs(static_cast<double>(bf16_to_float(out_fp8[i])) -
-                                 static_cast<double>(bf16_to_float(out_cast[i])));
-      worst = std::isnan(d) ? INFINITY : std::max(worst, d);
-    }
-    result.max_abs_diff_vs_cast = worst;
+// The seed's path on the same pool: cast the whole pool to bf16, then bf16 attention, timed
+// together per call; its largest |difference| to the FP8 path's out.
+Status time_cast(const GpuCase& config, const GpuBenchOptions& options,
+                 const cuda::MlaAttentionProblem& problem, const DeviceCase& d, StreamAndEvents& se,
+                 const std::vector<std::uint16_t>& out_fp8, GpuCaseResult& result) {
+  const cudaStream_t stream = se.stream();
+  const std::int64_t slots = config.effective_pool_slots();
+  DeviceBuffer d_pool_bf16;
+  KVAUDIT_TRY(d_pool_bf16.allocate(static_cast<std::size_t>(slots) * kD * 2));
+  cuda::MlaAttentionProblem cast_problem = problem;
+  cast_problem.pool_element = cuda::PoolElement::kBf16;
+  cast_problem.pool = d_pool_bf16.get();
+  DeviceBuffer d_cast_workspace;
+  const std::size_t cast_ws_bytes = cuda::mla_attention_workspace_bytes(cast_problem);
+  KVAUDIT_TRY(d_cast_workspace.allocate(cast_ws_bytes));
+  BENCH_CUDA(cudaMemsetAsync(d.out.get(), 0xFF, out_fp8.size() * 2, stream));
+  auto cast_call = [&]() -> Status {
+    KVAUDIT_TRY(check_launch(cuda::launch_cast_pool_to_bf16(
+        d.pool.as<std::uint8_t>(), slots * kD, d_pool_bf16.as<std::uint16_t>(), stream)));
+    return check_launch(
+        cuda::launch_mla_attention(cast_problem, d_cast_workspace.get(), cast_ws_bytes, stream));
+  };
+  const DeviceBuffer* flush = options.l2_flush_bytes > 0 ? &d.flush : nullptr;
+  auto cast_times = time_launches(options, se, flush, cast_call);
+  if (!cast_times.ok() && cast_times.error().kind == ErrorKind::kUnsupported) {
+    result.cast_skipped = cast_times.error().message();
+    return ok_status();
   }
+  if (!cast_times.ok()) return cast_times.error();
+  result.cast = *cast_times;
+  result.cast_speedup = result.cast->median_us / result.fp8.median_us;
+  std::vector<std::uint16_t> out_cast(out_fp8.size());
+  BENCH_CUDA(cudaMemcpy(out_cast.data(), d.out.get(), out_cast.size() * 2, cudaMemcpyDeviceToHost));
+  double worst = 0;
+  for (std::size_t i = 0; i < out_fp8.size(); ++i) {
+    const double diff = std::fabs(static_cast<double>(bf16_to_float(out_fp8[i])) -
+                                  static_cast<double>(bf16_to_float(out_cast[i])));
+    worst = std::isnan(diff) ? INFINITY : std::max(worst, diff);
+  }
+  result.max_abs_diff_vs_cast = worst;
+  return ok_status();
+}
+
+}  // namespace
+
+// validate, check memory, page table, allocate and fill, time FP8, time the cast path.
+Result<GpuCaseResult> run_gpu_case(const GpuCase& config, const GpuBenchOptions& options,
+                                   double copy_gbps) {
+  GpuCaseResult result;
+  result.config = config;
+  KVAUDIT_TRY(check_case(config));
+  KVAUDIT_ASSIGN_OR_RETURN(result.skipped, memory_shortfall(config, options));
+  if (!result.skipped.empty()) return result;
+
+  const HostPageTable table = page_table(config, options);
+  StreamAndEvents se;
+  KVAUDIT_TRY(se.create(options.launches));
+  DeviceCase d;
+  KVAUDIT_TRY(allocate_case(config, options, table, d));
+  KVAUDIT_TRY(fill_case(config, options, table, d, se.stream()));
+  const cuda::MlaAttentionProblem problem = case_problem(config, d);
+
+  std::vector<std::uint16_t> out_fp8;
+  KVAUDIT_TRY(time_fp8(config, options, copy_gbps, problem, d, se, result, out_fp8));
+  if (!result.skipped.empty() || !config.with_cast) return result;
+  KVAUDIT_TRY(time_cast(config, options, problem, d, se, out_fp8, result));
   return result;
 }
 

@@ -8,8 +8,13 @@
 //   tile_cols : [D, tile]  for the scores (s[t] += q_j * k_t[j], vectorised over t, so that each
 //                          token's dot product is still summed in index order j = 0, 1, ...)
 // Both products are exact in fp32 (see the header), so fused or separate multiply-add give the
-// same bits there.
+// same bits there. TileWorker's steps are named after the kernel's phases (stage_q, load_tile for
+// the tile decode, qk_scores, online_softmax_update, rescale_and_accumulate_pv, the epilogue), and
+// write_new_kv applies the write rules of src/backend/injection.hpp that the CUDA write kernel
+// applies.
 #include "kernels/mla_attention_cpu.hpp"
+
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <array>
@@ -31,43 +36,64 @@ float mla_score_scale(double sm_scale, float kv_scale) {
   return static_cast<float>(sm_scale * static_cast<double>(kv_scale) * mla::kLog2e);
 }
 
-Status write_new_kv(const StepMeta& step, std::span<const float> new_kv, float kv_scale,
-                    bool reciprocal_scale, KvPool& pool, Injection injection) {
-  const std::string where = "write step " + step.group;
-  const int width = pool.row_width;
+namespace {
+
+// ---- the KV write -------------------------------------------------------------------------------
+
+// One new_kv row as the shared write rules read it (kv_write_code, src/backend/injection.hpp):
+// fp32 values (kvdump's new_kv may be float32), their bf16 bits where a rule needs them.
+struct FloatRowView {
+  const float* values;
+
+  float value(int col) const { return values[col]; }
+  std::uint16_t bf16_bits(int col) const { return bf16_from_float(values[col]); }
+};
+
+// new_kv holds one row of pool.row_width values per new_kv_slots entry, each slot in the pool.
+Status check_new_kv(const StepMeta& step, std::span<const float> new_kv, const KvPool& pool) {
+  const std::string where = fmt::format("write step {}", step.group);
   const std::size_t rows = step.new_kv_slots.size();
-  if (new_kv.size() != rows * static_cast<std::size_t>(width)) {
-    return bad_input(where, "new_kv has " + std::to_string(new_kv.size()) + " values, expected " +
-                                std::to_string(rows) + " rows of " + std::to_string(width));
+  if (new_kv.size() != rows * static_cast<std::size_t>(pool.row_width)) {
+    return bad_input(where, fmt::format("new_kv has {} values, expected {} rows of {}",
+                                        new_kv.size(), rows, pool.row_width));
   }
   for (std::size_t i = 0; i < rows; ++i) {
-    std::int64_t slot = step.new_kv_slots[i];
+    const std::int64_t slot = step.new_kv_slots[i];
     if (slot < 0 || slot >= pool.num_slots) {
-      return bad_input(where, "new_kv_slots[" + std::to_string(i) + "] = " + std::to_string(slot) +
-                                  " is outside the pool");
+      return bad_input(where, fmt::format("new_kv_slots[{}] = {} is outside the pool", i, slot));
     }
-    if (injection == Injection::kNeighbourSlotWrite) slot = (slot + 1) % pool.num_slots;
+  }
+  return ok_status();
+}
+
+// dst[c] = kv_write_code<rule>(values, c) for the row's `width` elements (an fp8 slot).
+void write_fp8_row(KvWriteRule rule, const float* values, int width, float kv_scale,
+                   std::uint8_t* dst) {
+  dispatch_kv_write_rule(rule, [&](auto kind) {
+    const FloatRowView row{values};
+    for (int c = 0; c < width; ++c) {
+      dst[c] = kv_write_code<decltype(kind)::value, HostE4m3Rounding>(row, c, kv_scale);
+    }
+  });
+}
+
+}  // namespace
+
+Status write_new_kv(const StepMeta& step, std::span<const float> new_kv, float kv_scale,
+                    bool reciprocal_scale, KvPool& pool, Injection injection) {
+  KVAUDIT_TRY(check_new_kv(step, new_kv, pool));
+  // The same rule and slot the CUDA write kernel applies (src/backend/injection.hpp).
+  const KvWriteRule rule = kv_write_rule_of(injection, reciprocal_scale);
+  const int slot_offset = kv_write_slot_offset(injection);
+  const int width = pool.row_width;
+  for (std::size_t i = 0; i < step.new_kv_slots.size(); ++i) {
+    std::int64_t slot = step.new_kv_slots[i];
+    if (slot_offset != 0) slot = (slot + slot_offset) % pool.num_slots;
     const float* values = new_kv.data() + i * width;
-    const bool fp8 = pool.dtype == KvDtype::kFloat8E4m3fn;
-    if (fp8 && injection == Injection::kBf16Writeback) {
-      // A bf16 row copied byte for byte into the fp8 slot: element c receives byte c of the
-      // little-endian bf16 row (low byte of value c/2 for even c, high byte for odd c).
-      std::uint8_t* dst = pool.row(slot);
-      for (int c = 0; c < width; ++c) {
-        const std::uint16_t bits = bf16_from_float(values[c / 2]);
-        dst[c] = static_cast<std::uint8_t>(c % 2 == 0 ? bits & 0xFF : bits >> 8);
-      }
-    } else if (fp8 && (injection == Injection::kRoundTowardZero ||
-                       injection == Injection::kNoSaturation)) {
-      std::uint8_t* dst = pool.row(slot);
-      for (int c = 0; c < width; ++c) {
-        dst[c] = kvdump_quantize_injected(values[c], kv_scale, injection);
-      }
-    } else if (fp8 && reciprocal_scale) {
-      std::uint8_t* dst = pool.row(slot);
-      for (int c = 0; c < width; ++c) dst[c] = kvdump_quantize_reciprocal(values[c], kv_scale);
+    if (pool.dtype == KvDtype::kFloat8E4m3fn) {
+      write_fp8_row(rule, values, width, kv_scale, pool.row(slot));
     } else {
-      pool.write_row(slot, values, kv_scale);
+      pool.write_row(slot, values, kv_scale);  // a bf16 pool stores the bf16 bits of v
     }
   }
   return ok_status();
@@ -118,23 +144,15 @@ class TileWorker {
         m_(p.heads_per_unit),
         l_(p.heads_per_unit) {}
 
+  // The phases of mla_attention_kernel for one (row, block of heads): stage q, then per tile load
+  // (decode) the tile and update every head (scores, online softmax, P.V), then the epilogue.
   void run(int row, int head_begin, int head_end) {
     const StepMeta& step = *p_.step;
-    const int width = p_.width();
     const int dc = p_.dc;
     const int heads = head_end - head_begin;
     const int request = step.request_of_row(row);
     const std::int64_t visible = step.position_of_row(row, p_.page_size) + 1;
-
-    for (int h = 0; h < heads; ++h) {
-      const std::size_t qi = static_cast<std::size_t>(row) * p_.num_heads + head_begin + h;
-      float* q = q_.data() + static_cast<std::size_t>(h) * width;
-      for (int j = 0; j < dc; ++j) q[j] = bf16_round(p_.q_nope[qi * dc + j]);
-      for (int j = 0; j < p_.dr; ++j) q[dc + j] = bf16_round(p_.q_pe[qi * p_.dr + j]);
-      m_[h] = -std::numeric_limits<float>::infinity();
-      l_[h] = 0.0f;
-    }
-    std::fill(acc_.begin(), acc_.end(), 0.0f);
+    stage_q(row, head_begin, heads);
 
     // Injection masked-nan-leak: the last tile also reads the rest of the request's last page
     // (unused slots) with a zero weight, as a kernel that masks by multiplying would.
@@ -150,6 +168,9 @@ class TileWorker {
       for (int h = 0; h < heads; ++h) update_head(h, n, n_read);
     }
 
+    // Epilogue: out = bf16(acc * (kv_scale / l)), lse = (m + log2 l) * ln 2. Kept inline here: as
+    // a function of its own, GCC orders the operands of the NaN-producing products and sums
+    // differently, and the sign of a NaN output (an injected fault's) changes.
     AttentionOutput& out = *p_.output;
     const float ln2 = static_cast<float>(mla::kLn2);
     for (int h = 0; h < heads; ++h) {
@@ -163,6 +184,21 @@ class TileWorker {
   }
 
  private:
+  // q rounded to bf16 ([heads, Dc + Dr], q_nope then q_pe) and the softmax state reset.
+  void stage_q(int row, int head_begin, int heads) {
+    const int width = p_.width();
+    const int dc = p_.dc;
+    for (int h = 0; h < heads; ++h) {
+      const std::size_t qi = static_cast<std::size_t>(row) * p_.num_heads + head_begin + h;
+      float* q = q_.data() + static_cast<std::size_t>(h) * width;
+      for (int j = 0; j < dc; ++j) q[j] = bf16_round(p_.q_nope[qi * dc + j]);
+      for (int j = 0; j < p_.dr; ++j) q[dc + j] = bf16_round(p_.q_pe[qi * p_.dr + j]);
+      m_[h] = -std::numeric_limits<float>::infinity();
+      l_[h] = 0.0f;
+    }
+    std::fill(acc_.begin(), acc_.end(), 0.0f);
+  }
+
   // Decodes visible positions t0 .. t0 + n - 1 of the request (never more: a slot past the row's
   // position, or past the last page's used length, is not read).
   void load_tile(int request, std::int64_t t0, int n) {
@@ -195,20 +231,30 @@ class TileWorker {
     }
   }
 
-  // Tokens n .. n_read - 1 were read but are masked (only under masked-nan-leak): their weight
-  // is exactly zero and is multiplied in, which a correct kernel never does.
+  // One tile's step for head h: the kernel's Q.K^T, online softmax update and P.V.
   void update_head(int h, int n, int n_read) {
-    const int width = p_.width();
-    const int dc = p_.dc;
-    const float* q = q_.data() + static_cast<std::size_t>(h) * width;
     float s[kTile];
     float p[kTile];
+    qk_scores(h, n, s);
+    const float alpha = online_softmax_update(h, n, n_read, s, p);
+    rescale_and_accumulate_pv(h, n_read, alpha, p);
+  }
+
+  // s[t] = q . k_t for the tile's n visible tokens, each summed in index order j = 0, 1, ...
+  void qk_scores(int h, int n, float (&s)[kTile]) const {
+    const int width = p_.width();
+    const float* q = q_.data() + static_cast<std::size_t>(h) * width;
     for (int t = 0; t < n; ++t) s[t] = 0.0f;
     for (int j = 0; j < width; ++j) {
       const float qj = q[j];
       const float* col = tile_cols_.data() + static_cast<std::size_t>(j) * kTile;
       for (int t = 0; t < n; ++t) s[t] += qj * col[t];
     }
+  }
+
+  // Scales the scores, moves m and l onto the tile's max and fills p (p[n .. n_read) = 0, the
+  // masked-nan-leak tokens); returns alpha = exp2(m_old - m_new), the factor for acc.
+  float online_softmax_update(int h, int n, int n_read, float (&s)[kTile], float (&p)[kTile]) {
     for (int t = n; t < n_read; ++t) p[t] = 0.0f;
     // fmaxf ignores NaN, as the GPU's max does; a NaN score still poisons p, l and out.
     float tile_max = -std::numeric_limits<float>::infinity();
@@ -230,6 +276,16 @@ class TileWorker {
     // exact, where fusing would not change a bit anyway.
     const float l_scaled = l_[h] * alpha;
     l_[h] = l_scaled + tile_sum;
+    m_[h] = m_new;
+    return alpha;
+  }
+
+  // acc = acc * alpha + sum_t bf16(p_t) v_t, tokens in order (fp32; each product is exact).
+  // Tokens n .. n_read - 1 were read but are masked (only under masked-nan-leak): their weight
+  // is exactly zero and is multiplied in, which a correct kernel never does.
+  void rescale_and_accumulate_pv(int h, int n_read, float alpha, const float (&p)[kTile]) {
+    const int width = p_.width();
+    const int dc = p_.dc;
     float* acc = acc_.data() + static_cast<std::size_t>(h) * dc;
     for (int d = 0; d < dc; ++d) acc[d] *= alpha;
     for (int t = 0; t < n_read; ++t) {
@@ -237,7 +293,6 @@ class TileWorker {
       const float* v = tile_rows_.data() + static_cast<std::size_t>(t) * width;
       for (int d = 0; d < dc; ++d) acc[d] += pb * v[d];
     }
-    m_[h] = m_new;
   }
 
   const CpuProblem& p_;
@@ -251,19 +306,19 @@ class TileWorker {
 
 }  // namespace
 
-Result<AttentionOutput> mla_attention_cpu(const DumpAttributes& attrs, const StepMeta& step,
-                                          float kv_scale, std::span<const float> q_nope,
-                                          std::span<const float> q_pe, const KvPool& pool,
-                                          const MlaAttentionCpuOptions& options) {
-  const std::string where = "cpu-fp8 step " + step.group;
+namespace {
+
+Status check_attention_inputs(const DumpAttributes& attrs, const StepMeta& step,
+                              std::span<const float> q_nope, std::span<const float> q_pe,
+                              const KvPool& pool) {
+  const std::string where = fmt::format("cpu-fp8 step {}", step.group);
   if (pool.row_width != attrs.row_width()) {
-    return bad_input(where,
-                     "pool rows have " + std::to_string(pool.row_width) +
-                         " elements, expected Dc + Dr = " + std::to_string(attrs.row_width()));
+    return bad_input(where, fmt::format("pool rows have {} elements, expected Dc + Dr = {}",
+                                        pool.row_width, attrs.row_width()));
   }
   if (pool.dtype != attrs.kv_dtype) {
-    return bad_input(where, std::string("pool holds ") + kv_dtype_name(pool.dtype) +
-                                " but the dump's kv_dtype is " + kv_dtype_name(attrs.kv_dtype));
+    return bad_input(where, fmt::format("pool holds {} but the dump's kv_dtype is {}",
+                                        kv_dtype_name(pool.dtype), kv_dtype_name(attrs.kv_dtype)));
   }
   KVAUDIT_TRY(check_step_indices(step, attrs.page_size, pool.num_slots));
   const std::size_t rows = static_cast<std::size_t>(step.num_rows());
@@ -272,13 +327,15 @@ Result<AttentionOutput> mla_attention_cpu(const DumpAttributes& attrs, const Ste
       q_pe.size() != rows * heads * attrs.qk_rope_head_dim) {
     return bad_input(where, "q_nope/q_pe sizes disagree with [Nq, H, Dc/Dr]");
   }
+  return ok_status();
+}
 
-  AttentionOutput output;
-  output.out_bf16.assign(rows * heads * attrs.kv_lora_rank, 0);
-  output.lse.assign(rows * heads, 0.0f);
-  if (rows == 0 || heads == 0) return output;
-
-  const int threads = resolve_thread_count(options.threads);
+// The work of one step: its shapes, the scales the attention reads with (the scale-mismatch fault
+// changes them) and the split of the rows' heads into units of work.
+CpuProblem cpu_problem(const DumpAttributes& attrs, const StepMeta& step, float kv_scale,
+                       std::span<const float> q_nope, std::span<const float> q_pe,
+                       const KvPool& pool, Injection injection, int threads,
+                       AttentionOutput& output) {
   CpuProblem problem;
   problem.step = &step;
   problem.pool = &pool;
@@ -288,21 +345,41 @@ Result<AttentionOutput> mla_attention_cpu(const DumpAttributes& attrs, const Ste
   problem.dr = attrs.qk_rope_head_dim;
   // Injection scale-mismatch: dequantize with a scale other than the one the write used.
   const float read_scale =
-      options.injection == Injection::kScaleMismatch ? power_of_two_scale(kv_scale) : kv_scale;
+      injection == Injection::kScaleMismatch ? power_of_two_scale(kv_scale) : kv_scale;
   problem.score_scale = mla_score_scale(attrs.sm_scale, read_scale);
   problem.kv_scale = read_scale;
-  problem.injection = options.injection;
+  problem.injection = injection;
   problem.q_nope = q_nope;
   problem.q_pe = q_pe;
   problem.output = &output;
   // Split heads only when rows alone cannot keep every thread busy (a decode of few requests);
   // each unit decodes its tiles once for all heads of its block.
+  const std::size_t rows = static_cast<std::size_t>(step.num_rows());
   const int want_units_per_row =
       static_cast<int>((2 * static_cast<std::size_t>(threads) + rows - 1) / rows);
   problem.units_per_row = std::clamp(want_units_per_row, 1, attrs.num_heads);
   problem.heads_per_unit = (attrs.num_heads + problem.units_per_row - 1) / problem.units_per_row;
   problem.units_per_row = (attrs.num_heads + problem.heads_per_unit - 1) / problem.heads_per_unit;
+  return problem;
+}
 
+}  // namespace
+
+Result<AttentionOutput> mla_attention_cpu(const DumpAttributes& attrs, const StepMeta& step,
+                                          float kv_scale, std::span<const float> q_nope,
+                                          std::span<const float> q_pe, const KvPool& pool,
+                                          const MlaAttentionCpuOptions& options) {
+  KVAUDIT_TRY(check_attention_inputs(attrs, step, q_nope, q_pe, pool));
+  const std::size_t rows = static_cast<std::size_t>(step.num_rows());
+  const std::size_t heads = static_cast<std::size_t>(attrs.num_heads);
+  AttentionOutput output;
+  output.out_bf16.assign(rows * heads * attrs.kv_lora_rank, 0);
+  output.lse.assign(rows * heads, 0.0f);
+  if (rows == 0 || heads == 0) return output;
+
+  const int threads = resolve_thread_count(options.threads);
+  const CpuProblem problem =
+      cpu_problem(attrs, step, kv_scale, q_nope, q_pe, pool, options.injection, threads, output);
   const std::size_t units = rows * problem.units_per_row;
   parallel_for(units, threads, [&] {
     return [&problem, worker = TileWorker(problem)](std::size_t unit) mutable {
@@ -349,7 +426,7 @@ class CpuFp8Backend final : public Backend {
   }
 
   Result<AttentionOutput> run_step(const StepLayerInput& input, KvPool& pool) override {
-    const std::string where = "cpu-fp8 " + input.step.group + "/" + input.layer.group;
+    const std::string where = fmt::format("cpu-fp8 {}/{}", input.step.group, input.layer.group);
     if (pool.dtype != input.attrs.kv_dtype || pool.row_width != input.attrs.row_width()) {
       return bad_input(where, "pool type or row width disagrees with the dump attributes");
     }
@@ -386,9 +463,8 @@ class CpuFp8Backend final : public Backend {
 }  // namespace
 
 Result<std::unique_ptr<Backend>> make_cpu_fp8_backend(const BackendOptions& options) {
-  auto injection = parse_cpu_injection(options.injection);
-  if (!injection.ok()) return injection.error();
-  return std::unique_ptr<Backend>(std::make_unique<CpuFp8Backend>(options, *injection));
+  KVAUDIT_ASSIGN_OR_RETURN(const Injection injection, parse_cpu_injection(options.injection));
+  return std::unique_ptr<Backend>(std::make_unique<CpuFp8Backend>(options, injection));
 }
 
 }  // namespace kvaudit

@@ -16,6 +16,7 @@
 #include <string>
 
 #include "src/backend/backend.hpp"
+#include "src/backend/injection.hpp"
 #include "src/core/result.hpp"
 
 typedef struct CUstream_st* cudaStream_t;
@@ -70,16 +71,9 @@ Status launch_kv_write(const std::uint16_t* new_kv, const std::int32_t* new_kv_s
                        int row_width, float kv_scale, PoolElement pool_element, void* pool,
                        cudaStream_t stream);
 
-// Write rules besides the kvdump one: the harness's named --reciprocal-scale option and the
-// write faults of src/backend/injection.hpp (the same host/device functions the CPU model injects
-// with).
-enum class KvWriteRule : std::uint8_t {
-  kDivide,           // kvdump: e4m3_rne_satfinite(x / scale) (launch_kv_write)
-  kReciprocal,       // e4m3_rne_satfinite(x * fp32(1 / scale))
-  kRoundTowardZero,  // fault round-toward-zero
-  kNoSaturation,     // fault no-saturation (past 464 * scale -> NaN)
-  kBf16Bytes,        // fault bf16-writeback: byte c of the little-endian bf16 row into element c
-};
+// Write rules besides the kvdump one: the harness's named --reciprocal-scale option and the write
+// faults, defined once in src/backend/injection.hpp for the CUDA write kernel and the CPU model.
+using kvaudit::KvWriteRule;
 
 // launch_kv_write for an fp8 pool under `rule`; slot_offset 1 writes slot (s + 1) mod num_slots
 // (fault neighbour-slot-write), 0 the slot itself.

@@ -6,6 +6,8 @@
 // Without a usable GPU (none present, or a build without CUDA) the GPU part is skipped with the
 // reason and the CPU part still runs (exit 0), unless GPU cases were asked for explicitly
 // (--gpu-only or a single case by --batch/--context/...): then exit 2.
+#include <fmt/format.h>
+
 #include <cctype>
 #include <chrono>
 #include <cstdio>
@@ -53,7 +55,7 @@ struct BenchCliOptions {
 };
 
 std::string version_string(int v) {  // 13000 -> "13.0"
-  return std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 10);
+  return fmt::format("{}.{}", v / 1000, (v % 1000) / 10);
 }
 
 // The kernel driver's release ("580.95.05") where Linux exposes it; empty elsewhere.
@@ -70,12 +72,6 @@ std::string driver_release() {
     }
   }
   return {};
-}
-
-std::string format(const char* fmt, double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, fmt, v);
-  return buf;
 }
 
 json times_json(const bench::LaunchTimes& t) {
@@ -110,21 +106,19 @@ json times_json(const bench::LaunchTimes& t) {
 }
 
 [[maybe_unused]] void print_case_header() {
-  std::printf("%-11s %-52s %10s %8s %6s %8s %10s %8s\n", "group", "case", "fp8 us", "GB/s", "%copy",
-              "TFLOP/s", "cast us", "speedup");
+  fmt::print("{:<11} {:<52} {:>10} {:>8} {:>6} {:>8} {:>10} {:>8}\n", "group", "case", "fp8 us",
+             "GB/s", "%copy", "TFLOP/s", "cast us", "speedup");
 }
 
 [[maybe_unused]] void print_case(const bench::GpuCaseResult& r) {
   if (!r.skipped.empty()) {
-    std::printf("%-11s %-52s skipped: %s\n", r.config.group.c_str(), r.config.name().c_str(),
-                r.skipped.c_str());
+    fmt::print("{:<11} {:<52} skipped: {}\n", r.config.group, r.config.name(), r.skipped);
   } else {
-    const std::string cast = r.cast ? format("%.1f", r.cast->median_us) : "-";
-    const std::string speedup = r.cast ? format("%.1fx", r.cast_speedup) : "-";
-    std::printf("%-11s %-52s %10.1f %8.0f %5.0f%% %8.1f %10s %8s%s\n", r.config.group.c_str(),
-                r.config.name().c_str(), r.fp8.median_us, r.fp8_gbps, 100.0 * r.fp8_copy_ratio,
-                r.fp8_tflops, cast.c_str(), speedup.c_str(),
-                r.fp8_nonfinite_lse > 0 ? "  (non-finite lse!)" : "");
+    const std::string cast = r.cast ? fmt::format("{:.1f}", r.cast->median_us) : "-";
+    const std::string speedup = r.cast ? fmt::format("{:.1f}x", r.cast_speedup) : "-";
+    fmt::print("{:<11} {:<52} {:10.1f} {:8.0f} {:5.0f}% {:8.1f} {:>10} {:>8}{}\n", r.config.group,
+               r.config.name(), r.fp8.median_us, r.fp8_gbps, 100.0 * r.fp8_copy_ratio, r.fp8_tflops,
+               cast, speedup, r.fp8_nonfinite_lse > 0 ? "  (non-finite lse!)" : "");
   }
   std::fflush(stdout);
 }
@@ -149,12 +143,9 @@ json cpu_json(const bench::CpuBenchResult& r) {
             {"seconds", r.project_seconds}}}};
 }
 
-int run_bench(BenchCliOptions& o) {
-  const auto wall_start = std::chrono::steady_clock::now();
-  bool custom = false;
-  for (CLI::Option* opt : o.custom_options) custom |= opt->count() > 0;
+// --quick: small defaults for every option not given explicitly.
+void apply_options(BenchCliOptions& o) {
   if (o.quick) {
-    // Small defaults unless given explicitly.
     if (o.launches_option->count() == 0) o.gpu.launches = 5;
     if (o.warmup_option->count() == 0) o.gpu.warmup = 2;
     if (o.copy_option->count() == 0) o.copy_mib = 64;
@@ -167,21 +158,30 @@ int run_bench(BenchCliOptions& o) {
   o.gpu.copy_bytes = o.copy_mib << 20;
   o.gpu.l2_flush_bytes = o.flush_mib << 20;
   o.cpu.seed = o.gpu.seed;
+}
 
+bool custom_case_given(const BenchCliOptions& o) {
+  bool custom = false;
+  for (CLI::Option* opt : o.custom_options) custom |= opt->count() > 0;
+  return custom;
+}
+
+// The GPU cases to run: the one custom case (checked here), or the grid.
+Result<std::vector<bench::GpuCase>> gpu_cases(BenchCliOptions& o, bool custom) {
   std::vector<bench::GpuCase> grid;
   if (custom) {
     o.custom.group = "custom";
     grid.push_back(o.custom);
     if (o.custom.q_len > o.custom.context) {
-      return report_error(bad_input("bench", "--q-len must not exceed --context"));
+      return bad_input("bench", "--q-len must not exceed --context");
     }
     if (o.custom.pool_slots > 0 && o.custom.pool_slots < o.custom.needed_slots()) {
-      return report_error(bad_input(
-          "bench", "--pool-slots " + std::to_string(o.custom.pool_slots) + " is smaller than the " +
-                       std::to_string(o.custom.needed_slots()) + " slots the requests need"));
+      return bad_input("bench",
+                       fmt::format("--pool-slots {} is smaller than the {} slots the requests need",
+                                   o.custom.pool_slots, o.custom.needed_slots()));
     }
     if (o.custom.pool_slots % o.custom.page_size != 0) {
-      return report_error(bad_input("bench", "--pool-slots must be a multiple of --page-size"));
+      return bad_input("bench", "--pool-slots must be a multiple of --page-size");
     }
   } else {
     grid = bench::bench_grid(o.quick);
@@ -189,15 +189,18 @@ int run_bench(BenchCliOptions& o) {
   if (o.no_cast) {
     for (bench::GpuCase& c : grid) c.with_cast = false;
   }
-  if (o.list) {
-    for (const bench::GpuCase& c : grid) {
-      std::printf("%-11s %s%s\n", c.group.c_str(), c.name().c_str(),
-                  c.target.empty() ? "" : ("  [target " + c.target + "]").c_str());
-    }
-    return kExitPass;
-  }
+  return grid;
+}
 
-  const CudaDeviceInfo device = cuda_device_info();
+void print_cases(const std::vector<bench::GpuCase>& grid) {
+  for (const bench::GpuCase& c : grid) {
+    fmt::print("{:<11} {}{}\n", c.group, c.name(),
+               c.target.empty() ? "" : fmt::format("  [target {}]", c.target));
+  }
+}
+
+// What the JSON report says about the run before any figure: tool, build, device, options.
+json describe_run(const BenchCliOptions& o, const CudaDeviceInfo& device) {
   json doc;
   doc["tool"] = "kvaudit bench";
   doc["kvaudit_version"] = KVAUDIT_VERSION;
@@ -226,92 +229,132 @@ int run_bench(BenchCliOptions& o) {
                     {"l2_flush_bytes_between_launches", o.gpu.l2_flush_bytes},
                     {"copy_bytes", o.gpu.copy_bytes},
                     {"seed", o.gpu.seed}};
+  return doc;
+}
 
+// Copy bandwidth, then every case, printed as it finishes and recorded in doc["copy"] and
+// doc["cases"]. Nothing runs in a build without CUDA (the caller has reported the skip).
+Result<std::vector<bench::GpuCaseResult>> run_gpu_cases(
+    [[maybe_unused]] const BenchCliOptions& o, [[maybe_unused]] const CudaDeviceInfo& device,
+    [[maybe_unused]] const std::vector<bench::GpuCase>& grid, [[maybe_unused]] json& doc) {
+  std::vector<bench::GpuCaseResult> results;
+#ifdef KVAUDIT_HAVE_CUDA
+  fmt::print("kvaudit bench: {} (sm_{}, {} SMs, {:.1f} GiB), driver {} (CUDA {}), runtime {}\n",
+             device.name, device.compute_capability, device.multiprocessors,
+             device.global_memory_bytes / 1073741824.0, driver_release(),
+             version_string(device.driver_version), version_string(device.runtime_version));
+  fmt::print(
+      "timing: {} warm-up, then median of {} launches (CUDA events); {} MiB written "
+      "between launches to evict L2\n",
+      o.gpu.warmup, o.gpu.launches, o.flush_mib);
+  KVAUDIT_ASSIGN_OR_RETURN(const bench::CopyBandwidth copy, bench::measure_copy_bandwidth(o.gpu));
+  fmt::print("device-to-device copy: {} MiB in {:.1f} us -> {:.0f} GB/s (bytes read + written)\n",
+             copy.bytes >> 20, copy.times.median_us, copy.gbps);
+  doc["copy"] = {{"bytes", copy.bytes},
+                 {"times", times_json(copy.times)},
+                 {"gbps_read_plus_written", copy.gbps}};
+  print_case_header();
+  json cases = json::array();
+  for (const bench::GpuCase& c : grid) {
+    KVAUDIT_ASSIGN_OR_RETURN(bench::GpuCaseResult r, bench::run_gpu_case(c, o.gpu, copy.gbps));
+    print_case(r);
+    cases.push_back(case_json(r));
+    results.push_back(std::move(r));
+  }
+  doc["cases"] = cases;
+#endif
+  return results;
+}
+
+// Prints and records (doc["targets"]) every target the results allow judging; returns whether
+// one was evaluated and missed.
+bool report_targets(const std::vector<bench::GpuCaseResult>& results, json& doc) {
+  if (results.empty()) return false;
+  bool missed = false;
+  json targets = json::array();
+  fmt::print("targets:\n");
+  for (const bench::TargetVerdict& v : bench::evaluate_targets(results)) {
+    const char* mark = !v.evaluated ? "n/a   " : v.met ? "met   " : "MISSED";
+    fmt::print("  {} {:<26} measured {:<8} threshold {:<6} {}\n", mark, v.name,
+               v.evaluated ? fmt::format("{:.3g}", v.measured) : "-",
+               fmt::format("{:.3g}", v.threshold), v.statement);
+    missed |= v.evaluated && !v.met;
+    targets.push_back({{"name", v.name},
+                       {"statement", v.statement},
+                       {"cases", v.cases},
+                       {"measured", v.evaluated ? json(v.measured) : json(nullptr)},
+                       {"threshold", v.threshold},
+                       {"evaluated", v.evaluated},
+                       {"met", v.met}});
+  }
+  doc["targets"] = targets;
+  return missed;
+}
+
+// The CPU reference's throughput and the projection to a full GLM-5 decode step.
+Status run_cpu_part(const BenchCliOptions& o, json& doc) {
+  KVAUDIT_ASSIGN_OR_RETURN(const bench::CpuBenchResult cpu, bench::run_cpu_reference_bench(o.cpu));
+  fmt::print(
+      "CPU reference ({}, {} threads): decode B={} x ctx={} x H={}, {} run(s) in {:.2f} s: "
+      "{:.3g} row*head*tokens/s; projected full GLM-5 dump step ({} layers x B={} x ctx={} x "
+      "H={}): {:.1f} s\n",
+      cpu.accumulation, cpu.threads, cpu.options.batch, cpu.options.context, cpu.options.num_heads,
+      cpu.runs, cpu.seconds, cpu.units_per_second, cpu.options.project_layers,
+      cpu.options.project_batch, cpu.options.project_context, cpu.options.project_heads,
+      cpu.project_seconds);
+  doc["cpu_reference"] = cpu_json(cpu);
+  return ok_status();
+}
+
+Status write_json(const std::string& path, const json& doc) {
+  std::ofstream out(path);
+  out << doc.dump(2) << "\n";
+  if (!out) return bad_input(path, "cannot write the JSON report");
+  return ok_status();
+}
+
+// options, cases (or --list), device, GPU cases, targets, CPU reference, JSON.
+int run_bench(BenchCliOptions& o) {
+  const auto wall_start = std::chrono::steady_clock::now();
+  apply_options(o);
+  const bool custom = custom_case_given(o);
+  auto grid = gpu_cases(o, custom);
+  if (!grid) return report_error(grid.error());
+  if (o.list) {
+    print_cases(*grid);
+    return kExitPass;
+  }
+
+  const CudaDeviceInfo device = cuda_device_info();
+  json doc = describe_run(o, device);
   bool run_gpu = !o.cpu_only;
   if (run_gpu && !device.present) {
     if (o.gpu_only || custom) {
       return report_error(bad_input("bench", "GPU cases were asked for, but " + device.reason));
     }
-    std::printf("GPU cases skipped: %s\n", device.reason.c_str());
+    fmt::print("GPU cases skipped: {}\n", device.reason);
     doc["gpu_skipped"] = device.reason;
     run_gpu = false;
   }
-
   std::vector<bench::GpuCaseResult> results;
   if (run_gpu) {
-#ifdef KVAUDIT_HAVE_CUDA
-    std::printf("kvaudit bench: %s (sm_%d, %d SMs, %.1f GiB), driver %s (CUDA %s), runtime %s\n",
-                device.name.c_str(), device.compute_capability, device.multiprocessors,
-                device.global_memory_bytes / 1073741824.0, driver_release().c_str(),
-                version_string(device.driver_version).c_str(),
-                version_string(device.runtime_version).c_str());
-    std::printf(
-        "timing: %d warm-up, then median of %d launches (CUDA events); %zu MiB written "
-        "between launches to evict L2\n",
-        o.gpu.warmup, o.gpu.launches, o.flush_mib);
-    auto copy = bench::measure_copy_bandwidth(o.gpu);
-    if (!copy) return report_error(copy.error());
-    std::printf("device-to-device copy: %zu MiB in %.1f us -> %.0f GB/s (bytes read + written)\n",
-                copy->bytes >> 20, copy->times.median_us, copy->gbps);
-    doc["copy"] = {{"bytes", copy->bytes},
-                   {"times", times_json(copy->times)},
-                   {"gbps_read_plus_written", copy->gbps}};
-    print_case_header();
-    json cases = json::array();
-    for (const bench::GpuCase& c : grid) {
-      auto r = bench::run_gpu_case(c, o.gpu, copy->gbps);
-      if (!r) return report_error(r.error());
-      print_case(*r);
-      cases.push_back(case_json(*r));
-      results.push_back(std::move(*r));
-    }
-    doc["cases"] = cases;
-#endif
+    auto ran = run_gpu_cases(o, device, *grid, doc);
+    if (!ran) return report_error(ran.error());
+    results = std::move(*ran);
   }
-
-  bool targets_missed = false;
-  if (!results.empty()) {
-    json targets = json::array();
-    std::printf("targets:\n");
-    for (const bench::TargetVerdict& v : bench::evaluate_targets(results)) {
-      const char* mark = !v.evaluated ? "n/a   " : v.met ? "met   " : "MISSED";
-      std::printf("  %s %-26s measured %-8s threshold %-6s %s\n", mark, v.name.c_str(),
-                  v.evaluated ? format("%.3g", v.measured).c_str() : "-",
-                  format("%.3g", v.threshold).c_str(), v.statement.c_str());
-      targets_missed |= v.evaluated && !v.met;
-      targets.push_back({{"name", v.name},
-                         {"statement", v.statement},
-                         {"cases", v.cases},
-                         {"measured", v.evaluated ? json(v.measured) : json(nullptr)},
-                         {"threshold", v.threshold},
-                         {"evaluated", v.evaluated},
-                         {"met", v.met}});
-    }
-    doc["targets"] = targets;
-  }
-
+  const bool targets_missed = report_targets(results, doc);
   if (!o.gpu_only) {
-    auto cpu = bench::run_cpu_reference_bench(o.cpu);
-    if (!cpu) return report_error(cpu.error());
-    std::printf(
-        "CPU reference (%s, %d threads): decode B=%d x ctx=%d x H=%d, %d run(s) in %.2f s: "
-        "%.3g row*head*tokens/s; projected full GLM-5 dump step (%d layers x B=%d x ctx=%d x "
-        "H=%d): %.1f s\n",
-        cpu->accumulation.c_str(), cpu->threads, cpu->options.batch, cpu->options.context,
-        cpu->options.num_heads, cpu->runs, cpu->seconds, cpu->units_per_second,
-        cpu->options.project_layers, cpu->options.project_batch, cpu->options.project_context,
-        cpu->options.project_heads, cpu->project_seconds);
-    doc["cpu_reference"] = cpu_json(*cpu);
+    const Status cpu = run_cpu_part(o, doc);
+    if (!cpu.ok()) return report_error(cpu.error());
   }
 
   const double wall =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start).count();
   doc["wall_seconds"] = wall;
-  std::printf("bench finished in %.1f s\n", wall);
+  fmt::print("bench finished in {:.1f} s\n", wall);
   if (!o.json_path.empty()) {
-    std::ofstream out(o.json_path);
-    out << doc.dump(2) << "\n";
-    if (!out) return report_error(bad_input(o.json_path, "cannot write the JSON report"));
+    const Status written = write_json(o.json_path, doc);
+    if (!written.ok()) return report_error(written.error());
   }
   return o.check_targets && targets_missed ? kExitChecksFailed : kExitPass;
 }

@@ -1,5 +1,7 @@
 #include "src/tools/bench_grid.hpp"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <map>
 
@@ -73,42 +75,83 @@ std::vector<GpuCase> bench_grid(bool quick) {
   return grid;
 }
 
-std::vector<TargetVerdict> evaluate_targets(const std::vector<GpuCaseResult>& results) {
-  std::vector<TargetVerdict> verdicts;
+namespace {
 
-  {
-    TargetVerdict v{"copy-ratio",
-                    "decode 16 heads, batch 64, ctx 8192, page 64: FP8 bandwidth >= 60% of copy",
-                    "", 0, 0.60};
-    if (const GpuCaseResult* r = find_target(results, "copy-ratio")) {
-      v.cases = r->config.name();
-      v.measured = r->fp8_copy_ratio;
-      v.evaluated = r->fp8_copy_ratio > 0;
-      v.met = v.evaluated && v.measured >= v.threshold;
-    }
+TargetVerdict copy_ratio_verdict(const std::vector<GpuCaseResult>& results) {
+  TargetVerdict v{"copy-ratio",
+                  "decode 16 heads, batch 64, ctx 8192, page 64: FP8 bandwidth >= 60% of copy", "",
+                  0, 0.60};
+  if (const GpuCaseResult* r = find_target(results, "copy-ratio")) {
+    v.cases = r->config.name();
+    v.measured = r->fp8_copy_ratio;
+    v.evaluated = r->fp8_copy_ratio > 0;
+    v.met = v.evaluated && v.measured >= v.threshold;
+  }
+  return v;
+}
+
+// One verdict per case tagged `target` (one per page size): cast path / FP8 >= threshold.
+void add_seed_speedup_verdicts(const std::vector<GpuCaseResult>& results, const std::string& target,
+                               double threshold, std::vector<TargetVerdict>& verdicts) {
+  for (const GpuCaseResult& r : results) {
+    if (r.config.target != target) continue;
+    TargetVerdict v;
+    v.name = fmt::format("{}-page{}", target, r.config.page_size);
+    v.statement =
+        fmt::format("seed pool {} slots, batch {} x ctx {}, page {}: cast path / FP8 >= {}x",
+                    r.config.effective_pool_slots(), r.config.batch, r.config.context,
+                    r.config.page_size, static_cast<int>(threshold));
+    v.cases = r.config.name();
+    v.threshold = threshold;
+    v.evaluated = r.skipped.empty() && r.cast.has_value();
+    v.measured = r.cast_speedup;
+    v.met = v.evaluated && v.measured >= threshold;
     verdicts.push_back(v);
   }
+}
 
-  for (const auto& [target, threshold] : std::vector<std::pair<std::string, double>>{
-           {"seed-speedup-b1", 10.0}, {"seed-speedup-b64", 3.0}}) {
-    for (const GpuCaseResult& r : results) {
-      if (r.config.target != target) continue;
-      TargetVerdict v;
-      v.name = target + "-page" + std::to_string(r.config.page_size);
-      v.statement = "seed pool " + std::to_string(r.config.effective_pool_slots()) +
-                    " slots, batch " + std::to_string(r.config.batch) + " x ctx " +
-                    std::to_string(r.config.context) + ", page " +
-                    std::to_string(r.config.page_size) +
-                    ": cast path / FP8 >= " + std::to_string(static_cast<int>(threshold)) + "x";
-      v.cases = r.config.name();
-      v.threshold = threshold;
-      v.evaluated = r.skipped.empty() && r.cast.has_value();
-      v.measured = r.cast_speedup;
-      v.met = v.evaluated && v.measured >= threshold;
-      verdicts.push_back(v);
+// The sweep of one page size (rows sorted by pool size): FP8 time flat, cast time growing.
+void add_pool_sweep_verdicts(int page, const std::vector<const GpuCaseResult*>& rows,
+                             std::vector<TargetVerdict>& verdicts) {
+  const bool all_ran = rows.size() >= 2 && std::all_of(rows.begin(), rows.end(), [](auto* r) {
+                         return r->skipped.empty() && r->fp8.launches > 0;
+                       });
+  const std::string span = fmt::format(
+      "{} -> {} slots, batch {} x ctx {}, page {}", rows.front()->config.effective_pool_slots(),
+      rows.back()->config.effective_pool_slots(), rows.front()->config.batch,
+      rows.front()->config.context, page);
+  TargetVerdict flat{fmt::format("pool-flat-page{}", page),
+                     fmt::format("pool {}: FP8 time varies < 10% ((max - min) / min)", span), span,
+                     0, 0.10};
+  TargetVerdict grows{fmt::format("pool-cast-grows-page{}", page),
+                      fmt::format("pool {}: cast path time at largest pool >= 2x smallest", span),
+                      span, 0, 2.0};
+  if (all_ran) {
+    double lo = rows.front()->fp8.median_us, hi = lo;
+    for (auto* r : rows) {
+      lo = std::min(lo, r->fp8.median_us);
+      hi = std::max(hi, r->fp8.median_us);
+    }
+    flat.measured = (hi - lo) / lo;
+    flat.evaluated = true;
+    flat.met = flat.measured < flat.threshold;
+    if (rows.front()->cast && rows.back()->cast) {
+      grows.measured = rows.back()->cast->median_us / rows.front()->cast->median_us;
+      grows.evaluated = true;
+      grows.met = grows.measured >= grows.threshold;
     }
   }
+  verdicts.push_back(flat);
+  verdicts.push_back(grows);
+}
 
+}  // namespace
+
+std::vector<TargetVerdict> evaluate_targets(const std::vector<GpuCaseResult>& results) {
+  std::vector<TargetVerdict> verdicts;
+  verdicts.push_back(copy_ratio_verdict(results));
+  add_seed_speedup_verdicts(results, "seed-speedup-b1", 10.0, verdicts);
+  add_seed_speedup_verdicts(results, "seed-speedup-b64", 3.0, verdicts);
   // Pool sweep, per page size.
   std::map<int, std::vector<const GpuCaseResult*>> sweeps;
   for (const GpuCaseResult& r : results) {
@@ -118,37 +161,7 @@ std::vector<TargetVerdict> evaluate_targets(const std::vector<GpuCaseResult>& re
     std::sort(rows.begin(), rows.end(), [](const GpuCaseResult* a, const GpuCaseResult* b) {
       return a->config.effective_pool_slots() < b->config.effective_pool_slots();
     });
-    const bool all_ran = rows.size() >= 2 && std::all_of(rows.begin(), rows.end(), [](auto* r) {
-                           return r->skipped.empty() && r->fp8.launches > 0;
-                         });
-    const std::string span = std::to_string(rows.front()->config.effective_pool_slots()) + " -> " +
-                             std::to_string(rows.back()->config.effective_pool_slots()) +
-                             " slots, batch " + std::to_string(rows.front()->config.batch) +
-                             " x ctx " + std::to_string(rows.front()->config.context) + ", page " +
-                             std::to_string(page);
-    TargetVerdict flat{"pool-flat-page" + std::to_string(page),
-                       "pool " + span + ": FP8 time varies < 10% ((max - min) / min)", span, 0,
-                       0.10};
-    TargetVerdict grows{"pool-cast-grows-page" + std::to_string(page),
-                        "pool " + span + ": cast path time at largest pool >= 2x smallest", span, 0,
-                        2.0};
-    if (all_ran) {
-      double lo = rows.front()->fp8.median_us, hi = lo;
-      for (auto* r : rows) {
-        lo = std::min(lo, r->fp8.median_us);
-        hi = std::max(hi, r->fp8.median_us);
-      }
-      flat.measured = (hi - lo) / lo;
-      flat.evaluated = true;
-      flat.met = flat.measured < flat.threshold;
-      if (rows.front()->cast && rows.back()->cast) {
-        grows.measured = rows.back()->cast->median_us / rows.front()->cast->median_us;
-        grows.evaluated = true;
-        grows.met = grows.measured >= grows.threshold;
-      }
-    }
-    verdicts.push_back(flat);
-    verdicts.push_back(grows);
+    add_pool_sweep_verdicts(page, rows, verdicts);
   }
   return verdicts;
 }

@@ -2,8 +2,9 @@
 // cvt.rn.satfinite.e4m3x2.f32) against the host codec (kvdump_quantize / e4m3_encode), code for
 // code, over a dense sweep of floats: every binade e4m3 can reach and beyond, every mantissa
 // pattern near the rounding ties, the overflow boundaries 448 / 464 / 480 and their float
-// neighbours, zeros, subnormals, infinities and NaNs, and a million random bit patterns; and the
-// full launcher (launch_kv_write) on every bf16 bit pattern with several scales.
+// neighbours, zeros, subnormals, infinities and NaNs, and a million random bit patterns (and the
+// --reciprocal-scale rounding the same way); the full launchers (launch_kv_write with several
+// scales, launch_kv_write_rule under every write rule) on every bf16 bit pattern.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -14,15 +15,21 @@
 
 #include "kernels/fp8_e4m3_device.cuh"
 #include "kernels/mla_attention_cuda.hpp"
+#include "src/backend/injection.hpp"
 #include "src/core/fp8_e4m3.hpp"
 #include "tests/gpu_skip.hpp"
 
 namespace {
 
+// reciprocal 0: kvdump's division (kvdump_quantize_device); 1: the --reciprocal-scale option.
 __global__ void quantize_sweep_kernel(const float* values, int n, float kv_scale,
-                                      std::uint8_t* codes) {
+                                      std::uint8_t* codes, int reciprocal = 0) {
+  using kvaudit::cuda::detail::DeviceE4m3Rounding;
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < n) codes[i] = kvaudit::cuda::detail::kvdump_quantize_device(values[i], kv_scale);
+  if (i < n) {
+    codes[i] = reciprocal ? DeviceE4m3Rounding::reciprocal(values[i], kv_scale)
+                          : kvaudit::cuda::detail::kvdump_quantize_device(values[i], kv_scale);
+  }
 }
 
 std::vector<float> float_sweep() {
@@ -76,25 +83,32 @@ TEST_CASE("device kvdump write rule matches the host codec on a dense float swee
   REQUIRE(cudaMalloc(&d_codes, values.size()) == cudaSuccess);
   REQUIRE(cudaMemcpy(d_values, values.data(), values.size() * sizeof(float),
                      cudaMemcpyHostToDevice) == cudaSuccess);
-  // 1 (no division effect), powers of two and non-powers of two (the division rounds).
-  for (const float scale : {1.0f, 0.25f, 4.0f, 0.37f, 1.7f, 0.0123f, 3.0f}) {
-    quantize_sweep_kernel<<<(n + 255) / 256, 256>>>(d_values, n, scale, d_codes);
-    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
-    std::vector<std::uint8_t> codes(values.size());
-    REQUIRE(cudaMemcpy(codes.data(), d_codes, codes.size(), cudaMemcpyDeviceToHost) == cudaSuccess);
-    int mismatches = 0;
-    for (int i = 0; i < n; ++i) {
-      const std::uint8_t expected = kvaudit::kvdump_quantize(values[i], scale);
-      if (codes[i] != expected) {
-        if (++mismatches <= 5) {
-          UNSCOPED_INFO("scale " << scale << " x=" << values[i] << " (bits 0x" << std::hex
-                                 << kvaudit::float_bits(values[i]) << ") device 0x" << int(codes[i])
-                                 << " host 0x" << int(expected) << std::dec);
+  // 1 (no division effect), powers of two and non-powers of two (the division rounds); kvdump's
+  // rule and the reciprocal option (DeviceE4m3Rounding, which the write rules of
+  // src/backend/injection.hpp use on the device).
+  for (const int reciprocal : {0, 1}) {
+    for (const float scale : {1.0f, 0.25f, 4.0f, 0.37f, 1.7f, 0.0123f, 3.0f}) {
+      quantize_sweep_kernel<<<(n + 255) / 256, 256>>>(d_values, n, scale, d_codes, reciprocal);
+      REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+      std::vector<std::uint8_t> codes(values.size());
+      REQUIRE(cudaMemcpy(codes.data(), d_codes, codes.size(), cudaMemcpyDeviceToHost) ==
+              cudaSuccess);
+      int mismatches = 0;
+      for (int i = 0; i < n; ++i) {
+        const std::uint8_t expected = reciprocal
+                                          ? kvaudit::kvdump_quantize_reciprocal(values[i], scale)
+                                          : kvaudit::kvdump_quantize(values[i], scale);
+        if (codes[i] != expected) {
+          if (++mismatches <= 5) {
+            UNSCOPED_INFO("scale " << scale << " x=" << values[i] << " (bits 0x" << std::hex
+                                   << kvaudit::float_bits(values[i]) << ") device 0x"
+                                   << int(codes[i]) << " host 0x" << int(expected) << std::dec);
+          }
         }
       }
+      INFO("reciprocal " << reciprocal << ", scale " << scale << ": " << n << " values");
+      CHECK(mismatches == 0);
     }
-    INFO("scale " << scale << ": " << n << " values");
-    CHECK(mismatches == 0);
   }
   // Spot values stated in the format: saturation and NaN.
   const float spot[] = {500.f, -500.f, 464.f, 464.0001f, 3.3f, 0.0078125f};
@@ -145,6 +159,78 @@ TEST_CASE("launch_kv_write writes every bf16 pattern as kvdump_quantize does", "
     for (std::size_t i = 0; i < pool.size(); ++i) mismatches += pool[i] != expected[i];
     INFO("scale " << scale);
     CHECK(mismatches == 0);
+  }
+  cudaFree(d_bits);
+  cudaFree(d_slots);
+  cudaFree(d_pool);
+}
+
+// The code of element c of a bf16 row under each write rule, from the host codec directly (not
+// through kv_write_code, which the device kernel shares).
+std::uint8_t host_rule_code(kvaudit::KvWriteRule rule, const std::uint16_t* row, int c,
+                            float scale) {
+  using kvaudit::KvWriteRule;
+  const float x = kvaudit::bf16_to_float(row[c]);
+  switch (rule) {
+    case KvWriteRule::kReciprocal:
+      return kvaudit::kvdump_quantize_reciprocal(x, scale);
+    case KvWriteRule::kRoundTowardZero:
+      return kvaudit::e4m3_encode_toward_zero(x / scale);
+    case KvWriteRule::kNoSaturation:
+      return kvaudit::e4m3_encode(x / scale, kvaudit::E4m3Overflow::kNoSat);
+    case KvWriteRule::kBf16Bytes:
+      return static_cast<std::uint8_t>(c % 2 == 0 ? row[c / 2] & 0xFF : row[c / 2] >> 8);
+    case KvWriteRule::kDivide:
+      break;
+  }
+  return kvaudit::kvdump_quantize(x, scale);
+}
+
+TEST_CASE("launch_kv_write_rule writes every bf16 pattern under every rule as the host does",
+          "[gpu][fp8][inject]") {
+  KVAUDIT_REQUIRE_GPU();
+  using kvaudit::KvWriteRule;
+  // 65536 bf16 patterns as 128 rows of 512 elements into a pool of 300 slots; slot_offset 1 with
+  // the last row in the last slot checks the wrap to slot 0 (fault neighbour-slot-write).
+  constexpr int kRows = 128, kWidth = 512, kSlots = 300;
+  std::vector<std::uint16_t> bits(kRows * kWidth);
+  for (int i = 0; i < kRows * kWidth; ++i) bits[i] = static_cast<std::uint16_t>(i);
+  std::vector<std::int32_t> slots(kRows);
+  for (int r = 0; r < kRows; ++r) slots[r] = 2 * (kRows - 1 - r) + 7;
+  slots[0] = kSlots - 1;
+  std::uint16_t* d_bits = nullptr;
+  std::int32_t* d_slots = nullptr;
+  std::uint8_t* d_pool = nullptr;
+  REQUIRE(cudaMalloc(&d_bits, bits.size() * 2) == cudaSuccess);
+  REQUIRE(cudaMalloc(&d_slots, slots.size() * 4) == cudaSuccess);
+  REQUIRE(cudaMalloc(&d_pool, kSlots * kWidth) == cudaSuccess);
+  REQUIRE(cudaMemcpy(d_bits, bits.data(), bits.size() * 2, cudaMemcpyHostToDevice) == cudaSuccess);
+  REQUIRE(cudaMemcpy(d_slots, slots.data(), slots.size() * 4, cudaMemcpyHostToDevice) ==
+          cudaSuccess);
+  for (const KvWriteRule rule :
+       {KvWriteRule::kDivide, KvWriteRule::kReciprocal, KvWriteRule::kRoundTowardZero,
+        KvWriteRule::kNoSaturation, KvWriteRule::kBf16Bytes}) {
+    for (const int slot_offset : {0, 1}) {
+      const float scale = 0.37f;
+      REQUIRE(cudaMemset(d_pool, 0xA5, kSlots * kWidth) == cudaSuccess);
+      REQUIRE(kvaudit::cuda::launch_kv_write_rule(d_bits, d_slots, kRows, kWidth, scale, d_pool,
+                                                  kSlots, rule, slot_offset, nullptr)
+                  .ok());
+      REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+      std::vector<std::uint8_t> pool(kSlots * kWidth);
+      REQUIRE(cudaMemcpy(pool.data(), d_pool, pool.size(), cudaMemcpyDeviceToHost) == cudaSuccess);
+      std::vector<std::uint8_t> expected(kSlots * kWidth, 0xA5);
+      for (int r = 0; r < kRows; ++r) {
+        const int slot = (slots[r] + slot_offset) % kSlots;
+        for (int c = 0; c < kWidth; ++c) {
+          expected[slot * kWidth + c] = host_rule_code(rule, bits.data() + r * kWidth, c, scale);
+        }
+      }
+      int mismatches = 0;
+      for (std::size_t i = 0; i < pool.size(); ++i) mismatches += pool[i] != expected[i];
+      INFO("rule " << kvaudit::kv_write_rule_name(rule) << ", slot_offset " << slot_offset);
+      CHECK(mismatches == 0);
+    }
   }
   cudaFree(d_bits);
   cudaFree(d_slots);

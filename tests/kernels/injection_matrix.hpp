@@ -1,7 +1,7 @@
 // The fault-injection matrix shared by the cpu-fp8 test (CI) and the cuda-fp8 test ([gpu]): every
 // injection of src/backend/injection.hpp on every shipped dump, through the `kvaudit check` binary,
-// and what must come of it. The expectations follow from what each fault does (docs/design.md "Integrity
-// of the cache"), not from a run of the code under test:
+// and what must come of it. The expectations follow from what each fault does (docs/design.md
+// "Integrity of the cache"), not from a run of the code under test:
 //   write faults  change the bytes a write stores: exit 1, the integrity check meant for the
 //                 fault fails with its class, naming step, layer and slots, and the error shows
 //                 in the cache comparison while every kernel comparison passes;

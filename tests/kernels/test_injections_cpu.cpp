@@ -81,6 +81,62 @@ TEST_CASE("round-toward-zero differs from nearest-even only where it must", "[in
   CHECK(kvaudit::power_of_two_scale(0.5f) == 1.0f);
 }
 
+// One row of fp32 values as kv_write_code reads it (the CPU model's FloatRowView is private).
+struct TestRow {
+  const float* values;
+  float value(int col) const { return values[col]; }
+  std::uint16_t bf16_bits(int col) const { return kvaudit::bf16_from_float(values[col]); }
+};
+
+template <kvaudit::KvWriteRule kRule>
+std::uint8_t write_code(const float* values, int col, float kv_scale) {
+  return kvaudit::kv_write_code<kRule, kvaudit::HostE4m3Rounding>(TestRow{values}, col, kv_scale);
+}
+
+TEST_CASE("the write rules shared by cpu-fp8 and cuda-fp8 are chosen and applied as named",
+          "[injection]") {
+  using kvaudit::Injection;
+  using kvaudit::kv_write_rule_of;
+  using kvaudit::KvWriteRule;
+  CHECK(kv_write_rule_of(Injection::kNone, false) == KvWriteRule::kDivide);
+  CHECK(kv_write_rule_of(Injection::kNone, true) == KvWriteRule::kReciprocal);
+  CHECK(kv_write_rule_of(Injection::kScaleMismatch, false) == KvWriteRule::kDivide);
+  CHECK(kv_write_rule_of(Injection::kRoundTowardZero, true) == KvWriteRule::kRoundTowardZero);
+  CHECK(kv_write_rule_of(Injection::kNoSaturation, false) == KvWriteRule::kNoSaturation);
+  CHECK(kv_write_rule_of(Injection::kBf16Writeback, false) == KvWriteRule::kBf16Bytes);
+  CHECK(kvaudit::kv_write_slot_offset(Injection::kNeighbourSlotWrite) == 1);
+  CHECK(kvaudit::kv_write_slot_offset(Injection::kNoSaturation) == 0);
+  CHECK(std::string(kvaudit::kv_write_rule_name(KvWriteRule::kBf16Bytes)) == "bf16-bytes");
+
+  // e4m3 codes by hand: 1.0 = 0x38, 1.125 = 0x39, 448 = 0x7E, NaN = 0x7F; bf16 of 1.0 is 0x3F80,
+  // of -2.0 0xC000 (little-endian bytes 80 3F 00 C0).
+  const float row[4] = {1.1f, 1000.0f, 1.0f, -2.0f};
+  CHECK(write_code<KvWriteRule::kDivide>(row, 0, 1.0f) == 0x39);  // 1.1 rounds to 1.125
+  CHECK(write_code<KvWriteRule::kRoundTowardZero>(row, 0, 1.0f) == 0x38);
+  CHECK(write_code<KvWriteRule::kDivide>(row, 1, 1.0f) == 0x7E);  // saturates
+  CHECK(write_code<KvWriteRule::kNoSaturation>(row, 1, 1.0f) == 0x7F);
+  CHECK(write_code<KvWriteRule::kNoSaturation>(row, 0, 1.0f) == 0x39);
+  CHECK(write_code<KvWriteRule::kBf16Bytes>(row + 2, 0, 1.0f) == 0x80);
+  CHECK(write_code<KvWriteRule::kBf16Bytes>(row + 2, 1, 1.0f) == 0x3F);
+  CHECK(write_code<KvWriteRule::kBf16Bytes>(row + 2, 2, 1.0f) == 0x00);
+  CHECK(write_code<KvWriteRule::kBf16Bytes>(row + 2, 3, 1.0f) == 0xC0);
+  // kDivide and kReciprocal are the host codec's two kvdump roundings (the device passes its
+  // cvt-based pair instead, compared code for code in tests/core/test_fp8_e4m3_cuda.cu).
+  for (const float scale : {0.37f, 0.0625f, 3.0f}) {
+    CHECK(write_code<KvWriteRule::kDivide>(row, 0, scale) ==
+          kvaudit::kvdump_quantize(row[0], scale));
+    CHECK(write_code<KvWriteRule::kReciprocal>(row, 0, scale) ==
+          kvaudit::kvdump_quantize_reciprocal(row[0], scale));
+  }
+  // The runtime dispatch reaches the instantiation of each rule.
+  for (const KvWriteRule rule :
+       {KvWriteRule::kDivide, KvWriteRule::kReciprocal, KvWriteRule::kRoundTowardZero,
+        KvWriteRule::kNoSaturation, KvWriteRule::kBf16Bytes}) {
+    CHECK(kvaudit::dispatch_kv_write_rule(rule, [](auto kind) { return decltype(kind)::value; }) ==
+          rule);
+  }
+}
+
 TEST_CASE("check --list-injections prints every injection with its check", "[injection][cli]") {
   const std::string log = std::string(KVAUDIT_TEST_TMPDIR) + "/list_injections.log";
   std::system((std::string("mkdir -p ") + KVAUDIT_TEST_TMPDIR).c_str());

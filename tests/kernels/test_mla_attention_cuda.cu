@@ -458,15 +458,16 @@ TEST_CASE("launch_mla_attention refuses shapes it has no kernel for", "[gpu][cud
   p.num_rows = 1;
   p.num_heads = 16;
   p.kv_lora_rank = 256;
-  auto s = kvaudit::cuda::launch_mla_attention(p, nullptr, 0, nullptr);
-  REQUIRE_FALSE(s.ok());
-  CHECK(s.error().kind == kvaudit::ErrorKind::kUnsupported);
-  CHECK(s.error().what.find("kv_lora_rank=256") != std::string::npos);
+  const auto rank = kvaudit::cuda::launch_mla_attention(p, nullptr, 0, nullptr);
+  REQUIRE_FALSE(rank.ok());
+  CHECK(rank.error().kind == kvaudit::ErrorKind::kUnsupported);
+  CHECK(rank.error().what.find("kv_lora_rank=256") != std::string::npos);
   p.kv_lora_rank = 512;
   p.num_heads = 129;
-  s = kvaudit::cuda::launch_mla_attention(p, nullptr, 0, nullptr);
-  REQUIRE_FALSE(s.ok());
-  CHECK(s.error().what.find("num_heads=129") != std::string::npos);
+  const auto heads = kvaudit::cuda::launch_mla_attention(p, nullptr, 0, nullptr);
+  REQUIRE_FALSE(heads.ok());
+  CHECK(heads.error().kind == kvaudit::ErrorKind::kUnsupported);
+  CHECK(heads.error().what.find("num_heads=129") != std::string::npos);
 }
 
 TEST_CASE("cuda-fp8 injects every fault (and --reciprocal-scale) as cpu-fp8 does",
