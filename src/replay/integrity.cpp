@@ -56,13 +56,13 @@ std::string describe_row_difference(const KvPool& actual, const KvPool& expected
   return text.str();
 }
 
-IntegrityFinding make_finding(const StepLayerWrites& writes, std::string check) {
+IntegrityFinding make_finding(const StepLayerWrites& writes, IntegrityCheck check) {
   IntegrityFinding finding;
   finding.step = writes.step;
   finding.layer_id = writes.layer_id;
   finding.where =
       writes.where.empty() ? step_layer_name(writes.step, writes.layer_id) : writes.where;
-  finding.check = std::move(check);
+  finding.check = check;
   return finding;
 }
 
@@ -158,28 +158,30 @@ class WriteIndex {
   std::unordered_multimap<std::uint64_t, std::int64_t> slots_by_hash_;
 };
 
-std::string classify_indexed(const StepLayerWrites& writes, const WriteIndex& index,
-                             const KvPool& actual, const KvPool& expected, std::int64_t slot) {
+SlotClass classify_indexed(const StepLayerWrites& writes, const WriteIndex& index,
+                           const KvPool& actual, const KvPool& expected, std::int64_t slot) {
   const int width = expected.row_width;
   // Nothing to classify where the bytes agree (an unwritten slot that changed back to them).
-  if (rows_equal(actual, slot, expected, slot)) return "other";
+  if (rows_equal(actual, slot, expected, slot)) return SlotClass::kOther;
   // wrong_slot: a row this step wrote for another slot landed here, or this slot's own row landed
   // in a neighbour (a write to slot +-1, wrapping at the pool's ends as a modular index does).
-  if (index.holds_other_written_row(actual, slot)) return "wrong_slot";
+  if (index.holds_other_written_row(actual, slot)) return SlotClass::kWrongSlot;
   const int row = index.row_of(slot);
   const std::int64_t slots = expected.num_slots;
   for (const std::int64_t neighbour : {(slot + slots - 1) % slots, (slot + 1) % slots}) {
     if (row >= 0 && neighbour != slot && !rows_equal(actual, neighbour, expected, neighbour) &&
         rows_equal(actual, neighbour, expected, slot)) {
-      return "wrong_slot";
+      return SlotClass::kWrongSlot;
     }
   }
 
   if (expected.dtype == KvDtype::kBfloat16) {
     for (int c = 0; c < width; ++c) {
-      if (element_is_nan(actual, slot, c) && !element_is_nan(expected, slot, c)) return "nan_code";
+      if (element_is_nan(actual, slot, c) && !element_is_nan(expected, slot, c)) {
+        return SlotClass::kNanCode;
+      }
     }
-    return "other";
+    return SlotClass::kOther;
   }
 
   const std::uint8_t* got = actual.row(slot);
@@ -198,7 +200,7 @@ std::string classify_indexed(const StepLayerWrites& writes, const WriteIndex& in
   }
   // Every differing code one step away is a rounding difference, whatever else it resembles: for
   // quotients in [1.875, 4) the bf16 high byte (0x3F, 0x40) is itself a neighbouring e4m3 code.
-  if (all_off_by_one) return "off_by_one_code";
+  if (all_off_by_one) return SlotClass::kOffByOneCode;
   // bf16_bytes: this slot's row as bf16 (high bytes, or the first half of the 2-byte row), or the
   // spill of the previous slot's bf16 row (its second half). A single differing byte is too weak
   // a match to call it that.
@@ -207,34 +209,35 @@ std::string classify_indexed(const StepLayerWrites& writes, const WriteIndex& in
       const float* values = writes.new_kv.data() + static_cast<std::size_t>(row) * width;
       if (holds_bf16_high_bytes(got, want, values, width, writes.kv_scale) ||
           holds_bf16_row_bytes(got, want, values, width, 0, writes.kv_scale)) {
-        return "bf16_bytes";
+        return SlotClass::kBf16Bytes;
       }
     }
     const int previous_row = slot > 0 ? index.row_of(slot - 1) : -1;
     if (previous_row >= 0) {
       const float* values = writes.new_kv.data() + static_cast<std::size_t>(previous_row) * width;
       if (holds_bf16_row_bytes(got, want, values, width, width, writes.kv_scale)) {
-        return "bf16_bytes";
+        return SlotClass::kBf16Bytes;
       }
     }
   }
-  if (any_nan) return "nan_code";
-  return "other";
+  if (any_nan) return SlotClass::kNanCode;
+  return SlotClass::kOther;
 }
 
 // The classes of src/replay/integrity.hpp, in the order findings are reported.
-constexpr std::array<const char*, 5> kClasses = {"wrong_slot", "bf16_bytes", "nan_code",
-                                                 "off_by_one_code", "other"};
+constexpr std::array<SlotClass, 5> kClasses = {SlotClass::kWrongSlot, SlotClass::kBf16Bytes,
+                                               SlotClass::kNanCode, SlotClass::kOffByOneCode,
+                                               SlotClass::kOther};
 
 // Failing slots split by class: one finding per class present, `what` naming the check's failure.
 void add_classified_findings(std::vector<IntegrityFinding>& findings, const StepLayerWrites& writes,
-                             const std::string& check, const std::vector<std::int64_t>& slots,
+                             IntegrityCheck check, const std::vector<std::int64_t>& slots,
                              const KvPool& actual, const KvPool& compared_with,
                              const KvPool& expected, const std::string& what) {
   std::array<std::vector<std::int64_t>, kClasses.size()> by_class;
   const WriteIndex index(writes, expected);
   for (const std::int64_t slot : slots) {
-    const std::string kind = classify_indexed(writes, index, actual, expected, slot);
+    const SlotClass kind = classify_indexed(writes, index, actual, expected, slot);
     for (std::size_t k = 0; k < kClasses.size(); ++k) {
       if (kind == kClasses[k]) by_class[k].push_back(slot);
     }
@@ -244,7 +247,7 @@ void add_classified_findings(std::vector<IntegrityFinding>& findings, const Step
     IntegrityFinding finding = make_finding(writes, check);
     finding.classification = kClasses[k];
     const std::int64_t first = by_class[k].front();
-    fail_with_slots(finding, by_class[k], what + " [" + kClasses[k] + "]",
+    fail_with_slots(finding, by_class[k], what + " [" + slot_class_name(kClasses[k]) + "]",
                     "slot " + std::to_string(first) + ": " +
                         describe_row_difference(actual, compared_with, first));
     findings.push_back(std::move(finding));
@@ -253,8 +256,8 @@ void add_classified_findings(std::vector<IntegrityFinding>& findings, const Step
 
 }  // namespace
 
-std::string classify_slot(const StepLayerWrites& writes, const KvPool& actual,
-                          const KvPool& expected, std::int64_t slot) {
+SlotClass classify_slot(const StepLayerWrites& writes, const KvPool& actual, const KvPool& expected,
+                        std::int64_t slot) {
   return classify_indexed(writes, WriteIndex(writes, expected), actual, expected, slot);
 }
 
@@ -267,7 +270,7 @@ std::vector<IntegrityFinding> check_backend_pool(const StepLayerWrites& writes,
                                                  const KvPool& expected) {
   std::vector<IntegrityFinding> findings;
 
-  IntegrityFinding storage = make_finding(writes, "storage");
+  IntegrityFinding storage = make_finding(writes, IntegrityCheck::kStorage);
   const bool same_storage = after.dtype == before.dtype && after.num_slots == before.num_slots &&
                             after.row_width == before.row_width &&
                             after.bytes.size() == before.bytes.size() &&
@@ -284,8 +287,9 @@ std::vector<IntegrityFinding> check_backend_pool(const StepLayerWrites& writes,
                      " bytes after";
     findings.push_back(storage);
     // Nothing below can be compared byte for byte; say so rather than guess.
-    for (const char* check :
-         {"written_slots", "unwritten_slots", "nan_written", "read_consistency"}) {
+    for (const IntegrityCheck check :
+         {IntegrityCheck::kWrittenSlots, IntegrityCheck::kUnwrittenSlots,
+          IntegrityCheck::kNanWritten, IntegrityCheck::kReadConsistency}) {
       IntegrityFinding skipped = make_finding(writes, check);
       skipped.pass = false;
       skipped.detail = skipped.where + ": not checked, the pool storage changed";
@@ -319,13 +323,13 @@ std::vector<IntegrityFinding> check_backend_pool(const StepLayerWrites& writes,
     }
   }
   if (wrong_written.empty()) {
-    IntegrityFinding written_finding = make_finding(writes, "written_slots");
+    IntegrityFinding written_finding = make_finding(writes, IntegrityCheck::kWrittenSlots);
     pass_with(written_finding,
               std::to_string(writes.slots.size()) + " written slot(s) hold " + writes.rule);
     findings.push_back(written_finding);
   } else {
-    add_classified_findings(findings, writes, "written_slots", wrong_written, after, expected,
-                            expected, "written slot(s) do not hold " + writes.rule);
+    add_classified_findings(findings, writes, IntegrityCheck::kWrittenSlots, wrong_written, after,
+                            expected, expected, "written slot(s) do not hold " + writes.rule);
   }
 
   std::vector<std::int64_t> changed;
@@ -333,21 +337,21 @@ std::vector<IntegrityFinding> check_backend_pool(const StepLayerWrites& writes,
     if (!written[slot] && !rows_equal(after, slot, before, slot)) changed.push_back(slot);
   }
   if (changed.empty()) {
-    IntegrityFinding unwritten_finding = make_finding(writes, "unwritten_slots");
+    IntegrityFinding unwritten_finding = make_finding(writes, IntegrityCheck::kUnwrittenSlots);
     pass_with(unwritten_finding, "every slot the step did not write is unchanged");
     findings.push_back(unwritten_finding);
   } else {
-    add_classified_findings(findings, writes, "unwritten_slots", changed, after, before, expected,
-                            "slot(s) the step did not write changed");
+    add_classified_findings(findings, writes, IntegrityCheck::kUnwrittenSlots, changed, after,
+                            before, expected, "slot(s) the step did not write changed");
   }
 
-  IntegrityFinding nan_finding = make_finding(writes, "nan_written");
+  IntegrityFinding nan_finding = make_finding(writes, IntegrityCheck::kNanWritten);
   if (nan_slots.empty()) {
     pass_with(nan_finding, "no written slot holds a NaN code");
   } else {
     fail_with_slots(nan_finding, nan_slots, "written slot(s) hold a NaN code for a finite value",
                     "");
-    nan_finding.classification = "nan_code";
+    nan_finding.classification = SlotClass::kNanCode;
   }
   findings.push_back(nan_finding);
 
@@ -357,7 +361,7 @@ std::vector<IntegrityFinding> check_backend_pool(const StepLayerWrites& writes,
       if (!rows_equal(after, slot, expected, slot)) inconsistent.push_back(slot);
     }
   }
-  IntegrityFinding consistency = make_finding(writes, "read_consistency");
+  IntegrityFinding consistency = make_finding(writes, IntegrityCheck::kReadConsistency);
   if (inconsistent.empty()) {
     pass_with(consistency, "backend pool equals the reference replay's pool");
   } else {
@@ -374,7 +378,7 @@ const PoolDamageHistory::Entry* PoolDamageHistory::find(std::int64_t slot) const
   return it == entries_.end() ? nullptr : &it->second;
 }
 
-void PoolDamageHistory::record(std::int64_t slot, int step, const std::string& classification,
+void PoolDamageHistory::record(std::int64_t slot, int step, SlotClass classification,
                                std::uint64_t row_hash) {
   entries_[slot] = Entry{step, classification, row_hash};
 }
@@ -387,9 +391,9 @@ std::vector<IntegrityFinding> check_captured_pool(const StepLayerWrites& writes,
   std::vector<IntegrityFinding> findings;
   if (captured.dtype != expected.dtype || captured.bytes.size() != expected.bytes.size() ||
       captured.row_width != expected.row_width) {
-    IntegrityFinding finding = make_finding(writes, "captured_pool");
+    IntegrityFinding finding = make_finding(writes, IntegrityCheck::kCapturedPool);
     finding.pass = false;
-    finding.classification = "other";
+    finding.classification = SlotClass::kOther;
     finding.detail =
         finding.where + ": captured pool has another dtype or size than the replayed pool";
     findings.push_back(finding);
@@ -413,7 +417,7 @@ std::vector<IntegrityFinding> check_captured_pool(const StepLayerWrites& writes,
     // write. Anything else is classified afresh, as new damage.
     const std::uint64_t hash = row_hash(captured.row(slot), captured.row_bytes());
     const PoolDamageHistory::Entry* seen = history != nullptr ? history->find(slot) : nullptr;
-    std::string kind;
+    SlotClass kind = SlotClass::kOther;
     int first_step = writes.step;
     if (seen != nullptr && !written[slot] && seen->row_hash == hash) {
       kind = seen->classification;
@@ -434,30 +438,30 @@ std::vector<IntegrityFinding> check_captured_pool(const StepLayerWrites& writes,
   }
   for (std::size_t k = 0; k < kClasses.size(); ++k) {
     if (by_class[k].empty()) continue;
-    IntegrityFinding finding = make_finding(writes, "captured_pool");
+    IntegrityFinding finding = make_finding(writes, IntegrityCheck::kCapturedPool);
     finding.classification = kClasses[k];
     const std::int64_t first = by_class[k].front();
-    fail_with_slots(
-        finding, by_class[k],
-        std::string("slot(s) of the captured pool differ from the replay [") + kClasses[k] + "]",
-        "slot " + std::to_string(first) + ": " +
-            describe_row_difference(captured, expected, first));
+    fail_with_slots(finding, by_class[k],
+                    std::string("slot(s) of the captured pool differ from the replay [") +
+                        slot_class_name(kClasses[k]) + "]",
+                    "slot " + std::to_string(first) + ": " +
+                        describe_row_difference(captured, expected, first));
     findings.push_back(finding);
   }
   for (const auto& [key, slots] : carried) {
-    IntegrityFinding finding = make_finding(writes, "captured_pool");
+    IntegrityFinding finding = make_finding(writes, IntegrityCheck::kCapturedPool);
     finding.classification = kClasses[key.first];
     finding.carried_from_step = key.second;
     fail_with_slots(finding, slots,
                     std::string("slot(s) of the captured pool still differ from the replay [") +
-                        kClasses[key.first] + ", unchanged since step " +
+                        slot_class_name(kClasses[key.first]) + ", unchanged since step " +
                         std::to_string(key.second) + "]",
                     "slot " + std::to_string(slots.front()) + ": " +
                         describe_row_difference(captured, expected, slots.front()));
     findings.push_back(finding);
   }
   if (findings.empty()) {
-    IntegrityFinding finding = make_finding(writes, "captured_pool");
+    IntegrityFinding finding = make_finding(writes, IntegrityCheck::kCapturedPool);
     pass_with(finding, "captured pool equals the replayed pool");
     findings.push_back(finding);
   }
@@ -515,12 +519,12 @@ std::optional<IntegrityFinding> PoolNanCodes::report(const StepLayerWrites& writ
     slots.push_back(slot);
     read_slots += read[slot];
   }
-  IntegrityFinding finding = make_finding(writes, "nan_codes_in_pool");
+  IntegrityFinding finding = make_finding(writes, IntegrityCheck::kNanCodesInPool);
   finding.pass = true;  // data, not a failure (kvdump-v1 "Errors")
   finding.slots.assign(slots.begin(),
                        slots.begin() + std::min<std::size_t>(slots.size(), kMaxListedSlots));
   finding.slot_count = static_cast<std::int64_t>(slots.size());
-  finding.classification = "nan_code";
+  finding.classification = SlotClass::kNanCode;
   std::ostringstream text;
   text << finding.where << ": the pool holds " << codes << " NaN code(s) in "
        << slot_list(slots, slots.size())

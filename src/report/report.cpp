@@ -344,9 +344,10 @@ void integrity_section(std::ostream& md, const CheckRun& run) {
     std::string slots;
     for (const std::int64_t slot : f.slots)
       slots += (slots.empty() ? "" : ", ") + std::to_string(slot);
-    md << "| " << f.step << " | " << f.layer_id << " | " << cell(f.check) << " | "
-       << (f.pass ? "PASS" : "**FAIL**") << " | " << cell(f.classification) << " | " << cell(slots)
-       << " | " << cell(f.detail) << " |\n";
+    md << "| " << f.step << " | " << f.layer_id << " | " << cell(integrity_check_name(f.check))
+       << " | " << (f.pass ? "PASS" : "**FAIL**") << " | "
+       << cell(slot_class_name(f.classification)) << " | " << cell(slots) << " | " << cell(f.detail)
+       << " |\n";
   }
   md << "\n";
 }
@@ -414,8 +415,9 @@ void print_integrity_failures(std::ostream& out, const CheckRun& run) {
       out << "integrity failures:\n";
       header_printed = true;
     }
-    out << "  step " << f.step << " layer " << f.layer_id << " " << f.check;
-    if (!f.classification.empty()) out << " [" << f.classification << "]";
+    out << "  step " << f.step << " layer " << f.layer_id << " " << integrity_check_name(f.check);
+    if (f.classification != SlotClass::kNone)
+      out << " [" << slot_class_name(f.classification) << "]";
     out << ": " << f.detail << "\n";
   }
 }
@@ -425,7 +427,7 @@ void print_pool_data(std::ostream& out, const CheckRun& run) {
   std::map<int, std::pair<std::int64_t, std::vector<std::int64_t>>> last_seen;
   bool header = false;
   for (const IntegrityFinding& f : run.integrity) {
-    if (f.check != "nan_codes_in_pool") continue;
+    if (f.check != IntegrityCheck::kNanCodesInPool) continue;
     auto [it, first] = last_seen.try_emplace(f.layer_id, f.slot_count, f.slots);
     if (!first && it->second.first == f.slot_count && it->second.second == f.slots) continue;
     it->second = {f.slot_count, f.slots};

@@ -97,7 +97,8 @@ std::optional<ReproTarget> first_failure_target(const DumpLayout& layout,
     if (!finding.slots.empty()) {
       for (const int b : writers_of_slot(step, finding.slots.front())) requests.push_back(b);
     }
-    if (target.failure.empty()) target.failure = finding.check + " integrity";
+    if (target.failure.empty())
+      target.failure = std::string(integrity_check_name(finding.check)) + " integrity";
     break;
   }
   if (requests.empty()) {

@@ -118,52 +118,114 @@ const char* pool_state_name(PoolState state) {
   return "unknown";
 }
 
-std::vector<StepSummary> summarize_steps(const CheckRun& run) {
-  std::map<int, StepSummary> steps;
-  std::map<int, std::set<int>> layers_of_step;
-  auto mark = [](PoolState& state, bool pass) {
-    if (!pass) {
-      state = PoolState::kDamaged;
-    } else if (state == PoolState::kNotChecked) {
-      state = PoolState::kIntact;
-    }
-  };
-  for (const IntegrityFinding& finding : run.integrity) {
-    StepSummary& summary = steps[finding.step];
-    summary.step = finding.step;
-    layers_of_step[finding.step].insert(finding.layer_id);
-    summary.pass = summary.pass && finding.pass;
-    if (finding.check == "nan_codes_in_pool") continue;  // data
-    if (finding.check == "captured_pool") {
-      mark(summary.captured_pool, finding.pass);
+const char* integrity_check_name(IntegrityCheck check) {
+  switch (check) {
+    case IntegrityCheck::kStorage:
+      return "storage";
+    case IntegrityCheck::kWrittenSlots:
+      return "written_slots";
+    case IntegrityCheck::kUnwrittenSlots:
+      return "unwritten_slots";
+    case IntegrityCheck::kNanWritten:
+      return "nan_written";
+    case IntegrityCheck::kReadConsistency:
+      return "read_consistency";
+    case IntegrityCheck::kCapturedPool:
+      return "captured_pool";
+    case IntegrityCheck::kNanCodesInPool:
+      return "nan_codes_in_pool";
+  }
+  return "unknown";
+}
+
+const char* slot_class_name(SlotClass slot_class) {
+  switch (slot_class) {
+    case SlotClass::kNone:
+      return "";
+    case SlotClass::kWrongSlot:
+      return "wrong_slot";
+    case SlotClass::kBf16Bytes:
+      return "bf16_bytes";
+    case SlotClass::kNanCode:
+      return "nan_code";
+    case SlotClass::kOffByOneCode:
+      return "off_by_one_code";
+    case SlotClass::kOther:
+      return "other";
+  }
+  return "unknown";
+}
+
+namespace {
+
+// A pool is intact until a check of it fails, and not checked until one runs.
+void mark_pool(PoolState& state, bool pass) {
+  if (!pass) {
+    state = PoolState::kDamaged;
+  } else if (state == PoolState::kNotChecked) {
+    state = PoolState::kIntact;
+  }
+}
+
+void add_finding(StepSummary& summary, const IntegrityFinding& finding) {
+  summary.pass = summary.pass && finding.pass;
+  switch (finding.check) {
+    case IntegrityCheck::kNanCodesInPool:  // data, not the state of a pool
+      return;
+    case IntegrityCheck::kCapturedPool:
+      mark_pool(summary.captured_pool, finding.pass);
       if (!finding.pass) {
         (finding.carried_from_step >= 0 ? summary.carried_captured_slots
                                         : summary.new_captured_slots) += finding.slot_count;
       }
-      continue;
-    }
-    mark(summary.backend_pool, finding.pass);
-    if (finding.check == "read_consistency" && !finding.pass) {
-      summary.damaged_slots += finding.slot_count;
-      ++summary.damaged_layers;
-    }
+      return;
+    case IntegrityCheck::kReadConsistency:
+      mark_pool(summary.backend_pool, finding.pass);
+      if (!finding.pass) {
+        summary.damaged_slots += finding.slot_count;
+        ++summary.damaged_layers;
+      }
+      return;
+    case IntegrityCheck::kStorage:
+    case IntegrityCheck::kWrittenSlots:
+    case IntegrityCheck::kUnwrittenSlots:
+    case IntegrityCheck::kNanWritten:
+      mark_pool(summary.backend_pool, finding.pass);
+      return;
+  }
+}
+
+void add_result(StepSummary& summary, const ComparisonResult& result) {
+  summary.pass = summary.pass && !fails_run(result);
+  ComparisonWorst& worst = summary.worst[result.comparison];
+  const double rel_l2 = result.metrics.rel_l2;
+  const bool worse =
+      !worst.present || (std::isnan(rel_l2) && !std::isnan(worst.rel_l2)) || rel_l2 > worst.rel_l2;
+  if (worse) {
+    worst.rel_l2 = rel_l2;
+    worst.layer_id = result.layer_id;
+  }
+  worst.present = true;
+  worst.nonfinite_mismatches += result.metrics.nonfinite_mismatches;
+  worst.failed += result.judgement.pass ? 0 : 1;
+}
+
+}  // namespace
+
+std::vector<StepSummary> summarize_steps(const CheckRun& run) {
+  std::map<int, StepSummary> steps;
+  std::map<int, std::set<int>> layers_of_step;
+  auto summary_of = [&](int step, int layer_id) -> StepSummary& {
+    layers_of_step[step].insert(layer_id);
+    StepSummary& summary = steps[step];
+    summary.step = step;
+    return summary;
+  };
+  for (const IntegrityFinding& finding : run.integrity) {
+    add_finding(summary_of(finding.step, finding.layer_id), finding);
   }
   for (const ComparisonResult& result : run.comparisons) {
-    StepSummary& summary = steps[result.step];
-    summary.step = result.step;
-    layers_of_step[result.step].insert(result.layer_id);
-    summary.pass = summary.pass && !fails_run(result);
-    ComparisonWorst& worst = summary.worst[result.comparison];
-    const double rel_l2 = result.metrics.rel_l2;
-    const bool worse = !worst.present || (std::isnan(rel_l2) && !std::isnan(worst.rel_l2)) ||
-                       rel_l2 > worst.rel_l2;
-    if (worse) {
-      worst.rel_l2 = rel_l2;
-      worst.layer_id = result.layer_id;
-    }
-    worst.present = true;
-    worst.nonfinite_mismatches += result.metrics.nonfinite_mismatches;
-    worst.failed += result.judgement.pass ? 0 : 1;
+    add_result(summary_of(result.step, result.layer_id), result);
   }
   std::vector<StepSummary> ordered;
   for (auto& [step, summary] : steps) {
@@ -226,13 +288,13 @@ nlohmann::json to_json(const CheckRun& run) {
   for (const IntegrityFinding& finding : run.integrity) {
     integrity.push_back({{"step", finding.step},
                          {"layer", finding.layer_id},
-                         {"check", finding.check},
+                         {"check", integrity_check_name(finding.check)},
                          {"pass", finding.pass},
                          {"where", finding.where},
                          {"detail", finding.detail},
                          {"slots", finding.slots},
                          {"slot_count", finding.slot_count},
-                         {"classification", finding.classification},
+                         {"classification", slot_class_name(finding.classification)},
                          {"carried_from_step", finding.carried_from_step >= 0
                                                    ? nlohmann::json(finding.carried_from_step)
                                                    : nlohmann::json(nullptr)}});

@@ -25,18 +25,44 @@ struct ComparisonResult {
   int worst_request = -1;
 };
 
+// The integrity checks of src/replay/integrity.hpp, in the order a step reports them.
+enum class IntegrityCheck {
+  kStorage,          // backend pool: still one byte per element of e4m3 codes
+  kWrittenSlots,     // backend pool: the step's slots hold the write rule's codes
+  kUnwrittenSlots,   // backend pool: every other slot unchanged
+  kNanWritten,       // backend pool: no NaN code written for a finite value
+  kReadConsistency,  // backend pool: equal to the reference replay's pool
+  kCapturedPool,     // the dump's kv_cache_after equal to the reference replay's pool
+  kNanCodesInPool,   // data: NaN codes the pool holds (always passes)
+};
+// "storage", "written_slots", "unwritten_slots", "nan_written", "read_consistency",
+// "captured_pool", "nan_codes_in_pool": the names report.json and the reports print.
+const char* integrity_check_name(IntegrityCheck check);
+
+// What is wrong with a slot that differs from the expected pool (src/replay/integrity.hpp).
+enum class SlotClass {
+  kNone,  // the finding is not about damaged slots
+  kWrongSlot,
+  kBf16Bytes,
+  kNanCode,
+  kOffByOneCode,
+  kOther,
+};
+// "" (kNone), "wrong_slot", "bf16_bytes", "nan_code", "off_by_one_code", "other".
+const char* slot_class_name(SlotClass slot_class);
+
 struct IntegrityFinding {
   int step = 0;
   int layer_id = 0;
   std::string where;  // the dump's groups, "S001 L000" (step and layer as named in the file)
-  std::string check;  // "storage", "written_slots", "unwritten_slots", "nan_written",
-                      // "read_consistency" (backend pool); "captured_pool"; "nan_codes_in_pool"
+  IntegrityCheck check = IntegrityCheck::kStorage;
   bool pass = true;
   std::string detail;               // one line naming step, layer and slots
   std::vector<std::int64_t> slots;  // first offending slots (at most kMaxListedSlots)
   std::int64_t slot_count = 0;      // how many slots offend in all (slots may list fewer)
-  std::string classification;       // "wrong_slot", "bf16_bytes", "nan_code", "off_by_one_code",
-                               // "other" (src/replay/integrity.hpp); empty where not a slot finding
+  // The class of the slots (kNanCode for nan_written and nan_codes_in_pool); kNone where the
+  // finding is not about damaged slots.
+  SlotClass classification = SlotClass::kNone;
   int carried_from_step = -1;  // damage first seen at an earlier step (captured pools), else -1
 };
 

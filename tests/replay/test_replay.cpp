@@ -261,8 +261,8 @@ TEST_CASE("a pool captured from a reciprocal-scale server fails by default, pass
   const ReplayOutcome by_default = replay_tiny(dump, "pool_reciprocal_default", nullptr);
   const auto failing = failing_integrity(by_default.run);
   REQUIRE_FALSE(failing.empty());
-  CHECK(failing[0]->check == "captured_pool");
-  CHECK(failing[0]->classification == "off_by_one_code");
+  CHECK(failing[0]->check == IntegrityCheck::kCapturedPool);
+  CHECK(failing[0]->classification == SlotClass::kOffByOneCode);
 
   ReplayOptions named;
   named.reciprocal_scale = true;
@@ -316,8 +316,8 @@ TEST_CASE("captured pool: saturated codes pass, NaN codes for them and BF16 high
     REQUIRE(failing.size() == dump.steps.size() - 1);
     CHECK(failing[0]->step == 1);
     CHECK(failing[0]->layer_id == 2);
-    CHECK(failing[0]->check == "captured_pool");
-    CHECK(failing[0]->classification == "nan_code");
+    CHECK(failing[0]->check == IntegrityCheck::kCapturedPool);
+    CHECK(failing[0]->classification == SlotClass::kNanCode);
     CHECK(failing[0]->slots == nan_slots);
     CHECK_THAT(failing[0]->detail,
                Catch::Contains("S001 L002") && Catch::Contains(std::to_string(nan_slots[0])));
@@ -339,7 +339,7 @@ TEST_CASE("captured pool: saturated codes pass, NaN codes for them and BF16 high
     REQUIRE_FALSE(failing.empty());
     CHECK(failing[0]->step == 2);
     CHECK(failing[0]->layer_id == 2);
-    CHECK(failing[0]->classification == "bf16_bytes");
+    CHECK(failing[0]->classification == SlotClass::kBf16Bytes);
     // The later steps still hold it: carried, with the step it was first seen at.
     REQUIRE(failing.size() == dump.steps.size() - 2);
     for (std::size_t i = 1; i < failing.size(); ++i) CHECK(failing[i]->carried_from_step == 2);
@@ -412,18 +412,18 @@ TEST_CASE("integrity catches a backend that corrupts its pool, naming step, laye
   CHECK(failing[0]->step == 1);
   CHECK(failing[0]->layer_id == 3);
   CHECK_THAT(failing[0]->detail, Catch::Contains("S001 L003"));
-  auto failed = [&](const std::string& check) {
+  auto failed = [&](IntegrityCheck check) {
     return std::find_if(failing.begin(), failing.end(), [&](const IntegrityFinding* f) {
       return f->check == check && f->step == 1 && f->layer_id == 3;
     });
   };
-  const auto written = failed("written_slots");
+  const auto written = failed(IntegrityCheck::kWrittenSlots);
   REQUIRE(written != failing.end());
   CHECK(std::find((*written)->slots.begin(), (*written)->slots.end(), slot) !=
         (*written)->slots.end());
   switch (corruption) {
     case Corruption::kNeighbourSlot: {
-      const auto unwritten = failed("unwritten_slots");
+      const auto unwritten = failed(IntegrityCheck::kUnwrittenSlots);
       REQUIRE(unwritten != failing.end());
       CHECK((*unwritten)->slots == std::vector<std::int64_t>{slot + 1});
       break;
@@ -432,7 +432,7 @@ TEST_CASE("integrity catches a backend that corrupts its pool, naming step, laye
       CHECK((*written)->slots.size() == dump.steps[1].new_kv_slots.size());
       break;
     case Corruption::kNanWritten: {
-      const auto nan = failed("nan_written");
+      const auto nan = failed(IntegrityCheck::kNanWritten);
       REQUIRE(nan != failing.end());
       CHECK((*nan)->slots == std::vector<std::int64_t>{slot});
       break;
