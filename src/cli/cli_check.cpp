@@ -95,10 +95,10 @@ Result<std::vector<int>> parse_index_list(const std::string& text, const std::st
 std::string format_limits(const ComparisonLimits& limits) {
   std::ostringstream text;
   bool any = false;
-  for (const std::string& name : limit_names()) {
-    const auto value = limit_value(limits, name);
+  for (const Limit limit : all_limits()) {
+    const auto value = limit_value(limits, limit);
     if (!value) continue;
-    text << (any ? ", " : "") << name << " <= " << std::setprecision(3) << *value;
+    text << (any ? ", " : "") << limit_name(limit) << " <= " << std::setprecision(3) << *value;
     any = true;
   }
   return any ? text.str() : "no limits";

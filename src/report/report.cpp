@@ -155,10 +155,10 @@ void policy_section(std::ostream& md, const Policy& policy) {
      << "| --- | --- | --- | --- | --- |\n";
   for (const Comparison comparison : all_comparisons()) {
     const ComparisonLimits& limits = limits_for(policy, comparison);
-    for (const std::string& name : limit_names()) {
-      const std::optional<double> value = limit_value(limits, name);
-      const auto derivation = limits.derivations.find(name);
-      md << "| " << comparison_name(comparison) << " | " << name << " | "
+    for (const Limit limit : all_limits()) {
+      const std::optional<double> value = limit_value(limits, limit);
+      const auto derivation = limits.derivations.find(limit);
+      md << "| " << comparison_name(comparison) << " | " << limit_name(limit) << " | "
          << (value ? short_number(*value) : std::string("not judged")) << " | "
          << (comparison_sets_exit(policy, comparison) ? "yes" : "no") << " | "
          << cell(derivation == limits.derivations.end() ? "" : derivation->second) << " |\n";

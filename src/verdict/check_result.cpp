@@ -66,11 +66,6 @@ Provenance current_provenance() {
   return provenance;
 }
 
-double max_abs_over_ref_max(const ComparisonMetrics& metrics) {
-  if (metrics.reference_max_abs > 0.0) return metrics.max_abs / metrics.reference_max_abs;
-  return metrics.max_abs > 0.0 ? std::numeric_limits<double>::infinity() : 0.0;
-}
-
 bool fails_run(const ComparisonResult& result) {
   return !result.judgement.pass && (result.sets_exit || result.metrics.nonfinite_mismatches > 0);
 }

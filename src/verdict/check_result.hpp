@@ -101,8 +101,6 @@ struct CheckRun {
 bool fails_run(const ComparisonResult& result);
 // The element a reader should look at first: the first NaN/Inf mismatch, else the max_abs one.
 const ElementLocation& worst_location(const ComparisonResult& result);
-// max_abs / max|reference| as the policy judges it (0 for 0/0, inf for x/0).
-double max_abs_over_ref_max(const ComparisonMetrics& metrics);
 
 struct RunCounts {
   std::size_t comparisons = 0;

@@ -185,6 +185,15 @@ ComparisonMetrics compare_outputs(TensorShape3 shape, std::span<const double> re
   return m;
 }
 
+double over_reference_max(double abs_error, double reference_max_abs) {
+  if (reference_max_abs > 0.0) return abs_error / reference_max_abs;
+  return abs_error > 0.0 ? std::numeric_limits<double>::infinity() : 0.0;
+}
+
+double max_abs_over_ref_max(const ComparisonMetrics& metrics) {
+  return over_reference_max(metrics.max_abs, metrics.reference_max_abs);
+}
+
 nlohmann::json json_number(double value) {
   if (std::isnan(value)) return "nan";
   if (std::isinf(value)) return value > 0 ? "inf" : "-inf";
