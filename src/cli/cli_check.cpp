@@ -114,30 +114,14 @@ void print_policy(std::ostream& out, const Policy& policy) {
   }
 }
 
-std::string divergence_text(const Divergence& d) {
-  std::ostringstream text;
-  text << "first divergence (" << comparison_name(d.comparison) << "): step " << d.step << " layer "
-       << d.layer_id << " request " << d.request << " row " << d.row << " head " << d.head;
-  if (!d.reason.empty()) text << ": " << d.reason;
-  return text.str();
-}
-
-nlohmann::json divergence_json(const Divergence& d) {
-  return {{"step", d.step},       {"layer_id", d.layer_id},
-          {"request", d.request}, {"row", d.row},
-          {"head", d.head},       {"comparison", comparison_name(d.comparison)},
-          {"reason", d.reason}};
-}
-
 // --emit-repro: the first failure as a one-step, one-layer kvdump (src/report/repro.hpp); nothing
 // when the run passed.
-Status emit_repro(const CheckOptions& options, const DumpReader& reader,
-                  const ReplayOutcome& outcome) {
-  if (outcome.run.pass()) {
+Status emit_repro(const CheckOptions& options, const DumpReader& reader, const CheckRun& run) {
+  if (run.pass()) {
     std::cerr << "kvaudit: the run passed; --emit-repro wrote nothing\n";
     return ok_status();
   }
-  const auto target = first_failure_target(reader.layout(), outcome);
+  const auto target = first_failure_target(reader.layout(), run);
   if (!target) {
     return internal_error("--emit-repro", "the run failed but no failing step and layer is known");
   }
@@ -235,54 +219,30 @@ int run_check(const CheckOptions& options) {
 
   auto replayed = replay_dump(*reader, backend.get(), replay);
   if (!replayed.ok()) return report_error(replayed.error());
-  ReplayOutcome& outcome = replayed.value();
-  CheckRun& run = outcome.run;
+  CheckRun& run = replayed.value();
   run.dump_path = options.dump;
   run.dump_sha256 = sha.value();
-  if (options.reciprocal_scale) {
-    outcome.notes.insert(
-        outcome.notes.begin(),
-        "--reciprocal-scale: pools were written (and captured pools judged) with "
-        "e4m3_rne_satfinite(x * fp32(1 / kv_scale)), not kvdump-v1's x / kv_scale");
-  }
+  run.provenance = current_provenance();
   if (outputs) {
     if (auto closed = outputs->close(); !closed.ok()) return report_error(closed.error());
   }
 
-  print_comparison_table(std::cout, run);
-  print_integrity_failures(std::cout, run);
-  print_pool_data(std::cout, run);
-  print_step_summary(std::cout, run);
-  for (const std::string& note : outcome.notes) std::cout << "note: " << note << "\n";
-  if (outcome.first_divergence) std::cout << divergence_text(*outcome.first_divergence) << "\n";
-  if (options.verbose) {
-    const double throughput =
-        run.reference_seconds > 0.0 ? run.reference_rows_heads_tokens / run.reference_seconds : 0.0;
-    std::cout << std::setprecision(4) << "timing: reference " << run.reference_seconds
-              << " s, backend " << run.backend_seconds << " s, total " << run.total_seconds
-              << " s\nreference throughput: " << throughput << " rows*heads*tokens/s ("
-              << run.reference_rows_heads_tokens << " in all)\n";
-  }
-  std::cout << verdict_summary(run) << "\n";
+  print_check_table(std::cout, run, options.verbose);
 
-  nlohmann::json report = to_json(run);
-  report["first_divergence"] =
-      outcome.first_divergence ? divergence_json(*outcome.first_divergence) : nlohmann::json();
-  report["notes"] = outcome.notes;
   if (!options.json_file.empty()) {
     std::ofstream file(options.json_file);
-    file << report.dump(2) << "\n";
+    file << to_json(run).dump(2) << "\n";
     if (!file) {
       return report_error(bad_input(options.json_file, "cannot write the JSON report"));
     }
   }
   if (!options.report_dir.empty()) {
-    if (auto written = write_report_dir(options.report_dir, run, report); !written.ok()) {
+    if (auto written = write_report_dir(options.report_dir, run); !written.ok()) {
       return report_error(written.error());
     }
   }
   if (!options.emit_repro.empty()) {
-    if (auto emitted = emit_repro(options, *reader, outcome); !emitted.ok()) {
+    if (auto emitted = emit_repro(options, *reader, run); !emitted.ok()) {
       return report_error(emitted.error());
     }
   }

@@ -19,6 +19,8 @@
 
 #include "references/mla_reference.hpp"
 #include "src/replay/integrity.hpp"
+#include "src/verdict/divergence.hpp"
+#include "src/verdict/run_judge.hpp"
 
 namespace kvaudit {
 namespace {
@@ -57,118 +59,6 @@ std::vector<double> widen_bf16(std::span<const std::uint16_t> bits) {
   std::vector<double> values(bits.size());
   for (std::size_t i = 0; i < bits.size(); ++i) values[i] = bf16_to_float(bits[i]);
   return values;
-}
-
-// The row of the worst element: a NaN/Inf mismatch first, else the largest absolute error.
-int worst_row(const ComparisonMetrics& metrics) {
-  if (metrics.nonfinite_mismatches > 0) return metrics.first_nonfinite_mismatch.row;
-  return metrics.max_abs_at.row;
-}
-
-// Everything one comparison needs, owned (the reference and candidate are widened to double).
-struct Operands {
-  std::span<const double> reference_out;
-  std::span<const double> reference_lse;
-  std::span<const double> candidate_out;
-  std::span<const double> candidate_lse;
-};
-
-// First (row, head), row-major, that on its own breaks the policy: a NaN/Inf where the reference
-// is finite (or the reverse), an element past the absolute limit, its [Dc] vector's relative L2
-// error past the rel_l2 limit, or its lse past the lse limit. The worst element's (row, head) when
-// no single one does (the failure is then in the aggregate).
-std::pair<int, int> first_divergent_row_head(const TensorShape3& shape, const Operands& operands,
-                                             const ComparisonMetrics& metrics,
-                                             const ComparisonLimits& limits) {
-  constexpr double kNoLimit = std::numeric_limits<double>::infinity();
-  const double abs_limit = limits.max_abs_over_ref_max
-                               ? *limits.max_abs_over_ref_max * metrics.reference_max_abs
-                               : kNoLimit;
-  const double rel_l2_limit = limits.rel_l2.value_or(kNoLimit);
-  const double lse_limit = limits.lse_max_abs.value_or(kNoLimit);
-  const bool has_lse = !operands.reference_lse.empty() && !operands.candidate_lse.empty();
-  for (int row = 0; row < shape.rows; ++row) {
-    for (int head = 0; head < shape.heads; ++head) {
-      const std::size_t index = static_cast<std::size_t>(row) * shape.heads + head;
-      const std::size_t base = index * shape.dims;
-      double diff_sq = 0.0;
-      double ref_sq = 0.0;
-      for (int d = 0; d < shape.dims; ++d) {
-        const double a = operands.reference_out[base + d];
-        const double b = operands.candidate_out[base + d];
-        if (std::isfinite(a) != std::isfinite(b)) return {row, head};
-        if (!std::isfinite(a)) continue;
-        if (std::abs(a - b) > abs_limit) return {row, head};
-        diff_sq += (a - b) * (a - b);
-        ref_sq += a * a;
-      }
-      if (ref_sq > 0.0 && std::sqrt(diff_sq / ref_sq) > rel_l2_limit) return {row, head};
-      if (has_lse) {
-        const double a = operands.reference_lse[index];
-        const double b = operands.candidate_lse[index];
-        if (std::isfinite(a) != std::isfinite(b)) return {row, head};
-        if (std::isfinite(a) && std::abs(a - b) > lse_limit) return {row, head};
-      }
-    }
-  }
-  const ElementLocation& at =
-      metrics.nonfinite_mismatches > 0 ? metrics.first_nonfinite_mismatch : metrics.max_abs_at;
-  return {at.row, at.head};
-}
-
-struct ReplayState {
-  const DumpLayout& layout;
-  const ReplayOptions& options;
-  ReplayOutcome outcome;
-  // Candidate for first_divergence, with the position of its layer in dump order.
-  std::size_t divergence_layer_order = 0;
-};
-
-void add_comparison(ReplayState& state, std::size_t layer_order, int step_index,
-                    const StepMeta& step, int layer_id, Comparison comparison,
-                    const TensorShape3& shape, const Operands& operands) {
-  const Policy& policy = state.options.policy;
-  ComparisonResult result;
-  result.step = step_index;
-  result.layer_id = layer_id;
-  result.comparison = comparison;
-  result.metrics =
-      compare_outputs(shape, operands.reference_out, operands.candidate_out, operands.reference_lse,
-                      operands.candidate_lse, policy.rel_floor);
-  result.judgement = judge(policy, comparison, result.metrics);
-  result.sets_exit = comparison_sets_exit(policy, comparison);
-  const int row = worst_row(result.metrics);
-  if (row >= 0 && row < step.num_rows()) result.worst_request = step.request_of_row(row);
-
-  // The first divergence follows the comparisons that judge the implementation under test:
-  // kernel (what it computed) and cache (what it stored) with a backend, captured without one.
-  const bool tracked = comparison == Comparison::kKernel || comparison == Comparison::kCache ||
-                       comparison == Comparison::kCaptured;
-  if (tracked && !result.judgement.pass) {
-    auto& current = state.outcome.first_divergence;
-    const bool earlier =
-        !current || step_index < current->step ||
-        (step_index == current->step && layer_order < state.divergence_layer_order);
-    const bool replaces_captured =
-        current && current->step == step_index && layer_order == state.divergence_layer_order &&
-        current->comparison == Comparison::kCaptured && comparison != Comparison::kCaptured;
-    if (earlier || replaces_captured) {
-      const auto [first_row, first_head] =
-          first_divergent_row_head(shape, operands, result.metrics, limits_for(policy, comparison));
-      Divergence divergence;
-      divergence.step = step_index;
-      divergence.layer_id = layer_id;
-      divergence.row = first_row;
-      divergence.head = first_head;
-      divergence.request =
-          first_row >= 0 && first_row < step.num_rows() ? step.request_of_row(first_row) : -1;
-      divergence.comparison = comparison;
-      divergence.reason = result.judgement.reasons.empty() ? "" : result.judgement.reasons.front();
-      current = divergence;
-      state.divergence_layer_order = layer_order;
-    }
-  }
-  state.outcome.run.comparisons.push_back(std::move(result));
 }
 
 // The unquantized value of each slot, where known: the dump's kv_source (dense, every slot), or
@@ -297,20 +187,25 @@ nlohmann::json summarize_dump(const DumpLayout& layout) {
           {"steps", steps}};
 }
 
-Result<ReplayOutcome> replay_dump(const DumpReader& reader, Backend* backend,
-                                  const ReplayOptions& options) {
+Result<CheckRun> replay_dump(const DumpReader& reader, Backend* backend,
+                             const ReplayOptions& options) {
   const auto total_start = Clock::now();
   const DumpLayout& layout = reader.layout();
   const DumpAttributes& attrs = layout.attrs;
   KVAUDIT_TRY(check_selection(layout, options));
 
-  ReplayState state{layout, options, {}, 0};
-  CheckRun& run = state.outcome.run;
+  CheckRun run;
+  RunJudge judge(run);
   run.dump_path = reader.path().string();
   run.backend = backend ? backend->name() : "none";
   run.backend_description = backend ? backend->describe() : nlohmann::json::object();
   run.policy = options.policy;
   run.dump_summary = summarize_dump(layout);
+  if (options.reciprocal_scale) {
+    run.notes.push_back(
+        "--reciprocal-scale: pools were written (and captured pools judged) with "
+        "e4m3_rne_satfinite(x * fp32(1 / kv_scale)), not kvdump-v1's x / kv_scale");
+  }
 
   std::vector<std::size_t> layer_indices;
   for (std::size_t li = 0; li < layout.layers.size(); ++li) {
@@ -414,7 +309,7 @@ Result<ReplayOutcome> replay_dump(const DumpReader& reader, Backend* backend,
           have_source_reference = true;
         } else if (!noted_missing_source) {
           noted_missing_source = true;
-          state.outcome.notes.push_back(
+          run.notes.push_back(
               where +
               ": the dump has no source value for some visible tokens (no kv_source); "
               "quantization and total error are not measured where that holds");
@@ -448,7 +343,7 @@ Result<ReplayOutcome> replay_dump(const DumpReader& reader, Backend* backend,
           if (reported) {
             run.integrity.push_back(std::move(finding));
           } else if (!finding.pass) {
-            state.outcome.notes.push_back("(step not reported) " + finding.detail);
+            run.notes.push_back("(step not reported) " + finding.detail);
           }
         }
         // A backend that changed its storage cannot be replayed further on its own pool: give it
@@ -476,7 +371,7 @@ Result<ReplayOutcome> replay_dump(const DumpReader& reader, Backend* backend,
           if (reported) {
             run.integrity.push_back(std::move(finding));
           } else if (!finding.pass) {
-            state.outcome.notes.push_back("(step not reported) " + finding.detail);
+            run.notes.push_back("(step not reported) " + finding.detail);
           }
         }
       }
@@ -487,48 +382,33 @@ Result<ReplayOutcome> replay_dump(const DumpReader& reader, Backend* backend,
         run.integrity.push_back(std::move(*nan_codes));
       }
 
-      // 4. Comparisons.
+      // 4. Comparisons, judged by the run judge.
+      const ComparisonSite site{step, step_number, layer.layer_id, order};
+      const OutputView r8{r8_out, r8_lse};
       std::vector<double> backend_out;
       std::vector<double> backend_lse;
       if (backend_output) {
         backend_out = widen_bf16(backend_output->out_bf16);
         backend_lse = widen(backend_output->lse);
-        const std::span<const double> read_out = read_differs ? r8_read_out : r8_out;
-        const std::span<const double> read_lse = read_differs ? r8_read_lse : r8_lse;
-        // The kernel is judged against what it read. Where the backend's pool after the step
-        // differs from the reference pool, that is R8' when it attended after its (damaging)
-        // writes, as the kvdump semantics and our kernels do; a kernel that attended first, or
-        // took the step's own tokens from new_kv, read the correct values: when its output
-        // fails against R8' but passes against R8, it is judged against R8 and a note says so.
-        bool kernel_read_reference = false;
-        if (read_differs) {
-          const ComparisonMetrics on_read = compare_outputs(shape, read_out, backend_out, read_lse,
-                                                            backend_lse, options.policy.rel_floor);
-          const ComparisonMetrics on_reference = compare_outputs(
-              shape, r8_out, backend_out, r8_lse, backend_lse, options.policy.rel_floor);
-          kernel_read_reference = !judge(options.policy, Comparison::kKernel, on_read).pass &&
-                                  judge(options.policy, Comparison::kKernel, on_reference).pass;
-          if (kernel_read_reference) {
-            state.outcome.notes.push_back(
-                where +
-                ": the backend's output matches attention on the reference pool, not on its own "
-                "pool after the step: it read the step's tokens before (or without) the writes "
-                "that damaged its pool; kernel error is measured against R8 there");
-          }
-        }
-        add_comparison(state, order, step_number, step, layer.layer_id, Comparison::kKernel, shape,
-                       kernel_read_reference
-                           ? Operands{r8_out, r8_lse, backend_out, backend_lse}
-                           : Operands{read_out, read_lse, backend_out, backend_lse});
-        add_comparison(state, order, step_number, step, layer.layer_id, Comparison::kCache, shape,
-                       {r8_out, r8_lse, read_out, read_lse});
+        const OutputView backend_view{backend_out, backend_lse};
+        const OutputView read = read_differs ? OutputView{r8_read_out, r8_read_lse} : r8;
+        // Where the pool the backend read differs from the reference pool, the verdict chooses
+        // which of the two the kernel is judged against (src/verdict/divergence.hpp).
+        const KernelReferenceChoice choice =
+            read_differs
+                ? choose_kernel_reference(options.policy, shape, backend_view, read, r8, where)
+                : KernelReferenceChoice{};
+        if (!choice.note.empty()) run.notes.push_back(choice.note);
+        judge.compare(
+            site, Comparison::kKernel, shape,
+            {choice.reference == KernelReference::kReferencePool ? r8 : read, backend_view});
+        judge.compare(site, Comparison::kCache, shape, {r8, read});
       }
       if (have_source_reference) {
-        add_comparison(state, order, step_number, step, layer.layer_id, Comparison::kQuantization,
-                       shape, {rs_out, rs_lse, r8_out, r8_lse});
+        const OutputView rs{rs_out, rs_lse};
+        judge.compare(site, Comparison::kQuantization, shape, {rs, r8});
         if (backend_output) {
-          add_comparison(state, order, step_number, step, layer.layer_id, Comparison::kTotal, shape,
-                         {rs_out, rs_lse, backend_out, backend_lse});
+          judge.compare(site, Comparison::kTotal, shape, {rs, {backend_out, backend_lse}});
         }
       }
       if (tensors.out || tensors.lse) {
@@ -539,11 +419,11 @@ Result<ReplayOutcome> replay_dump(const DumpReader& reader, Backend* backend,
         const std::vector<double> captured_lse =
             tensors.lse ? widen(*tensors.lse) : std::vector<double>{};
         const TensorShape3 captured_shape{nq, num_heads, tensors.out ? dc : 0};
-        add_comparison(state, order, step_number, step, layer.layer_id, Comparison::kCaptured,
-                       captured_shape,
-                       {tensors.out ? std::span<const double>(r8_out) : std::span<const double>(),
-                        tensors.lse ? std::span<const double>(r8_lse) : std::span<const double>(),
-                        captured_out, captured_lse});
+        const OutputView reference{
+            tensors.out ? std::span<const double>(r8_out) : std::span<const double>(),
+            tensors.lse ? std::span<const double>(r8_lse) : std::span<const double>()};
+        judge.compare(site, Comparison::kCaptured, captured_shape,
+                      {reference, {captured_out, captured_lse}});
       }
 
       if (options.observer) {
@@ -563,7 +443,7 @@ Result<ReplayOutcome> replay_dump(const DumpReader& reader, Backend* backend,
     }
   }
   run.total_seconds = seconds_since(total_start);
-  return std::move(state.outcome);
+  return run;
 }
 
 }  // namespace kvaudit

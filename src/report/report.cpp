@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <iomanip>
 #include <map>
 #include <ostream>
 #include <set>
@@ -456,15 +457,38 @@ void print_step_summary(std::ostream& out, const CheckRun& run) {
   }
 }
 
-void print_check_table(std::ostream& out, const CheckRun& run) {
+void print_notes(std::ostream& out, const CheckRun& run) {
+  for (const std::string& note : run.notes) out << "note: " << note << "\n";
+  if (!run.first_divergence) return;
+  const Divergence& d = *run.first_divergence;
+  out << "first divergence (" << comparison_name(d.comparison) << "): step " << d.step << " layer "
+      << d.layer_id << " request " << d.request << " row " << d.row << " head " << d.head;
+  if (!d.reason.empty()) out << ": " << d.reason;
+  out << "\n";
+}
+
+void print_timing(std::ostream& out, const CheckRun& run) {
+  const double throughput =
+      run.reference_seconds > 0.0 ? run.reference_rows_heads_tokens / run.reference_seconds : 0.0;
+  std::ostringstream text;
+  text << std::setprecision(4) << "timing: reference " << run.reference_seconds << " s, backend "
+       << run.backend_seconds << " s, total " << run.total_seconds
+       << " s\nreference throughput: " << throughput << " rows*heads*tokens/s ("
+       << run.reference_rows_heads_tokens << " in all)\n";
+  out << text.str();
+}
+
+void print_check_table(std::ostream& out, const CheckRun& run, bool with_timing) {
   print_comparison_table(out, run);
   print_integrity_failures(out, run);
   print_pool_data(out, run);
   print_step_summary(out, run);
+  print_notes(out, run);
+  if (with_timing) print_timing(out, run);
   out << verdict_summary(run) << "\n";
 }
 
-std::string render_markdown(const CheckRun& run, const nlohmann::json& report) {
+std::string render_markdown(const CheckRun& run) {
   std::ostringstream md;
   const RunCounts counts = count_results(run);
   md << "# kvaudit check report\n\n";
@@ -477,12 +501,13 @@ std::string render_markdown(const CheckRun& run, const nlohmann::json& report) {
   md << "; " << counts.integrity_checks << " integrity checks, " << counts.integrity_failed
      << " failed.\n\n";
 
-  if (report.contains("first_divergence") && report["first_divergence"].is_object()) {
-    const nlohmann::json& d = report["first_divergence"];
-    md << "First divergence: ";
-    for (const auto& [key, value] : d.items())
-      md << key << " " << code(json_value_text(value)) << " ";
-    md << "\n\n";
+  if (run.first_divergence) {
+    // The keys in report.json's (alphabetical) order.
+    const Divergence& d = *run.first_divergence;
+    md << "First divergence: comparison " << code(comparison_name(d.comparison)) << " head "
+       << code(std::to_string(d.head)) << " layer_id " << code(std::to_string(d.layer_id))
+       << " reason " << code(d.reason) << " request " << code(std::to_string(d.request)) << " row "
+       << code(std::to_string(d.row)) << " step " << code(std::to_string(d.step)) << " \n\n";
   }
 
   md << "## Dump\n\n";
@@ -517,9 +542,9 @@ std::string render_markdown(const CheckRun& run, const nlohmann::json& report) {
   steps_section(md, run);
   integrity_section(md, run);
 
-  if (report.contains("notes") && report["notes"].is_array() && !report["notes"].empty()) {
+  if (!run.notes.empty()) {
     md << "## Notes\n\n";
-    for (const nlohmann::json& note : report["notes"]) md << "- " << json_value_text(note) << "\n";
+    for (const std::string& note : run.notes) md << "- " << note << "\n";
     md << "\n";
   }
 
@@ -533,23 +558,25 @@ std::string render_markdown(const CheckRun& run, const nlohmann::json& report) {
   md << "| backend | " << short_number(run.backend_seconds) << " s |\n";
   md << "| total | " << short_number(run.total_seconds) << " s |\n\n";
 
-  md << "## Provenance\n\n";
-  if (report.contains("provenance")) {
-    key_value_table(md, report["provenance"]);
-  } else {
-    md << "(none recorded)\n\n";
-  }
-  md << "Produced by " << code(std::string("kvaudit ") + report.value("version", std::string("?")))
+  // The keys of report.json's provenance, in its (alphabetical) order.
+  const Provenance provenance = completed_provenance(run.provenance);
+  md << "## Provenance\n\n| key | value |\n| --- | --- |\n";
+  md << "| command_line | " << cell(provenance.command_line) << " |\n";
+  md << "| date | " << cell(provenance.date_utc) << " |\n";
+  md << "| host | " << cell(provenance.host) << " |\n";
+  md << "| kvaudit_version | " << cell(provenance.kvaudit_version) << " |\n\n";
+  md << "Produced by " << code(std::string("kvaudit ") + kvaudit_version())
      << "; report.json beside this file holds every number above (docs/report-schema.md).\n";
   return md.str();
 }
 
 Status write_report_dir(const std::filesystem::path& dir, const CheckRun& run) {
-  return write_report_dir(dir, run, to_json(run));
-}
-
-Status write_report_dir(const std::filesystem::path& dir, const CheckRun& run,
-                        const nlohmann::json& report) {
+  if (!is_complete(run.provenance)) {
+    // report.json and report.md name the same moment: fill the provenance once, for both.
+    CheckRun completed = run;
+    completed.provenance = completed_provenance(run.provenance);
+    return write_report_dir(dir, completed);
+  }
   std::error_code error;
   std::filesystem::create_directories(dir, error);
   if (error) {
@@ -559,13 +586,13 @@ Status write_report_dir(const std::filesystem::path& dir, const CheckRun& run,
   {
     std::ofstream out(json_path);
     // Strings from the dump (model, producer) may not be UTF-8: replace bad bytes, don't throw.
-    out << report.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
+    out << to_json(run).dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
     if (!out) return bad_input(json_path.string(), "cannot write the report");
   }
   const std::filesystem::path md_path = dir / "report.md";
   {
     std::ofstream out(md_path);
-    out << render_markdown(run, report);
+    out << render_markdown(run);
     if (!out) return bad_input(md_path.string(), "cannot write the report");
   }
   return ok_status();

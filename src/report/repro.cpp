@@ -52,21 +52,20 @@ KvPool gather_pages(const KvPool& pool, const std::vector<std::int32_t>& pages, 
 
 }  // namespace
 
-std::optional<ReproTarget> first_failure_target(const DumpLayout& layout,
-                                                const ReplayOutcome& outcome) {
+std::optional<ReproTarget> first_failure_target(const DumpLayout& layout, const CheckRun& run) {
   using Key = std::tuple<int, int>;  // (step, layer order)
   std::optional<Key> first;
   auto consider = [&](int step, int layer_id) {
     const Key key{step, layer_order(layout, layer_id)};
     if (!first || key < *first) first = key;
   };
-  if (outcome.first_divergence) {
-    consider(outcome.first_divergence->step, outcome.first_divergence->layer_id);
+  if (run.first_divergence) {
+    consider(run.first_divergence->step, run.first_divergence->layer_id);
   }
-  for (const IntegrityFinding& finding : outcome.run.integrity) {
+  for (const IntegrityFinding& finding : run.integrity) {
     if (!finding.pass) consider(finding.step, finding.layer_id);
   }
-  for (const ComparisonResult& result : outcome.run.comparisons) {
+  for (const ComparisonResult& result : run.comparisons) {
     if (fails_run(result)) consider(result.step, result.layer_id);
   }
   if (!first) return std::nullopt;
@@ -84,15 +83,14 @@ std::optional<ReproTarget> first_failure_target(const DumpLayout& layout,
     return s == step_index && layer_order(layout, layer_id) == order;
   };
   std::vector<int> requests;
-  if (outcome.first_divergence &&
-      here(outcome.first_divergence->step, outcome.first_divergence->layer_id)) {
-    const Divergence& d = *outcome.first_divergence;
+  if (run.first_divergence && here(run.first_divergence->step, run.first_divergence->layer_id)) {
+    const Divergence& d = *run.first_divergence;
     if (d.request >= 0) requests.push_back(d.request);
     target.failure = "first divergence (" + std::string(comparison_name(d.comparison)) +
                      ") at row " + std::to_string(d.row) + " head " + std::to_string(d.head);
   }
   // The first failing integrity finding here: the requests that wrote its first offending slot.
-  for (const IntegrityFinding& finding : outcome.run.integrity) {
+  for (const IntegrityFinding& finding : run.integrity) {
     if (finding.pass || !here(finding.step, finding.layer_id)) continue;
     if (!finding.slots.empty()) {
       for (const int b : writers_of_slot(step, finding.slots.front())) requests.push_back(b);
@@ -102,7 +100,7 @@ std::optional<ReproTarget> first_failure_target(const DumpLayout& layout,
     break;
   }
   if (requests.empty()) {
-    for (const ComparisonResult& result : outcome.run.comparisons) {
+    for (const ComparisonResult& result : run.comparisons) {
       if (!fails_run(result) || !here(result.step, result.layer_id)) continue;
       if (result.worst_request >= 0) requests.push_back(result.worst_request);
       if (target.failure.empty()) {

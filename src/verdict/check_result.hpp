@@ -1,11 +1,13 @@
 // What one `kvaudit check` run found: comparisons per (step, layer), integrity findings per
-// (step, layer), and the verdict. Produced by the replay (src/replay/replay.cpp), rendered by the
-// reports (src/report/report.cpp).
+// (step, layer), the first divergence, notes, and the verdict. Produced by the replay
+// (src/replay/replay.cpp) through the run judge (src/verdict/run_judge.hpp), written out by
+// to_json (report.json) and rendered by the reports (src/report/report.cpp).
 #pragma once
 
 #include <cstdint>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -66,6 +68,20 @@ struct IntegrityFinding {
   int carried_from_step = -1;  // damage first seen at an earlier step (captured pools), else -1
 };
 
+// The first element where a backend (or, without one, the captured output) leaves the reference:
+// the earliest failing step, then layer in dump order, then the first (row, head) in row-major
+// order whose error breaks the policy (the worst element when no single row does). Found by
+// src/verdict/divergence.hpp.
+struct Divergence {
+  int step = 0;
+  int layer_id = 0;
+  int request = -1;
+  int row = -1;  // step-global query row
+  int head = -1;
+  Comparison comparison = Comparison::kKernel;
+  std::string reason;  // the comparison's first reason
+};
+
 // Where and how a run was made, for the report. Empty fields are filled with this process's
 // values (current_provenance) when the run is written out.
 struct Provenance {
@@ -78,6 +94,11 @@ struct Provenance {
 // This process: host name, the time now (UTC), its command line (from /proc/self/cmdline where
 // there is one), KVAUDIT_VERSION.
 Provenance current_provenance();
+// `given` with its empty fields filled from current_provenance().
+Provenance completed_provenance(const Provenance& given);
+bool is_complete(const Provenance& provenance);
+// KVAUDIT_VERSION, or "unknown" in a build without it (report.json's "version").
+const char* kvaudit_version();
 
 struct CheckRun {
   std::string dump_path;
@@ -88,6 +109,8 @@ struct CheckRun {
   nlohmann::json dump_summary;  // model, producer, shapes, layers, steps
   std::vector<ComparisonResult> comparisons;
   std::vector<IntegrityFinding> integrity;
+  std::optional<Divergence> first_divergence;  // none while nothing diverges
+  std::vector<std::string> notes;  // what the run could not do, or did differently, and why
   double reference_seconds = 0.0;
   double reference_rows_heads_tokens = 0.0;  // work done, for throughput
   double backend_seconds = 0.0;

@@ -230,3 +230,30 @@ TEST_CASE("integrity checks and slot classes carry the names report.json uses", 
   CHECK(j.at("integrity")[0].at("check") == "storage");
   CHECK(j.at("integrity")[0].at("classification") == "");
 }
+
+TEST_CASE("report.json carries the run's first divergence and notes", "[check_result]") {
+  CheckRun run = make_failing_run();
+  nlohmann::json j = to_json(run);
+  CHECK(j.at("first_divergence").is_null());
+  CHECK(j.at("notes") == nlohmann::json::array());
+
+  kvaudit::Divergence divergence;
+  divergence.step = 1;
+  divergence.layer_id = 3;
+  divergence.request = 1;
+  divergence.row = 5;
+  divergence.head = 2;
+  divergence.comparison = Comparison::kCache;
+  divergence.reason = "rel_l2 0.025 > 0 (cache limit)";
+  run.first_divergence = divergence;
+  run.notes = {"S000 L003: no kv_source", "second note"};
+  j = to_json(run);
+  CHECK(j.at("first_divergence") == nlohmann::json({{"step", 1},
+                                                    {"layer_id", 3},
+                                                    {"request", 1},
+                                                    {"row", 5},
+                                                    {"head", 2},
+                                                    {"comparison", "cache"},
+                                                    {"reason", "rel_l2 0.025 > 0 (cache limit)"}}));
+  CHECK(j.at("notes") == nlohmann::json({"S000 L003: no kv_source", "second note"}));
+}
