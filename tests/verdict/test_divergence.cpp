@@ -6,7 +6,6 @@
 #include <vector>
 
 #include "src/verdict/divergence.hpp"
-#include "src/verdict/run_judge.hpp"
 
 namespace kvaudit {
 namespace {
@@ -188,44 +187,6 @@ TEST_CASE("the kernel is judged against R8 only when it matches R8 and not R8'",
     CHECK(choice.reference == KernelReference::kPoolRead);
     CHECK(choice.note.empty());
   }
-}
-
-TEST_CASE("the run judge measures, judges and records each comparison", "[divergence]") {
-  const StepMeta step = two_requests();
-  const Outputs reference;
-  Outputs candidate;
-  candidate.at(2, 0, 3) += 0.25;  // max_abs 0.25 at row 2 (request 1)
-  const ComparisonSite site{step, 4, 6, 0};
-  const ComparisonOperands operands{reference.view(), candidate.view()};
-
-  const ComparisonResult kernel =
-      judge_comparison(default_policy(), site, Comparison::kKernel, kShape, operands);
-  CHECK(kernel.step == 4);
-  CHECK(kernel.layer_id == 6);
-  CHECK(kernel.metrics.max_abs == 0.25);
-  CHECK_FALSE(kernel.judgement.pass);
-  CHECK(kernel.sets_exit);
-  CHECK(kernel.worst_request == 1);
-  // The same error is within the quantization limits, which are report-only by default.
-  const ComparisonResult quantization =
-      judge_comparison(default_policy(), site, Comparison::kQuantization, kShape, operands);
-  CHECK(quantization.judgement.pass);
-  CHECK_FALSE(quantization.sets_exit);
-
-  CheckRun run;
-  run.policy = default_policy();
-  RunJudge judge(run);
-  judge.compare(site, Comparison::kQuantization, kShape, operands);
-  CHECK_FALSE(run.first_divergence);
-  judge.compare(site, Comparison::kKernel, kShape, operands);
-  REQUIRE(run.comparisons.size() == 2);
-  CHECK(run.comparisons[1].comparison == Comparison::kKernel);
-  REQUIRE(run.first_divergence);
-  CHECK(run.first_divergence->step == 4);
-  CHECK(run.first_divergence->row == 2);
-  CHECK(run.first_divergence->head == 0);
-  CHECK(run.first_divergence->request == 1);
-  CHECK(run.first_divergence->reason == "max_abs/ref_max 0.25 > 0.00781 (kernel limit)");
 }
 
 }  // namespace kvaudit
