@@ -1,6 +1,7 @@
 // The one place that turns metrics into pass/fail (docs/design.md "one place that turns results
-// into a verdict"). Limits are per comparison; the defaults and where each number comes from are
-// documented in policy.cpp and the README.
+// into a verdict"; src/verdict/run_judge.hpp applies it to a run). Limits are per comparison; the
+// defaults are one table in policy.cpp, each row with where its number comes from (derived in
+// policy.cpp's header comment and the README).
 #pragma once
 
 #include <filesystem>
