@@ -2,13 +2,14 @@
 // the cache's integrity after every step, judge every comparison with the policy, and report.
 // Exit status: 0 pass, 1 checks failed, 2 bad input (dump, options, policy file, backend), 3
 // internal error.
+#include <fmt/format.h>
+#include <fmt/ostream.h>
 #include <unistd.h>
 
-#include <cstdio>
 #include <fstream>
-#include <iomanip>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -51,41 +52,48 @@ struct CheckOptions {
 // --list-injections: one line each, with the check meant to catch it.
 int print_injections() {
   for (const InjectionInfo& info : injection_table()) {
-    std::printf("%-21s %s  [caught by: %s]\n", info.name, info.description, info.caught_by);
+    fmt::print("{:<21} {}  [caught by: {}]\n", info.name, info.description, info.caught_by);
   }
   return kExitPass;
 }
 
+// One item of an index list, "7" or "0-3", onto `values`. Returns why it is neither; std::stoi
+// throws where it does not start with a number.
+std::optional<std::string> parse_index_item(const std::string& item, std::vector<int>& values) {
+  const auto dash = item.find('-', 1);
+  std::size_t used = 0;
+  if (dash == std::string::npos) {
+    const int value = std::stoi(item, &used);
+    if (used != item.size() || value < 0) return fmt::format("'{}' is not an index", item);
+    values.push_back(value);
+    return std::nullopt;
+  }
+  const std::string low_text = item.substr(0, dash);
+  const std::string high_text = item.substr(dash + 1);
+  std::size_t used_high = 0;
+  const int low = std::stoi(low_text, &used);
+  const int high = std::stoi(high_text, &used_high);
+  if (used != low_text.size() || used_high != high_text.size() || low < 0 || high < low) {
+    return fmt::format("'{}' is not a range", item);
+  }
+  for (int v = low; v <= high; ++v) values.push_back(v);
+  return std::nullopt;
+}
+
 // "0,1,77" or ranges "0-3,7": non-negative integers.
 Result<std::vector<int>> parse_index_list(const std::string& text, const std::string& option) {
+  auto bad = [&](const std::string& why) {
+    return bad_input(option, fmt::format("'{}': {} (expected e.g. 0,1,77 or 0-3)", text, why));
+  };
   std::vector<int> values;
   std::stringstream stream(text);
   std::string item;
-  auto bad = [&](const std::string& why) {
-    return bad_input(option, "'" + text + "': " + why + " (expected e.g. 0,1,77 or 0-3)");
-  };
   while (std::getline(stream, item, ',')) {
     if (item.empty()) continue;
-    const auto dash = item.find('-', 1);
     try {
-      std::size_t used = 0;
-      if (dash == std::string::npos) {
-        const int value = std::stoi(item, &used);
-        if (used != item.size() || value < 0) return bad("'" + item + "' is not an index");
-        values.push_back(value);
-      } else {
-        const std::string low_text = item.substr(0, dash);
-        const std::string high_text = item.substr(dash + 1);
-        std::size_t used_high = 0;
-        const int low = std::stoi(low_text, &used);
-        const int high = std::stoi(high_text, &used_high);
-        if (used != low_text.size() || used_high != high_text.size() || low < 0 || high < low) {
-          return bad("'" + item + "' is not a range");
-        }
-        for (int v = low; v <= high; ++v) values.push_back(v);
-      }
+      if (const std::optional<std::string> why = parse_index_item(item, values)) return bad(*why);
     } catch (const std::exception&) {
-      return bad("'" + item + "' is not an index");
+      return bad(fmt::format("'{}' is not an index", item));
     }
   }
   if (values.empty()) return bad("no index given");
@@ -93,200 +101,217 @@ Result<std::vector<int>> parse_index_list(const std::string& text, const std::st
 }
 
 std::string format_limits(const ComparisonLimits& limits) {
-  std::ostringstream text;
-  bool any = false;
-  for (const std::string& name : limit_names()) {
-    const auto value = limit_value(limits, name);
-    if (!value) continue;
-    text << (any ? ", " : "") << name << " <= " << std::setprecision(3) << *value;
-    any = true;
+  std::vector<std::string> judged;
+  for (const Limit limit : all_limits()) {
+    if (const auto value = limit_value(limits, limit)) {
+      judged.push_back(fmt::format("{} <= {:.3g}", limit_name(limit), *value));
+    }
   }
-  return any ? text.str() : "no limits";
+  return judged.empty() ? "no limits" : fmt::format("{}", fmt::join(judged, ", "));
 }
 
 void print_policy(std::ostream& out, const Policy& policy) {
-  out << "policy: " << policy.name << " (rel_floor " << policy.rel_floor << ")\n";
+  fmt::print(out, "policy: {} (rel_floor {:g})\n", policy.name, policy.rel_floor);
   for (const Comparison comparison : all_comparisons()) {
-    out << "  " << std::left << std::setw(13) << comparison_name(comparison)
-        << format_limits(limits_for(policy, comparison))
-        << (comparison_sets_exit(policy, comparison) ? "" : "  (reported, does not set exit)")
-        << "\n";
+    fmt::print(out, "  {:<13}{}{}\n", comparison_name(comparison),
+               format_limits(limits_for(policy, comparison)),
+               comparison_sets_exit(policy, comparison) ? "" : "  (reported, does not set exit)");
   }
 }
 
-std::string divergence_text(const Divergence& d) {
-  std::ostringstream text;
-  text << "first divergence (" << comparison_name(d.comparison) << "): step " << d.step << " layer "
-       << d.layer_id << " request " << d.request << " row " << d.row << " head " << d.head;
-  if (!d.reason.empty()) text << ": " << d.reason;
-  return text.str();
-}
-
-nlohmann::json divergence_json(const Divergence& d) {
-  return {{"step", d.step},       {"layer_id", d.layer_id},
-          {"request", d.request}, {"row", d.row},
-          {"head", d.head},       {"comparison", comparison_name(d.comparison)},
-          {"reason", d.reason}};
+// The options a repro is checked with: " --inject NAME --reciprocal-scale", as given.
+std::string repro_options(const CheckOptions& options, const char* separator) {
+  std::string text;
+  if (!options.inject.empty()) text += fmt::format("{}--inject {}", separator, options.inject);
+  if (options.reciprocal_scale) text += fmt::format("{}--reciprocal-scale", separator);
+  return text;
 }
 
 // --emit-repro: the first failure as a one-step, one-layer kvdump (src/report/repro.hpp); nothing
 // when the run passed.
-Status emit_repro(const CheckOptions& options, const DumpReader& reader,
-                  const ReplayOutcome& outcome) {
-  if (outcome.run.pass()) {
+Status emit_repro(const CheckOptions& options, const DumpReader& reader, const CheckRun& run) {
+  if (run.pass()) {
     std::cerr << "kvaudit: the run passed; --emit-repro wrote nothing\n";
     return ok_status();
   }
-  const auto target = first_failure_target(reader.layout(), outcome);
+  std::optional<ReproTarget> target = first_failure_target(reader.layout(), run);
   if (!target) {
     return internal_error("--emit-repro", "the run failed but no failing step and layer is known");
   }
-  std::string requests;
-  for (const int b : target->requests)
-    requests += (requests.empty() ? "" : ",") + std::to_string(b);
-  std::string producer = "kvaudit check --emit-repro from " + options.dump + " (step " +
-                         std::to_string(target->step) + ", layer " +
-                         std::to_string(target->layer_id) + ", request " + requests + "; backend " +
-                         options.backend;
-  if (!options.inject.empty()) producer += ", --inject " + options.inject;
-  if (options.reciprocal_scale) producer += ", --reciprocal-scale";
-  producer += "; " + target->failure + ")";
-  ReproTarget repro_target = *target;
-  repro_target.reciprocal_scale = options.reciprocal_scale;
-  auto written = write_repro(reader, repro_target, options.emit_repro, producer);
-  if (!written.ok()) return written.error();
-  std::cout << "repro: wrote " << options.emit_repro << " (step " << target->step << " layer "
-            << target->layer_id << " request " << requests << ": " << written->num_rows << " rows, "
-            << written->num_pages << " pages" << (written->has_source ? ", kv_source" : "")
-            << "); check it with --backend " << options.backend
-            << (options.inject.empty() ? "" : " --inject " + options.inject)
-            << (options.reciprocal_scale ? " --reciprocal-scale" : "") << "\n";
+  target->reciprocal_scale = options.reciprocal_scale;
+  const std::string requests = fmt::format("{}", fmt::join(target->requests, ","));
+  const std::string producer = fmt::format(
+      "kvaudit check --emit-repro from {} (step {}, layer {}, request {}; backend {}{}; {})",
+      options.dump, target->step, target->layer_id, requests, options.backend,
+      repro_options(options, ", "), target->failure);
+  KVAUDIT_ASSIGN_OR_RETURN(const ReproSummary written,
+                           write_repro(reader, *target, options.emit_repro, producer));
+  fmt::print(std::cout,
+             "repro: wrote {} (step {} layer {} request {}: {} rows, {} pages{}); check it with "
+             "--backend {}{}\n",
+             options.emit_repro, target->step, target->layer_id, requests, written.num_rows,
+             written.num_pages, written.has_source ? ", kv_source" : "", options.backend,
+             repro_options(options, " "));
   return ok_status();
 }
 
-int run_check(const CheckOptions& options) {
-  if (options.list_injections) return print_injections();
-  if (options.dump.empty()) {
-    return report_error(bad_input("kvaudit check", "a DUMP file is required (see --help)"));
-  }
-  // Validate everything before any work: dump, selection, policy, backend.
-  if (const Status probe = probe_dump_in_child(options.dump); !probe.ok()) {
-    return report_error(probe.error());
-  }
-  auto reader = DumpReader::open(options.dump);
-  if (!reader.ok()) return report_error(reader.error());
+Result<Policy> check_policy(const CheckOptions& options) {
+  if (options.policy_file.empty()) return options.signoff ? signoff_policy() : default_policy();
+  KVAUDIT_ASSIGN_OR_RETURN(Policy policy, load_policy(options.policy_file));
+  if (options.signoff) policy.quantization_sets_exit = true;
+  return policy;
+}
 
+// Layers, steps (checked against the dump), policy and the replay's own options.
+Result<ReplayOptions> replay_options(const CheckOptions& options, const DumpLayout& layout) {
   ReplayOptions replay;
   if (!options.layers.empty()) {
-    auto ids = parse_index_list(options.layers, "--layers");
-    if (!ids.ok()) return report_error(ids.error());
-    replay.layer_ids = ids.value();
+    KVAUDIT_ASSIGN_OR_RETURN(replay.layer_ids, parse_index_list(options.layers, "--layers"));
   }
   if (!options.steps.empty()) {
-    auto steps = parse_index_list(options.steps, "--steps");
-    if (!steps.ok()) return report_error(steps.error());
-    replay.step_indices = steps.value();
+    KVAUDIT_ASSIGN_OR_RETURN(replay.step_indices, parse_index_list(options.steps, "--steps"));
   }
-  if (auto selection = check_selection(reader->layout(), replay); !selection.ok()) {
-    return report_error(selection.error());
-  }
-
-  if (!options.policy_file.empty()) {
-    auto policy = load_policy(options.policy_file);
-    if (!policy.ok()) return report_error(policy.error());
-    replay.policy = policy.value();
-    if (options.signoff) replay.policy.quantization_sets_exit = true;
-  } else {
-    replay.policy = options.signoff ? signoff_policy() : default_policy();
-  }
+  KVAUDIT_TRY(check_selection(layout, replay));
+  KVAUDIT_ASSIGN_OR_RETURN(replay.policy, check_policy(options));
   replay.threads = options.threads;
   replay.reciprocal_scale = options.reciprocal_scale;
   replay.progress = options.progress || isatty(STDERR_FILENO) != 0;
+  return replay;
+}
 
-  std::unique_ptr<Backend> backend;
-  if (options.backend == "none" && !options.inject.empty()) {
-    return report_error(bad_input("--inject", "needs a backend (--backend none runs none)"));
+// The backend under test; none for --backend none.
+Result<std::unique_ptr<Backend>> check_backend(const CheckOptions& options) {
+  if (options.backend == "none") {
+    if (!options.inject.empty()) {
+      return bad_input("--inject", "needs a backend (--backend none runs none)");
+    }
+    return std::unique_ptr<Backend>();
   }
-  if (options.backend != "none") {
-    BackendOptions backend_options;
-    backend_options.threads = options.threads;
-    backend_options.injection = options.inject;
-    backend_options.reciprocal_scale = options.reciprocal_scale;
-    auto made = make_backend(options.backend, backend_options);
-    if (!made.ok()) return report_error(made.error());
-    backend = std::move(made.value());
-  }
+  BackendOptions backend_options;
+  backend_options.threads = options.threads;
+  backend_options.injection = options.inject;
+  backend_options.reciprocal_scale = options.reciprocal_scale;
+  return make_backend(options.backend, backend_options);
+}
 
+Status write_json(const std::string& path, const CheckRun& run) {
+  std::ofstream file(path);
+  file << to_json(run).dump(2) << "\n";
+  if (!file) return bad_input(path, "cannot write the JSON report");
+  return ok_status();
+}
+
+// --json, --report, --emit-repro.
+Status write_outputs(const CheckOptions& options, const DumpReader& reader, const CheckRun& run) {
+  if (!options.json_file.empty()) KVAUDIT_TRY(write_json(options.json_file, run));
+  if (!options.report_dir.empty()) KVAUDIT_TRY(write_report_dir(options.report_dir, run));
+  if (!options.emit_repro.empty()) KVAUDIT_TRY(emit_repro(options, reader, run));
+  return ok_status();
+}
+
+// The exit status of a check, or the error that stopped it. Everything is validated before any
+// work: dump, selection, policy, backend, output files.
+Result<int> check_dump(const CheckOptions& options) {
+  if (options.dump.empty()) {
+    return bad_input("kvaudit check", "a DUMP file is required (see --help)");
+  }
+  KVAUDIT_TRY(probe_dump_in_child(options.dump));
+  KVAUDIT_ASSIGN_OR_RETURN(const DumpReader reader, DumpReader::open(options.dump));
+  KVAUDIT_ASSIGN_OR_RETURN(ReplayOptions replay, replay_options(options, reader.layout()));
+  KVAUDIT_ASSIGN_OR_RETURN(const std::unique_ptr<Backend> backend, check_backend(options));
   std::optional<OutputsWriter> outputs;
   if (!options.save_outputs.empty()) {
-    auto created = OutputsWriter::create(options.save_outputs, options.dump, options.backend);
-    if (!created.ok()) return report_error(created.error());
-    outputs.emplace(std::move(created.value()));
+    KVAUDIT_ASSIGN_OR_RETURN(
+        OutputsWriter writer,
+        OutputsWriter::create(options.save_outputs, options.dump, options.backend));
+    outputs.emplace(std::move(writer));
     replay.observer = [&outputs](const StepLayerOutputs& step_layer) {
       return outputs->write(step_layer);
     };
   }
-
-  auto sha = sha256_file_hex(options.dump);
-  if (!sha.ok()) return report_error(sha.error());
+  KVAUDIT_ASSIGN_OR_RETURN(const std::string sha, sha256_file_hex(options.dump));
 
   print_policy(std::cout, replay.policy);
   std::cout.flush();
-
-  auto replayed = replay_dump(*reader, backend.get(), replay);
-  if (!replayed.ok()) return report_error(replayed.error());
-  ReplayOutcome& outcome = replayed.value();
-  CheckRun& run = outcome.run;
+  KVAUDIT_ASSIGN_OR_RETURN(CheckRun run, replay_dump(reader, backend.get(), replay));
   run.dump_path = options.dump;
-  run.dump_sha256 = sha.value();
-  if (options.reciprocal_scale) {
-    outcome.notes.insert(
-        outcome.notes.begin(),
-        "--reciprocal-scale: pools were written (and captured pools judged) with "
-        "e4m3_rne_satfinite(x * fp32(1 / kv_scale)), not kvdump-v1's x / kv_scale");
-  }
-  if (outputs) {
-    if (auto closed = outputs->close(); !closed.ok()) return report_error(closed.error());
-  }
+  run.dump_sha256 = sha;
+  run.provenance = current_provenance();
+  if (outputs) KVAUDIT_TRY(outputs->close());
 
-  print_comparison_table(std::cout, run);
-  print_integrity_failures(std::cout, run);
-  print_pool_data(std::cout, run);
-  print_step_summary(std::cout, run);
-  for (const std::string& note : outcome.notes) std::cout << "note: " << note << "\n";
-  if (outcome.first_divergence) std::cout << divergence_text(*outcome.first_divergence) << "\n";
-  if (options.verbose) {
-    const double throughput =
-        run.reference_seconds > 0.0 ? run.reference_rows_heads_tokens / run.reference_seconds : 0.0;
-    std::cout << std::setprecision(4) << "timing: reference " << run.reference_seconds
-              << " s, backend " << run.backend_seconds << " s, total " << run.total_seconds
-              << " s\nreference throughput: " << throughput << " rows*heads*tokens/s ("
-              << run.reference_rows_heads_tokens << " in all)\n";
-  }
-  std::cout << verdict_summary(run) << "\n";
-
-  nlohmann::json report = to_json(run);
-  report["first_divergence"] =
-      outcome.first_divergence ? divergence_json(*outcome.first_divergence) : nlohmann::json();
-  report["notes"] = outcome.notes;
-  if (!options.json_file.empty()) {
-    std::ofstream file(options.json_file);
-    file << report.dump(2) << "\n";
-    if (!file) {
-      return report_error(bad_input(options.json_file, "cannot write the JSON report"));
-    }
-  }
-  if (!options.report_dir.empty()) {
-    if (auto written = write_report_dir(options.report_dir, run, report); !written.ok()) {
-      return report_error(written.error());
-    }
-  }
-  if (!options.emit_repro.empty()) {
-    if (auto emitted = emit_repro(options, *reader, outcome); !emitted.ok()) {
-      return report_error(emitted.error());
-    }
-  }
+  print_check_table(std::cout, run, options.verbose);
+  KVAUDIT_TRY(write_outputs(options, reader, run));
   return run.pass() ? kExitPass : kExitChecksFailed;
+}
+
+int run_check(const CheckOptions& options) {
+  if (options.list_injections) return print_injections();
+  const Result<int> status = check_dump(options);
+  return status.ok() ? *status : report_error(status.error());
+}
+
+// What is checked, and how: the dump, backend, injection, selection, policy.
+void add_input_options(CLI::App& cmd, CheckOptions& options) {
+  cmd.add_option("DUMP", options.dump, "kvdump HDF5 file (required unless --list-injections)");
+  std::string backends;
+  for (const std::string& name : backend_names()) backends += name + ", ";
+  cmd.add_option("--backend", options.backend,
+                 "Backend under test: " + backends +
+                     "or none (compare only the captured outputs and pools)")
+      ->capture_default_str();
+  std::string injections;
+  for (const InjectionInfo& info : injection_table()) {
+    injections += std::string(injections.empty() ? "" : ", ") + info.name;
+  }
+  cmd.add_option("--inject", options.inject,
+                 "Fault injection into the backend, a mutation test of the harness: " + injections +
+                     " (each names the check meant to catch it)");
+  cmd.add_flag("--list-injections", options.list_injections,
+               "List the fault injections, one line each with the check meant to catch it");
+  cmd.add_option("--layers", options.layers,
+                 "Layer ids to replay (the model's layer_id, e.g. 0,1,77 or 0-3); default all");
+  cmd.add_option("--steps", options.steps,
+                 "Step indices to report (e.g. 0,2 or 1-3); every step is still replayed in "
+                 "order so the pools evolve as in the dump; default all");
+  cmd.add_option("--policy", options.policy_file,
+                 "Policy file (JSON, the keys of report.json's policy) instead of the default");
+  cmd.add_flag("--signoff", options.signoff,
+               "Sign-off policy: quantization and total error limits also set the exit status");
+}
+
+// What is written, and how the run is done: reports, saved outputs, repro, threads, verbosity.
+void add_output_options(CLI::App& cmd, CheckOptions& options) {
+  cmd.add_option("--json", options.json_file, "Write report.json to this file");
+  cmd.add_option("--report", options.report_dir,
+                 "Write a report directory (report.json, report.md)");
+  cmd.add_option("--save-outputs", options.save_outputs,
+                 "Write the reference and backend outputs per step and layer to this HDF5 file "
+                 "(/steps/S###/L###/{reference_out, reference_lse, reference_source_out, "
+                 "reference_source_lse, backend_out, backend_lse})");
+  cmd.add_option("--emit-repro", options.emit_repro,
+                 "When the run fails, write a minimal kvdump reproducing its first failure (the "
+                 "earliest failing step, then layer): one layer (same layer_id and kv_scale), one "
+                 "step S000 of the failing step's kind holding only the request of the first "
+                 "divergent row (for an integrity failure, the requests that wrote its first "
+                 "offending slot; else the first request with rows), its q/new_kv/out/lse rows, "
+                 "and the pages it uses renumbered 0..P-1, filled with the reference replay's "
+                 "pool just before that step (a captured kv_cache_after restricted likewise, "
+                 "kv_source too when every kept slot's source value is known). Check it alone "
+                 "with the same --backend and --inject. A passing "
+                 "run writes nothing");
+  cmd.add_flag("--reciprocal-scale", options.reciprocal_scale,
+               "Write with e4m3_rne_satfinite(x * fp32(1 / kv_scale)), the convention of servers "
+               "that multiply by a reciprocal scale, instead of kvdump-v1's x / kv_scale: in the "
+               "reference replay (so captured pools are judged by it) and in the backend. It "
+               "differs in the last bit of rare codes; the report notes it");
+  cmd.add_option("--threads", options.threads,
+                 "Threads for the reference and CPU backends (0: every core)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  cmd.add_flag("--verbose", options.verbose,
+               "Also print timings and the reference throughput (rows*heads*tokens/s)");
+  cmd.add_flag("--progress", options.progress,
+               "Print progress on stderr even when it is not a terminal");
 }
 
 }  // namespace
@@ -308,62 +333,8 @@ void register_check_command(CLI::App& app, CommandRunner& runner) {
       "Exit status: 0 pass, 1 checks failed, 2 bad input or usage (malformed dump, unknown "
       "backend, layer or step not in the dump, bad policy file, no CUDA device for a cuda "
       "backend), 3 internal error.");
-  cmd->add_option("DUMP", options->dump, "kvdump HDF5 file (required unless --list-injections)");
-  std::string backends;
-  for (const std::string& name : backend_names()) backends += name + ", ";
-  cmd->add_option("--backend", options->backend,
-                  "Backend under test: " + backends +
-                      "or none (compare only the captured outputs and pools)")
-      ->capture_default_str();
-  std::string injections;
-  for (const InjectionInfo& info : injection_table()) {
-    injections += std::string(injections.empty() ? "" : ", ") + info.name;
-  }
-  cmd->add_option("--inject", options->inject,
-                  "Fault injection into the backend, a mutation test of the harness: " +
-                      injections + " (each names the check meant to catch it)");
-  cmd->add_flag("--list-injections", options->list_injections,
-                "List the fault injections, one line each with the check meant to catch it");
-  cmd->add_option("--layers", options->layers,
-                  "Layer ids to replay (the model's layer_id, e.g. 0,1,77 or 0-3); default all");
-  cmd->add_option("--steps", options->steps,
-                  "Step indices to report (e.g. 0,2 or 1-3); every step is still replayed in "
-                  "order so the pools evolve as in the dump; default all");
-  cmd->add_option("--policy", options->policy_file,
-                  "Policy file (JSON, the keys of report.json's policy) instead of the default");
-  cmd->add_flag("--signoff", options->signoff,
-                "Sign-off policy: quantization and total error limits also set the exit status");
-  cmd->add_option("--json", options->json_file, "Write report.json to this file");
-  cmd->add_option("--report", options->report_dir,
-                  "Write a report directory (report.json, report.md)");
-  cmd->add_option("--save-outputs", options->save_outputs,
-                  "Write the reference and backend outputs per step and layer to this HDF5 file "
-                  "(/steps/S###/L###/{reference_out, reference_lse, reference_source_out, "
-                  "reference_source_lse, backend_out, backend_lse})");
-  cmd->add_option("--emit-repro", options->emit_repro,
-                  "When the run fails, write a minimal kvdump reproducing its first failure (the "
-                  "earliest failing step, then layer): one layer (same layer_id and kv_scale), one "
-                  "step S000 of the failing step's kind holding only the request of the first "
-                  "divergent row (for an integrity failure, the requests that wrote its first "
-                  "offending slot; else the first request with rows), its q/new_kv/out/lse rows, "
-                  "and the pages it uses renumbered 0..P-1, filled with the reference replay's "
-                  "pool just before that step (a captured kv_cache_after restricted likewise, "
-                  "kv_source too when every kept slot's source value is known). Check it alone "
-                  "with the same --backend and --inject. A passing "
-                  "run writes nothing");
-  cmd->add_flag("--reciprocal-scale", options->reciprocal_scale,
-                "Write with e4m3_rne_satfinite(x * fp32(1 / kv_scale)), the convention of servers "
-                "that multiply by a reciprocal scale, instead of kvdump-v1's x / kv_scale: in the "
-                "reference replay (so captured pools are judged by it) and in the backend. It "
-                "differs in the last bit of rare codes; the report notes it");
-  cmd->add_option("--threads", options->threads,
-                  "Threads for the reference and CPU backends (0: every core)")
-      ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
-  cmd->add_flag("--verbose", options->verbose,
-                "Also print timings and the reference throughput (rows*heads*tokens/s)");
-  cmd->add_flag("--progress", options->progress,
-                "Print progress on stderr even when it is not a terminal");
+  add_input_options(*cmd, *options);
+  add_output_options(*cmd, *options);
   cmd->callback([options, &runner] { runner = [options] { return run_check(*options); }; });
 }
 

@@ -2,13 +2,14 @@
 // are bytewise on the stored codes; there is no tolerance anywhere in this file.
 #include "src/replay/integrity.hpp"
 
+#include <fmt/format.h>
+
 #include <algorithm>
-#include <array>
 #include <cmath>
-#include <cstdio>
 #include <cstring>
-#include <sstream>
+#include <map>
 #include <unordered_map>
+#include <utility>
 
 namespace kvaudit {
 namespace {
@@ -22,19 +23,15 @@ bool element_is_nan(const KvPool& pool, std::int64_t slot, int col) {
   return e4m3_is_nan(pool.row(slot)[col]);
 }
 
-std::string slot_list(const std::vector<std::int64_t>& slots, std::size_t total) {
-  std::ostringstream text;
+// "slot 5" or "slots 2, 3, ... (40 in all)": the first eight.
+std::string slot_list(const std::vector<std::int64_t>& slots) {
   const std::size_t shown = std::min<std::size_t>(slots.size(), 8);
-  text << (total == 1 ? "slot " : "slots ");
-  for (std::size_t i = 0; i < shown; ++i) text << (i ? ", " : "") << slots[i];
-  if (total > shown) text << ", ... (" << total << " in all)";
-  return text.str();
-}
-
-std::string hex_byte(unsigned value) {
-  char text[8];
-  std::snprintf(text, sizeof text, "0x%02x", value & 0xFF);
-  return text;
+  const std::string listed =
+      fmt::format("{}", fmt::join(slots.begin(), slots.begin() + shown, ", "));
+  const char* noun = slots.size() == 1 ? "slot" : "slots";
+  if (slots.size() > shown)
+    return fmt::format("{} {}, ... ({} in all)", noun, listed, slots.size());
+  return fmt::format("{} {}", noun, listed);
 }
 
 // What differs in one slot: "3 of 576 bytes differ, first at byte 5: 0x3f, expected 0x38".
@@ -50,19 +47,24 @@ std::string describe_row_difference(const KvPool& actual, const KvPool& expected
       ++differing;
     }
   }
-  std::ostringstream text;
-  text << differing << " of " << actual.row_bytes() << " bytes differ, first at byte " << first
-       << ": " << hex_byte(a[first]) << ", expected " << hex_byte(e[first]);
-  return text.str();
+  return fmt::format("{} of {} bytes differ, first at byte {}: 0x{:02x}, expected 0x{:02x}",
+                     differing, actual.row_bytes(), first, a[first], e[first]);
 }
 
-IntegrityFinding make_finding(const StepLayerWrites& writes, std::string check) {
+// "slot 5: 3 of 576 bytes differ, ...", for the first of a finding's slots.
+std::string first_slot_difference(const std::vector<std::int64_t>& slots, const KvPool& actual,
+                                  const KvPool& expected) {
+  return fmt::format("slot {}: {}", slots.front(),
+                     describe_row_difference(actual, expected, slots.front()));
+}
+
+IntegrityFinding make_finding(const StepLayerWrites& writes, IntegrityCheck check) {
   IntegrityFinding finding;
   finding.step = writes.step;
   finding.layer_id = writes.layer_id;
   finding.where =
       writes.where.empty() ? step_layer_name(writes.step, writes.layer_id) : writes.where;
-  finding.check = std::move(check);
+  finding.check = check;
   return finding;
 }
 
@@ -73,8 +75,8 @@ void fail_with_slots(IntegrityFinding& finding, const std::vector<std::int64_t>&
   finding.slots.assign(slots.begin(),
                        slots.begin() + std::min<std::size_t>(slots.size(), kMaxListedSlots));
   finding.slot_count = static_cast<std::int64_t>(slots.size());
-  finding.detail = finding.where + ": " + std::to_string(slots.size()) + " " + what + ": " +
-                   slot_list(slots, slots.size()) + (detail.empty() ? "" : " (" + detail + ")");
+  finding.detail = fmt::format("{}: {} {}: {}{}", finding.where, slots.size(), what,
+                               slot_list(slots), detail.empty() ? "" : " (" + detail + ")");
 }
 
 void pass_with(IntegrityFinding& finding, const std::string& what) {
@@ -158,214 +160,336 @@ class WriteIndex {
   std::unordered_multimap<std::uint64_t, std::int64_t> slots_by_hash_;
 };
 
-std::string classify_indexed(const StepLayerWrites& writes, const WriteIndex& index,
-                             const KvPool& actual, const KvPool& expected, std::int64_t slot) {
-  const int width = expected.row_width;
-  // Nothing to classify where the bytes agree (an unwritten slot that changed back to them).
-  if (rows_equal(actual, slot, expected, slot)) return "other";
-  // wrong_slot: a row this step wrote for another slot landed here, or this slot's own row landed
-  // in a neighbour (a write to slot +-1, wrapping at the pool's ends as a modular index does).
-  if (index.holds_other_written_row(actual, slot)) return "wrong_slot";
-  const int row = index.row_of(slot);
+// wrong_slot: a row this step wrote for another slot landed here, or this slot's own row landed in
+// a neighbour (a write to slot +-1, wrapping at the pool's ends as a modular index does).
+bool is_wrong_slot(const WriteIndex& index, const KvPool& actual, const KvPool& expected,
+                   std::int64_t slot) {
+  if (index.holds_other_written_row(actual, slot)) return true;
+  if (index.row_of(slot) < 0) return false;
   const std::int64_t slots = expected.num_slots;
   for (const std::int64_t neighbour : {(slot + slots - 1) % slots, (slot + 1) % slots}) {
-    if (row >= 0 && neighbour != slot && !rows_equal(actual, neighbour, expected, neighbour) &&
+    if (neighbour != slot && !rows_equal(actual, neighbour, expected, neighbour) &&
         rows_equal(actual, neighbour, expected, slot)) {
-      return "wrong_slot";
+      return true;
     }
   }
+  return false;
+}
 
-  if (expected.dtype == KvDtype::kBfloat16) {
-    for (int c = 0; c < width; ++c) {
-      if (element_is_nan(actual, slot, c) && !element_is_nan(expected, slot, c)) return "nan_code";
+// A bf16 pool's slot: NaN where a finite value was expected, else other.
+SlotClass classify_bf16_slot(const KvPool& actual, const KvPool& expected, std::int64_t slot) {
+  for (int c = 0; c < expected.row_width; ++c) {
+    if (element_is_nan(actual, slot, c) && !element_is_nan(expected, slot, c)) {
+      return SlotClass::kNanCode;
     }
-    return "other";
   }
+  return SlotClass::kOther;
+}
 
-  const std::uint8_t* got = actual.row(slot);
-  const std::uint8_t* want = expected.row(slot);
-  int differing = 0;
-  bool any_nan = false;
-  bool all_off_by_one = true;
+// How the e4m3 codes of a slot differ from the expected ones.
+struct CodeDifference {
+  int differing = 0;           // codes that differ
+  bool any_nan = false;        // a NaN code where a finite one was expected
+  bool all_off_by_one = true;  // every differing code one step from the expected, same sign
+};
+
+CodeDifference compare_codes(const std::uint8_t* got, const std::uint8_t* want, int width) {
+  CodeDifference difference;
   for (int c = 0; c < width; ++c) {
     if (got[c] == want[c]) continue;
-    ++differing;
-    any_nan |= e4m3_is_nan(got[c]) && !e4m3_is_nan(want[c]);
+    ++difference.differing;
+    difference.any_nan |= e4m3_is_nan(got[c]) && !e4m3_is_nan(want[c]);
     const bool same_sign = (got[c] & 0x80) == (want[c] & 0x80);
     const int distance =
         std::abs(static_cast<int>(got[c] & 0x7F) - static_cast<int>(want[c] & 0x7F));
-    all_off_by_one &= same_sign && distance == 1 && !e4m3_is_nan(got[c]);
+    difference.all_off_by_one &= same_sign && distance == 1 && !e4m3_is_nan(got[c]);
   }
-  // Every differing code one step away is a rounding difference, whatever else it resembles: for
-  // quotients in [1.875, 4) the bf16 high byte (0x3F, 0x40) is itself a neighbouring e4m3 code.
-  if (all_off_by_one) return "off_by_one_code";
-  // bf16_bytes: this slot's row as bf16 (high bytes, or the first half of the 2-byte row), or the
-  // spill of the previous slot's bf16 row (its second half). A single differing byte is too weak
-  // a match to call it that.
-  if (differing >= 2) {
-    if (row >= 0) {
-      const float* values = writes.new_kv.data() + static_cast<std::size_t>(row) * width;
-      if (holds_bf16_high_bytes(got, want, values, width, writes.kv_scale) ||
-          holds_bf16_row_bytes(got, want, values, width, 0, writes.kv_scale)) {
-        return "bf16_bytes";
-      }
-    }
-    const int previous_row = slot > 0 ? index.row_of(slot - 1) : -1;
-    if (previous_row >= 0) {
-      const float* values = writes.new_kv.data() + static_cast<std::size_t>(previous_row) * width;
-      if (holds_bf16_row_bytes(got, want, values, width, width, writes.kv_scale)) {
-        return "bf16_bytes";
-      }
-    }
-  }
-  if (any_nan) return "nan_code";
-  return "other";
+  return difference;
 }
 
-// The classes of src/replay/integrity.hpp, in the order findings are reported.
-constexpr std::array<const char*, 5> kClasses = {"wrong_slot", "bf16_bytes", "nan_code",
-                                                 "off_by_one_code", "other"};
-
-// Failing slots split by class: one finding per class present, `what` naming the check's failure.
-void add_classified_findings(std::vector<IntegrityFinding>& findings, const StepLayerWrites& writes,
-                             const std::string& check, const std::vector<std::int64_t>& slots,
-                             const KvPool& actual, const KvPool& compared_with,
-                             const KvPool& expected, const std::string& what) {
-  std::array<std::vector<std::int64_t>, kClasses.size()> by_class;
-  const WriteIndex index(writes, expected);
-  for (const std::int64_t slot : slots) {
-    const std::string kind = classify_indexed(writes, index, actual, expected, slot);
-    for (std::size_t k = 0; k < kClasses.size(); ++k) {
-      if (kind == kClasses[k]) by_class[k].push_back(slot);
+// bf16_bytes: this slot's row as bf16 (high bytes, or the first half of the 2-byte row), or the
+// spill of the previous slot's bf16 row (its second half).
+bool holds_bf16_bytes(const StepLayerWrites& writes, const WriteIndex& index,
+                      const std::uint8_t* got, const std::uint8_t* want, int width,
+                      std::int64_t slot) {
+  const int row = index.row_of(slot);
+  if (row >= 0) {
+    const float* values = writes.new_kv.data() + static_cast<std::size_t>(row) * width;
+    if (holds_bf16_high_bytes(got, want, values, width, writes.kv_scale) ||
+        holds_bf16_row_bytes(got, want, values, width, 0, writes.kv_scale)) {
+      return true;
     }
   }
-  for (std::size_t k = 0; k < kClasses.size(); ++k) {
-    if (by_class[k].empty()) continue;
+  const int previous_row = slot > 0 ? index.row_of(slot - 1) : -1;
+  if (previous_row < 0) return false;
+  const float* values = writes.new_kv.data() + static_cast<std::size_t>(previous_row) * width;
+  return holds_bf16_row_bytes(got, want, values, width, width, writes.kv_scale);
+}
+
+SlotClass classify_indexed(const StepLayerWrites& writes, const WriteIndex& index,
+                           const KvPool& actual, const KvPool& expected, std::int64_t slot) {
+  // Nothing to classify where the bytes agree (an unwritten slot that changed back to them).
+  if (rows_equal(actual, slot, expected, slot)) return SlotClass::kOther;
+  if (is_wrong_slot(index, actual, expected, slot)) return SlotClass::kWrongSlot;
+  if (expected.dtype == KvDtype::kBfloat16) return classify_bf16_slot(actual, expected, slot);
+  const int width = expected.row_width;
+  const std::uint8_t* got = actual.row(slot);
+  const std::uint8_t* want = expected.row(slot);
+  const CodeDifference difference = compare_codes(got, want, width);
+  // Every differing code one step away is a rounding difference, whatever else it resembles: for
+  // quotients in [1.875, 4) the bf16 high byte (0x3F, 0x40) is itself a neighbouring e4m3 code.
+  if (difference.all_off_by_one) return SlotClass::kOffByOneCode;
+  // A single differing byte is too weak a match to call it bf16 bytes.
+  if (difference.differing >= 2 && holds_bf16_bytes(writes, index, got, want, width, slot)) {
+    return SlotClass::kBf16Bytes;
+  }
+  return difference.any_nan ? SlotClass::kNanCode : SlotClass::kOther;
+}
+
+// Slots by class, in the order findings are reported (the order of SlotClass).
+using SlotsByClass = std::map<SlotClass, std::vector<std::int64_t>>;
+
+// Failing slots split by class: one finding per class present, `what` naming the check's failure
+// and the first slot's bytes shown against `compared_with`.
+void add_classified_findings(std::vector<IntegrityFinding>& findings, const StepLayerWrites& writes,
+                             IntegrityCheck check, const std::vector<std::int64_t>& slots,
+                             const KvPool& actual, const KvPool& compared_with,
+                             const KvPool& expected, const std::string& what) {
+  SlotsByClass by_class;
+  const WriteIndex index(writes, expected);
+  for (const std::int64_t slot : slots) {
+    by_class[classify_indexed(writes, index, actual, expected, slot)].push_back(slot);
+  }
+  for (const auto& [slot_class, class_slots] : by_class) {
     IntegrityFinding finding = make_finding(writes, check);
-    finding.classification = kClasses[k];
-    const std::int64_t first = by_class[k].front();
-    fail_with_slots(finding, by_class[k], what + " [" + kClasses[k] + "]",
-                    "slot " + std::to_string(first) + ": " +
-                        describe_row_difference(actual, compared_with, first));
+    finding.classification = slot_class;
+    fail_with_slots(finding, class_slots, fmt::format("{} [{}]", what, slot_class_name(slot_class)),
+                    first_slot_difference(class_slots, actual, compared_with));
     findings.push_back(std::move(finding));
+  }
+}
+
+// ---- backend pool ------------------------------------------------------------------------------
+
+// storage: whether the pool is still the same dtype and size. When it is not, nothing else can be
+// compared byte for byte: the other four checks fail as not checked rather than guess.
+bool add_storage_findings(std::vector<IntegrityFinding>& findings, const StepLayerWrites& writes,
+                          const KvPool& before, const KvPool& after, const KvPool& expected) {
+  IntegrityFinding storage = make_finding(writes, IntegrityCheck::kStorage);
+  const bool same_storage = after.dtype == before.dtype && after.num_slots == before.num_slots &&
+                            after.row_width == before.row_width &&
+                            after.bytes.size() == before.bytes.size() &&
+                            expected.bytes.size() == before.bytes.size();
+  if (same_storage) {
+    pass_with(storage, fmt::format("pool still holds {}, {} byte(s) per element",
+                                   kv_dtype_name(before.dtype), before.bytes_per_element()));
+    findings.push_back(storage);
+    return true;
+  }
+  storage.pass = false;
+  storage.detail =
+      fmt::format("{}: pool storage changed: {} {} bytes before the step, {} {} bytes after",
+                  storage.where, kv_dtype_name(before.dtype), before.bytes.size(),
+                  kv_dtype_name(after.dtype), after.bytes.size());
+  findings.push_back(storage);
+  for (const IntegrityCheck check :
+       {IntegrityCheck::kWrittenSlots, IntegrityCheck::kUnwrittenSlots, IntegrityCheck::kNanWritten,
+        IntegrityCheck::kReadConsistency}) {
+    IntegrityFinding skipped = make_finding(writes, check);
+    skipped.pass = false;
+    skipped.detail = skipped.where + ": not checked, the pool storage changed";
+    findings.push_back(skipped);
+  }
+  return false;
+}
+
+// The slots the step wrote, each once, with the row of new_kv it holds: the last one written to
+// it (the expected pool holds the last write), in the order of those last writes.
+struct SlotWrite {
+  std::int64_t slot;
+  std::size_t row;
+};
+std::vector<SlotWrite> last_writes(const StepLayerWrites& writes, std::int64_t num_slots) {
+  std::vector<std::size_t> last_row(static_cast<std::size_t>(num_slots), 0);
+  for (std::size_t i = 0; i < writes.slots.size(); ++i) last_row[writes.slots[i]] = i;
+  std::vector<SlotWrite> last;
+  for (std::size_t i = 0; i < writes.slots.size(); ++i) {
+    if (last_row[writes.slots[i]] == i) last.push_back({writes.slots[i], i});
+  }
+  return last;
+}
+
+// written_slots: every written slot equals the expected row.
+void add_written_slots(std::vector<IntegrityFinding>& findings, const StepLayerWrites& writes,
+                       const std::vector<SlotWrite>& last, const KvPool& after,
+                       const KvPool& expected) {
+  std::vector<std::int64_t> wrong;
+  for (const SlotWrite& write : last) {
+    if (!rows_equal(after, write.slot, expected, write.slot)) wrong.push_back(write.slot);
+  }
+  if (!wrong.empty()) {
+    add_classified_findings(findings, writes, IntegrityCheck::kWrittenSlots, wrong, after, expected,
+                            expected, "written slot(s) do not hold " + writes.rule);
+    return;
+  }
+  IntegrityFinding finding = make_finding(writes, IntegrityCheck::kWrittenSlots);
+  pass_with(finding, fmt::format("{} written slot(s) hold {}", writes.slots.size(), writes.rule));
+  findings.push_back(finding);
+}
+
+// unwritten_slots: every other slot bitwise as before the step.
+void add_unwritten_slots(std::vector<IntegrityFinding>& findings, const StepLayerWrites& writes,
+                         const KvPool& before, const KvPool& after, const KvPool& expected) {
+  std::vector<char> written(static_cast<std::size_t>(before.num_slots), 0);
+  for (const std::int32_t slot : writes.slots) written[slot] = 1;
+  std::vector<std::int64_t> changed;
+  for (std::int64_t slot = 0; slot < before.num_slots; ++slot) {
+    if (!written[slot] && !rows_equal(after, slot, before, slot)) changed.push_back(slot);
+  }
+  if (!changed.empty()) {
+    add_classified_findings(findings, writes, IntegrityCheck::kUnwrittenSlots, changed, after,
+                            before, expected, "slot(s) the step did not write changed");
+    return;
+  }
+  IntegrityFinding finding = make_finding(writes, IntegrityCheck::kUnwrittenSlots);
+  pass_with(finding, "every slot the step did not write is unchanged");
+  findings.push_back(finding);
+}
+
+// nan_written: no written slot holds a NaN code where its input value was not NaN.
+void add_nan_written(std::vector<IntegrityFinding>& findings, const StepLayerWrites& writes,
+                     const std::vector<SlotWrite>& last, const KvPool& after) {
+  const int width = after.row_width;
+  std::vector<std::int64_t> nan_slots;
+  for (const SlotWrite& write : last) {
+    for (int c = 0; c < width; ++c) {
+      const float value = writes.new_kv[write.row * width + c];
+      if (element_is_nan(after, write.slot, c) && !std::isnan(value)) {
+        nan_slots.push_back(write.slot);
+        break;
+      }
+    }
+  }
+  IntegrityFinding finding = make_finding(writes, IntegrityCheck::kNanWritten);
+  if (nan_slots.empty()) {
+    pass_with(finding, "no written slot holds a NaN code");
+  } else {
+    fail_with_slots(finding, nan_slots, "written slot(s) hold a NaN code for a finite value", "");
+    finding.classification = SlotClass::kNanCode;
+  }
+  findings.push_back(finding);
+}
+
+// read_consistency: the whole pool equals the reference pool (what later steps will read).
+void add_read_consistency(std::vector<IntegrityFinding>& findings, const StepLayerWrites& writes,
+                          const KvPool& after, const KvPool& expected) {
+  std::vector<std::int64_t> inconsistent;
+  if (after.bytes != expected.bytes) {
+    for (std::int64_t slot = 0; slot < after.num_slots; ++slot) {
+      if (!rows_equal(after, slot, expected, slot)) inconsistent.push_back(slot);
+    }
+  }
+  IntegrityFinding finding = make_finding(writes, IntegrityCheck::kReadConsistency);
+  if (inconsistent.empty()) {
+    pass_with(finding, "backend pool equals the reference replay's pool");
+  } else {
+    fail_with_slots(finding, inconsistent,
+                    "slot(s) of the backend pool differ from the reference replay's pool",
+                    "later steps read these");
+  }
+  findings.push_back(finding);
+}
+
+// ---- captured pool -----------------------------------------------------------------------------
+
+// The slots of a captured pool that differ from the expected pool: new damage by class, and
+// damage carried unchanged from an earlier step by (class, step first seen).
+struct CapturedDamage {
+  SlotsByClass fresh;
+  std::map<std::pair<SlotClass, int>, std::vector<std::int64_t>> carried;
+};
+
+CapturedDamage find_captured_damage(const StepLayerWrites& writes, const KvPool& captured,
+                                    const KvPool& expected, PoolDamageHistory* history) {
+  CapturedDamage damage;
+  const bool identical = captured.bytes == expected.bytes;
+  if (identical && history != nullptr) *history = PoolDamageHistory{};
+  if (identical) return damage;
+  std::vector<char> written(static_cast<std::size_t>(expected.num_slots), 0);
+  for (const std::int32_t slot : writes.slots) written[slot] = 1;
+  std::optional<WriteIndex> index;  // built at the first slot that needs classifying
+  for (std::int64_t slot = 0; slot < expected.num_slots; ++slot) {
+    if (rows_equal(captured, slot, expected, slot)) {
+      if (history != nullptr) history->forget(slot);
+      continue;
+    }
+    // Carried: the same bytes as when the damage was first seen, in a slot this step did not
+    // write. Anything else is classified afresh, as new damage.
+    const std::uint64_t hash = row_hash(captured.row(slot), captured.row_bytes());
+    const PoolDamageHistory::Entry* seen = history != nullptr ? history->find(slot) : nullptr;
+    if (seen != nullptr && !written[slot] && seen->row_hash == hash) {
+      if (seen->first_step == writes.step) {
+        damage.fresh[seen->classification].push_back(slot);
+      } else {
+        damage.carried[{seen->classification, seen->first_step}].push_back(slot);
+      }
+      continue;
+    }
+    if (!index) index.emplace(writes, expected);
+    const SlotClass slot_class = classify_indexed(writes, *index, captured, expected, slot);
+    if (history != nullptr) history->record(slot, writes.step, slot_class, hash);
+    damage.fresh[slot_class].push_back(slot);
+  }
+  return damage;
+}
+
+void add_captured_findings(std::vector<IntegrityFinding>& findings, const StepLayerWrites& writes,
+                           const CapturedDamage& damage, const KvPool& captured,
+                           const KvPool& expected) {
+  for (const auto& [slot_class, slots] : damage.fresh) {
+    IntegrityFinding finding = make_finding(writes, IntegrityCheck::kCapturedPool);
+    finding.classification = slot_class;
+    fail_with_slots(finding, slots,
+                    fmt::format("slot(s) of the captured pool differ from the replay [{}]",
+                                slot_class_name(slot_class)),
+                    first_slot_difference(slots, captured, expected));
+    findings.push_back(finding);
+  }
+  for (const auto& [key, slots] : damage.carried) {
+    const auto [slot_class, first_step] = key;
+    IntegrityFinding finding = make_finding(writes, IntegrityCheck::kCapturedPool);
+    finding.classification = slot_class;
+    finding.carried_from_step = first_step;
+    fail_with_slots(finding, slots,
+                    fmt::format("slot(s) of the captured pool still differ from the replay [{}, "
+                                "unchanged since step {}]",
+                                slot_class_name(slot_class), first_step),
+                    first_slot_difference(slots, captured, expected));
+    findings.push_back(finding);
   }
 }
 
 }  // namespace
 
-std::string classify_slot(const StepLayerWrites& writes, const KvPool& actual,
-                          const KvPool& expected, std::int64_t slot) {
+SlotClass classify_slot(const StepLayerWrites& writes, const KvPool& actual, const KvPool& expected,
+                        std::int64_t slot) {
   return classify_indexed(writes, WriteIndex(writes, expected), actual, expected, slot);
 }
 
 std::string step_layer_name(int step, int layer_id) {
-  return step_group_name(step) + " " + layer_group_name(layer_id);
+  return fmt::format("{} {}", step_group_name(step), layer_group_name(layer_id));
 }
 
 std::vector<IntegrityFinding> check_backend_pool(const StepLayerWrites& writes,
                                                  const KvPool& before, const KvPool& after,
                                                  const KvPool& expected) {
   std::vector<IntegrityFinding> findings;
-
-  IntegrityFinding storage = make_finding(writes, "storage");
-  const bool same_storage = after.dtype == before.dtype && after.num_slots == before.num_slots &&
-                            after.row_width == before.row_width &&
-                            after.bytes.size() == before.bytes.size() &&
-                            expected.bytes.size() == before.bytes.size();
-  if (same_storage) {
-    pass_with(storage, std::string("pool still holds ") + kv_dtype_name(before.dtype) + ", " +
-                           std::to_string(before.bytes_per_element()) + " byte(s) per element");
-    findings.push_back(storage);
-  } else {
-    storage.pass = false;
-    storage.detail = storage.where + ": pool storage changed: " + kv_dtype_name(before.dtype) +
-                     " " + std::to_string(before.bytes.size()) + " bytes before the step, " +
-                     kv_dtype_name(after.dtype) + " " + std::to_string(after.bytes.size()) +
-                     " bytes after";
-    findings.push_back(storage);
-    // Nothing below can be compared byte for byte; say so rather than guess.
-    for (const char* check :
-         {"written_slots", "unwritten_slots", "nan_written", "read_consistency"}) {
-      IntegrityFinding skipped = make_finding(writes, check);
-      skipped.pass = false;
-      skipped.detail = skipped.where + ": not checked, the pool storage changed";
-      findings.push_back(skipped);
-    }
-    return findings;
-  }
-
-  const int width = before.row_width;
-  std::vector<char> written(static_cast<std::size_t>(before.num_slots), 0);
-  for (const std::int32_t slot : writes.slots) written[slot] = 1;
-
-  // written_slots and nan_written. A slot written twice in one step is listed once and judged by
-  // its last row (the expected pool holds the last write).
-  std::vector<std::int64_t> wrong_written;
-  std::vector<std::int64_t> nan_slots;
-  std::vector<int> last_row(static_cast<std::size_t>(before.num_slots), -1);
-  for (std::size_t i = 0; i < writes.slots.size(); ++i) {
-    last_row[writes.slots[i]] = static_cast<int>(i);
-  }
-  for (std::size_t i = 0; i < writes.slots.size(); ++i) {
-    const std::int64_t slot = writes.slots[i];
-    if (last_row[slot] != static_cast<int>(i)) continue;
-    if (!rows_equal(after, slot, expected, slot)) wrong_written.push_back(slot);
-    for (int c = 0; c < width; ++c) {
-      const float value = writes.new_kv[i * width + c];
-      if (element_is_nan(after, slot, c) && !std::isnan(value)) {
-        nan_slots.push_back(slot);
-        break;
-      }
-    }
-  }
-  if (wrong_written.empty()) {
-    IntegrityFinding written_finding = make_finding(writes, "written_slots");
-    pass_with(written_finding,
-              std::to_string(writes.slots.size()) + " written slot(s) hold " + writes.rule);
-    findings.push_back(written_finding);
-  } else {
-    add_classified_findings(findings, writes, "written_slots", wrong_written, after, expected,
-                            expected, "written slot(s) do not hold " + writes.rule);
-  }
-
-  std::vector<std::int64_t> changed;
-  for (std::int64_t slot = 0; slot < before.num_slots; ++slot) {
-    if (!written[slot] && !rows_equal(after, slot, before, slot)) changed.push_back(slot);
-  }
-  if (changed.empty()) {
-    IntegrityFinding unwritten_finding = make_finding(writes, "unwritten_slots");
-    pass_with(unwritten_finding, "every slot the step did not write is unchanged");
-    findings.push_back(unwritten_finding);
-  } else {
-    add_classified_findings(findings, writes, "unwritten_slots", changed, after, before, expected,
-                            "slot(s) the step did not write changed");
-  }
-
-  IntegrityFinding nan_finding = make_finding(writes, "nan_written");
-  if (nan_slots.empty()) {
-    pass_with(nan_finding, "no written slot holds a NaN code");
-  } else {
-    fail_with_slots(nan_finding, nan_slots, "written slot(s) hold a NaN code for a finite value",
-                    "");
-    nan_finding.classification = "nan_code";
-  }
-  findings.push_back(nan_finding);
-
-  std::vector<std::int64_t> inconsistent;
-  if (after.bytes != expected.bytes) {
-    for (std::int64_t slot = 0; slot < before.num_slots; ++slot) {
-      if (!rows_equal(after, slot, expected, slot)) inconsistent.push_back(slot);
-    }
-  }
-  IntegrityFinding consistency = make_finding(writes, "read_consistency");
-  if (inconsistent.empty()) {
-    pass_with(consistency, "backend pool equals the reference replay's pool");
-  } else {
-    fail_with_slots(consistency, inconsistent,
-                    "slot(s) of the backend pool differ from the reference replay's pool",
-                    "later steps read these");
-  }
-  findings.push_back(consistency);
+  if (!add_storage_findings(findings, writes, before, after, expected)) return findings;
+  const std::vector<SlotWrite> last = last_writes(writes, before.num_slots);
+  add_written_slots(findings, writes, last, after, expected);
+  add_unwritten_slots(findings, writes, before, after, expected);
+  add_nan_written(findings, writes, last, after);
+  add_read_consistency(findings, writes, after, expected);
   return findings;
 }
 
@@ -374,7 +498,7 @@ const PoolDamageHistory::Entry* PoolDamageHistory::find(std::int64_t slot) const
   return it == entries_.end() ? nullptr : &it->second;
 }
 
-void PoolDamageHistory::record(std::int64_t slot, int step, const std::string& classification,
+void PoolDamageHistory::record(std::int64_t slot, int step, SlotClass classification,
                                std::uint64_t row_hash) {
   entries_[slot] = Entry{step, classification, row_hash};
 }
@@ -387,77 +511,18 @@ std::vector<IntegrityFinding> check_captured_pool(const StepLayerWrites& writes,
   std::vector<IntegrityFinding> findings;
   if (captured.dtype != expected.dtype || captured.bytes.size() != expected.bytes.size() ||
       captured.row_width != expected.row_width) {
-    IntegrityFinding finding = make_finding(writes, "captured_pool");
+    IntegrityFinding finding = make_finding(writes, IntegrityCheck::kCapturedPool);
     finding.pass = false;
-    finding.classification = "other";
+    finding.classification = SlotClass::kOther;
     finding.detail =
         finding.where + ": captured pool has another dtype or size than the replayed pool";
     findings.push_back(finding);
     return findings;
   }
-  std::vector<char> written(static_cast<std::size_t>(expected.num_slots), 0);
-  for (const std::int32_t slot : writes.slots) written[slot] = 1;
-
-  // New damage by class; carried damage by (class, first step).
-  std::array<std::vector<std::int64_t>, kClasses.size()> by_class;
-  std::map<std::pair<std::size_t, int>, std::vector<std::int64_t>> carried;
-  const bool identical = captured.bytes == expected.bytes;
-  std::optional<WriteIndex> index;  // built at the first slot that needs classifying
-  if (identical && history != nullptr) *history = PoolDamageHistory{};
-  for (std::int64_t slot = 0; slot < expected.num_slots && !identical; ++slot) {
-    if (rows_equal(captured, slot, expected, slot)) {
-      if (history != nullptr) history->forget(slot);
-      continue;
-    }
-    // Carried: the same bytes as when the damage was first seen, in a slot this step did not
-    // write. Anything else is classified afresh, as new damage.
-    const std::uint64_t hash = row_hash(captured.row(slot), captured.row_bytes());
-    const PoolDamageHistory::Entry* seen = history != nullptr ? history->find(slot) : nullptr;
-    std::string kind;
-    int first_step = writes.step;
-    if (seen != nullptr && !written[slot] && seen->row_hash == hash) {
-      kind = seen->classification;
-      first_step = seen->first_step;
-    } else {
-      if (!index) index.emplace(writes, expected);
-      kind = classify_indexed(writes, *index, captured, expected, slot);
-      if (history != nullptr) history->record(slot, writes.step, kind, hash);
-    }
-    for (std::size_t k = 0; k < kClasses.size(); ++k) {
-      if (kind != kClasses[k]) continue;
-      if (first_step == writes.step) {
-        by_class[k].push_back(slot);
-      } else {
-        carried[{k, first_step}].push_back(slot);
-      }
-    }
-  }
-  for (std::size_t k = 0; k < kClasses.size(); ++k) {
-    if (by_class[k].empty()) continue;
-    IntegrityFinding finding = make_finding(writes, "captured_pool");
-    finding.classification = kClasses[k];
-    const std::int64_t first = by_class[k].front();
-    fail_with_slots(
-        finding, by_class[k],
-        std::string("slot(s) of the captured pool differ from the replay [") + kClasses[k] + "]",
-        "slot " + std::to_string(first) + ": " +
-            describe_row_difference(captured, expected, first));
-    findings.push_back(finding);
-  }
-  for (const auto& [key, slots] : carried) {
-    IntegrityFinding finding = make_finding(writes, "captured_pool");
-    finding.classification = kClasses[key.first];
-    finding.carried_from_step = key.second;
-    fail_with_slots(finding, slots,
-                    std::string("slot(s) of the captured pool still differ from the replay [") +
-                        kClasses[key.first] + ", unchanged since step " +
-                        std::to_string(key.second) + "]",
-                    "slot " + std::to_string(slots.front()) + ": " +
-                        describe_row_difference(captured, expected, slots.front()));
-    findings.push_back(finding);
-  }
+  add_captured_findings(findings, writes, find_captured_damage(writes, captured, expected, history),
+                        captured, expected);
   if (findings.empty()) {
-    IntegrityFinding finding = make_finding(writes, "captured_pool");
+    IntegrityFinding finding = make_finding(writes, IntegrityCheck::kCapturedPool);
     pass_with(finding, "captured pool equals the replayed pool");
     findings.push_back(finding);
   }
@@ -515,19 +580,18 @@ std::optional<IntegrityFinding> PoolNanCodes::report(const StepLayerWrites& writ
     slots.push_back(slot);
     read_slots += read[slot];
   }
-  IntegrityFinding finding = make_finding(writes, "nan_codes_in_pool");
+  IntegrityFinding finding = make_finding(writes, IntegrityCheck::kNanCodesInPool);
   finding.pass = true;  // data, not a failure (kvdump-v1 "Errors")
   finding.slots.assign(slots.begin(),
                        slots.begin() + std::min<std::size_t>(slots.size(), kMaxListedSlots));
   finding.slot_count = static_cast<std::int64_t>(slots.size());
-  finding.classification = "nan_code";
-  std::ostringstream text;
-  text << finding.where << ": the pool holds " << codes << " NaN code(s) in "
-       << slot_list(slots, slots.size())
-       << " (data, not a failure): " << static_cast<std::int64_t>(slots.size()) - read_slots
-       << " slot(s) no request of this step reads, " << read_slots
-       << " read (the reference is NaN where a row reads one; a backend output must match)";
-  finding.detail = text.str();
+  finding.classification = SlotClass::kNanCode;
+  finding.detail = fmt::format(
+      "{}: the pool holds {} NaN code(s) in {} (data, not a failure): {} slot(s) no request of "
+      "this step reads, {} read (the reference is NaN where a row reads one; a backend output "
+      "must match)",
+      finding.where, codes, slot_list(slots), static_cast<std::int64_t>(slots.size()) - read_slots,
+      read_slots);
   return finding;
 }
 

@@ -67,12 +67,11 @@ class PoolDamageHistory {
  public:
   struct Entry {
     int first_step = 0;
-    std::string classification;
+    SlotClass classification = SlotClass::kOther;
     std::uint64_t row_hash = 0;  // of the damaged bytes: damage is carried only while unchanged
   };
   const Entry* find(std::int64_t slot) const;
-  void record(std::int64_t slot, int step, const std::string& classification,
-              std::uint64_t row_hash);
+  void record(std::int64_t slot, int step, SlotClass classification, std::uint64_t row_hash);
   void forget(std::int64_t slot);  // the slot is back to its expected bytes
   std::size_t size() const { return entries_.size(); }
 
@@ -95,9 +94,9 @@ std::vector<IntegrityFinding> check_captured_pool(const StepLayerWrites& writes,
                                                   const KvPool& captured, const KvPool& expected,
                                                   PoolDamageHistory* history = nullptr);
 
-// Classification of one slot of `actual` that differs from `expected` (names above).
-std::string classify_slot(const StepLayerWrites& writes, const KvPool& actual,
-                          const KvPool& expected, std::int64_t slot);
+// Classification of one slot of `actual` that differs from `expected` (classes above).
+SlotClass classify_slot(const StepLayerWrites& writes, const KvPool& actual, const KvPool& expected,
+                        std::int64_t slot);
 
 // The NaN codes a pool holds, by slot, kept current from step to step: the pool is scanned once,
 // then only the slots each step writes are counted again.

@@ -7,18 +7,19 @@
 // rounding (2^-4 relative per element). Tolerances live in the policy, not here.
 #include "src/replay/replay.hpp"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <limits>
 #include <set>
-#include <sstream>
 #include <unordered_map>
 
 #include "references/mla_reference.hpp"
 #include "src/replay/integrity.hpp"
+#include "src/verdict/divergence.hpp"
+#include "src/verdict/run_judge.hpp"
 
 namespace kvaudit {
 namespace {
@@ -39,8 +40,7 @@ class Progress {
     if (printed_ && now - last_ < std::chrono::milliseconds(200)) return;
     printed_ = true;
     last_ = now;
-    std::fprintf(stderr, "kvaudit: layer %zu/%zu step %zu/%zu\n", layer + 1, layers, step + 1,
-                 steps);
+    fmt::print(stderr, "kvaudit: layer {}/{} step {}/{}\n", layer + 1, layers, step + 1, steps);
   }
 
  private:
@@ -57,118 +57,6 @@ std::vector<double> widen_bf16(std::span<const std::uint16_t> bits) {
   std::vector<double> values(bits.size());
   for (std::size_t i = 0; i < bits.size(); ++i) values[i] = bf16_to_float(bits[i]);
   return values;
-}
-
-// The row of the worst element: a NaN/Inf mismatch first, else the largest absolute error.
-int worst_row(const ComparisonMetrics& metrics) {
-  if (metrics.nonfinite_mismatches > 0) return metrics.first_nonfinite_mismatch.row;
-  return metrics.max_abs_at.row;
-}
-
-// Everything one comparison needs, owned (the reference and candidate are widened to double).
-struct Operands {
-  std::span<const double> reference_out;
-  std::span<const double> reference_lse;
-  std::span<const double> candidate_out;
-  std::span<const double> candidate_lse;
-};
-
-// First (row, head), row-major, that on its own breaks the policy: a NaN/Inf where the reference
-// is finite (or the reverse), an element past the absolute limit, its [Dc] vector's relative L2
-// error past the rel_l2 limit, or its lse past the lse limit. The worst element's (row, head) when
-// no single one does (the failure is then in the aggregate).
-std::pair<int, int> first_divergent_row_head(const TensorShape3& shape, const Operands& operands,
-                                             const ComparisonMetrics& metrics,
-                                             const ComparisonLimits& limits) {
-  constexpr double kNoLimit = std::numeric_limits<double>::infinity();
-  const double abs_limit = limits.max_abs_over_ref_max
-                               ? *limits.max_abs_over_ref_max * metrics.reference_max_abs
-                               : kNoLimit;
-  const double rel_l2_limit = limits.rel_l2.value_or(kNoLimit);
-  const double lse_limit = limits.lse_max_abs.value_or(kNoLimit);
-  const bool has_lse = !operands.reference_lse.empty() && !operands.candidate_lse.empty();
-  for (int row = 0; row < shape.rows; ++row) {
-    for (int head = 0; head < shape.heads; ++head) {
-      const std::size_t index = static_cast<std::size_t>(row) * shape.heads + head;
-      const std::size_t base = index * shape.dims;
-      double diff_sq = 0.0;
-      double ref_sq = 0.0;
-      for (int d = 0; d < shape.dims; ++d) {
-        const double a = operands.reference_out[base + d];
-        const double b = operands.candidate_out[base + d];
-        if (std::isfinite(a) != std::isfinite(b)) return {row, head};
-        if (!std::isfinite(a)) continue;
-        if (std::abs(a - b) > abs_limit) return {row, head};
-        diff_sq += (a - b) * (a - b);
-        ref_sq += a * a;
-      }
-      if (ref_sq > 0.0 && std::sqrt(diff_sq / ref_sq) > rel_l2_limit) return {row, head};
-      if (has_lse) {
-        const double a = operands.reference_lse[index];
-        const double b = operands.candidate_lse[index];
-        if (std::isfinite(a) != std::isfinite(b)) return {row, head};
-        if (std::isfinite(a) && std::abs(a - b) > lse_limit) return {row, head};
-      }
-    }
-  }
-  const ElementLocation& at =
-      metrics.nonfinite_mismatches > 0 ? metrics.first_nonfinite_mismatch : metrics.max_abs_at;
-  return {at.row, at.head};
-}
-
-struct ReplayState {
-  const DumpLayout& layout;
-  const ReplayOptions& options;
-  ReplayOutcome outcome;
-  // Candidate for first_divergence, with the position of its layer in dump order.
-  std::size_t divergence_layer_order = 0;
-};
-
-void add_comparison(ReplayState& state, std::size_t layer_order, int step_index,
-                    const StepMeta& step, int layer_id, Comparison comparison,
-                    const TensorShape3& shape, const Operands& operands) {
-  const Policy& policy = state.options.policy;
-  ComparisonResult result;
-  result.step = step_index;
-  result.layer_id = layer_id;
-  result.comparison = comparison;
-  result.metrics =
-      compare_outputs(shape, operands.reference_out, operands.candidate_out, operands.reference_lse,
-                      operands.candidate_lse, policy.rel_floor);
-  result.judgement = judge(policy, comparison, result.metrics);
-  result.sets_exit = comparison_sets_exit(policy, comparison);
-  const int row = worst_row(result.metrics);
-  if (row >= 0 && row < step.num_rows()) result.worst_request = step.request_of_row(row);
-
-  // The first divergence follows the comparisons that judge the implementation under test:
-  // kernel (what it computed) and cache (what it stored) with a backend, captured without one.
-  const bool tracked = comparison == Comparison::kKernel || comparison == Comparison::kCache ||
-                       comparison == Comparison::kCaptured;
-  if (tracked && !result.judgement.pass) {
-    auto& current = state.outcome.first_divergence;
-    const bool earlier =
-        !current || step_index < current->step ||
-        (step_index == current->step && layer_order < state.divergence_layer_order);
-    const bool replaces_captured =
-        current && current->step == step_index && layer_order == state.divergence_layer_order &&
-        current->comparison == Comparison::kCaptured && comparison != Comparison::kCaptured;
-    if (earlier || replaces_captured) {
-      const auto [first_row, first_head] =
-          first_divergent_row_head(shape, operands, result.metrics, limits_for(policy, comparison));
-      Divergence divergence;
-      divergence.step = step_index;
-      divergence.layer_id = layer_id;
-      divergence.row = first_row;
-      divergence.head = first_head;
-      divergence.request =
-          first_row >= 0 && first_row < step.num_rows() ? step.request_of_row(first_row) : -1;
-      divergence.comparison = comparison;
-      divergence.reason = result.judgement.reasons.empty() ? "" : result.judgement.reasons.front();
-      current = divergence;
-      state.divergence_layer_order = layer_order;
-    }
-  }
-  state.outcome.run.comparisons.push_back(std::move(result));
 }
 
 // The unquantized value of each slot, where known: the dump's kv_source (dense, every slot), or
@@ -243,24 +131,369 @@ class SourceRows {
   std::unordered_map<std::int64_t, std::vector<float>> sparse_;
 };
 
+// What the replay of every layer shares.
+struct ReplayContext {
+  const DumpReader& reader;
+  const ReplayOptions& options;
+  Backend* backend;  // null: --backend none
+  CheckRun& run;
+  RunJudge& judge;
+  Progress& progress;
+  std::size_t num_layers = 0;    // selected
+  std::set<int> reported_steps;  // empty: every step
+
+  bool is_reported(std::size_t step) const {
+    return reported_steps.empty() || reported_steps.count(static_cast<int>(step)) != 0;
+  }
+};
+
+// One step of one layer, as the phases below read it.
+struct StepInput {
+  std::size_t index = 0;  // S### number
+  const StepMeta& meta;
+  const StepLayerTensors& tensors;
+  bool reported = false;
+  std::vector<std::int64_t> visible;  // the slots the step's rows read (reported steps only)
+  TensorShape3 shape;                 // out: [Nq, H, Dc]
+  std::string where;                  // the dump's own groups, "S001 L000"
+};
+
+// What one (step, layer) computed: out [Nq, H, Dc], lse [Nq, H], in double.
+struct StepResults {
+  std::vector<double> r8_out;  // R8: the reference pool after the step's writes
+  std::vector<double> r8_lse;
+  std::vector<double> rs_out;  // Rs: the source rows, when every visible token has one
+  std::vector<double> rs_lse;
+  bool has_source_reference = false;
+  std::vector<double> read_out;  // R8': the backend's pool, where it differs from R8's
+  std::vector<double> read_lse;
+  bool read_differs = false;
+  std::optional<AttentionOutput> backend;  // null without a backend
+
+  OutputView r8() const { return {r8_out, r8_lse}; }
+  // R8 on the pool the backend read: R8 itself while the slots the step reads hold the
+  // reference's bytes (the reference is deterministic).
+  OutputView read() const { return read_differs ? OutputView{read_out, read_lse} : r8(); }
+};
+
+// The replay of one layer over every step: the reference replay's own pool, the backend's copy,
+// the source rows, and what carries from step to step (captured damage, NaN codes).
+class LayerReplay {
+ public:
+  LayerReplay(ReplayContext& context, std::size_t layer_index, std::size_t order)
+      : context_(context),
+        attrs_(context.reader.layout().attrs),
+        layer_(context.reader.layout().layers[layer_index]),
+        layer_index_(layer_index),
+        order_(order),
+        source_(context.reader.layout().num_slots(), attrs_.row_width()) {}
+
+  Status load_state();
+  Status replay_step(std::size_t step_index);
+
+ private:
+  StepInput step_input(std::size_t step_index, const StepLayerTensors& tensors) const;
+  StepLayerWrites write_reference(const StepInput& step);
+  Status compute_references(const StepInput& step, StepResults& results);
+  Status run_backend(const StepInput& step, const StepLayerWrites& writes, StepResults& results);
+  Status reference_on_read_pool(const StepInput& step, StepResults& results);
+  void record(std::vector<IntegrityFinding> findings, bool reported);
+  void compare(const StepInput& step, const StepResults& results);
+  void compare_backend(const ComparisonSite& site, const StepInput& step,
+                       const StepResults& results, const OutputView& backend);
+  void compare_captured(const ComparisonSite& site, const StepInput& step,
+                        const StepResults& results);
+  Status observe(const StepInput& step, const StepResults& results) const;
+  Status reference_on_pool(const KvPool& pool, const StepInput& step, std::vector<double>& out,
+                           std::vector<double>& lse);
+
+  ReplayContext& context_;
+  const DumpAttributes& attrs_;
+  const LayerMeta& layer_;
+  std::size_t layer_index_;
+  std::size_t order_;  // position among the selected layers, in dump order
+  KvPool reference_pool_;
+  KvPool backend_pool_;
+  PoolDamageHistory captured_damage_;  // slots of kv_cache_after that differ, step to step
+  PoolNanCodes reference_nan_codes_;   // NaN codes of reference_pool_ (data), kept per write
+  SourceRows source_;
+  bool noted_missing_source_ = false;
+};
+
+Status LayerReplay::load_state() {
+  const DumpReader& reader = context_.reader;
+  KVAUDIT_ASSIGN_OR_RETURN(reference_pool_, reader.read_pool(layer_index_));
+  backend_pool_ = reference_pool_;
+  reference_nan_codes_.scan(reference_pool_);
+  if (!layer_.has_source) return ok_status();
+  KVAUDIT_ASSIGN_OR_RETURN(std::vector<float> source, reader.read_source(layer_index_));
+  if (source.size() != static_cast<std::size_t>(reader.layout().num_slots()) * attrs_.row_width()) {
+    return internal_error(
+        fmt::format("{}:/layers/{}/kv_source", reader.path().string(), layer_.group),
+        "source has an unexpected size");
+  }
+  source_.set_dense(std::move(source));
+  return ok_status();
+}
+
+Status LayerReplay::replay_step(std::size_t step_index) {
+  const std::size_t num_steps = context_.reader.layout().steps.size();
+  context_.progress.update(order_, context_.num_layers, step_index, num_steps);
+  KVAUDIT_ASSIGN_OR_RETURN(const StepLayerTensors tensors,
+                           context_.reader.read_step_layer(step_index, layer_index_));
+  const StepInput step = step_input(step_index, tensors);
+  const StepLayerWrites writes = write_reference(step);
+  StepResults results;
+  if (step.reported) KVAUDIT_TRY(compute_references(step, results));
+  if (context_.backend != nullptr) KVAUDIT_TRY(run_backend(step, writes, results));
+  if (tensors.kv_cache_after) {
+    record(check_captured_pool(writes, *tensors.kv_cache_after, reference_pool_, &captured_damage_),
+           step.reported);
+  }
+  if (!step.reported) return ok_status();
+  // NaN codes in the reference pool: data (unused slots may hold them), reported per step.
+  if (auto nan_codes =
+          reference_nan_codes_.report(writes, reference_pool_.num_slots, step.visible)) {
+    context_.run.integrity.push_back(std::move(*nan_codes));
+  }
+  compare(step, results);
+  return observe(step, results);
+}
+
+StepInput LayerReplay::step_input(std::size_t step_index, const StepLayerTensors& tensors) const {
+  const StepMeta& meta = context_.reader.layout().steps[step_index];
+  const bool reported = context_.is_reported(step_index);
+  return StepInput{
+      step_index,
+      meta,
+      tensors,
+      reported,
+      reported ? visible_slots(meta, attrs_.page_size) : std::vector<std::int64_t>{},
+      TensorShape3{meta.num_rows(), attrs_.num_heads, attrs_.kv_lora_rank},
+      // Messages name the dump's own groups (a dump may start at S001, or name layer 5 L000).
+      meta.group + " " + layer_.group,
+  };
+}
+
+// 1. The reference replay's own writes (kvdump write rule) and the source of each new row.
+StepLayerWrites LayerReplay::write_reference(const StepInput& step) {
+  const int width = attrs_.row_width();
+  const bool reciprocal = context_.options.reciprocal_scale;
+  for (int i = 0; i < step.meta.num_rows(); ++i) {
+    const std::int64_t slot = step.meta.new_kv_slots[i];
+    const float* values = step.tensors.new_kv.data() + static_cast<std::size_t>(i) * width;
+    reference_pool_.write_row(slot, values, layer_.kv_scale, reciprocal);
+    source_.write(slot, values);
+  }
+  reference_nan_codes_.update(reference_pool_, step.meta.new_kv_slots);
+  StepLayerWrites writes{static_cast<int>(step.index), layer_.layer_id, step.meta.new_kv_slots,
+                         step.tensors.new_kv,          layer_.kv_scale, step.where};
+  if (reciprocal) writes.rule = "e4m3_rne_satfinite(new_kv * fp32(1 / kv_scale))";
+  return writes;
+}
+
+// R8 on `pool`: the exact attention on the visible slots, dequantized with kv_scale.
+Status LayerReplay::reference_on_pool(const KvPool& pool, const StepInput& step,
+                                      std::vector<double>& out, std::vector<double>& lse) {
+  out.assign(step.shape.size(), 0.0);
+  lse.assign(static_cast<std::size_t>(step.shape.rows) * step.shape.heads, 0.0);
+  const KvRows dequantized = KvRows::from_pool_slots(pool, layer_.kv_scale, step.visible);
+  KVAUDIT_ASSIGN_OR_RETURN(
+      const std::int64_t work,
+      mla_reference_attention(attrs_, step.meta, step.tensors.q_nope, step.tensors.q_pe,
+                              dequantized, out, lse, context_.options.threads));
+  context_.run.reference_rows_heads_tokens += static_cast<double>(work);
+  return ok_status();
+}
+
+// 2. References: R8 on the dequantized pool, Rs on the source rows.
+Status LayerReplay::compute_references(const StepInput& step, StepResults& results) {
+  const auto start = Clock::now();
+  KVAUDIT_TRY(reference_on_pool(reference_pool_, step, results.r8_out, results.r8_lse));
+  if (source_.covers(step.visible)) {
+    results.rs_out.assign(step.shape.size(), 0.0);
+    results.rs_lse.assign(results.r8_lse.size(), 0.0);
+    KVAUDIT_ASSIGN_OR_RETURN(const std::int64_t work,
+                             source_.attention(attrs_, step.meta, step.tensors, results.rs_out,
+                                               results.rs_lse, context_.options.threads));
+    context_.run.reference_rows_heads_tokens += static_cast<double>(work);
+    results.has_source_reference = true;
+  } else if (!noted_missing_source_) {
+    noted_missing_source_ = true;
+    context_.run.notes.push_back(
+        step.where +
+        ": the dump has no source value for some visible tokens (no kv_source); "
+        "quantization and total error are not measured where that holds");
+  }
+  context_.run.reference_seconds += seconds_since(start);
+  return ok_status();
+}
+
+// 3. The backend under test, on its own pool, then the integrity of that pool and R8'.
+Status LayerReplay::run_backend(const StepInput& step, const StepLayerWrites& writes,
+                                StepResults& results) {
+  Backend& backend = *context_.backend;
+  const KvPool before = backend_pool_;
+  const StepLayerInput input{attrs_, step.meta, layer_, step.tensors, step.index, layer_index_};
+  const auto start = Clock::now();
+  KVAUDIT_ASSIGN_OR_RETURN(results.backend, backend.run_step(input, backend_pool_));
+  context_.run.backend_seconds += seconds_since(start);
+  if (results.backend->out_bf16.size() != step.shape.size() ||
+      results.backend->lse.size() != static_cast<std::size_t>(step.shape.rows) * step.shape.heads) {
+    return internal_error(
+        step.where, fmt::format("backend {} returned out/lse of the wrong size", backend.name()));
+  }
+  record(check_backend_pool(writes, before, backend_pool_, reference_pool_), step.reported);
+  // A backend that changed its storage cannot be replayed further on its own pool: give it the
+  // reference pool so later steps measure the kernel, while this step's findings stand.
+  const bool same_storage = backend_pool_.bytes.size() == reference_pool_.bytes.size() &&
+                            backend_pool_.dtype == reference_pool_.dtype;
+  if (step.reported && same_storage) KVAUDIT_TRY(reference_on_read_pool(step, results));
+  if (!same_storage) backend_pool_ = reference_pool_;
+  return ok_status();
+}
+
+// R8' (docs/design.md "Numerics"): R8 on the pool the backend read, its own pool after its writes,
+// computed only where the slots the step reads differ from the reference pool's.
+Status LayerReplay::reference_on_read_pool(const StepInput& step, StepResults& results) {
+  results.read_differs =
+      std::any_of(step.visible.begin(), step.visible.end(), [&](std::int64_t slot) {
+        return std::memcmp(backend_pool_.row(slot), reference_pool_.row(slot),
+                           reference_pool_.row_bytes()) != 0;
+      });
+  if (!results.read_differs) return ok_status();
+  const auto start = Clock::now();
+  KVAUDIT_TRY(reference_on_pool(backend_pool_, step, results.read_out, results.read_lse));
+  context_.run.reference_seconds += seconds_since(start);
+  return ok_status();
+}
+
+// The findings of a reported step go into the run; a failure at a step that is not reported
+// becomes a note, so that it is not lost.
+void LayerReplay::record(std::vector<IntegrityFinding> findings, bool reported) {
+  for (IntegrityFinding& finding : findings) {
+    if (reported) {
+      context_.run.integrity.push_back(std::move(finding));
+    } else if (!finding.pass) {
+      context_.run.notes.push_back("(step not reported) " + finding.detail);
+    }
+  }
+}
+
+// 4. Comparisons, handed to the run judge.
+void LayerReplay::compare(const StepInput& step, const StepResults& results) {
+  const ComparisonSite site{step.meta, static_cast<int>(step.index), layer_.layer_id, order_};
+  std::vector<double> backend_out;
+  std::vector<double> backend_lse;
+  if (results.backend) {
+    backend_out = widen_bf16(results.backend->out_bf16);
+    backend_lse = widen(results.backend->lse);
+    compare_backend(site, step, results, {backend_out, backend_lse});
+  }
+  if (results.has_source_reference) {
+    const OutputView rs{results.rs_out, results.rs_lse};
+    context_.judge.compare(site, Comparison::kQuantization, step.shape, {rs, results.r8()});
+    if (results.backend) {
+      context_.judge.compare(site, Comparison::kTotal, step.shape,
+                             {rs, {backend_out, backend_lse}});
+    }
+  }
+  if (step.tensors.out || step.tensors.lse) compare_captured(site, step, results);
+}
+
+// kernel (the backend against what it read; the verdict chooses between R8' and R8) and cache
+// (what the pool it read costs).
+void LayerReplay::compare_backend(const ComparisonSite& site, const StepInput& step,
+                                  const StepResults& results, const OutputView& backend) {
+  const OutputView r8 = results.r8();
+  const OutputView read = results.read();
+  const KernelReferenceChoice choice =
+      results.read_differs ? choose_kernel_reference(context_.options.policy, step.shape, backend,
+                                                     read, r8, step.where)
+                           : KernelReferenceChoice{};
+  if (!choice.note.empty()) context_.run.notes.push_back(choice.note);
+  const OutputView& kernel_reference =
+      choice.reference == KernelReference::kReferencePool ? r8 : read;
+  context_.judge.compare(site, Comparison::kKernel, step.shape, {kernel_reference, backend});
+  context_.judge.compare(site, Comparison::kCache, step.shape, {r8, read});
+}
+
+// The dump's own out/lse against R8. They are captured independently: an lse-only capture is
+// compared on lse alone (an out shape with no dims).
+void LayerReplay::compare_captured(const ComparisonSite& site, const StepInput& step,
+                                   const StepResults& results) {
+  const StepLayerTensors& tensors = step.tensors;
+  const std::vector<double> captured_out =
+      tensors.out ? widen(*tensors.out) : std::vector<double>{};
+  const std::vector<double> captured_lse =
+      tensors.lse ? widen(*tensors.lse) : std::vector<double>{};
+  const TensorShape3 shape{step.shape.rows, step.shape.heads, tensors.out ? step.shape.dims : 0};
+  const OutputView reference{
+      tensors.out ? std::span<const double>(results.r8_out) : std::span<const double>(),
+      tensors.lse ? std::span<const double>(results.r8_lse) : std::span<const double>()};
+  context_.judge.compare(site, Comparison::kCaptured, shape,
+                         {reference, {captured_out, captured_lse}});
+}
+
+Status LayerReplay::observe(const StepInput& step, const StepResults& results) const {
+  if (!context_.options.observer) return ok_status();
+  StepLayerOutputs outputs;
+  outputs.step = static_cast<int>(step.index);
+  outputs.layer_id = layer_.layer_id;
+  outputs.shape = step.shape;
+  outputs.reference_out = results.r8_out;
+  outputs.reference_lse = results.r8_lse;
+  if (results.has_source_reference) {
+    outputs.reference_source_out = results.rs_out;
+    outputs.reference_source_lse = results.rs_lse;
+  }
+  outputs.backend = results.backend ? &*results.backend : nullptr;
+  return context_.options.observer(outputs);
+}
+
+// The layers to replay, as indices into layout.layers, in dump order.
+std::vector<std::size_t> selected_layers(const DumpLayout& layout, const ReplayOptions& options) {
+  std::vector<std::size_t> indices;
+  for (std::size_t li = 0; li < layout.layers.size(); ++li) {
+    const int id = layout.layers[li].layer_id;
+    if (options.layer_ids.empty() || std::find(options.layer_ids.begin(), options.layer_ids.end(),
+                                               id) != options.layer_ids.end()) {
+      indices.push_back(li);
+    }
+  }
+  return indices;
+}
+
+// The run before any step: what was replayed, with what, under which policy.
+CheckRun begin_run(const DumpReader& reader, const Backend* backend, const ReplayOptions& options) {
+  CheckRun run;
+  run.dump_path = reader.path().string();
+  run.backend = backend ? backend->name() : "none";
+  run.backend_description = backend ? backend->describe() : nlohmann::json::object();
+  run.policy = options.policy;
+  run.dump_summary = summarize_dump(reader.layout());
+  if (options.reciprocal_scale) {
+    run.notes.push_back(
+        "--reciprocal-scale: pools were written (and captured pools judged) with "
+        "e4m3_rne_satfinite(x * fp32(1 / kv_scale)), not kvdump-v1's x / kv_scale");
+  }
+  return run;
+}
+
 }  // namespace
 
 Status check_selection(const DumpLayout& layout, const ReplayOptions& options) {
   for (const int id : options.layer_ids) {
-    if (layout.layer_index_of_id(id) < 0) {
-      std::ostringstream known;
-      for (std::size_t i = 0; i < layout.layers.size(); ++i) {
-        known << (i ? ", " : "") << layout.layers[i].layer_id;
-      }
-      return bad_input("--layers", "layer id " + std::to_string(id) +
-                                       " is not in the dump (it holds " + known.str() + ")");
-    }
+    if (layout.layer_index_of_id(id) >= 0) continue;
+    std::vector<int> known;
+    for (const LayerMeta& layer : layout.layers) known.push_back(layer.layer_id);
+    return bad_input("--layers", fmt::format("layer id {} is not in the dump (it holds {})", id,
+                                             fmt::join(known, ", ")));
   }
   for (const int step : options.step_indices) {
     if (step < 0 || static_cast<std::size_t>(step) >= layout.steps.size()) {
-      return bad_input("--steps", "step " + std::to_string(step) +
-                                      " is not in the dump (it holds " +
-                                      std::to_string(layout.steps.size()) + " steps)");
+      return bad_input("--steps", fmt::format("step {} is not in the dump (it holds {} steps)",
+                                              step, layout.steps.size()));
     }
   }
   return ok_status();
@@ -297,273 +530,28 @@ nlohmann::json summarize_dump(const DumpLayout& layout) {
           {"steps", steps}};
 }
 
-Result<ReplayOutcome> replay_dump(const DumpReader& reader, Backend* backend,
-                                  const ReplayOptions& options) {
+Result<CheckRun> replay_dump(const DumpReader& reader, Backend* backend,
+                             const ReplayOptions& options) {
   const auto total_start = Clock::now();
-  const DumpLayout& layout = reader.layout();
-  const DumpAttributes& attrs = layout.attrs;
-  KVAUDIT_TRY(check_selection(layout, options));
-
-  ReplayState state{layout, options, {}, 0};
-  CheckRun& run = state.outcome.run;
-  run.dump_path = reader.path().string();
-  run.backend = backend ? backend->name() : "none";
-  run.backend_description = backend ? backend->describe() : nlohmann::json::object();
-  run.policy = options.policy;
-  run.dump_summary = summarize_dump(layout);
-
-  std::vector<std::size_t> layer_indices;
-  for (std::size_t li = 0; li < layout.layers.size(); ++li) {
-    const int id = layout.layers[li].layer_id;
-    if (options.layer_ids.empty() || std::find(options.layer_ids.begin(), options.layer_ids.end(),
-                                               id) != options.layer_ids.end()) {
-      layer_indices.push_back(li);
-    }
-  }
-  const std::set<int> reported_steps(options.step_indices.begin(), options.step_indices.end());
-  auto is_reported = [&](std::size_t step) {
-    return reported_steps.empty() || reported_steps.count(static_cast<int>(step)) != 0;
-  };
-
-  const int num_heads = attrs.num_heads;
-  const int dc = attrs.kv_lora_rank;
-  const int width = attrs.row_width();
-  const std::int64_t num_slots = layout.num_slots();
+  KVAUDIT_TRY(check_selection(reader.layout(), options));
+  CheckRun run = begin_run(reader, backend, options);
+  RunJudge judge(run);
   Progress progress(options.progress);
-
-  for (std::size_t order = 0; order < layer_indices.size(); ++order) {
-    const std::size_t li = layer_indices[order];
-    const LayerMeta& layer = layout.layers[li];
-    const std::string where = reader.path().string() + ":/layers/" + layer.group;
-
-    auto pool = reader.read_pool(li);
-    if (!pool.ok()) return pool.error();
-    KvPool reference_pool = std::move(pool.value());
-    KvPool backend_pool = reference_pool;
-    PoolDamageHistory captured_damage;  // slots of kv_cache_after that differ, step to step
-    PoolNanCodes reference_nan_codes;   // NaN codes of reference_pool (data), kept per write
-    reference_nan_codes.scan(reference_pool);
-
-    SourceRows source(num_slots, width);
-    if (layer.has_source) {
-      auto read = reader.read_source(li);
-      if (!read.ok()) return read.error();
-      if (read->size() != static_cast<std::size_t>(num_slots) * width) {
-        return internal_error(where + "/kv_source", "source has an unexpected size");
-      }
-      source.set_dense(std::move(read.value()));
-    }
-
-    bool noted_missing_source = false;
-    for (std::size_t si = 0; si < layout.steps.size(); ++si) {
-      progress.update(order, layer_indices.size(), si, layout.steps.size());
-      const StepMeta& step = layout.steps[si];
-      const int step_number = static_cast<int>(si);
-      const bool reported = is_reported(si);
-      auto read = reader.read_step_layer(si, li);
-      if (!read.ok()) return read.error();
-      const StepLayerTensors& tensors = read.value();
-      const int nq = step.num_rows();
-
-      // 1. The reference replay's own writes (kvdump write rule) and the source of each new row.
-      for (int i = 0; i < nq; ++i) {
-        const std::int64_t slot = step.new_kv_slots[i];
-        const float* values = tensors.new_kv.data() + static_cast<std::size_t>(i) * width;
-        reference_pool.write_row(slot, values, layer.kv_scale, options.reciprocal_scale);
-        source.write(slot, values);
-      }
-      reference_nan_codes.update(reference_pool, step.new_kv_slots);
-      // Messages name the dump's own groups (a dump may start at S001, or name layer 5 L000).
-      const std::string where = step.group + " " + layer.group;
-      StepLayerWrites writes{step_number,    layer.layer_id, step.new_kv_slots,
-                             tensors.new_kv, layer.kv_scale, where};
-      if (options.reciprocal_scale) writes.rule = "e4m3_rne_satfinite(new_kv * fp32(1 / kv_scale))";
-
-      // 2. References: R8 on the dequantized pool, Rs on the source rows.
-      const TensorShape3 shape{nq, num_heads, dc};
-      std::vector<double> r8_out;
-      std::vector<double> r8_lse;
-      std::vector<double> rs_out;
-      std::vector<double> rs_lse;
-      bool have_source_reference = false;
-      // The slots the step's rows read (only reported steps need them).
-      const std::vector<std::int64_t> visible =
-          reported ? visible_slots(step, attrs.page_size) : std::vector<std::int64_t>{};
-      // R8 on `pool`: the exact attention on the visible slots, dequantized with kv_scale.
-      auto reference_on_pool = [&](const KvPool& pool, std::vector<double>& out,
-                                   std::vector<double>& lse) -> Status {
-        out.assign(shape.size(), 0.0);
-        lse.assign(static_cast<std::size_t>(nq) * num_heads, 0.0);
-        const KvRows dequantized = KvRows::from_pool_slots(pool, layer.kv_scale, visible);
-        auto work = mla_reference_attention(attrs, step, tensors.q_nope, tensors.q_pe, dequantized,
-                                            out, lse, options.threads);
-        if (!work.ok()) return work.error();
-        run.reference_rows_heads_tokens += static_cast<double>(work.value());
-        return ok_status();
-      };
-      if (reported) {
-        const auto reference_start = Clock::now();
-        KVAUDIT_TRY(reference_on_pool(reference_pool, r8_out, r8_lse));
-        if (source.covers(visible)) {
-          rs_out.assign(shape.size(), 0.0);
-          rs_lse.assign(r8_lse.size(), 0.0);
-          auto source_work =
-              source.attention(attrs, step, tensors, rs_out, rs_lse, options.threads);
-          if (!source_work.ok()) return source_work.error();
-          run.reference_rows_heads_tokens += static_cast<double>(source_work.value());
-          have_source_reference = true;
-        } else if (!noted_missing_source) {
-          noted_missing_source = true;
-          state.outcome.notes.push_back(
-              where +
-              ": the dump has no source value for some visible tokens (no kv_source); "
-              "quantization and total error are not measured where that holds");
-        }
-        run.reference_seconds += seconds_since(reference_start);
-      }
-
-      // 3. The backend under test, on its own pool, then the integrity of that pool.
-      std::optional<AttentionOutput> backend_output;
-      // R8 on the pool the backend read (docs/design.md "Numerics"): its own pool after its writes.
-      // Equal to R8 while the slots the step reads hold the reference's bytes (the reference is
-      // deterministic), so it is only computed again when they do not.
-      std::vector<double> r8_read_out;
-      std::vector<double> r8_read_lse;
-      bool read_differs = false;
-      if (backend != nullptr) {
-        const KvPool before = backend_pool;
-        const StepLayerInput input{attrs, step, layer, tensors, si, li};
-        const auto backend_start = Clock::now();
-        auto output = backend->run_step(input, backend_pool);
-        run.backend_seconds += seconds_since(backend_start);
-        if (!output.ok()) return output.error();
-        if (output->out_bf16.size() != shape.size() ||
-            output->lse.size() != static_cast<std::size_t>(nq) * num_heads) {
-          return internal_error(
-              where, "backend " + backend->name() + " returned out/lse of the wrong size");
-        }
-        backend_output = std::move(output.value());
-        for (IntegrityFinding& finding :
-             check_backend_pool(writes, before, backend_pool, reference_pool)) {
-          if (reported) {
-            run.integrity.push_back(std::move(finding));
-          } else if (!finding.pass) {
-            state.outcome.notes.push_back("(step not reported) " + finding.detail);
-          }
-        }
-        // A backend that changed its storage cannot be replayed further on its own pool: give it
-        // the reference pool so later steps measure the kernel, while this step's findings stand.
-        const bool same_storage = backend_pool.bytes.size() == reference_pool.bytes.size() &&
-                                  backend_pool.dtype == reference_pool.dtype;
-        if (reported && same_storage) {
-          read_differs = std::any_of(visible.begin(), visible.end(), [&](std::int64_t slot) {
-            return std::memcmp(backend_pool.row(slot), reference_pool.row(slot),
-                               reference_pool.row_bytes()) != 0;
-          });
-          if (read_differs) {
-            const auto reference_start = Clock::now();
-            KVAUDIT_TRY(reference_on_pool(backend_pool, r8_read_out, r8_read_lse));
-            run.reference_seconds += seconds_since(reference_start);
-          }
-        }
-        if (!same_storage) backend_pool = reference_pool;
-      }
-
-      // Captured pool after the step.
-      if (tensors.kv_cache_after) {
-        for (IntegrityFinding& finding : check_captured_pool(writes, *tensors.kv_cache_after,
-                                                             reference_pool, &captured_damage)) {
-          if (reported) {
-            run.integrity.push_back(std::move(finding));
-          } else if (!finding.pass) {
-            state.outcome.notes.push_back("(step not reported) " + finding.detail);
-          }
-        }
-      }
-      if (!reported) continue;
-
-      // NaN codes in the reference pool: data (unused slots may hold them), reported per step.
-      if (auto nan_codes = reference_nan_codes.report(writes, reference_pool.num_slots, visible)) {
-        run.integrity.push_back(std::move(*nan_codes));
-      }
-
-      // 4. Comparisons.
-      std::vector<double> backend_out;
-      std::vector<double> backend_lse;
-      if (backend_output) {
-        backend_out = widen_bf16(backend_output->out_bf16);
-        backend_lse = widen(backend_output->lse);
-        const std::span<const double> read_out = read_differs ? r8_read_out : r8_out;
-        const std::span<const double> read_lse = read_differs ? r8_read_lse : r8_lse;
-        // The kernel is judged against what it read. Where the backend's pool after the step
-        // differs from the reference pool, that is R8' when it attended after its (damaging)
-        // writes, as the kvdump semantics and our kernels do; a kernel that attended first, or
-        // took the step's own tokens from new_kv, read the correct values: when its output
-        // fails against R8' but passes against R8, it is judged against R8 and a note says so.
-        bool kernel_read_reference = false;
-        if (read_differs) {
-          const ComparisonMetrics on_read = compare_outputs(shape, read_out, backend_out, read_lse,
-                                                            backend_lse, options.policy.rel_floor);
-          const ComparisonMetrics on_reference = compare_outputs(
-              shape, r8_out, backend_out, r8_lse, backend_lse, options.policy.rel_floor);
-          kernel_read_reference = !judge(options.policy, Comparison::kKernel, on_read).pass &&
-                                  judge(options.policy, Comparison::kKernel, on_reference).pass;
-          if (kernel_read_reference) {
-            state.outcome.notes.push_back(
-                where +
-                ": the backend's output matches attention on the reference pool, not on its own "
-                "pool after the step: it read the step's tokens before (or without) the writes "
-                "that damaged its pool; kernel error is measured against R8 there");
-          }
-        }
-        add_comparison(state, order, step_number, step, layer.layer_id, Comparison::kKernel, shape,
-                       kernel_read_reference
-                           ? Operands{r8_out, r8_lse, backend_out, backend_lse}
-                           : Operands{read_out, read_lse, backend_out, backend_lse});
-        add_comparison(state, order, step_number, step, layer.layer_id, Comparison::kCache, shape,
-                       {r8_out, r8_lse, read_out, read_lse});
-      }
-      if (have_source_reference) {
-        add_comparison(state, order, step_number, step, layer.layer_id, Comparison::kQuantization,
-                       shape, {rs_out, rs_lse, r8_out, r8_lse});
-        if (backend_output) {
-          add_comparison(state, order, step_number, step, layer.layer_id, Comparison::kTotal, shape,
-                         {rs_out, rs_lse, backend_out, backend_lse});
-        }
-      }
-      if (tensors.out || tensors.lse) {
-        // out and lse are captured independently: an lse-only capture is compared on lse alone
-        // (an out shape with no dims).
-        const std::vector<double> captured_out =
-            tensors.out ? widen(*tensors.out) : std::vector<double>{};
-        const std::vector<double> captured_lse =
-            tensors.lse ? widen(*tensors.lse) : std::vector<double>{};
-        const TensorShape3 captured_shape{nq, num_heads, tensors.out ? dc : 0};
-        add_comparison(state, order, step_number, step, layer.layer_id, Comparison::kCaptured,
-                       captured_shape,
-                       {tensors.out ? std::span<const double>(r8_out) : std::span<const double>(),
-                        tensors.lse ? std::span<const double>(r8_lse) : std::span<const double>(),
-                        captured_out, captured_lse});
-      }
-
-      if (options.observer) {
-        StepLayerOutputs outputs;
-        outputs.step = step_number;
-        outputs.layer_id = layer.layer_id;
-        outputs.shape = shape;
-        outputs.reference_out = r8_out;
-        outputs.reference_lse = r8_lse;
-        if (have_source_reference) {
-          outputs.reference_source_out = rs_out;
-          outputs.reference_source_lse = rs_lse;
-        }
-        outputs.backend = backend_output ? &*backend_output : nullptr;
-        KVAUDIT_TRY(options.observer(outputs));
-      }
+  const std::vector<std::size_t> layers = selected_layers(reader.layout(), options);
+  ReplayContext context{
+      reader,        options,
+      backend,       run,
+      judge,         progress,
+      layers.size(), std::set<int>(options.step_indices.begin(), options.step_indices.end())};
+  for (std::size_t order = 0; order < layers.size(); ++order) {
+    LayerReplay layer(context, layers[order], order);
+    KVAUDIT_TRY(layer.load_state());
+    for (std::size_t step = 0; step < reader.layout().steps.size(); ++step) {
+      KVAUDIT_TRY(layer.replay_step(step));
     }
   }
   run.total_seconds = seconds_since(total_start);
-  return std::move(state.outcome);
+  return run;
 }
 
 }  // namespace kvaudit

@@ -19,8 +19,10 @@
 //        quantization R8 vs Rs            (what FP8 storage costs)
 //        total        backend vs Rs
 //        captured     dump's out/lse vs R8
-//      each judged by the policy (src/verdict/policy.hpp); captured kv_cache_after against the
-//      reference pool after the writes (slot-level classification).
+//      handed to the run judge (src/verdict/run_judge.hpp), which measures, judges and keeps the
+//      first divergence; which of R8 and R8' the kernel is judged against is the verdict's
+//      choice too (src/verdict/divergence.hpp); captured kv_cache_after against the reference
+//      pool after the writes (slot-level classification).
 // A failure never stops the replay: the report is complete.
 #pragma once
 
@@ -66,32 +68,15 @@ struct ReplayOptions {
   bool reciprocal_scale = false;
 };
 
-// The first element where a backend (or, without one, the captured output) leaves the
-// reference: the earliest failing step, then layer in dump order, then the first (row, head) in
-// row-major order whose error breaks the policy (the worst element when no single row does).
-struct Divergence {
-  int step = 0;
-  int layer_id = 0;
-  int request = -1;
-  int row = -1;  // step-global query row
-  int head = -1;
-  Comparison comparison = Comparison::kKernel;
-  std::string reason;
-};
-
-struct ReplayOutcome {
-  CheckRun run;  // comparisons, integrity, timings (dump path, sha, policy filled by the caller)
-  std::optional<Divergence> first_divergence;
-  std::vector<std::string> notes;  // e.g. the step-layers without a full source
-};
-
 // Checks that every requested layer id and step index exists (bad input naming it otherwise).
 Status check_selection(const DumpLayout& layout, const ReplayOptions& options);
 
-// Replays the dump. `backend` may be null (--backend none): only captured outputs and pools are
-// compared. Errors are I/O or backend failures; checks that fail are results, not errors.
-Result<ReplayOutcome> replay_dump(const DumpReader& reader, Backend* backend,
-                                  const ReplayOptions& options);
+// Replays the dump into a judged run (comparisons, integrity, first divergence, notes, timings;
+// the caller adds the dump's SHA-256 and provenance). `backend` may be null (--backend none):
+// only captured outputs and pools are compared. Errors are I/O or backend failures; checks that
+// fail are results, not errors.
+Result<CheckRun> replay_dump(const DumpReader& reader, Backend* backend,
+                             const ReplayOptions& options);
 
 // Dump facts for the report: model, producer, shapes, layers, steps.
 nlohmann::json summarize_dump(const DumpLayout& layout);

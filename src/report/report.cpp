@@ -1,17 +1,20 @@
 // Check-run reports: the stdout table, report.json and report.md (docs/report-schema.md,
-// reports/README.md). Numbers are printed with 3-4 significant digits: every limit is a power of
-// two stated with its derivation, so more digits would only suggest a precision the policy does
-// not have.
+// reports/README.md), all from the typed run. Numbers are printed with 3-4 significant digits:
+// every limit is a power of two stated with its derivation, so more digits would only suggest a
+// precision the policy does not have.
 #include "src/report/report.hpp"
 
+#include <fmt/format.h>
+#include <fmt/ostream.h>
+
 #include <algorithm>
+#include <array>
 #include <cmath>
-#include <cstdio>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <ostream>
-#include <set>
-#include <sstream>
+#include <string>
 #include <system_error>
 #include <utility>
 #include <vector>
@@ -19,57 +22,82 @@
 namespace kvaudit {
 namespace {
 
-std::string sci(double value) {  // fixed width for the stdout table
+// ---- numbers and cells, shared by stdout and Markdown ------------------------------------------
+
+std::string non_finite_text(double value) {
   if (std::isnan(value)) return "nan";
-  if (std::isinf(value)) return value > 0 ? "inf" : "-inf";
-  char text[32];
-  std::snprintf(text, sizeof text, "%.3e", value);
-  return text;
+  return value > 0 ? "inf" : "-inf";
+}
+
+std::string sci(double value) {  // fixed width for the stdout table
+  return std::isfinite(value) ? fmt::format("{:.3e}", value) : non_finite_text(value);
 }
 
 std::string short_number(double value) {  // for Markdown
-  if (std::isnan(value)) return "nan";
-  if (std::isinf(value)) return value > 0 ? "inf" : "-inf";
-  char text[32];
-  std::snprintf(text, sizeof text, "%.4g", value);
-  return text;
+  return std::isfinite(value) ? fmt::format("{:.4g}", value) : non_finite_text(value);
 }
 
 std::string ulp_text(double ulps) {  // a count: no exponent
-  if (!std::isfinite(ulps)) return sci(ulps);
-  char text[32];
-  std::snprintf(text, sizeof text, "%.0f", ulps);
-  return text;
+  return std::isfinite(ulps) ? fmt::format("{:.0f}", ulps) : sci(ulps);
 }
 
 std::string location_text(const ElementLocation& at) {
   if (at.row < 0) return "-";
-  std::ostringstream text;
-  text << "(" << at.row << "," << at.head << ",";
-  if (at.dim >= 0) {
-    text << at.dim;
-  } else {
-    text << "lse";
-  }
-  text << ")";
-  return text.str();
+  const std::string dim = at.dim >= 0 ? std::to_string(at.dim) : "lse";
+  return fmt::format("({},{},{})", at.row, at.head, dim);
 }
 
 std::string result_text(const ComparisonResult& result) {
   const bool counts = fails_run(result) || result.sets_exit;
   const char* verdict = result.judgement.pass ? "PASS" : "FAIL";
-  return counts ? verdict : std::string(verdict) + " report-only";
+  return counts ? verdict : fmt::format("{} report-only", verdict);
 }
 
-std::string pad_left(const std::string& text, std::size_t width) {
-  return text.size() >= width ? text : std::string(width - text.size(), ' ') + text;
-}
-std::string pad_right(const std::string& text, std::size_t width) {
-  return text.size() >= width ? text : text + std::string(width - text.size(), ' ');
+const char* backend_text(const CheckRun& run) {
+  return run.backend.empty() ? "none" : run.backend.c_str();
 }
 
-// ---- Markdown
-// ------------------------------------------------------------------------------------
+std::string pool_text(PoolState state, std::int64_t slots, const char* unit) {
+  if (state == PoolState::kNotChecked) return "-";
+  if (state == PoolState::kIntact) return "intact";
+  if (slots == 0) return "damaged";  // e.g. storage changed: no slot-level count
+  return fmt::format("damaged ({} {})", slots, unit);
+}
+
+std::string captured_text(const StepSummary& summary) {
+  if (summary.captured_pool != PoolState::kDamaged) {
+    return pool_text(summary.captured_pool, 0, "");
+  }
+  if (summary.carried_captured_slots == 0) {
+    return fmt::format("damaged ({} new)", summary.new_captured_slots);
+  }
+  return fmt::format("damaged ({} new, {} carried)", summary.new_captured_slots,
+                     summary.carried_captured_slots);
+}
+
+// ---- stdout ------------------------------------------------------------------------------------
+
+// Text columns left-aligned, numbers right-aligned.
+void print_table_row(std::ostream& out, const std::array<std::string, 11>& f) {
+  fmt::print(out, "{:>5} {:>6} {:<13} {:>10} {:>10} {:>10} {:>8} {:>10} {:>8} {:<17} {}\n", f[0],
+             f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[10]);
+}
+
+std::string worst_text(const StepSummary& summary, Comparison comparison) {
+  const auto it = summary.worst.find(comparison);
+  if (it == summary.worst.end()) return "-";
+  return fmt::format("{} L{}{}", sci(it->second.rel_l2), it->second.layer_id,
+                     it->second.nonfinite_mismatches > 0 ? " nan/inf" : "");
+}
+
+// ---- Markdown ----------------------------------------------------------------------------------
+
+using Markdown = fmt::memory_buffer;
+
+template <typename... Args>
+void append(Markdown& md, fmt::format_string<Args...> format, Args&&... args) {
+  fmt::format_to(std::back_inserter(md), format, std::forward<Args>(args)...);
+}
 
 // A table cell: pipes escaped, line breaks folded into spaces.
 std::string cell(const std::string& text) {
@@ -86,29 +114,23 @@ std::string cell(const std::string& text) {
   return escaped;
 }
 
-std::string code(const std::string& text) {
-  // Appended piecewise: GCC 12 warns (-Wrestrict, a false positive) on "`" + std::string&&.
-  std::string quoted = "`";
-  quoted += cell(text);
-  quoted += '`';
-  return quoted;
-}
+std::string code(const std::string& text) { return fmt::format("`{}`", cell(text)); }
 
 std::string json_value_text(const nlohmann::json& value) {
   if (value.is_string()) return value.get<std::string>();
   return value.dump();
 }
 
-void key_value_table(std::ostream& md, const nlohmann::json& object) {
+void key_value_table(Markdown& md, const nlohmann::json& object) {
   if (!object.is_object() || object.empty()) {
-    md << "(none recorded)\n\n";
+    append(md, "(none recorded)\n\n");
     return;
   }
-  md << "| key | value |\n| --- | --- |\n";
+  append(md, "| key | value |\n| --- | --- |\n");
   for (const auto& [key, value] : object.items()) {
-    md << "| " << cell(key) << " | " << cell(json_value_text(value)) << " |\n";
+    append(md, "| {} | {} |\n", cell(key), cell(json_value_text(value)));
   }
-  md << "\n";
+  append(md, "\n");
 }
 
 bool is_array_of_objects(const nlohmann::json& value) {
@@ -118,291 +140,343 @@ bool is_array_of_objects(const nlohmann::json& value) {
 }
 
 // One row per object, one column per key (in first-seen order).
-void array_table(std::ostream& md, const nlohmann::json& array) {
+void array_table(Markdown& md, const nlohmann::json& array) {
   std::vector<std::string> columns;
   for (const nlohmann::json& item : array) {
     for (const auto& [key, value] : item.items()) {
       if (std::find(columns.begin(), columns.end(), key) == columns.end()) columns.push_back(key);
     }
   }
-  md << "|";
-  for (const std::string& column : columns) md << " " << cell(column) << " |";
-  md << "\n|";
-  for (std::size_t i = 0; i < columns.size(); ++i) md << " --- |";
-  md << "\n";
+  append(md, "|");
+  for (const std::string& column : columns) append(md, " {} |", cell(column));
+  append(md, "\n|");
+  for (std::size_t i = 0; i < columns.size(); ++i) append(md, " --- |");
+  append(md, "\n");
   for (const nlohmann::json& item : array) {
-    md << "|";
+    append(md, "|");
     for (const std::string& column : columns) {
-      md << " " << (item.contains(column) ? cell(json_value_text(item[column])) : "") << " |";
+      append(md, " {} |", item.contains(column) ? cell(json_value_text(item[column])) : "");
     }
-    md << "\n";
+    append(md, "\n");
   }
-  md << "\n";
+  append(md, "\n");
 }
 
-void policy_section(std::ostream& md, const Policy& policy) {
-  md << "## Policy\n\n";
-  md << "Policy " << code(policy.name) << ". NaN/Inf mismatches fail every comparison and always "
-     << "set the exit status; then each limit below is checked. Quantization and total "
-     << (policy.quantization_sets_exit ? "**set** the exit status (sign-off)."
-                                       : "are judged against the sign-off limits but are "
-                                         "**report-only** (run with `--signoff` to make them "
-                                         "count).")
-     << "\n\n";
-  md << "max_rel denominator floor (reported, not judged): " << short_number(policy.rel_floor)
-     << " — " << cell(policy.rel_floor_derivation) << "\n\n";
-  md << "| comparison | metric | limit | sets exit | derivation |\n"
-     << "| --- | --- | --- | --- | --- |\n";
+void verdict_section(Markdown& md, const CheckRun& run) {
+  const RunCounts counts = count_results(run);
+  append(md, "# kvaudit check report\n\n");
+  append(md, "**Verdict: {}** — policy {}, backend {}: {} comparisons, {} failed",
+         run.pass() ? "PASS" : "FAIL", code(run.policy.name), code(backend_text(run)),
+         counts.comparisons, counts.failed);
+  if (counts.failed_report_only > 0) {
+    append(md, " (and {} failed report-only)", counts.failed_report_only);
+  }
+  append(md, "; {} integrity checks, {} failed.\n\n", counts.integrity_checks,
+         counts.integrity_failed);
+  if (!run.first_divergence) return;
+  // Its fields in report.json's (alphabetical) key order.
+  const Divergence& d = *run.first_divergence;
+  append(md,
+         "First divergence: comparison {} head {} layer_id {} reason {} request {} row {} step {} "
+         "\n\n",
+         code(comparison_name(d.comparison)), code(std::to_string(d.head)),
+         code(std::to_string(d.layer_id)), code(d.reason), code(std::to_string(d.request)),
+         code(std::to_string(d.row)), code(std::to_string(d.step)));
+}
+
+void dump_section(Markdown& md, const CheckRun& run) {
+  append(md, "## Dump\n\n| key | value |\n| --- | --- |\n");
+  append(md, "| path | {} |\n", code(run.dump_path));
+  append(md, "| SHA-256 | {} |\n",
+         code(run.dump_sha256.empty() ? "not computed" : run.dump_sha256));
+  // Scalars go in the table; arrays of objects (layers, steps) get a table of their own.
+  std::vector<std::pair<std::string, const nlohmann::json*>> listings;
+  if (run.dump_summary.is_object()) {
+    for (const auto& [key, value] : run.dump_summary.items()) {
+      if (is_array_of_objects(value)) {
+        listings.emplace_back(key, &value);
+      } else {
+        append(md, "| {} | {} |\n", cell(key), cell(json_value_text(value)));
+      }
+    }
+  }
+  append(md, "\n");
+  for (const auto& [key, value] : listings) {
+    append(md, "### {}\n\n", cell(key));
+    array_table(md, *value);
+  }
+}
+
+void backend_section(Markdown& md, const CheckRun& run) {
+  append(md, "## Backend\n\nBackend {}.\n\n", code(backend_text(run)));
+  key_value_table(md, run.backend_description);
+}
+
+void policy_section(Markdown& md, const Policy& policy) {
+  append(md, "## Policy\n\n");
+  append(md,
+         "Policy {}. NaN/Inf mismatches fail every comparison and always set the exit status; "
+         "then each limit below is checked. Quantization and total {}\n\n",
+         code(policy.name),
+         policy.quantization_sets_exit
+             ? "**set** the exit status (sign-off)."
+             : "are judged against the sign-off limits but are **report-only** (run with "
+               "`--signoff` to make them count).");
+  append(md, "max_rel denominator floor (reported, not judged): {} — {}\n\n",
+         short_number(policy.rel_floor), cell(policy.rel_floor_derivation));
+  append(md,
+         "| comparison | metric | limit | sets exit | derivation |\n"
+         "| --- | --- | --- | --- | --- |\n");
   for (const Comparison comparison : all_comparisons()) {
     const ComparisonLimits& limits = limits_for(policy, comparison);
-    for (const std::string& name : limit_names()) {
-      const std::optional<double> value = limit_value(limits, name);
-      const auto derivation = limits.derivations.find(name);
-      md << "| " << comparison_name(comparison) << " | " << name << " | "
-         << (value ? short_number(*value) : std::string("not judged")) << " | "
-         << (comparison_sets_exit(policy, comparison) ? "yes" : "no") << " | "
-         << cell(derivation == limits.derivations.end() ? "" : derivation->second) << " |\n";
+    for (const Limit limit : all_limits()) {
+      const std::optional<double> value = limit_value(limits, limit);
+      const auto derivation = limits.derivations.find(limit);
+      append(md, "| {} | {} | {} | {} | {} |\n", comparison_name(comparison), limit_name(limit),
+             value ? short_number(*value) : "not judged",
+             comparison_sets_exit(policy, comparison) ? "yes" : "no",
+             cell(derivation == limits.derivations.end() ? "" : derivation->second));
     }
   }
-  md << "\n";
+  append(md, "\n");
 }
 
-void results_section(std::ostream& md, const CheckRun& run) {
-  md << "## Results per step, layer and comparison\n\n";
+void result_row(Markdown& md, const ComparisonResult& r) {
+  const ComparisonMetrics& m = r.metrics;
+  const char* emphasis = r.judgement.pass ? "" : "**";
+  append(md, "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {}{}{} | {} | {} |\n", r.step,
+         r.layer_id, comparison_name(r.comparison), short_number(m.max_abs),
+         short_number(max_abs_over_ref_max(m)), short_number(m.rel_l2), short_number(m.cos_diff),
+         ulp_text(m.max_ulp_bf16), m.has_lse ? short_number(m.lse_max_abs) : "-",
+         m.nonfinite_mismatches, emphasis, result_text(r), emphasis,
+         location_text(worst_location(r)),
+         cell(fmt::format("{}", fmt::join(r.judgement.reasons, "; "))));
+}
+
+void results_section(Markdown& md, const CheckRun& run) {
+  append(md, "## Results per step, layer and comparison\n\n");
   if (run.comparisons.empty()) {
-    md << "No comparisons ran.\n\n";
+    append(md, "No comparisons ran.\n\n");
     return;
   }
-  md << "Kernel = backend vs R8 (exact attention on the dequantized FP8 pool the backend read); "
-        "cache = R8 on the backend's pool vs R8 on the reference replay's pool (zero while the "
-        "cache is intact); quantization = R8 vs Rs (exact attention on the source KV); total = "
-        "backend vs Rs; captured = the dump's own out/lse vs R8. Worst = (row, head, dim) of the "
-        "first NaN/Inf mismatch, else of "
-        "max_abs.\n\n";
-  md << "| step | layer | comparison | max_abs | max_abs/ref_max | rel_l2 | cos_diff | max_ulp | "
-        "lse_err | NaN/Inf mismatches | result | worst (row,head,dim) | reasons |\n"
-     << "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- "
-        "|\n";
-  for (const ComparisonResult& r : run.comparisons) {
-    const ComparisonMetrics& m = r.metrics;
-    std::string reasons;
-    for (const std::string& reason : r.judgement.reasons) {
-      reasons += (reasons.empty() ? "" : "; ") + reason;
-    }
-    md << "| " << r.step << " | " << r.layer_id << " | " << comparison_name(r.comparison) << " | "
-       << short_number(m.max_abs) << " | " << short_number(max_abs_over_ref_max(m)) << " | "
-       << short_number(m.rel_l2) << " | " << short_number(m.cos_diff) << " | "
-       << ulp_text(m.max_ulp_bf16) << " | "
-       << (m.has_lse ? short_number(m.lse_max_abs) : std::string("-")) << " | "
-       << m.nonfinite_mismatches << " | " << (r.judgement.pass ? "" : "**") << result_text(r)
-       << (r.judgement.pass ? "" : "**") << " | " << location_text(worst_location(r)) << " | "
-       << cell(reasons) << " |\n";
-  }
-  md << "\n";
+  append(md,
+         "Kernel = backend vs R8 (exact attention on the dequantized FP8 pool the backend read); "
+         "cache = R8 on the backend's pool vs R8 on the reference replay's pool (zero while the "
+         "cache is intact); quantization = R8 vs Rs (exact attention on the source KV); total = "
+         "backend vs Rs; captured = the dump's own out/lse vs R8. Worst = (row, head, dim) of the "
+         "first NaN/Inf mismatch, else of max_abs.\n\n");
+  append(md,
+         "| step | layer | comparison | max_abs | max_abs/ref_max | rel_l2 | cos_diff | max_ulp | "
+         "lse_err | NaN/Inf mismatches | result | worst (row,head,dim) | reasons |\n"
+         "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- "
+         "|\n");
+  for (const ComparisonResult& r : run.comparisons) result_row(md, r);
+  append(md, "\n");
 }
 
 // Per layer, the worst quantization / total / kernel figures over all steps: what FP8 storage
 // costs in that layer, and what the kernel adds on top.
-void signoff_section(std::ostream& md, const CheckRun& run) {
-  md << "## Quantization sign-off per layer\n\n";
-  struct LayerWorst {
-    int comparisons = 0;
-    double quant_rel_l2 = 0, quant_cos = 0, quant_over_max = 0, quant_lse = 0;
-    double total_rel_l2 = 0, kernel_rel_l2 = 0;
-    bool has_quant = false, has_total = false, has_kernel = false, pass = true;
-  };
-  std::map<int, LayerWorst> layers;
-  for (const ComparisonResult& r : run.comparisons) {
-    LayerWorst& w = layers[r.layer_id];
+struct LayerWorst {
+  double quant_rel_l2 = 0, quant_cos = 0, quant_over_max = 0, quant_lse = 0;
+  double total_rel_l2 = 0, kernel_rel_l2 = 0;
+  bool has_quant = false, has_total = false, has_kernel = false, pass = true;
+
+  void add(const ComparisonResult& r) {
     const ComparisonMetrics& m = r.metrics;
-    // std::max(NaN, x) keeps the first argument; comparisons as written let NaN win.
-    auto worse = [](double current, double value) { return !(value <= current) ? value : current; };
     switch (r.comparison) {
       case Comparison::kQuantization:
-        w.has_quant = true;
-        w.quant_rel_l2 = worse(w.quant_rel_l2, m.rel_l2);
-        w.quant_cos = worse(w.quant_cos, m.cos_diff);
-        w.quant_over_max = worse(w.quant_over_max, max_abs_over_ref_max(m));
-        if (m.has_lse) w.quant_lse = worse(w.quant_lse, m.lse_max_abs);
-        w.pass = w.pass && r.judgement.pass;
+        has_quant = true;
+        quant_rel_l2 = worse(quant_rel_l2, m.rel_l2);
+        quant_cos = worse(quant_cos, m.cos_diff);
+        quant_over_max = worse(quant_over_max, max_abs_over_ref_max(m));
+        if (m.has_lse) quant_lse = worse(quant_lse, m.lse_max_abs);
+        pass = pass && r.judgement.pass;
         break;
       case Comparison::kTotal:
-        w.has_total = true;
-        w.total_rel_l2 = worse(w.total_rel_l2, m.rel_l2);
-        w.pass = w.pass && r.judgement.pass;
+        has_total = true;
+        total_rel_l2 = worse(total_rel_l2, m.rel_l2);
+        pass = pass && r.judgement.pass;
         break;
       case Comparison::kKernel:
-        w.has_kernel = true;
-        w.kernel_rel_l2 = worse(w.kernel_rel_l2, m.rel_l2);
+        has_kernel = true;
+        kernel_rel_l2 = worse(kernel_rel_l2, m.rel_l2);
         break;
       case Comparison::kCaptured:
       case Comparison::kCache:
         break;
     }
   }
+
+  // std::max(NaN, x) keeps the first argument; the comparison as written lets NaN win.
+  static double worse(double current, double value) {
+    return !(value <= current) ? value : current;
+  }
+};
+
+void signoff_row(Markdown& md, int layer, const LayerWorst& w) {
+  auto quant = [&w](double value) { return w.has_quant ? short_number(value) : "-"; };
+  const std::string ratio = w.has_kernel && w.has_quant && w.quant_rel_l2 > 0
+                                ? short_number(w.kernel_rel_l2 / w.quant_rel_l2)
+                                : "-";
+  append(md, "| {} | {} | {} | {} | {} | {} | {} | {} | {} |\n", layer, quant(w.quant_rel_l2),
+         quant(w.quant_cos), quant(w.quant_over_max), quant(w.quant_lse),
+         w.has_kernel ? short_number(w.kernel_rel_l2) : "-", ratio,
+         w.has_total ? short_number(w.total_rel_l2) : "-", w.pass ? "PASS" : "**FAIL**");
+}
+
+void signoff_section(Markdown& md, const CheckRun& run) {
+  append(md, "## Quantization sign-off per layer\n\n");
+  std::map<int, LayerWorst> layers;
+  for (const ComparisonResult& r : run.comparisons) layers[r.layer_id].add(r);
   const bool any_quant = std::any_of(layers.begin(), layers.end(),
                                      [](const auto& entry) { return entry.second.has_quant; });
   if (!any_quant) {
-    md << "No quantization comparisons: the dump holds no `kv_source` covering the tokens the "
-          "steps read, so R8 - Rs could not be measured.\n\n";
+    append(md,
+           "No quantization comparisons: the dump holds no `kv_source` covering the tokens the "
+           "steps read, so R8 - Rs could not be measured.\n\n");
     return;
   }
-  md << "Worst value over the steps of each layer. kernel/quant = kernel rel_l2 / quantization "
-        "rel_l2: how much the kernel adds relative to what FP8 storage costs. Sign-off limits: "
-        "see the policy ("
-     << (run.policy.quantization_sets_exit ? "they set the exit status" : "report-only here")
-     << ").\n\n";
-  md << "| layer | quant rel_l2 | quant cos_diff | quant max_abs/ref_max | quant lse_err | "
-        "kernel rel_l2 | kernel/quant | total rel_l2 | sign-off |\n"
-     << "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |\n";
+  append(md,
+         "Worst value over the steps of each layer. kernel/quant = kernel rel_l2 / quantization "
+         "rel_l2: how much the kernel adds relative to what FP8 storage costs. Sign-off limits: "
+         "see the policy ({}).\n\n",
+         run.policy.quantization_sets_exit ? "they set the exit status" : "report-only here");
+  append(md,
+         "| layer | quant rel_l2 | quant cos_diff | quant max_abs/ref_max | quant lse_err | "
+         "kernel rel_l2 | kernel/quant | total rel_l2 | sign-off |\n"
+         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |\n");
   for (const auto& [layer, w] : layers) {
-    if (!w.has_quant && !w.has_total) continue;
-    const std::string ratio = w.has_kernel && w.has_quant && w.quant_rel_l2 > 0
-                                  ? short_number(w.kernel_rel_l2 / w.quant_rel_l2)
-                                  : std::string("-");
-    md << "| " << layer << " | " << (w.has_quant ? short_number(w.quant_rel_l2) : "-") << " | "
-       << (w.has_quant ? short_number(w.quant_cos) : "-") << " | "
-       << (w.has_quant ? short_number(w.quant_over_max) : "-") << " | "
-       << (w.has_quant ? short_number(w.quant_lse) : "-") << " | "
-       << (w.has_kernel ? short_number(w.kernel_rel_l2) : "-") << " | " << ratio << " | "
-       << (w.has_total ? short_number(w.total_rel_l2) : "-") << " | "
-       << (w.pass ? "PASS" : "**FAIL**") << " |\n";
+    if (w.has_quant || w.has_total) signoff_row(md, layer, w);
   }
-  md << "\n";
+  append(md, "\n");
 }
 
-std::string pool_text(PoolState state, std::int64_t slots, const char* unit) {
-  if (state == PoolState::kNotChecked) return "-";
-  if (state == PoolState::kIntact) return "intact";
-  if (slots == 0) return "damaged";  // e.g. storage changed: no slot-level count
-  return "damaged (" + std::to_string(slots) + " " + unit + ")";
-}
-
-std::string worst_text(const StepSummary& summary, Comparison comparison) {
-  const auto it = summary.worst.find(comparison);
-  if (it == summary.worst.end()) return "-";
-  std::string text = sci(it->second.rel_l2) + " L" + std::to_string(it->second.layer_id);
-  if (it->second.nonfinite_mismatches > 0) text += " nan/inf";
-  return text;
-}
-
-std::string captured_text(const StepSummary& summary) {
-  if (summary.captured_pool != PoolState::kDamaged) {
-    return pool_text(summary.captured_pool, 0, "");
-  }
-  std::string text = "damaged (" + std::to_string(summary.new_captured_slots) + " new";
-  if (summary.carried_captured_slots > 0) {
-    text += ", " + std::to_string(summary.carried_captured_slots) + " carried";
-  }
-  return text + ")";
-}
-
-void steps_section(std::ostream& md, const CheckRun& run) {
-  const std::vector<StepSummary> steps = summarize_steps(run);
-  if (steps.empty()) return;
-  md << "## Across steps\n\n";
-  md << "Per step, over the layers checked: whether the backend's pool and the captured pool "
-        "are intact (damaged: how many slots differ from the reference replay's pool; captured "
-        "damage new at this step or carried from an earlier one), and the worst rel_l2 of each "
-        "comparison with its layer, so corruption shows as the step it starts at and the error "
-        "that follows it.\n\n";
-  md << "| step | layers | backend pool | damaged slots | captured pool | kernel rel_l2 | cache "
-        "rel_l2 | total rel_l2 | quantization rel_l2 | NaN/Inf mismatches kernel / cache | "
-        "result |\n"
-     << "| ---: | ---: | --- | ---: | --- | --- | --- | --- | --- | ---: | --- |\n";
-  auto worst = [](const StepSummary& s, Comparison comparison) {
+void step_row(Markdown& md, const StepSummary& s) {
+  auto worst = [&s](Comparison comparison) {
     const auto it = s.worst.find(comparison);
     if (it == s.worst.end()) return std::string("-");
-    return short_number(it->second.rel_l2) + " (L" + std::to_string(it->second.layer_id) + ")";
+    return fmt::format("{} (L{})", short_number(it->second.rel_l2), it->second.layer_id);
   };
-  for (const StepSummary& s : steps) {
-    auto nonfinite = [&s](Comparison comparison) {
-      const auto it = s.worst.find(comparison);
-      return it == s.worst.end() ? std::string("-")
-                                 : std::to_string(it->second.nonfinite_mismatches);
-    };
-    md << "| " << s.step << " | " << s.layers << " | " << pool_state_name(s.backend_pool) << " | "
-       << s.damaged_slots << " | " << captured_text(s) << " | " << worst(s, Comparison::kKernel)
-       << " | " << worst(s, Comparison::kCache) << " | " << worst(s, Comparison::kTotal) << " | "
-       << worst(s, Comparison::kQuantization) << " | " << nonfinite(Comparison::kKernel) << " / "
-       << nonfinite(Comparison::kCache) << " | " << (s.pass ? "PASS" : "**FAIL**") << " |\n";
-  }
-  md << "\n";
+  auto nonfinite = [&s](Comparison comparison) {
+    const auto it = s.worst.find(comparison);
+    return it == s.worst.end() ? std::string("-") : std::to_string(it->second.nonfinite_mismatches);
+  };
+  append(md, "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} | {} |\n", s.step, s.layers,
+         pool_state_name(s.backend_pool), s.damaged_slots, captured_text(s),
+         worst(Comparison::kKernel), worst(Comparison::kCache), worst(Comparison::kTotal),
+         worst(Comparison::kQuantization), nonfinite(Comparison::kKernel),
+         nonfinite(Comparison::kCache), s.pass ? "PASS" : "**FAIL**");
 }
 
-void integrity_section(std::ostream& md, const CheckRun& run) {
-  md << "## Cache integrity\n\n";
+void steps_section(Markdown& md, const CheckRun& run) {
+  const std::vector<StepSummary> steps = summarize_steps(run);
+  if (steps.empty()) return;
+  append(md, "## Across steps\n\n");
+  append(md,
+         "Per step, over the layers checked: whether the backend's pool and the captured pool "
+         "are intact (damaged: how many slots differ from the reference replay's pool; captured "
+         "damage new at this step or carried from an earlier one), and the worst rel_l2 of each "
+         "comparison with its layer, so corruption shows as the step it starts at and the error "
+         "that follows it.\n\n");
+  append(md,
+         "| step | layers | backend pool | damaged slots | captured pool | kernel rel_l2 | cache "
+         "rel_l2 | total rel_l2 | quantization rel_l2 | NaN/Inf mismatches kernel / cache | "
+         "result |\n"
+         "| ---: | ---: | --- | ---: | --- | --- | --- | --- | --- | ---: | --- |\n");
+  for (const StepSummary& s : steps) step_row(md, s);
+  append(md, "\n");
+}
+
+void integrity_section(Markdown& md, const CheckRun& run) {
+  append(md, "## Cache integrity\n\n");
   if (run.integrity.empty()) {
-    md << "No integrity checks ran (no backend pool to check, or no step).\n\n";
+    append(md, "No integrity checks ran (no backend pool to check, or no step).\n\n");
     return;
   }
   const RunCounts counts = count_results(run);
-  md << counts.integrity_checks << " checks, " << counts.integrity_failed << " failed.\n\n";
-  md << "| step | layer | check | result | classification | slots | message |\n"
-     << "| ---: | ---: | --- | --- | --- | --- | --- |\n";
+  append(md, "{} checks, {} failed.\n\n", counts.integrity_checks, counts.integrity_failed);
+  append(md,
+         "| step | layer | check | result | classification | slots | message |\n"
+         "| ---: | ---: | --- | --- | --- | --- | --- |\n");
   for (const IntegrityFinding& f : run.integrity) {
-    std::string slots;
-    for (const std::int64_t slot : f.slots)
-      slots += (slots.empty() ? "" : ", ") + std::to_string(slot);
-    md << "| " << f.step << " | " << f.layer_id << " | " << cell(f.check) << " | "
-       << (f.pass ? "PASS" : "**FAIL**") << " | " << cell(f.classification) << " | " << cell(slots)
-       << " | " << cell(f.detail) << " |\n";
+    append(md, "| {} | {} | {} | {} | {} | {} | {} |\n", f.step, f.layer_id,
+           cell(integrity_check_name(f.check)), f.pass ? "PASS" : "**FAIL**",
+           cell(slot_class_name(f.classification)),
+           cell(fmt::format("{}", fmt::join(f.slots, ", "))), cell(f.detail));
   }
-  md << "\n";
+  append(md, "\n");
+}
+
+void notes_section(Markdown& md, const CheckRun& run) {
+  if (run.notes.empty()) return;
+  append(md, "## Notes\n\n");
+  for (const std::string& note : run.notes) append(md, "- {}\n", note);
+  append(md, "\n");
+}
+
+void timing_section(Markdown& md, const CheckRun& run) {
+  append(md, "## Timing\n\n| quantity | value |\n| --- | --- |\n");
+  append(md, "| reference (CPU, high precision) | {} s |\n", short_number(run.reference_seconds));
+  if (run.reference_seconds > 0) {
+    append(md, "| reference throughput | {} rows x heads x tokens / s |\n",
+           short_number(run.reference_rows_heads_tokens / run.reference_seconds));
+  }
+  append(md, "| backend | {} s |\n", short_number(run.backend_seconds));
+  append(md, "| total | {} s |\n\n", short_number(run.total_seconds));
+}
+
+void provenance_section(Markdown& md, const CheckRun& run) {
+  // report.json's provenance keys, in its (alphabetical) order.
+  const Provenance provenance = completed_provenance(run.provenance);
+  append(md, "## Provenance\n\n| key | value |\n| --- | --- |\n");
+  append(md, "| command_line | {} |\n", cell(provenance.command_line));
+  append(md, "| date | {} |\n", cell(provenance.date_utc));
+  append(md, "| host | {} |\n", cell(provenance.host));
+  append(md, "| kvaudit_version | {} |\n\n", cell(provenance.kvaudit_version));
+  append(md,
+         "Produced by {}; report.json beside this file holds every number above "
+         "(docs/report-schema.md).\n",
+         code(fmt::format("kvaudit {}", kvaudit_version())));
 }
 
 }  // namespace
 
 std::string verdict_summary(const CheckRun& run) {
   const RunCounts counts = count_results(run);
-  std::ostringstream text;
-  text << "verdict: " << (run.pass() ? "PASS" : "FAIL") << " (policy " << run.policy.name
-       << ", backend " << (run.backend.empty() ? "none" : run.backend) << ", " << counts.comparisons
-       << " comparisons, " << counts.failed << " failed";
-  if (counts.failed_report_only > 0) {
-    text << ", " << counts.failed_report_only << " failed report-only";
-  }
-  text << ", " << counts.integrity_checks << " integrity checks, " << counts.integrity_failed
-       << " failed)";
-  return text.str();
+  const std::string report_only =
+      counts.failed_report_only > 0
+          ? fmt::format(", {} failed report-only", counts.failed_report_only)
+          : "";
+  return fmt::format(
+      "verdict: {} (policy {}, backend {}, {} comparisons, {} failed{}, {} integrity checks, {} "
+      "failed)",
+      run.pass() ? "PASS" : "FAIL", run.policy.name, backend_text(run), counts.comparisons,
+      counts.failed, report_only, counts.integrity_checks, counts.integrity_failed);
 }
 
 void print_comparison_table(std::ostream& out, const CheckRun& run) {
-  static const std::size_t kWidths[] = {5, 6, 13, 10, 10, 10, 8, 10, 8, 17};
-  const char* headers[] = {"step",     "layer",   "comparison", "max_abs", "rel_l2",
-                           "cos_diff", "max_ulp", "lse_err",    "nan/inf", "result"};
-  for (std::size_t i = 0; i < std::size(headers); ++i) {
-    // Text columns left-aligned, numbers right-aligned.
-    out << (i == 2 || i == 9 ? pad_right(headers[i], kWidths[i]) : pad_left(headers[i], kWidths[i]))
-        << " ";
-  }
-  out << "worst (row,head,dim)\n";
+  print_table_row(out, {"step", "layer", "comparison", "max_abs", "rel_l2", "cos_diff", "max_ulp",
+                        "lse_err", "nan/inf", "result", "worst (row,head,dim)"});
   for (const ComparisonResult& r : run.comparisons) {
     const ComparisonMetrics& m = r.metrics;
-    out << pad_left(std::to_string(r.step), kWidths[0]) << " "
-        << pad_left(std::to_string(r.layer_id), kWidths[1]) << " "
-        << pad_right(comparison_name(r.comparison), kWidths[2]) << " "
-        << pad_left(sci(m.max_abs), kWidths[3]) << " " << pad_left(sci(m.rel_l2), kWidths[4]) << " "
-        << pad_left(sci(m.cos_diff), kWidths[5]) << " "
-        << pad_left(ulp_text(m.max_ulp_bf16), kWidths[6]) << " "
-        << pad_left(m.has_lse ? sci(m.lse_max_abs) : "-", kWidths[7]) << " "
-        << pad_left(std::to_string(m.nonfinite_mismatches), kWidths[8]) << " "
-        << pad_right(result_text(r), kWidths[9]) << " " << location_text(worst_location(r)) << "\n";
+    print_table_row(
+        out, {std::to_string(r.step), std::to_string(r.layer_id), comparison_name(r.comparison),
+              sci(m.max_abs), sci(m.rel_l2), sci(m.cos_diff), ulp_text(m.max_ulp_bf16),
+              m.has_lse ? sci(m.lse_max_abs) : "-", std::to_string(m.nonfinite_mismatches),
+              result_text(r), location_text(worst_location(r))});
   }
   bool header_printed = false;
   for (const ComparisonResult& r : run.comparisons) {
     if (r.judgement.pass) continue;
-    if (!header_printed) {
-      out << "failures:\n";
-      header_printed = true;
-    }
-    out << "  step " << r.step << " layer " << r.layer_id << " " << comparison_name(r.comparison)
-        << (fails_run(r) ? "" : " (report-only)") << ":";
-    for (std::size_t i = 0; i < r.judgement.reasons.size(); ++i) {
-      out << (i == 0 ? " " : "; ") << r.judgement.reasons[i];
-    }
-    if (r.worst_request >= 0) out << " [request " << r.worst_request << "]";
-    out << "\n";
+    if (!header_printed) out << "failures:\n";
+    header_printed = true;
+    const std::string reasons =
+        r.judgement.reasons.empty() ? "" : fmt::format(" {}", fmt::join(r.judgement.reasons, "; "));
+    const std::string request =
+        r.worst_request >= 0 ? fmt::format(" [request {}]", r.worst_request) : "";
+    fmt::print(out, "  step {} layer {} {}{}:{}{}\n", r.step, r.layer_id,
+               comparison_name(r.comparison), fails_run(r) ? "" : " (report-only)", reasons,
+               request);
   }
 }
 
@@ -410,13 +484,13 @@ void print_integrity_failures(std::ostream& out, const CheckRun& run) {
   bool header_printed = false;
   for (const IntegrityFinding& f : run.integrity) {
     if (f.pass) continue;
-    if (!header_printed) {
-      out << "integrity failures:\n";
-      header_printed = true;
-    }
-    out << "  step " << f.step << " layer " << f.layer_id << " " << f.check;
-    if (!f.classification.empty()) out << " [" << f.classification << "]";
-    out << ": " << f.detail << "\n";
+    if (!header_printed) out << "integrity failures:\n";
+    header_printed = true;
+    const std::string slot_class = f.classification == SlotClass::kNone
+                                       ? ""
+                                       : fmt::format(" [{}]", slot_class_name(f.classification));
+    fmt::print(out, "  step {} layer {} {}{}: {}\n", f.step, f.layer_id,
+               integrity_check_name(f.check), slot_class, f.detail);
   }
 }
 
@@ -425,129 +499,82 @@ void print_pool_data(std::ostream& out, const CheckRun& run) {
   std::map<int, std::pair<std::int64_t, std::vector<std::int64_t>>> last_seen;
   bool header = false;
   for (const IntegrityFinding& f : run.integrity) {
-    if (f.check != "nan_codes_in_pool") continue;
+    if (f.check != IntegrityCheck::kNanCodesInPool) continue;
     auto [it, first] = last_seen.try_emplace(f.layer_id, f.slot_count, f.slots);
     if (!first && it->second.first == f.slot_count && it->second.second == f.slots) continue;
     it->second = {f.slot_count, f.slots};
     if (!header) out << "pool data (NaN codes, where they change; every step in the report):\n";
     header = true;
-    out << "  " << f.detail << "\n";
+    fmt::print(out, "  {}\n", f.detail);
   }
 }
 
 void print_step_summary(std::ostream& out, const CheckRun& run) {
   const std::vector<StepSummary> steps = summarize_steps(run);
   if (steps.empty()) return;
-  constexpr std::size_t kWidth = 28;
-  out << "per step (worst rel_l2 over the layers, and where):\n"
-      << pad_left("step", 5) << " " << pad_right("backend pool", kWidth) << " "
-      << pad_right("captured pool", kWidth) << " " << pad_right("kernel", kWidth) << " "
-      << pad_right("cache", kWidth) << " " << pad_right("total", kWidth) << " result\n";
+  out << "per step (worst rel_l2 over the layers, and where):\n";
+  fmt::print(out, "{:>5} {:<28} {:<28} {:<28} {:<28} {:<28} result\n", "step", "backend pool",
+             "captured pool", "kernel", "cache", "total");
   for (const StepSummary& s : steps) {
-    out << pad_left(std::to_string(s.step), 5) << " "
-        << pad_right(pool_text(s.backend_pool, s.damaged_slots, "slots"), kWidth) << " "
-        << pad_right(captured_text(s), kWidth) << " "
-        << pad_right(worst_text(s, Comparison::kKernel), kWidth) << " "
-        << pad_right(worst_text(s, Comparison::kCache), kWidth) << " "
-        << pad_right(worst_text(s, Comparison::kTotal), kWidth) << " " << (s.pass ? "PASS" : "FAIL")
-        << "\n";
+    fmt::print(out, "{:>5} {:<28} {:<28} {:<28} {:<28} {:<28} {}\n", s.step,
+               pool_text(s.backend_pool, s.damaged_slots, "slots"), captured_text(s),
+               worst_text(s, Comparison::kKernel), worst_text(s, Comparison::kCache),
+               worst_text(s, Comparison::kTotal), s.pass ? "PASS" : "FAIL");
   }
 }
 
-void print_check_table(std::ostream& out, const CheckRun& run) {
+void print_notes(std::ostream& out, const CheckRun& run) {
+  for (const std::string& note : run.notes) fmt::print(out, "note: {}\n", note);
+  if (!run.first_divergence) return;
+  const Divergence& d = *run.first_divergence;
+  fmt::print(out, "first divergence ({}): step {} layer {} request {} row {} head {}{}\n",
+             comparison_name(d.comparison), d.step, d.layer_id, d.request, d.row, d.head,
+             d.reason.empty() ? "" : ": " + d.reason);
+}
+
+void print_timing(std::ostream& out, const CheckRun& run) {
+  const double throughput =
+      run.reference_seconds > 0.0 ? run.reference_rows_heads_tokens / run.reference_seconds : 0.0;
+  fmt::print(out,
+             "timing: reference {:.4g} s, backend {:.4g} s, total {:.4g} s\n"
+             "reference throughput: {:.4g} rows*heads*tokens/s ({:.4g} in all)\n",
+             run.reference_seconds, run.backend_seconds, run.total_seconds, throughput,
+             run.reference_rows_heads_tokens);
+}
+
+void print_check_table(std::ostream& out, const CheckRun& run, bool with_timing) {
   print_comparison_table(out, run);
   print_integrity_failures(out, run);
   print_pool_data(out, run);
   print_step_summary(out, run);
+  print_notes(out, run);
+  if (with_timing) print_timing(out, run);
   out << verdict_summary(run) << "\n";
 }
 
-std::string render_markdown(const CheckRun& run, const nlohmann::json& report) {
-  std::ostringstream md;
-  const RunCounts counts = count_results(run);
-  md << "# kvaudit check report\n\n";
-  md << "**Verdict: " << (run.pass() ? "PASS" : "FAIL") << "** — policy " << code(run.policy.name)
-     << ", backend " << code(run.backend.empty() ? "none" : run.backend) << ": "
-     << counts.comparisons << " comparisons, " << counts.failed << " failed";
-  if (counts.failed_report_only > 0) {
-    md << " (and " << counts.failed_report_only << " failed report-only)";
-  }
-  md << "; " << counts.integrity_checks << " integrity checks, " << counts.integrity_failed
-     << " failed.\n\n";
-
-  if (report.contains("first_divergence") && report["first_divergence"].is_object()) {
-    const nlohmann::json& d = report["first_divergence"];
-    md << "First divergence: ";
-    for (const auto& [key, value] : d.items())
-      md << key << " " << code(json_value_text(value)) << " ";
-    md << "\n\n";
-  }
-
-  md << "## Dump\n\n";
-  md << "| key | value |\n| --- | --- |\n";
-  md << "| path | " << code(run.dump_path) << " |\n";
-  md << "| SHA-256 | " << code(run.dump_sha256.empty() ? "not computed" : run.dump_sha256)
-     << " |\n";
-  // Scalars go in the table; arrays of objects (layers, steps) get a table of their own.
-  std::vector<std::pair<std::string, const nlohmann::json*>> listings;
-  if (run.dump_summary.is_object()) {
-    for (const auto& [key, value] : run.dump_summary.items()) {
-      if (is_array_of_objects(value)) {
-        listings.emplace_back(key, &value);
-      } else {
-        md << "| " << cell(key) << " | " << cell(json_value_text(value)) << " |\n";
-      }
-    }
-  }
-  md << "\n";
-  for (const auto& [key, value] : listings) {
-    md << "### " << cell(key) << "\n\n";
-    array_table(md, *value);
-  }
-
-  md << "## Backend\n\n";
-  md << "Backend " << code(run.backend.empty() ? "none" : run.backend) << ".\n\n";
-  key_value_table(md, run.backend_description);
-
+std::string render_markdown(const CheckRun& run) {
+  Markdown md;
+  verdict_section(md, run);
+  dump_section(md, run);
+  backend_section(md, run);
   policy_section(md, run.policy);
   results_section(md, run);
   signoff_section(md, run);
   steps_section(md, run);
   integrity_section(md, run);
-
-  if (report.contains("notes") && report["notes"].is_array() && !report["notes"].empty()) {
-    md << "## Notes\n\n";
-    for (const nlohmann::json& note : report["notes"]) md << "- " << json_value_text(note) << "\n";
-    md << "\n";
-  }
-
-  md << "## Timing\n\n| quantity | value |\n| --- | --- |\n";
-  md << "| reference (CPU, high precision) | " << short_number(run.reference_seconds) << " s |\n";
-  if (run.reference_seconds > 0) {
-    md << "| reference throughput | "
-       << short_number(run.reference_rows_heads_tokens / run.reference_seconds)
-       << " rows x heads x tokens / s |\n";
-  }
-  md << "| backend | " << short_number(run.backend_seconds) << " s |\n";
-  md << "| total | " << short_number(run.total_seconds) << " s |\n\n";
-
-  md << "## Provenance\n\n";
-  if (report.contains("provenance")) {
-    key_value_table(md, report["provenance"]);
-  } else {
-    md << "(none recorded)\n\n";
-  }
-  md << "Produced by " << code(std::string("kvaudit ") + report.value("version", std::string("?")))
-     << "; report.json beside this file holds every number above (docs/report-schema.md).\n";
-  return md.str();
+  notes_section(md, run);
+  timing_section(md, run);
+  provenance_section(md, run);
+  return fmt::to_string(md);
 }
 
 Status write_report_dir(const std::filesystem::path& dir, const CheckRun& run) {
-  return write_report_dir(dir, run, to_json(run));
-}
-
-Status write_report_dir(const std::filesystem::path& dir, const CheckRun& run,
-                        const nlohmann::json& report) {
+  if (!is_complete(run.provenance)) {
+    // report.json and report.md name the same moment: fill the provenance once, for both.
+    CheckRun completed = run;
+    completed.provenance = completed_provenance(run.provenance);
+    return write_report_dir(dir, completed);
+  }
   std::error_code error;
   std::filesystem::create_directories(dir, error);
   if (error) {
@@ -557,13 +584,13 @@ Status write_report_dir(const std::filesystem::path& dir, const CheckRun& run,
   {
     std::ofstream out(json_path);
     // Strings from the dump (model, producer) may not be UTF-8: replace bad bytes, don't throw.
-    out << report.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
+    out << to_json(run).dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
     if (!out) return bad_input(json_path.string(), "cannot write the report");
   }
   const std::filesystem::path md_path = dir / "report.md";
   {
     std::ofstream out(md_path);
-    out << render_markdown(run, report);
+    out << render_markdown(run);
     if (!out) return bad_input(md_path.string(), "cannot write the report");
   }
   return ok_status();

@@ -5,7 +5,6 @@
 
 #include <filesystem>
 #include <iosfwd>
-#include <nlohmann/json.hpp>
 #include <string>
 
 #include "src/core/result.hpp"
@@ -13,10 +12,12 @@
 
 namespace kvaudit {
 
-// The comparison table, the failing integrity findings, the per-step summary, the verdict line.
-void print_check_table(std::ostream& out, const CheckRun& run);
+// Everything `kvaudit check` prints after the run: the comparison table, the failing integrity
+// findings, the pool data, the per-step summary, the notes and the first divergence, the timings
+// (with_timing: --verbose) and the verdict line.
+void print_check_table(std::ostream& out, const CheckRun& run, bool with_timing = false);
 
-// The parts of print_check_table, for callers that interleave their own lines.
+// The parts of print_check_table.
 // One row per (step, layer, comparison): step, layer, comparison, max_abs, rel_l2, cos_diff,
 // max_ulp, lse_err, NaN/Inf mismatches, PASS/FAIL (with "report-only" where a failure would not
 // set the exit status), worst (row,head,dim); then the reasons of the failing rows.
@@ -28,16 +29,19 @@ void print_pool_data(std::ostream& out, const CheckRun& run);
 // One line per step (summarize_steps): the backend's pool and the captured pool intact or damaged
 // (how many slots), and the worst kernel / cache / total rel_l2 over the step's layers.
 void print_step_summary(std::ostream& out, const CheckRun& run);
+// "note: ..." per note, then "first divergence (kernel): step 1 layer 3 request 0 row 5 head 2:
+// REASON" when there is one.
+void print_notes(std::ostream& out, const CheckRun& run);
+// The reference's and the backend's wall time, and the reference's throughput.
+void print_timing(std::ostream& out, const CheckRun& run);
 // "verdict: PASS (policy default, backend cpu-fp8, 24 comparisons, 0 failed, ...)"
 std::string verdict_summary(const CheckRun& run);
 
-// report.md's text. `report` is the run's report.json object (to_json(run), possibly with the
-// caller's extra keys: "first_divergence" and "notes" are rendered when present).
-std::string render_markdown(const CheckRun& run, const nlohmann::json& report);
+// report.md's text, from the run alone (report.json is to_json(run)).
+std::string render_markdown(const CheckRun& run);
 
-// Creates `dir` (and parents) and writes report.json (pretty-printed) and report.md.
+// Creates `dir` (and parents) and writes report.json (to_json(run), pretty-printed) and report.md,
+// both with the same provenance (empty fields filled once, from this process).
 Status write_report_dir(const std::filesystem::path& dir, const CheckRun& run);
-Status write_report_dir(const std::filesystem::path& dir, const CheckRun& run,
-                        const nlohmann::json& report);
 
 }  // namespace kvaudit

@@ -20,7 +20,7 @@
 
 #include "src/core/result.hpp"
 #include "src/format/kvdump.hpp"
-#include "src/replay/replay.hpp"
+#include "src/verdict/check_result.hpp"
 
 namespace kvaudit {
 
@@ -39,8 +39,7 @@ struct ReproTarget {
 // new_kv_slots hold the finding's first offending slot; otherwise the worst request of the
 // failing comparison; and when none of those names a request, the first request of the step that
 // has query rows. Empty when the run passed.
-std::optional<ReproTarget> first_failure_target(const DumpLayout& layout,
-                                                const ReplayOutcome& outcome);
+std::optional<ReproTarget> first_failure_target(const DumpLayout& layout, const CheckRun& run);
 
 struct ReproSummary {
   std::int64_t num_pages = 0;  // pages kept

@@ -1,6 +1,7 @@
 // --save-outputs writer (layout in save_outputs.hpp). Shapes: out [Nq, H, Dc], lse [Nq, H].
 #include "src/report/save_outputs.hpp"
 
+#include <fmt/format.h>
 #include <hdf5.h>
 
 #include <cstdint>
@@ -19,9 +20,9 @@ struct OutputsWriter::Impl {
   std::map<std::string, h5::Group> step_groups;
 
   Error fail(const std::string& object, const std::string& what) const {
-    std::string reason = h5::hdf5_error_text();
-    return internal_error(file_text + ":" + object,
-                          reason.empty() ? what : what + " (HDF5: " + reason + ")");
+    const std::string reason = h5::hdf5_error_text();
+    return internal_error(fmt::format("{}:{}", file_text, object),
+                          reason.empty() ? what : fmt::format("{} (HDF5: {})", what, reason));
   }
 
   Status write_string_attribute(hid_t object, const char* name, const std::string& value,
@@ -36,7 +37,7 @@ struct OutputsWriter::Impl {
         H5Acreate2(object, name, type.get(), space.get(), H5P_DEFAULT, H5P_DEFAULT));
     const char* text = value.c_str();
     if (!attribute || H5Awrite(attribute.get(), type.get(), &text) < 0) {
-      return fail(where, std::string("cannot write attribute ") + name);
+      return fail(where, fmt::format("cannot write attribute {}", name));
     }
     return ok_status();
   }
@@ -45,7 +46,7 @@ struct OutputsWriter::Impl {
   Status write_dataset(hid_t group, const std::string& group_path, const char* name,
                        hid_t file_type, hid_t memory_type, const std::vector<hsize_t>& dims,
                        const T* data) {
-    const std::string where = group_path + "/" + name;
+    const std::string where = fmt::format("{}/{}", group_path, name);
     h5::Dataspace space(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr));
     if (!space) return fail(where, "cannot make a dataspace");
     h5::Dataset dataset(
@@ -64,7 +65,7 @@ struct OutputsWriter::Impl {
     auto it = step_groups.find(name);
     if (it != step_groups.end()) return it->second.get();
     h5::Group group(H5Gcreate2(steps.get(), name.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT));
-    if (!group) return fail("/steps/" + name, "cannot create the group");
+    if (!group) return fail(fmt::format("/steps/{}", name), "cannot create the group");
     const hid_t id = group.get();
     step_groups.emplace(name, std::move(group));
     return id;
@@ -85,8 +86,10 @@ Result<OutputsWriter> OutputsWriter::create(const std::filesystem::path& path,
   impl->file = h5::File(H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT));
   if (!impl->file) {
     const std::string reason = h5::hdf5_error_text();
-    return bad_input(path.string(), "cannot create the --save-outputs file" +
-                                        (reason.empty() ? "" : " (HDF5: " + reason + ")"));
+    return bad_input(path.string(),
+                     reason.empty()
+                         ? "cannot create the --save-outputs file"
+                         : fmt::format("cannot create the --save-outputs file (HDF5: {})", reason));
   }
   const hid_t root = impl->file.get();
   KVAUDIT_TRY(impl->write_string_attribute(root, "format", "kvaudit-outputs", "/"));
@@ -101,11 +104,9 @@ Status OutputsWriter::write(const StepLayerOutputs& outputs) {
   Impl& impl = *impl_;
   const std::string step_name = step_group_name(outputs.step);
   const std::string layer_name = layer_group_name(outputs.layer_id);
-  const std::string group_path = "/steps/" + step_name + "/" + layer_name;
-  auto parent = impl.step_group(step_name);
-  if (!parent.ok()) return parent.error();
-  h5::Group group(
-      H5Gcreate2(parent.value(), layer_name.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT));
+  const std::string group_path = fmt::format("/steps/{}/{}", step_name, layer_name);
+  KVAUDIT_ASSIGN_OR_RETURN(const hid_t parent, impl.step_group(step_name));
+  h5::Group group(H5Gcreate2(parent, layer_name.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT));
   if (!group) return impl.fail(group_path, "cannot create the group");
 
   const TensorShape3& shape = outputs.shape;

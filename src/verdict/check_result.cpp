@@ -66,9 +66,28 @@ Provenance current_provenance() {
   return provenance;
 }
 
-double max_abs_over_ref_max(const ComparisonMetrics& metrics) {
-  if (metrics.reference_max_abs > 0.0) return metrics.max_abs / metrics.reference_max_abs;
-  return metrics.max_abs > 0.0 ? std::numeric_limits<double>::infinity() : 0.0;
+bool is_complete(const Provenance& provenance) {
+  return !provenance.host.empty() && !provenance.date_utc.empty() &&
+         !provenance.command_line.empty() && !provenance.kvaudit_version.empty();
+}
+
+Provenance completed_provenance(const Provenance& given) {
+  if (is_complete(given)) return given;
+  Provenance provenance = given;
+  const Provenance here = current_provenance();
+  if (provenance.host.empty()) provenance.host = here.host;
+  if (provenance.date_utc.empty()) provenance.date_utc = here.date_utc;
+  if (provenance.command_line.empty()) provenance.command_line = here.command_line;
+  if (provenance.kvaudit_version.empty()) provenance.kvaudit_version = here.kvaudit_version;
+  return provenance;
+}
+
+const char* kvaudit_version() {
+#ifdef KVAUDIT_VERSION
+  return KVAUDIT_VERSION;
+#else
+  return "unknown";
+#endif
 }
 
 bool fails_run(const ComparisonResult& result) {
@@ -118,52 +137,114 @@ const char* pool_state_name(PoolState state) {
   return "unknown";
 }
 
-std::vector<StepSummary> summarize_steps(const CheckRun& run) {
-  std::map<int, StepSummary> steps;
-  std::map<int, std::set<int>> layers_of_step;
-  auto mark = [](PoolState& state, bool pass) {
-    if (!pass) {
-      state = PoolState::kDamaged;
-    } else if (state == PoolState::kNotChecked) {
-      state = PoolState::kIntact;
-    }
-  };
-  for (const IntegrityFinding& finding : run.integrity) {
-    StepSummary& summary = steps[finding.step];
-    summary.step = finding.step;
-    layers_of_step[finding.step].insert(finding.layer_id);
-    summary.pass = summary.pass && finding.pass;
-    if (finding.check == "nan_codes_in_pool") continue;  // data
-    if (finding.check == "captured_pool") {
-      mark(summary.captured_pool, finding.pass);
+const char* integrity_check_name(IntegrityCheck check) {
+  switch (check) {
+    case IntegrityCheck::kStorage:
+      return "storage";
+    case IntegrityCheck::kWrittenSlots:
+      return "written_slots";
+    case IntegrityCheck::kUnwrittenSlots:
+      return "unwritten_slots";
+    case IntegrityCheck::kNanWritten:
+      return "nan_written";
+    case IntegrityCheck::kReadConsistency:
+      return "read_consistency";
+    case IntegrityCheck::kCapturedPool:
+      return "captured_pool";
+    case IntegrityCheck::kNanCodesInPool:
+      return "nan_codes_in_pool";
+  }
+  return "unknown";
+}
+
+const char* slot_class_name(SlotClass slot_class) {
+  switch (slot_class) {
+    case SlotClass::kNone:
+      return "";
+    case SlotClass::kWrongSlot:
+      return "wrong_slot";
+    case SlotClass::kBf16Bytes:
+      return "bf16_bytes";
+    case SlotClass::kNanCode:
+      return "nan_code";
+    case SlotClass::kOffByOneCode:
+      return "off_by_one_code";
+    case SlotClass::kOther:
+      return "other";
+  }
+  return "unknown";
+}
+
+namespace {
+
+// A pool is intact until a check of it fails, and not checked until one runs.
+void mark_pool(PoolState& state, bool pass) {
+  if (!pass) {
+    state = PoolState::kDamaged;
+  } else if (state == PoolState::kNotChecked) {
+    state = PoolState::kIntact;
+  }
+}
+
+void add_finding(StepSummary& summary, const IntegrityFinding& finding) {
+  summary.pass = summary.pass && finding.pass;
+  switch (finding.check) {
+    case IntegrityCheck::kNanCodesInPool:  // data, not the state of a pool
+      return;
+    case IntegrityCheck::kCapturedPool:
+      mark_pool(summary.captured_pool, finding.pass);
       if (!finding.pass) {
         (finding.carried_from_step >= 0 ? summary.carried_captured_slots
                                         : summary.new_captured_slots) += finding.slot_count;
       }
-      continue;
-    }
-    mark(summary.backend_pool, finding.pass);
-    if (finding.check == "read_consistency" && !finding.pass) {
-      summary.damaged_slots += finding.slot_count;
-      ++summary.damaged_layers;
-    }
+      return;
+    case IntegrityCheck::kReadConsistency:
+      mark_pool(summary.backend_pool, finding.pass);
+      if (!finding.pass) {
+        summary.damaged_slots += finding.slot_count;
+        ++summary.damaged_layers;
+      }
+      return;
+    case IntegrityCheck::kStorage:
+    case IntegrityCheck::kWrittenSlots:
+    case IntegrityCheck::kUnwrittenSlots:
+    case IntegrityCheck::kNanWritten:
+      mark_pool(summary.backend_pool, finding.pass);
+      return;
+  }
+}
+
+void add_result(StepSummary& summary, const ComparisonResult& result) {
+  summary.pass = summary.pass && !fails_run(result);
+  ComparisonWorst& worst = summary.worst[result.comparison];
+  const double rel_l2 = result.metrics.rel_l2;
+  const bool worse =
+      !worst.present || (std::isnan(rel_l2) && !std::isnan(worst.rel_l2)) || rel_l2 > worst.rel_l2;
+  if (worse) {
+    worst.rel_l2 = rel_l2;
+    worst.layer_id = result.layer_id;
+  }
+  worst.present = true;
+  worst.nonfinite_mismatches += result.metrics.nonfinite_mismatches;
+  worst.failed += result.judgement.pass ? 0 : 1;
+}
+
+}  // namespace
+
+std::vector<StepSummary> summarize_steps(const CheckRun& run) {
+  std::map<int, StepSummary> steps;
+  std::map<int, std::set<int>> layers_of_step;
+  auto summary_of = [&](int step, int layer_id) -> StepSummary& {
+    layers_of_step[step].insert(layer_id);
+    StepSummary& summary = steps[step];
+    summary.step = step;
+    return summary;
+  };
+  for (const IntegrityFinding& finding : run.integrity) {
+    add_finding(summary_of(finding.step, finding.layer_id), finding);
   }
   for (const ComparisonResult& result : run.comparisons) {
-    StepSummary& summary = steps[result.step];
-    summary.step = result.step;
-    layers_of_step[result.step].insert(result.layer_id);
-    summary.pass = summary.pass && !fails_run(result);
-    ComparisonWorst& worst = summary.worst[result.comparison];
-    const double rel_l2 = result.metrics.rel_l2;
-    const bool worse = !worst.present || (std::isnan(rel_l2) && !std::isnan(worst.rel_l2)) ||
-                       rel_l2 > worst.rel_l2;
-    if (worse) {
-      worst.rel_l2 = rel_l2;
-      worst.layer_id = result.layer_id;
-    }
-    worst.present = true;
-    worst.nonfinite_mismatches += result.metrics.nonfinite_mismatches;
-    worst.failed += result.judgement.pass ? 0 : 1;
+    add_result(summary_of(result.step, result.layer_id), result);
   }
   std::vector<StepSummary> ordered;
   for (auto& [step, summary] : steps) {
@@ -180,112 +261,124 @@ nlohmann::json pool_state_json(PoolState state) {
                                          : nlohmann::json(pool_state_name(state));
 }
 
+nlohmann::json object_or_empty(const nlohmann::json& value) {
+  return value.is_null() ? nlohmann::json::object() : value;
+}
+
+nlohmann::json counts_json(const RunCounts& counts) {
+  return {{"comparisons", counts.comparisons},
+          {"failed", counts.failed},
+          {"failed_report_only", counts.failed_report_only},
+          {"integrity_checks", counts.integrity_checks},
+          {"integrity_failed", counts.integrity_failed}};
+}
+
+nlohmann::json result_json(const ComparisonResult& result) {
+  nlohmann::json metrics = to_json(result.metrics);
+  metrics["max_abs_over_ref_max"] = json_number(max_abs_over_ref_max(result.metrics));
+  return {{"step", result.step},
+          {"layer", result.layer_id},
+          {"comparison", comparison_name(result.comparison)},
+          {"metrics", std::move(metrics)},
+          {"worst", to_json(worst_location(result))},
+          {"worst_request", result.worst_request},
+          {"pass", result.judgement.pass},
+          {"sets_exit", result.sets_exit || result.metrics.nonfinite_mismatches > 0},
+          {"reasons", result.judgement.reasons}};
+}
+
+nlohmann::json finding_json(const IntegrityFinding& finding) {
+  return {{"step", finding.step},
+          {"layer", finding.layer_id},
+          {"check", integrity_check_name(finding.check)},
+          {"pass", finding.pass},
+          {"where", finding.where},
+          {"detail", finding.detail},
+          {"slots", finding.slots},
+          {"slot_count", finding.slot_count},
+          {"classification", slot_class_name(finding.classification)},
+          {"carried_from_step", finding.carried_from_step >= 0
+                                    ? nlohmann::json(finding.carried_from_step)
+                                    : nlohmann::json(nullptr)}};
+}
+
+nlohmann::json step_json(const StepSummary& summary) {
+  nlohmann::json comparisons = nlohmann::json::object();
+  for (const auto& [comparison, worst] : summary.worst) {
+    comparisons[comparison_name(comparison)] = {
+        {"worst_rel_l2", json_number(worst.rel_l2)},
+        {"worst_layer", worst.layer_id},
+        {"nonfinite_mismatches", worst.nonfinite_mismatches},
+        {"failed_layers", worst.failed}};
+  }
+  return {{"step", summary.step},
+          {"layers", summary.layers},
+          {"backend_pool", pool_state_json(summary.backend_pool)},
+          {"damaged_slots", summary.damaged_slots},
+          {"damaged_layers", summary.damaged_layers},
+          {"captured_pool", pool_state_json(summary.captured_pool)},
+          {"new_captured_slots", summary.new_captured_slots},
+          {"carried_captured_slots", summary.carried_captured_slots},
+          {"comparisons", std::move(comparisons)},
+          {"pass", summary.pass}};
+}
+
+nlohmann::json divergence_json(const std::optional<Divergence>& divergence) {
+  if (!divergence) return nullptr;
+  return {{"step", divergence->step},       {"layer_id", divergence->layer_id},
+          {"request", divergence->request}, {"row", divergence->row},
+          {"head", divergence->head},       {"comparison", comparison_name(divergence->comparison)},
+          {"reason", divergence->reason}};
+}
+
+nlohmann::json timing_json(const CheckRun& run) {
+  const nlohmann::json throughput =
+      run.reference_seconds > 0.0
+          ? json_number(run.reference_rows_heads_tokens / run.reference_seconds)
+          : nlohmann::json(nullptr);
+  return {{"reference_seconds", json_number(run.reference_seconds)},
+          {"reference_rows_heads_tokens", json_number(run.reference_rows_heads_tokens)},
+          {"reference_throughput_rows_heads_tokens_per_s", throughput},
+          {"backend_seconds", json_number(run.backend_seconds)},
+          {"total_seconds", json_number(run.total_seconds)}};
+}
+
+nlohmann::json provenance_json(const Provenance& given) {
+  const Provenance provenance = completed_provenance(given);
+  return {{"host", provenance.host},
+          {"date", provenance.date_utc},
+          {"command_line", provenance.command_line},
+          {"kvaudit_version", provenance.kvaudit_version}};
+}
+
+template <typename T, typename ToJson>
+nlohmann::json array_json(const std::vector<T>& items, ToJson to_json_item) {
+  nlohmann::json array = nlohmann::json::array();
+  for (const T& item : items) array.push_back(to_json_item(item));
+  return array;
+}
+
 }  // namespace
 
 nlohmann::json to_json(const CheckRun& run) {
   nlohmann::json j;
   j["tool"] = "kvaudit";
-#ifdef KVAUDIT_VERSION
-  j["version"] = KVAUDIT_VERSION;
-#else
-  j["version"] = "unknown";
-#endif
+  j["version"] = kvaudit_version();
   j["verdict"] = run.pass() ? "pass" : "fail";
-  const RunCounts counts = count_results(run);
-  j["counts"] = {{"comparisons", counts.comparisons},
-                 {"failed", counts.failed},
-                 {"failed_report_only", counts.failed_report_only},
-                 {"integrity_checks", counts.integrity_checks},
-                 {"integrity_failed", counts.integrity_failed}};
+  j["counts"] = counts_json(count_results(run));
   j["backend"] = run.backend;
-  j["backend_description"] =
-      run.backend_description.is_null() ? nlohmann::json::object() : run.backend_description;
+  j["backend_description"] = object_or_empty(run.backend_description);
   j["policy"] = to_json(run.policy);
-  j["dump"] = {
-      {"path", run.dump_path},
-      {"sha256", run.dump_sha256},
-      {"summary", run.dump_summary.is_null() ? nlohmann::json::object() : run.dump_summary}};
-
-  nlohmann::json results = nlohmann::json::array();
-  for (const ComparisonResult& result : run.comparisons) {
-    nlohmann::json metrics = to_json(result.metrics);
-    metrics["max_abs_over_ref_max"] = json_number(max_abs_over_ref_max(result.metrics));
-    results.push_back({{"step", result.step},
-                       {"layer", result.layer_id},
-                       {"comparison", comparison_name(result.comparison)},
-                       {"metrics", std::move(metrics)},
-                       {"worst", to_json(worst_location(result))},
-                       {"worst_request", result.worst_request},
-                       {"pass", result.judgement.pass},
-                       {"sets_exit", result.sets_exit || result.metrics.nonfinite_mismatches > 0},
-                       {"reasons", result.judgement.reasons}});
-  }
-  j["results"] = std::move(results);
-
-  nlohmann::json integrity = nlohmann::json::array();
-  for (const IntegrityFinding& finding : run.integrity) {
-    integrity.push_back({{"step", finding.step},
-                         {"layer", finding.layer_id},
-                         {"check", finding.check},
-                         {"pass", finding.pass},
-                         {"where", finding.where},
-                         {"detail", finding.detail},
-                         {"slots", finding.slots},
-                         {"slot_count", finding.slot_count},
-                         {"classification", finding.classification},
-                         {"carried_from_step", finding.carried_from_step >= 0
-                                                   ? nlohmann::json(finding.carried_from_step)
-                                                   : nlohmann::json(nullptr)}});
-  }
-  j["integrity"] = std::move(integrity);
-
-  nlohmann::json steps = nlohmann::json::array();
-  for (const StepSummary& summary : summarize_steps(run)) {
-    nlohmann::json comparisons = nlohmann::json::object();
-    for (const auto& [comparison, worst] : summary.worst) {
-      comparisons[comparison_name(comparison)] = {
-          {"worst_rel_l2", json_number(worst.rel_l2)},
-          {"worst_layer", worst.layer_id},
-          {"nonfinite_mismatches", worst.nonfinite_mismatches},
-          {"failed_layers", worst.failed}};
-    }
-    steps.push_back({{"step", summary.step},
-                     {"layers", summary.layers},
-                     {"backend_pool", pool_state_json(summary.backend_pool)},
-                     {"damaged_slots", summary.damaged_slots},
-                     {"damaged_layers", summary.damaged_layers},
-                     {"captured_pool", pool_state_json(summary.captured_pool)},
-                     {"new_captured_slots", summary.new_captured_slots},
-                     {"carried_captured_slots", summary.carried_captured_slots},
-                     {"comparisons", std::move(comparisons)},
-                     {"pass", summary.pass}});
-  }
-  j["steps"] = std::move(steps);
-
-  const double throughput = run.reference_seconds > 0.0
-                                ? run.reference_rows_heads_tokens / run.reference_seconds
-                                : std::numeric_limits<double>::quiet_NaN();
-  j["timing"] = {{"reference_seconds", json_number(run.reference_seconds)},
-                 {"reference_rows_heads_tokens", json_number(run.reference_rows_heads_tokens)},
-                 {"reference_throughput_rows_heads_tokens_per_s",
-                  std::isnan(throughput) ? nlohmann::json(nullptr) : json_number(throughput)},
-                 {"backend_seconds", json_number(run.backend_seconds)},
-                 {"total_seconds", json_number(run.total_seconds)}};
-
-  // Fill what the caller left empty with this process's values.
-  Provenance provenance = run.provenance;
-  if (provenance.host.empty() || provenance.date_utc.empty() || provenance.command_line.empty() ||
-      provenance.kvaudit_version.empty()) {
-    const Provenance here = current_provenance();
-    if (provenance.host.empty()) provenance.host = here.host;
-    if (provenance.date_utc.empty()) provenance.date_utc = here.date_utc;
-    if (provenance.command_line.empty()) provenance.command_line = here.command_line;
-    if (provenance.kvaudit_version.empty()) provenance.kvaudit_version = here.kvaudit_version;
-  }
-  j["provenance"] = {{"host", provenance.host},
-                     {"date", provenance.date_utc},
-                     {"command_line", provenance.command_line},
-                     {"kvaudit_version", provenance.kvaudit_version}};
+  j["dump"] = {{"path", run.dump_path},
+               {"sha256", run.dump_sha256},
+               {"summary", object_or_empty(run.dump_summary)}};
+  j["results"] = array_json(run.comparisons, result_json);
+  j["integrity"] = array_json(run.integrity, finding_json);
+  j["steps"] = array_json(summarize_steps(run), step_json);
+  j["first_divergence"] = divergence_json(run.first_divergence);
+  j["notes"] = run.notes;
+  j["timing"] = timing_json(run);
+  j["provenance"] = provenance_json(run.provenance);
   return j;
 }
 

@@ -1,11 +1,13 @@
 // What one `kvaudit check` run found: comparisons per (step, layer), integrity findings per
-// (step, layer), and the verdict. Produced by the replay (src/replay/replay.cpp), rendered by the
-// reports (src/report/report.cpp).
+// (step, layer), the first divergence, notes, and the verdict. Produced by the replay
+// (src/replay/replay.cpp) through the run judge (src/verdict/run_judge.hpp), written out by
+// to_json (report.json) and rendered by the reports (src/report/report.cpp).
 #pragma once
 
 #include <cstdint>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -25,19 +27,59 @@ struct ComparisonResult {
   int worst_request = -1;
 };
 
+// The integrity checks of src/replay/integrity.hpp, in the order a step reports them.
+enum class IntegrityCheck {
+  kStorage,          // backend pool: still one byte per element of e4m3 codes
+  kWrittenSlots,     // backend pool: the step's slots hold the write rule's codes
+  kUnwrittenSlots,   // backend pool: every other slot unchanged
+  kNanWritten,       // backend pool: no NaN code written for a finite value
+  kReadConsistency,  // backend pool: equal to the reference replay's pool
+  kCapturedPool,     // the dump's kv_cache_after equal to the reference replay's pool
+  kNanCodesInPool,   // data: NaN codes the pool holds (always passes)
+};
+// "storage", "written_slots", "unwritten_slots", "nan_written", "read_consistency",
+// "captured_pool", "nan_codes_in_pool": the names report.json and the reports print.
+const char* integrity_check_name(IntegrityCheck check);
+
+// What is wrong with a slot that differs from the expected pool (src/replay/integrity.hpp).
+enum class SlotClass {
+  kNone,  // the finding is not about damaged slots
+  kWrongSlot,
+  kBf16Bytes,
+  kNanCode,
+  kOffByOneCode,
+  kOther,
+};
+// "" (kNone), "wrong_slot", "bf16_bytes", "nan_code", "off_by_one_code", "other".
+const char* slot_class_name(SlotClass slot_class);
+
 struct IntegrityFinding {
   int step = 0;
   int layer_id = 0;
   std::string where;  // the dump's groups, "S001 L000" (step and layer as named in the file)
-  std::string check;  // "storage", "written_slots", "unwritten_slots", "nan_written",
-                      // "read_consistency" (backend pool); "captured_pool"; "nan_codes_in_pool"
+  IntegrityCheck check = IntegrityCheck::kStorage;
   bool pass = true;
   std::string detail;               // one line naming step, layer and slots
   std::vector<std::int64_t> slots;  // first offending slots (at most kMaxListedSlots)
   std::int64_t slot_count = 0;      // how many slots offend in all (slots may list fewer)
-  std::string classification;       // "wrong_slot", "bf16_bytes", "nan_code", "off_by_one_code",
-                               // "other" (src/replay/integrity.hpp); empty where not a slot finding
+  // The class of the slots (kNanCode for nan_written and nan_codes_in_pool); kNone where the
+  // finding is not about damaged slots.
+  SlotClass classification = SlotClass::kNone;
   int carried_from_step = -1;  // damage first seen at an earlier step (captured pools), else -1
+};
+
+// The first element where a backend (or, without one, the captured output) leaves the reference:
+// the earliest failing step, then layer in dump order, then the first (row, head) in row-major
+// order whose error breaks the policy (the worst element when no single row does). Found by
+// src/verdict/divergence.hpp.
+struct Divergence {
+  int step = 0;
+  int layer_id = 0;
+  int request = -1;
+  int row = -1;  // step-global query row
+  int head = -1;
+  Comparison comparison = Comparison::kKernel;
+  std::string reason;  // the comparison's first reason
 };
 
 // Where and how a run was made, for the report. Empty fields are filled with this process's
@@ -52,6 +94,11 @@ struct Provenance {
 // This process: host name, the time now (UTC), its command line (from /proc/self/cmdline where
 // there is one), KVAUDIT_VERSION.
 Provenance current_provenance();
+// `given` with its empty fields filled from current_provenance().
+Provenance completed_provenance(const Provenance& given);
+bool is_complete(const Provenance& provenance);
+// KVAUDIT_VERSION, or "unknown" in a build without it (report.json's "version").
+const char* kvaudit_version();
 
 struct CheckRun {
   std::string dump_path;
@@ -62,6 +109,8 @@ struct CheckRun {
   nlohmann::json dump_summary;  // model, producer, shapes, layers, steps
   std::vector<ComparisonResult> comparisons;
   std::vector<IntegrityFinding> integrity;
+  std::optional<Divergence> first_divergence;  // none while nothing diverges
+  std::vector<std::string> notes;  // what the run could not do, or did differently, and why
   double reference_seconds = 0.0;
   double reference_rows_heads_tokens = 0.0;  // work done, for throughput
   double backend_seconds = 0.0;
@@ -75,8 +124,6 @@ struct CheckRun {
 bool fails_run(const ComparisonResult& result);
 // The element a reader should look at first: the first NaN/Inf mismatch, else the max_abs one.
 const ElementLocation& worst_location(const ComparisonResult& result);
-// max_abs / max|reference| as the policy judges it (0 for 0/0, inf for x/0).
-double max_abs_over_ref_max(const ComparisonMetrics& metrics);
 
 struct RunCounts {
   std::size_t comparisons = 0;

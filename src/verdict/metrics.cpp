@@ -78,6 +78,99 @@ double bf16_ulp_distance(double a, double b) {
   return static_cast<double>(std::abs(ordered_a - ordered_b));
 }
 
+namespace {
+
+// The running state of compare_outputs over (row, head, dim) in order: non-finite bookkeeping,
+// maxima with their locations, and the binary64 sums the norms come from.
+class MetricsAccumulator {
+ public:
+  MetricsAccumulator(ComparisonMetrics& metrics, double rel_floor)
+      : m_(metrics), rel_floor_(rel_floor) {}
+
+  // Counts NaN/Inf in each, and keeps the first position whose classes differ; returns whether
+  // both are finite.
+  bool both_finite(double a, double b, int row, int head, int dim) {
+    const ValueClass class_a = classify(a);
+    const ValueClass class_b = classify(b);
+    if (class_a != ValueClass::kFinite) ++m_.reference_nonfinite;
+    if (class_b != ValueClass::kFinite) ++m_.candidate_nonfinite;
+    if (class_a != class_b) {
+      ++m_.nonfinite_mismatches;
+      if (!have_mismatch_) {
+        m_.first_nonfinite_mismatch = location(row, head, dim, a, b);
+        have_mismatch_ = true;
+      }
+    }
+    return class_a == ValueClass::kFinite && class_b == ValueClass::kFinite;
+  }
+
+  void add_out(double a, double b, int row, int head, int dim) {
+    ++m_.finite_elements;
+    const double diff = std::fabs(a - b);
+    const double magnitude = std::fabs(a);
+    // A zero difference is zero relative error even where the denominator is 0.
+    const double denominator = std::max(magnitude, rel_floor_);
+    const double rel = diff == 0.0         ? 0.0
+                       : denominator > 0.0 ? diff / denominator
+                                           : std::numeric_limits<double>::infinity();
+    // ULPs only where |a| >= rel_floor: below it bf16's quantum shrinks toward 2^-133 and a tiny
+    // absolute error near zero (or a sign change) reads as tens of thousands of ULPs.
+    const double ulp = magnitude >= rel_floor_ ? bf16_ulp_distance(a, b) : 0.0;
+    if (!have_finite_ || diff > m_.max_abs) {
+      m_.max_abs = diff;
+      m_.max_abs_at = location(row, head, dim, a, b);
+    }
+    if (!have_finite_ || rel > m_.max_rel) {
+      m_.max_rel = rel;
+      m_.max_rel_at = location(row, head, dim, a, b);
+    }
+    if (!have_finite_ || ulp > m_.max_ulp_bf16) {
+      m_.max_ulp_bf16 = ulp;
+      m_.max_ulp_at = location(row, head, dim, a, b);
+    }
+    have_finite_ = true;
+    m_.reference_max_abs = std::max(m_.reference_max_abs, magnitude);
+    sum_diff_sq_ += (a - b) * (a - b);
+    sum_ref_sq_ += a * a;
+    sum_both_sq_ += a * a + b * b;
+  }
+
+  void add_lse(double a, double b, int row, int head) {
+    const double diff = std::fabs(a - b);
+    if (!have_finite_lse_ || diff > m_.lse_max_abs) {
+      m_.lse_max_abs = diff;
+      m_.lse_max_abs_at = location(row, head, -1, a, b);
+    }
+    have_finite_lse_ = true;
+  }
+
+  // The norms from the sums.
+  void finish() {
+    if (m_.finite_elements > 0) {
+      m_.rms = std::sqrt(sum_diff_sq_ / static_cast<double>(m_.finite_elements));
+    }
+    // ||a - b|| / ||a|| with ||a|| = 0: 0 if b is also 0, else infinitely wrong.
+    if (sum_ref_sq_ > 0.0) {
+      m_.rel_l2 = std::sqrt(sum_diff_sq_) / std::sqrt(sum_ref_sq_);
+    } else if (sum_diff_sq_ > 0.0) {
+      m_.rel_l2 = std::numeric_limits<double>::infinity();
+    }
+    if (sum_both_sq_ > 0.0) m_.cos_diff = sum_diff_sq_ / sum_both_sq_;
+  }
+
+ private:
+  ComparisonMetrics& m_;
+  double rel_floor_;
+  double sum_diff_sq_ = 0.0;
+  double sum_ref_sq_ = 0.0;
+  double sum_both_sq_ = 0.0;  // sum a^2 + b^2
+  bool have_mismatch_ = false;
+  bool have_finite_ = false;
+  bool have_finite_lse_ = false;
+};
+
+}  // namespace
+
 ComparisonMetrics compare_outputs(TensorShape3 shape, std::span<const double> reference_out,
                                   std::span<const double> candidate_out,
                                   std::span<const double> reference_lse,
@@ -97,92 +190,33 @@ ComparisonMetrics compare_outputs(TensorShape3 shape, std::span<const double> re
   m.elements = shape.size();
   m.rel_floor = rel_floor;
   m.has_lse = has_lse;
-
-  double sum_diff_sq = 0.0;
-  double sum_ref_sq = 0.0;
-  double sum_both_sq = 0.0;  // sum a^2 + b^2
-  bool have_mismatch = false;
-  bool have_finite = false;
-  bool have_finite_lse = false;
-
-  // Non-finite bookkeeping for one position; returns whether both values are finite.
-  auto check_finite = [&](double a, double b, int row, int head, int dim) {
-    const ValueClass class_a = classify(a);
-    const ValueClass class_b = classify(b);
-    if (class_a != ValueClass::kFinite) ++m.reference_nonfinite;
-    if (class_b != ValueClass::kFinite) ++m.candidate_nonfinite;
-    if (class_a != class_b) {
-      ++m.nonfinite_mismatches;
-      if (!have_mismatch) {
-        m.first_nonfinite_mismatch = location(row, head, dim, a, b);
-        have_mismatch = true;
-      }
-    }
-    return class_a == ValueClass::kFinite && class_b == ValueClass::kFinite;
-  };
-
+  MetricsAccumulator accumulator(m, rel_floor);
   for (int row = 0; row < shape.rows; ++row) {
     for (int head = 0; head < shape.heads; ++head) {
-      const std::size_t base = (static_cast<std::size_t>(row) * shape.heads + head) * shape.dims;
+      const std::size_t index = static_cast<std::size_t>(row) * shape.heads + head;
       for (int dim = 0; dim < shape.dims; ++dim) {
-        const double a = reference_out[base + dim];
-        const double b = candidate_out[base + dim];
-        if (!check_finite(a, b, row, head, dim)) continue;
-        ++m.finite_elements;
-        const double diff = std::fabs(a - b);
-        const double magnitude = std::fabs(a);
-        // A zero difference is zero relative error even where the denominator is 0.
-        const double denominator = std::max(magnitude, rel_floor);
-        const double rel = diff == 0.0         ? 0.0
-                           : denominator > 0.0 ? diff / denominator
-                                               : std::numeric_limits<double>::infinity();
-        // ULPs only where |a| >= rel_floor: below it bf16's quantum shrinks toward 2^-133 and
-        // a tiny absolute error near zero (or a sign change) reads as tens of thousands of ULPs.
-        const double ulp = magnitude >= rel_floor ? bf16_ulp_distance(a, b) : 0.0;
-        if (!have_finite || diff > m.max_abs) {
-          m.max_abs = diff;
-          m.max_abs_at = location(row, head, dim, a, b);
-        }
-        if (!have_finite || rel > m.max_rel) {
-          m.max_rel = rel;
-          m.max_rel_at = location(row, head, dim, a, b);
-        }
-        if (!have_finite || ulp > m.max_ulp_bf16) {
-          m.max_ulp_bf16 = ulp;
-          m.max_ulp_at = location(row, head, dim, a, b);
-        }
-        have_finite = true;
-        m.reference_max_abs = std::max(m.reference_max_abs, magnitude);
-        sum_diff_sq += (a - b) * (a - b);
-        sum_ref_sq += a * a;
-        sum_both_sq += a * a + b * b;
+        const double a = reference_out[index * shape.dims + dim];
+        const double b = candidate_out[index * shape.dims + dim];
+        if (accumulator.both_finite(a, b, row, head, dim))
+          accumulator.add_out(a, b, row, head, dim);
       }
-      if (has_lse) {
-        const std::size_t index = static_cast<std::size_t>(row) * shape.heads + head;
-        const double a = reference_lse[index];
-        const double b = candidate_lse[index];
-        if (!check_finite(a, b, row, head, -1)) continue;
-        const double diff = std::fabs(a - b);
-        if (!have_finite_lse || diff > m.lse_max_abs) {
-          m.lse_max_abs = diff;
-          m.lse_max_abs_at = location(row, head, -1, a, b);
-        }
-        have_finite_lse = true;
-      }
+      if (!has_lse) continue;
+      const double a = reference_lse[index];
+      const double b = candidate_lse[index];
+      if (accumulator.both_finite(a, b, row, head, -1)) accumulator.add_lse(a, b, row, head);
     }
   }
-
-  if (m.finite_elements > 0) {
-    m.rms = std::sqrt(sum_diff_sq / static_cast<double>(m.finite_elements));
-  }
-  // ||a - b|| / ||a|| with ||a|| = 0: 0 if b is also 0, else infinitely wrong.
-  if (sum_ref_sq > 0.0) {
-    m.rel_l2 = std::sqrt(sum_diff_sq) / std::sqrt(sum_ref_sq);
-  } else if (sum_diff_sq > 0.0) {
-    m.rel_l2 = std::numeric_limits<double>::infinity();
-  }
-  if (sum_both_sq > 0.0) m.cos_diff = sum_diff_sq / sum_both_sq;
+  accumulator.finish();
   return m;
+}
+
+double over_reference_max(double abs_error, double reference_max_abs) {
+  if (reference_max_abs > 0.0) return abs_error / reference_max_abs;
+  return abs_error > 0.0 ? std::numeric_limits<double>::infinity() : 0.0;
+}
+
+double max_abs_over_ref_max(const ComparisonMetrics& metrics) {
+  return over_reference_max(metrics.max_abs, metrics.reference_max_abs);
 }
 
 nlohmann::json json_number(double value) {

@@ -5,7 +5,7 @@
 //   candidate_out : same shape (double; a bf16 backend output, a captured output, or R8)
 //   reference_lse, candidate_lse : [num_rows, num_heads], natural log
 // Metrics, each with the (row, head, dim) of its worst element:
-//   max_abs      = max |a - b|
+//   max_abs      = max |a - b|;  max_abs_over_ref_max = max_abs / max |a| (its scale-free form)
 //   max_rel      = max |a - b| / max(|a|, rel_floor)       (rel_floor stated in the result)
 //   rms          = sqrt(mean (a - b)^2)
 //   rel_l2       = ||a - b||_2 / ||a||_2
@@ -68,6 +68,13 @@ ComparisonMetrics compare_outputs(TensorShape3 shape, std::span<const double> re
                                   std::span<const double> candidate_out,
                                   std::span<const double> reference_lse,
                                   std::span<const double> candidate_lse, double rel_floor);
+
+// |error| / max|reference|, the scale-free form of an absolute error: 0 for 0/0, +inf for x/0 (an
+// error against an all-zero reference). The one place this ratio is computed: the policy judges
+// max_abs_over_ref_max with it, the first-divergence search each element's error.
+double over_reference_max(double abs_error, double reference_max_abs);
+// max_abs / reference_max_abs (report.json's metrics.max_abs_over_ref_max).
+double max_abs_over_ref_max(const ComparisonMetrics& metrics);
 
 // JSON has no NaN or infinity: a finite double is written as a number, others as the strings
 // "nan", "inf", "-inf" (docs/report-schema.md).

@@ -92,11 +92,10 @@
 // too. rel_floor (max_rel's denominator floor) is reported, not judged.
 #include "src/verdict/policy.hpp"
 
+#include <fmt/format.h>
+
 #include <cmath>
-#include <cstdio>
 #include <fstream>
-#include <limits>
-#include <sstream>
 
 namespace kvaudit {
 namespace {
@@ -127,137 +126,149 @@ constexpr double kTotalLseMaxAbs = kQuantLseMaxAbs + kKernelLseMaxAbs;
 // max_rel denominator floor.
 constexpr double kRelFloor = kBf16;  // 2^-8
 
-const char* const kNoUlpLimit =
+constexpr const char* kNoUlpLimit =
     "none: an output near zero (values that cancel) has a tiny bf16 quantum while its error is "
     "~2^-8 max|v|, so no ULP count bounds a clean kernel; reported, not judged";
-
-ComparisonLimits kernel_limits() {
-  ComparisonLimits l;
-  l.max_abs_over_ref_max = kKernelMaxAbsOverRefMax;
-  l.rel_l2 = kKernelRelL2;
-  l.cos_diff = kKernelCosDiff;
-  l.lse_max_abs = kKernelLseMaxAbs;
-  l.derivations = {
-      {"max_abs_over_ref_max",
-       "2^-7: per element |K-R8| <= 2^-8 (|out| + max|v|) (bf16 P, bf16 out), for max|v| up to "
-       "3 max|out|; simulated clean <= 3.0e-3, P rounded to e4m3 >= 1.06e-2"},
-      {"rel_l2",
-       "2^-8: 2x the clean estimate 2^-9 (bf16 rounding of P and of out, RMS 2^-9.3 each); "
-       "simulated P rounded to e4m3 >= 2^-7.7, kv_scale rounded to a power of two >= 2^-2"},
-      {"cos_diff", "2^-17 = (rel_l2 limit)^2 / 2, since cos_diff ~ rel_l2^2 / 2 for small errors"},
-      {"max_ulp_bf16", kNoUlpLimit},
-      {"lse_max_abs",
-       "2^-10: lse is fp32 only; dot error ~sqrt(576) 2^-24 |s| ~ 2^-12.8 at |s| ~ 100, sum of l "
-       "~sqrt(N) 2^-24; simulated <= 2.8e-5. A wrong scale moves lse by O(|s|)"}};
-  return l;
-}
-
 // The pool the backend read holds the same bytes as the reference pool exactly when the cache is
 // intact, and the reference is deterministic: R8 on both is then identical, so any difference is
 // the cost of a corrupted cache (integrity names the slots), and the limit is zero.
-ComparisonLimits cache_limits() {
-  ComparisonLimits l;
-  l.max_abs_over_ref_max = 0.0;
-  l.rel_l2 = 0.0;
-  l.cos_diff = 0.0;
-  l.lse_max_abs = 0.0;
-  const char* const exact =
-      "0: R8 on the backend's pool equals R8 on the reference pool exactly when the bytes it "
-      "reads agree (same inputs, deterministic reference); any difference is cache corruption";
-  l.derivations = {{"max_abs_over_ref_max", exact},
-                   {"rel_l2", exact},
-                   {"cos_diff", exact},
-                   {"max_ulp_bf16", "none: implied by the other limits being zero"},
-                   {"lse_max_abs", exact}};
-  return l;
-}
+constexpr const char* kCacheExact =
+    "0: R8 on the backend's pool equals R8 on the reference pool exactly when the bytes it reads "
+    "agree (same inputs, deterministic reference); any difference is cache corruption";
 
-ComparisonLimits captured_limits() {
-  ComparisonLimits l;
-  l.max_abs_over_ref_max = kCapturedMaxAbsOverRefMax;
-  l.rel_l2 = kCapturedRelL2;
-  l.cos_diff = kCapturedCosDiff;
-  l.lse_max_abs = kCapturedLseMaxAbs;
-  l.derivations = {
-      {"max_abs_over_ref_max",
-       "2^-4: a server kernel that rounds kv_scale * k and kv_scale * v to bf16 simulates "
-       "<= 2.9e-2; a wrong scale >= 0.27"},
-      {"rel_l2",
-       "2^-5: one more bf16 rounding of K and V simulates <= 2^-6.8; garbage or a wrong scale "
-       ">= 2^-2"},
-      {"cos_diff", "2^-11 = (rel_l2 limit)^2 / 2"},
-      {"max_ulp_bf16", kNoUlpLimit},
-      {"lse_max_abs",
-       "2^-2: bf16-rounded k moves scores by ~2^-9.3 of their terms, simulated <= 0.11 at "
-       "|s| ~ 106; a power-of-two scale >= 2"}};
-  return l;
-}
+// One default limit: its comparison, which limit, its value (none: not judged) and where the
+// number comes from (written into every report, see the derivations above).
+struct DefaultLimit {
+  Comparison comparison;
+  Limit limit;
+  std::optional<double> value;
+  const char* derivation;
+};
 
-ComparisonLimits quantization_limits() {
-  ComparisonLimits l;
-  l.max_abs_over_ref_max = kQuantMaxAbsOverRefMax;
-  l.rel_l2 = kQuantRelL2;
-  l.cos_diff = kQuantCosDiff;
-  l.lse_max_abs = kQuantLseMaxAbs;
-  l.derivations = {
-      {"max_abs_over_ref_max",
-       "2^-2 (policy): per element |R8-Rs| from V is <= 2^-4 max|v|, for max|v| up to 4 "
-       "max|out|"},
-      {"rel_l2",
-       "2^-4 (policy): FP8 storage may cost at most one e4m3 unit roundoff of the output; "
-       "simulated 2^-4.4 (diffuse, |s| <= 8) to 2^-2.5 (sharp, |s| ~ 100)"},
-      {"cos_diff", "2^-9 = (rel_l2 limit)^2 / 2"},
-      {"max_ulp_bf16", kNoUlpLimit},
-      {"lse_max_abs", "2^-2 (policy): the softmax normalizer within a factor e^(1/4)"}};
-  return l;
-}
+constexpr DefaultLimit kDefaultLimits[] = {
+    // ---- kernel (K vs R8')
+    {Comparison::kKernel, Limit::kMaxAbsOverRefMax, kKernelMaxAbsOverRefMax,
+     "2^-7: per element |K-R8| <= 2^-8 (|out| + max|v|) (bf16 P, bf16 out), for max|v| up to "
+     "3 max|out|; simulated clean <= 3.0e-3, P rounded to e4m3 >= 1.06e-2"},
+    {Comparison::kKernel, Limit::kRelL2, kKernelRelL2,
+     "2^-8: 2x the clean estimate 2^-9 (bf16 rounding of P and of out, RMS 2^-9.3 each); "
+     "simulated P rounded to e4m3 >= 2^-7.7, kv_scale rounded to a power of two >= 2^-2"},
+    {Comparison::kKernel, Limit::kCosDiff, kKernelCosDiff,
+     "2^-17 = (rel_l2 limit)^2 / 2, since cos_diff ~ rel_l2^2 / 2 for small errors"},
+    {Comparison::kKernel, Limit::kMaxUlpBf16, std::nullopt, kNoUlpLimit},
+    {Comparison::kKernel, Limit::kLseMaxAbs, kKernelLseMaxAbs,
+     "2^-10: lse is fp32 only; dot error ~sqrt(576) 2^-24 |s| ~ 2^-12.8 at |s| ~ 100, sum of l "
+     "~sqrt(N) 2^-24; simulated <= 2.8e-5. A wrong scale moves lse by O(|s|)"},
+    // ---- cache (R8 vs R8')
+    {Comparison::kCache, Limit::kMaxAbsOverRefMax, 0.0, kCacheExact},
+    {Comparison::kCache, Limit::kRelL2, 0.0, kCacheExact},
+    {Comparison::kCache, Limit::kCosDiff, 0.0, kCacheExact},
+    {Comparison::kCache, Limit::kMaxUlpBf16, std::nullopt,
+     "none: implied by the other limits being zero"},
+    {Comparison::kCache, Limit::kLseMaxAbs, 0.0, kCacheExact},
+    // ---- captured (the dump's out/lse vs R8)
+    {Comparison::kCaptured, Limit::kMaxAbsOverRefMax, kCapturedMaxAbsOverRefMax,
+     "2^-4: a server kernel that rounds kv_scale * k and kv_scale * v to bf16 simulates "
+     "<= 2.9e-2; a wrong scale >= 0.27"},
+    {Comparison::kCaptured, Limit::kRelL2, kCapturedRelL2,
+     "2^-5: one more bf16 rounding of K and V simulates <= 2^-6.8; garbage or a wrong scale "
+     ">= 2^-2"},
+    {Comparison::kCaptured, Limit::kCosDiff, kCapturedCosDiff, "2^-11 = (rel_l2 limit)^2 / 2"},
+    {Comparison::kCaptured, Limit::kMaxUlpBf16, std::nullopt, kNoUlpLimit},
+    {Comparison::kCaptured, Limit::kLseMaxAbs, kCapturedLseMaxAbs,
+     "2^-2: bf16-rounded k moves scores by ~2^-9.3 of their terms, simulated <= 0.11 at "
+     "|s| ~ 106; a power-of-two scale >= 2"},
+    // ---- quantization (R8 vs Rs; sign-off)
+    {Comparison::kQuantization, Limit::kMaxAbsOverRefMax, kQuantMaxAbsOverRefMax,
+     "2^-2 (policy): per element |R8-Rs| from V is <= 2^-4 max|v|, for max|v| up to 4 "
+     "max|out|"},
+    {Comparison::kQuantization, Limit::kRelL2, kQuantRelL2,
+     "2^-4 (policy): FP8 storage may cost at most one e4m3 unit roundoff of the output; "
+     "simulated 2^-4.4 (diffuse, |s| <= 8) to 2^-2.5 (sharp, |s| ~ 100)"},
+    {Comparison::kQuantization, Limit::kCosDiff, kQuantCosDiff, "2^-9 = (rel_l2 limit)^2 / 2"},
+    {Comparison::kQuantization, Limit::kMaxUlpBf16, std::nullopt, kNoUlpLimit},
+    {Comparison::kQuantization, Limit::kLseMaxAbs, kQuantLseMaxAbs,
+     "2^-2 (policy): the softmax normalizer within a factor e^(1/4)"},
+    // ---- total (K vs Rs; sign-off)
+    {Comparison::kTotal, Limit::kMaxAbsOverRefMax, kTotalMaxAbsOverRefMax,
+     "quantization + kernel * (1 + quantization) = 2^-2 + 2^-7 * 1.25 (triangle inequality; "
+     "max|R8| <= 1.25 max|Rs|)"},
+    {Comparison::kTotal, Limit::kRelL2, kTotalRelL2,
+     "quantization + kernel * (1 + quantization) = 2^-4 + 2^-8 * (1 + 2^-4) (triangle "
+     "inequality; ||R8|| <= (1 + 2^-4) ||Rs||)"},
+    {Comparison::kTotal, Limit::kCosDiff, kTotalCosDiff, "(rel_l2 limit)^2 / 2"},
+    {Comparison::kTotal, Limit::kMaxUlpBf16, std::nullopt, kNoUlpLimit},
+    {Comparison::kTotal, Limit::kLseMaxAbs, kTotalLseMaxAbs,
+     "quantization + kernel = 2^-2 + 2^-10 (the errors add)"},
+};
 
-ComparisonLimits total_limits() {
-  ComparisonLimits l;
-  l.max_abs_over_ref_max = kTotalMaxAbsOverRefMax;
-  l.rel_l2 = kTotalRelL2;
-  l.cos_diff = kTotalCosDiff;
-  l.lse_max_abs = kTotalLseMaxAbs;
-  l.derivations = {
-      {"max_abs_over_ref_max",
-       "quantization + kernel * (1 + quantization) = 2^-2 + 2^-7 * 1.25 (triangle inequality; "
-       "max|R8| <= 1.25 max|Rs|)"},
-      {"rel_l2",
-       "quantization + kernel * (1 + quantization) = 2^-4 + 2^-8 * (1 + 2^-4) (triangle "
-       "inequality; ||R8|| <= (1 + 2^-4) ||Rs||)"},
-      {"cos_diff", "(rel_l2 limit)^2 / 2"},
-      {"max_ulp_bf16", kNoUlpLimit},
-      {"lse_max_abs", "quantization + kernel = 2^-2 + 2^-10 (the errors add)"}};
-  return l;
-}
+constexpr const char* kRelFloorDerivation =
+    "2^-8: below it a bf16 output's own quantum (<= 2^-16) is far under the kernel's absolute "
+    "error (~2^-8 max|v|), so max_rel there would measure cancellation, not the element; "
+    "max_rel is reported, not judged";
 
 template <typename Limits>  // ComparisonLimits or const ComparisonLimits
-auto limit_slot(Limits& limits, const std::string& name) -> decltype(&limits.rel_l2) {
-  if (name == "max_abs_over_ref_max") return &limits.max_abs_over_ref_max;
-  if (name == "rel_l2") return &limits.rel_l2;
-  if (name == "cos_diff") return &limits.cos_diff;
-  if (name == "max_ulp_bf16") return &limits.max_ulp_bf16;
-  if (name == "lse_max_abs") return &limits.lse_max_abs;
-  return nullptr;
+auto& limit_slot(Limits& limits, Limit limit) {
+  switch (limit) {
+    case Limit::kMaxAbsOverRefMax:
+      return limits.max_abs_over_ref_max;
+    case Limit::kRelL2:
+      return limits.rel_l2;
+    case Limit::kCosDiff:
+      return limits.cos_diff;
+    case Limit::kMaxUlpBf16:
+      return limits.max_ulp_bf16;
+    case Limit::kLseMaxAbs:
+      return limits.lse_max_abs;
+  }
+  return limits.rel_l2;
 }
 
-std::string format_number(double value) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%.3g", value);
-  return text;
+template <typename P>  // Policy or const Policy
+auto& comparison_limits(P& policy, Comparison comparison) {
+  switch (comparison) {
+    case Comparison::kKernel:
+      return policy.kernel;
+    case Comparison::kQuantization:
+      return policy.quantization;
+    case Comparison::kTotal:
+      return policy.total;
+    case Comparison::kCaptured:
+      return policy.captured;
+    case Comparison::kCache:
+      return policy.cache;
+  }
+  return policy.kernel;
 }
+
+// The metric a limit bounds; none where the comparison does not have it (lse not compared).
+std::optional<double> judged_value(const ComparisonMetrics& metrics, Limit limit) {
+  switch (limit) {
+    case Limit::kMaxAbsOverRefMax:
+      return max_abs_over_ref_max(metrics);
+    case Limit::kRelL2:
+      return metrics.rel_l2;
+    case Limit::kCosDiff:
+      return metrics.cos_diff;
+    case Limit::kMaxUlpBf16:
+      return metrics.max_ulp_bf16;
+    case Limit::kLseMaxAbs:
+      return metrics.has_lse ? std::optional<double>(metrics.lse_max_abs) : std::nullopt;
+  }
+  return std::nullopt;
+}
+
+// How a judgement's reason names the metric: "max_abs/ref_max 0.0139 > 0.00781 (kernel limit)".
+const char* reason_label(Limit limit) {
+  return limit == Limit::kMaxAbsOverRefMax ? "max_abs/ref_max" : limit_name(limit);
+}
+
+std::string format_number(double value) { return fmt::format("{:.3g}", value); }
 
 std::string describe_location(const ElementLocation& at) {
-  std::ostringstream text;
-  text << "row " << at.row << " head " << at.head;
-  if (at.dim >= 0) {
-    text << " dim " << at.dim;
-  } else {
-    text << " (lse)";
-  }
-  text << ": reference " << format_number(at.reference) << ", candidate "
-       << format_number(at.candidate);
-  return text.str();
+  const std::string dim = at.dim >= 0 ? fmt::format(" dim {}", at.dim) : " (lse)";
+  return fmt::format("row {} head {}{}: reference {}, candidate {}", at.row, at.head, dim,
+                     format_number(at.reference), format_number(at.candidate));
 }
 
 // ---- policy files ------------------------------------------------------------------------------
@@ -267,18 +278,27 @@ struct FileContext {
   std::string where(const std::string& pointer) const { return file + ":" + pointer; }
 };
 
+Error wrong_type(const FileContext& context, const std::string& pointer, const char* expected,
+                 const nlohmann::json& value) {
+  return bad_input(context.where(pointer),
+                   fmt::format("expected {}, got {}", expected, value.type_name()));
+}
+
 Result<double> read_nonnegative_number(const FileContext& context, const std::string& pointer,
                                        const nlohmann::json& value) {
-  if (!value.is_number()) {
-    return bad_input(context.where(pointer),
-                     std::string("expected a number, got ") + value.type_name());
-  }
+  if (!value.is_number()) return wrong_type(context, pointer, "a number", value);
   const double number = value.get<double>();
   if (!std::isfinite(number) || number < 0) {
     return bad_input(context.where(pointer),
                      "expected a finite number >= 0, got " + format_number(number));
   }
   return number;
+}
+
+Result<std::string> read_string(const FileContext& context, const std::string& pointer,
+                                const nlohmann::json& value) {
+  if (!value.is_string()) return wrong_type(context, pointer, "a string", value);
+  return value.get<std::string>();
 }
 
 // A limit: a number, null (not checked), or {"limit": number|null, "derivation": string}.
@@ -293,11 +313,7 @@ Status read_limit(const FileContext& context, const std::string& pointer,
       if (key == "limit") {
         limit_value = &item;
       } else if (key == "derivation") {
-        if (!item.is_string()) {
-          return bad_input(context.where(pointer + "/derivation"),
-                           std::string("expected a string, got ") + item.type_name());
-        }
-        derivation = item.get<std::string>();
+        KVAUDIT_ASSIGN_OR_RETURN(derivation, read_string(context, pointer + "/derivation", item));
       } else {
         return bad_input(context.where(pointer + "/" + key),
                          "unknown key (expected limit, derivation)");
@@ -312,28 +328,100 @@ Status read_limit(const FileContext& context, const std::string& pointer,
     return ok_status();
   }
   const std::string value_pointer = value.is_object() ? pointer + "/limit" : pointer;
-  const Result<double> number = read_nonnegative_number(context, value_pointer, *limit_value);
-  if (!number.ok()) return number.error();
-  limit = *number;
+  KVAUDIT_ASSIGN_OR_RETURN(limit, read_nonnegative_number(context, value_pointer, *limit_value));
   return ok_status();
+}
+
+std::optional<Limit> limit_named(const std::string& name) {
+  for (const Limit limit : all_limits()) {
+    if (name == limit_name(limit)) return limit;
+  }
+  return std::nullopt;
 }
 
 Status read_limits(const FileContext& context, const std::string& pointer,
                    const nlohmann::json& value, ComparisonLimits& limits) {
-  if (!value.is_object()) {
-    return bad_input(context.where(pointer),
-                     std::string("expected an object of limits, got ") + value.type_name());
-  }
+  if (!value.is_object()) return wrong_type(context, pointer, "an object of limits", value);
   for (const auto& [key, item] : value.items()) {
-    std::optional<double>* slot = limit_slot(limits, key);
-    if (slot == nullptr) {
+    const std::optional<Limit> limit = limit_named(key);
+    if (!limit) {
       return bad_input(context.where(pointer + "/" + key),
                        "unknown limit (expected max_abs_over_ref_max, rel_l2, cos_diff, "
                        "max_ulp_bf16, lse_max_abs)");
     }
-    KVAUDIT_TRY(read_limit(context, pointer + "/" + key, item, *slot, limits.derivations[key]));
+    KVAUDIT_TRY(read_limit(context, pointer + "/" + key, item, limit_slot(limits, *limit),
+                           limits.derivations[*limit]));
   }
   return ok_status();
+}
+
+// rel_floor: a number, or {"value": number, "derivation": string}.
+Status read_rel_floor(const FileContext& context, const std::string& pointer,
+                      const nlohmann::json& value, Policy& policy) {
+  if (!value.is_object()) {
+    KVAUDIT_ASSIGN_OR_RETURN(policy.rel_floor, read_nonnegative_number(context, pointer, value));
+    policy.rel_floor_derivation = "set in policy file " + context.file;
+    return ok_status();
+  }
+  bool has_value = false;
+  for (const auto& [key, item] : value.items()) {
+    if (key == "value") {
+      KVAUDIT_ASSIGN_OR_RETURN(policy.rel_floor,
+                               read_nonnegative_number(context, pointer + "/value", item));
+      has_value = true;
+    } else if (key == "derivation") {
+      KVAUDIT_ASSIGN_OR_RETURN(policy.rel_floor_derivation,
+                               read_string(context, pointer + "/derivation", item));
+    } else {
+      return bad_input(context.where(pointer + "/" + key),
+                       "unknown key (expected value, derivation)");
+    }
+  }
+  if (!has_value) return bad_input(context.where(pointer), "missing key value (a number)");
+  return ok_status();
+}
+
+std::optional<Comparison> comparison_named(const std::string& name) {
+  for (const Comparison comparison : all_comparisons()) {
+    if (name == comparison_name(comparison)) return comparison;
+  }
+  return std::nullopt;
+}
+
+// One top-level key of a policy file, read over the policy so far.
+Status read_policy_key(const FileContext& context, const std::string& key,
+                       const nlohmann::json& value, Policy& policy) {
+  const std::string pointer = "/" + key;
+  if (key == "name") {
+    KVAUDIT_ASSIGN_OR_RETURN(policy.name, read_string(context, pointer, value));
+    return ok_status();
+  }
+  if (key == "rel_floor") return read_rel_floor(context, pointer, value, policy);
+  if (const std::optional<Comparison> comparison = comparison_named(key)) {
+    return read_limits(context, pointer, value, limits_for(policy, *comparison));
+  }
+  if (key == "quantization_sets_exit") {
+    if (!value.is_boolean()) return wrong_type(context, pointer, "true or false", value);
+    policy.quantization_sets_exit = value.get<bool>();
+    return ok_status();
+  }
+  return bad_input(context.where(pointer),
+                   "unknown key (expected name, rel_floor, kernel, cache, captured, "
+                   "quantization, total, quantization_sets_exit)");
+}
+
+Result<nlohmann::json> read_json_object(const std::filesystem::path& path,
+                                        const FileContext& context) {
+  std::ifstream in(path);
+  if (!in) return bad_input(path.string(), "cannot open policy file");
+  nlohmann::json root;
+  try {
+    root = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::parse_error& e) {
+    return bad_input(path.string(), std::string("not valid JSON: ") + e.what());
+  }
+  if (!root.is_object()) return wrong_type(context, "/", "a JSON object", root);
+  return root;
 }
 
 }  // namespace
@@ -361,46 +449,50 @@ const std::vector<Comparison>& all_comparisons() {
   return kAll;
 }
 
-const std::vector<std::string>& limit_names() {
-  static const std::vector<std::string> kNames = {"max_abs_over_ref_max", "rel_l2", "cos_diff",
-                                                  "max_ulp_bf16", "lse_max_abs"};
-  return kNames;
+const char* limit_name(Limit limit) {
+  switch (limit) {
+    case Limit::kMaxAbsOverRefMax:
+      return "max_abs_over_ref_max";
+    case Limit::kRelL2:
+      return "rel_l2";
+    case Limit::kCosDiff:
+      return "cos_diff";
+    case Limit::kMaxUlpBf16:
+      return "max_ulp_bf16";
+    case Limit::kLseMaxAbs:
+      return "lse_max_abs";
+  }
+  return "unknown";
 }
 
-std::optional<double> limit_value(const ComparisonLimits& limits, const std::string& name) {
-  const std::optional<double>* slot = limit_slot(limits, name);
-  return slot == nullptr ? std::nullopt : *slot;
+const std::vector<Limit>& all_limits() {
+  static const std::vector<Limit> kAll = {Limit::kMaxAbsOverRefMax, Limit::kRelL2, Limit::kCosDiff,
+                                          Limit::kMaxUlpBf16, Limit::kLseMaxAbs};
+  return kAll;
+}
+
+std::optional<double> limit_value(const ComparisonLimits& limits, Limit limit) {
+  return limit_slot(limits, limit);
 }
 
 const ComparisonLimits& limits_for(const Policy& policy, Comparison comparison) {
-  switch (comparison) {
-    case Comparison::kKernel:
-      return policy.kernel;
-    case Comparison::kQuantization:
-      return policy.quantization;
-    case Comparison::kTotal:
-      return policy.total;
-    case Comparison::kCaptured:
-      return policy.captured;
-    case Comparison::kCache:
-      return policy.cache;
-  }
-  return policy.kernel;
+  return comparison_limits(policy, comparison);
+}
+
+ComparisonLimits& limits_for(Policy& policy, Comparison comparison) {
+  return comparison_limits(policy, comparison);
 }
 
 Policy default_policy() {
   Policy policy;
   policy.name = "default";
   policy.rel_floor = kRelFloor;
-  policy.rel_floor_derivation =
-      "2^-8: below it a bf16 output's own quantum (<= 2^-16) is far under the kernel's absolute "
-      "error (~2^-8 max|v|), so max_rel there would measure cancellation, not the element; "
-      "max_rel is reported, not judged";
-  policy.kernel = kernel_limits();
-  policy.cache = cache_limits();
-  policy.captured = captured_limits();
-  policy.quantization = quantization_limits();
-  policy.total = total_limits();
+  policy.rel_floor_derivation = kRelFloorDerivation;
+  for (const DefaultLimit& row : kDefaultLimits) {
+    ComparisonLimits& limits = limits_for(policy, row.comparison);
+    limit_slot(limits, row.limit) = row.value;
+    limits.derivations[row.limit] = row.derivation;
+  }
   policy.quantization_sets_exit = false;
   return policy;
 }
@@ -415,134 +507,58 @@ Policy signoff_policy() {
 nlohmann::json to_json(const Policy& policy) {
   auto limits_json = [](const ComparisonLimits& limits) {
     nlohmann::json j = nlohmann::json::object();
-    for (const std::string& name : limit_names()) {
-      const std::optional<double> value = limit_value(limits, name);
-      const auto derivation = limits.derivations.find(name);
-      j[name] = {{"limit", value ? nlohmann::json(*value) : nlohmann::json(nullptr)},
-                 {"derivation",
-                  derivation == limits.derivations.end() ? std::string() : derivation->second}};
+    for (const Limit limit : all_limits()) {
+      const std::optional<double> value = limit_value(limits, limit);
+      const auto derivation = limits.derivations.find(limit);
+      j[limit_name(limit)] = {
+          {"limit", value ? nlohmann::json(*value) : nlohmann::json(nullptr)},
+          {"derivation",
+           derivation == limits.derivations.end() ? std::string() : derivation->second}};
     }
     return j;
   };
   nlohmann::json j;
   j["name"] = policy.name;
   j["rel_floor"] = {{"value", policy.rel_floor}, {"derivation", policy.rel_floor_derivation}};
-  j["kernel"] = limits_json(policy.kernel);
-  j["cache"] = limits_json(policy.cache);
-  j["captured"] = limits_json(policy.captured);
-  j["quantization"] = limits_json(policy.quantization);
-  j["total"] = limits_json(policy.total);
+  for (const Comparison comparison : all_comparisons()) {
+    j[comparison_name(comparison)] = limits_json(limits_for(policy, comparison));
+  }
   j["quantization_sets_exit"] = policy.quantization_sets_exit;
   return j;
 }
 
 Result<Policy> load_policy(const std::filesystem::path& path) {
   const FileContext context{path.string()};
-  std::ifstream in(path);
-  if (!in) return bad_input(path.string(), "cannot open policy file");
-  nlohmann::json root;
-  try {
-    root = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::parse_error& e) {
-    return bad_input(path.string(), std::string("not valid JSON: ") + e.what());
-  }
-  if (!root.is_object()) {
-    return bad_input(context.where("/"),
-                     std::string("expected a JSON object, got ") + root.type_name());
-  }
+  KVAUDIT_ASSIGN_OR_RETURN(const nlohmann::json root, read_json_object(path, context));
   // A file overrides the default policy key by key; a limit set to null is not checked.
   Policy policy = default_policy();
   policy.name = path.stem().string();
   for (const auto& [key, value] : root.items()) {
-    const std::string pointer = "/" + key;
-    if (key == "name") {
-      if (!value.is_string()) {
-        return bad_input(context.where(pointer),
-                         std::string("expected a string, got ") + value.type_name());
-      }
-      policy.name = value.get<std::string>();
-    } else if (key == "rel_floor") {
-      if (value.is_object()) {
-        bool has_value = false;
-        for (const auto& [inner, item] : value.items()) {
-          if (inner == "value") {
-            const Result<double> number =
-                read_nonnegative_number(context, pointer + "/value", item);
-            if (!number.ok()) return number.error();
-            policy.rel_floor = *number;
-            has_value = true;
-          } else if (inner == "derivation") {
-            if (!item.is_string()) {
-              return bad_input(context.where(pointer + "/derivation"),
-                               std::string("expected a string, got ") + item.type_name());
-            }
-            policy.rel_floor_derivation = item.get<std::string>();
-          } else {
-            return bad_input(context.where(pointer + "/" + inner),
-                             "unknown key (expected value, derivation)");
-          }
-        }
-        if (!has_value) return bad_input(context.where(pointer), "missing key value (a number)");
-      } else {
-        const Result<double> number = read_nonnegative_number(context, pointer, value);
-        if (!number.ok()) return number.error();
-        policy.rel_floor = *number;
-        policy.rel_floor_derivation = "set in policy file " + context.file;
-      }
-    } else if (key == "kernel") {
-      KVAUDIT_TRY(read_limits(context, pointer, value, policy.kernel));
-    } else if (key == "cache") {
-      KVAUDIT_TRY(read_limits(context, pointer, value, policy.cache));
-    } else if (key == "captured") {
-      KVAUDIT_TRY(read_limits(context, pointer, value, policy.captured));
-    } else if (key == "quantization") {
-      KVAUDIT_TRY(read_limits(context, pointer, value, policy.quantization));
-    } else if (key == "total") {
-      KVAUDIT_TRY(read_limits(context, pointer, value, policy.total));
-    } else if (key == "quantization_sets_exit") {
-      if (!value.is_boolean()) {
-        return bad_input(context.where(pointer),
-                         std::string("expected true or false, got ") + value.type_name());
-      }
-      policy.quantization_sets_exit = value.get<bool>();
-    } else {
-      return bad_input(context.where(pointer),
-                       "unknown key (expected name, rel_floor, kernel, cache, captured, "
-                       "quantization, total, quantization_sets_exit)");
-    }
+    KVAUDIT_TRY(read_policy_key(context, key, value, policy));
   }
   return policy;
 }
 
 Judgement judge(const Policy& policy, Comparison comparison, const ComparisonMetrics& metrics) {
   Judgement judgement;
-  const std::string limit_tag = std::string(" (") + comparison_name(comparison) + " limit)";
   // Non-finite disagreements fail before any norm is looked at.
   if (metrics.nonfinite_mismatches > 0) {
     judgement.pass = false;
-    judgement.reasons.push_back(std::to_string(metrics.nonfinite_mismatches) +
-                                " NaN/Inf mismatches, first at " +
-                                describe_location(metrics.first_nonfinite_mismatch));
+    judgement.reasons.push_back(fmt::format("{} NaN/Inf mismatches, first at {}",
+                                            metrics.nonfinite_mismatches,
+                                            describe_location(metrics.first_nonfinite_mismatch)));
   }
   const ComparisonLimits& limits = limits_for(policy, comparison);
-  // `!(value <= limit)` so that a NaN metric fails too.
-  auto check = [&](const char* name, double value, const std::optional<double>& limit) {
-    if (!limit || value <= *limit) return;
+  for (const Limit limit : all_limits()) {
+    const std::optional<double> bound = limit_value(limits, limit);
+    const std::optional<double> value = judged_value(metrics, limit);
+    // `!(value <= bound)` so that a NaN metric fails too.
+    if (!bound || !value || *value <= *bound) continue;
     judgement.pass = false;
-    judgement.reasons.push_back(std::string(name) + " " + format_number(value) + " > " +
-                                format_number(*limit) + limit_tag);
-  };
-  double over_ref_max = 0.0;
-  if (metrics.reference_max_abs > 0.0) {
-    over_ref_max = metrics.max_abs / metrics.reference_max_abs;
-  } else if (metrics.max_abs > 0.0) {
-    over_ref_max = std::numeric_limits<double>::infinity();
+    judgement.reasons.push_back(fmt::format("{} {} > {} ({} limit)", reason_label(limit),
+                                            format_number(*value), format_number(*bound),
+                                            comparison_name(comparison)));
   }
-  check("max_abs/ref_max", over_ref_max, limits.max_abs_over_ref_max);
-  check("rel_l2", metrics.rel_l2, limits.rel_l2);
-  check("cos_diff", metrics.cos_diff, limits.cos_diff);
-  check("max_ulp_bf16", metrics.max_ulp_bf16, limits.max_ulp_bf16);
-  if (metrics.has_lse) check("lse_max_abs", metrics.lse_max_abs, limits.lse_max_abs);
   return judgement;
 }
 

@@ -1,6 +1,7 @@
-// The one place that turns metrics into pass/fail (docs/design.md "one place that turns results into a
-// verdict"). Limits are per comparison; the defaults and where each number comes from are
-// documented in policy.cpp and the README.
+// The one place that turns metrics into pass/fail (docs/design.md "one place that turns results
+// into a verdict"; src/verdict/run_judge.hpp applies it to a run). Limits are per comparison; the
+// defaults are one table in policy.cpp, each row with where its number comes from (derived in
+// policy.cpp's header comment and the README).
 #pragma once
 
 #include <filesystem>
@@ -23,6 +24,15 @@ const char* comparison_name(Comparison comparison);  // "kernel" | "quantization
 // Every comparison, in report order: kernel, cache, captured, quantization, total.
 const std::vector<Comparison>& all_comparisons();
 
+// The limits a comparison may have, each bounding one metric (src/verdict/metrics.hpp).
+enum class Limit { kMaxAbsOverRefMax, kRelL2, kCosDiff, kMaxUlpBf16, kLseMaxAbs };
+// "max_abs_over_ref_max" | "rel_l2" | "cos_diff" | "max_ulp_bf16" | "lse_max_abs": the keys of
+// report.json's policy object and of policy files.
+const char* limit_name(Limit limit);
+// Every limit, in report order: max_abs_over_ref_max, rel_l2, cos_diff, max_ulp_bf16,
+// lse_max_abs.
+const std::vector<Limit>& all_limits();
+
 // A limit that is absent (std::nullopt) is not checked. NaN/Inf mismatches always fail.
 struct ComparisonLimits {
   std::optional<double> max_abs_over_ref_max;  // max_abs / max|reference out|
@@ -30,14 +40,11 @@ struct ComparisonLimits {
   std::optional<double> cos_diff;
   std::optional<double> max_ulp_bf16;
   std::optional<double> lse_max_abs;
-  // Where each number comes from, by limit name ("rel_l2", ...): written into reports.
-  std::map<std::string, std::string> derivations;
+  // Where each number comes from, by limit: written into reports.
+  std::map<Limit, std::string> derivations;
 };
 
-// The limit names, in report order: max_abs_over_ref_max, rel_l2, cos_diff, max_ulp_bf16,
-// lse_max_abs.
-const std::vector<std::string>& limit_names();
-std::optional<double> limit_value(const ComparisonLimits& limits, const std::string& name);
+std::optional<double> limit_value(const ComparisonLimits& limits, Limit limit);
 
 struct Policy {
   std::string name;        // "default", "signoff", or the policy file's name
@@ -52,12 +59,14 @@ struct Policy {
 };
 
 const ComparisonLimits& limits_for(const Policy& policy, Comparison comparison);
+ComparisonLimits& limits_for(Policy& policy, Comparison comparison);
 
 struct Judgement {
   bool pass = true;
   std::vector<std::string> reasons;  // "rel_l2 0.031 > 0.0156 (kernel limit)"
 };
 
+// The defaults of policy.cpp's table, each limit with its derivation.
 Policy default_policy();
 Policy signoff_policy();
 Result<Policy> load_policy(const std::filesystem::path& path);  // JSON, same keys as to_json

@@ -42,7 +42,7 @@ Scenario make_scenario() {
 }
 
 const IntegrityFinding& finding(const std::vector<IntegrityFinding>& findings,
-                                const std::string& check) {
+                                IntegrityCheck check) {
   const auto it = std::find_if(findings.begin(), findings.end(),
                                [&](const IntegrityFinding& f) { return f.check == check; });
   REQUIRE(it != findings.end());
@@ -57,7 +57,7 @@ TEST_CASE("backend pool that wrote exactly the step's slots passes every check",
   const auto findings = check_backend_pool(s.writes(), s.before, s.expected, s.expected);
   REQUIRE(findings.size() == 5);
   for (const IntegrityFinding& f : findings) {
-    INFO(f.check << ": " << f.detail);
+    INFO(integrity_check_name(f.check) << ": " << f.detail);
     CHECK(f.pass);
     CHECK(f.step == 3);
     CHECK(f.layer_id == 7);
@@ -72,19 +72,19 @@ TEST_CASE("write to the neighbouring slot fails written and unwritten checks nam
   std::copy_n(s.expected.row(2), kWidth, after.row(2));
   std::copy_n(s.expected.row(5), kWidth, after.row(6));
   const auto findings = check_backend_pool(s.writes(), s.before, after, s.expected);
-  const IntegrityFinding& written = finding(findings, "written_slots");
+  const IntegrityFinding& written = finding(findings, IntegrityCheck::kWrittenSlots);
   CHECK_FALSE(written.pass);
   CHECK(written.slots == std::vector<std::int64_t>{5});
   CHECK_THAT(written.detail, Catch::Contains("S003 L007") && Catch::Contains("slot 5"));
-  const IntegrityFinding& unwritten = finding(findings, "unwritten_slots");
+  const IntegrityFinding& unwritten = finding(findings, IntegrityCheck::kUnwrittenSlots);
   CHECK_FALSE(unwritten.pass);
   CHECK(unwritten.slots == std::vector<std::int64_t>{6});
-  CHECK(unwritten.classification == "wrong_slot");
-  const IntegrityFinding& consistency = finding(findings, "read_consistency");
+  CHECK(unwritten.classification == SlotClass::kWrongSlot);
+  const IntegrityFinding& consistency = finding(findings, IntegrityCheck::kReadConsistency);
   CHECK_FALSE(consistency.pass);
   CHECK(consistency.slots == std::vector<std::int64_t>{5, 6});
-  CHECK(finding(findings, "storage").pass);
-  CHECK(finding(findings, "nan_written").pass);
+  CHECK(finding(findings, IntegrityCheck::kStorage).pass);
+  CHECK(finding(findings, IntegrityCheck::kNanWritten).pass);
 }
 
 TEST_CASE("NaN code written for a finite value is named", "[integrity]") {
@@ -92,17 +92,17 @@ TEST_CASE("NaN code written for a finite value is named", "[integrity]") {
   KvPool after = s.expected;
   after.row(2)[3] = 0x7F;  // a no-saturation encoder: 560 -> NaN
   const auto findings = check_backend_pool(s.writes(), s.before, after, s.expected);
-  CHECK(finding(findings, "nan_written").slots == std::vector<std::int64_t>{2});
-  CHECK_FALSE(finding(findings, "nan_written").pass);
-  CHECK_FALSE(finding(findings, "written_slots").pass);
-  CHECK(finding(findings, "unwritten_slots").pass);
+  CHECK(finding(findings, IntegrityCheck::kNanWritten).slots == std::vector<std::int64_t>{2});
+  CHECK_FALSE(finding(findings, IntegrityCheck::kNanWritten).pass);
+  CHECK_FALSE(finding(findings, IntegrityCheck::kWrittenSlots).pass);
+  CHECK(finding(findings, IntegrityCheck::kUnwrittenSlots).pass);
 }
 
 TEST_CASE("a pool whose storage became bf16 fails storage", "[integrity]") {
   const Scenario s = make_scenario();
   const KvPool after = KvPool::zeros(KvDtype::kBfloat16, kSlots, kWidth);
   const auto findings = check_backend_pool(s.writes(), s.before, after, s.expected);
-  const IntegrityFinding& storage = finding(findings, "storage");
+  const IntegrityFinding& storage = finding(findings, IntegrityCheck::kStorage);
   CHECK_FALSE(storage.pass);
   CHECK_THAT(storage.detail, Catch::Contains("bfloat16"));
   CHECK(std::none_of(findings.begin(), findings.end(), [](const auto& f) { return f.pass; }));
@@ -123,7 +123,7 @@ TEST_CASE("captured pool: equal passes, corruptions are classified per slot", "[
     const auto findings = check_captured_pool(s.writes(), captured, s.expected);
     REQUIRE(findings.size() == 1);
     CHECK_FALSE(findings[0].pass);
-    CHECK(findings[0].classification == "bf16_bytes");
+    CHECK(findings[0].classification == SlotClass::kBf16Bytes);
     CHECK(findings[0].slots == std::vector<std::int64_t>{5});
   }
   SECTION("NaN where satfinite stores 448") {
@@ -131,7 +131,7 @@ TEST_CASE("captured pool: equal passes, corruptions are classified per slot", "[
     captured.row(2)[3] = 0x7F;
     const auto findings = check_captured_pool(s.writes(), captured, s.expected);
     REQUIRE(findings.size() == 1);
-    CHECK(findings[0].classification == "nan_code");
+    CHECK(findings[0].classification == SlotClass::kNanCode);
     CHECK(findings[0].slots == std::vector<std::int64_t>{2});
   }
   SECTION("rounded toward zero") {
@@ -140,7 +140,7 @@ TEST_CASE("captured pool: equal passes, corruptions are classified per slot", "[
     captured.row(5)[4] = static_cast<std::uint8_t>(captured.row(5)[4] - 1);
     const auto findings = check_captured_pool(s.writes(), captured, s.expected);
     REQUIRE(findings.size() == 1);
-    CHECK(findings[0].classification == "off_by_one_code");
+    CHECK(findings[0].classification == SlotClass::kOffByOneCode);
   }
   SECTION("row written to the neighbouring slot") {
     KvPool captured = s.expected;
@@ -148,7 +148,7 @@ TEST_CASE("captured pool: equal passes, corruptions are classified per slot", "[
     std::copy_n(s.expected.row(5), kWidth, captured.row(6));
     const auto findings = check_captured_pool(s.writes(), captured, s.expected);
     REQUIRE(findings.size() == 1);
-    CHECK(findings[0].classification == "wrong_slot");
+    CHECK(findings[0].classification == SlotClass::kWrongSlot);
     CHECK(findings[0].slots == std::vector<std::int64_t>{5, 6});
     CHECK_THAT(findings[0].detail, Catch::Contains("S003 L007"));
   }
@@ -157,7 +157,7 @@ TEST_CASE("captured pool: equal passes, corruptions are classified per slot", "[
     captured.row(0)[0] = 0x55;
     const auto findings = check_captured_pool(s.writes(), captured, s.expected);
     REQUIRE(findings.size() == 1);
-    CHECK(findings[0].classification == "other");
+    CHECK(findings[0].classification == SlotClass::kOther);
     CHECK(findings[0].slots == std::vector<std::int64_t>{0});
   }
   SECTION("a real bf16 store: 2 bytes per element over the slot, spilling into the next") {
@@ -175,7 +175,7 @@ TEST_CASE("captured pool: equal passes, corruptions are classified per slot", "[
     const auto findings = check_captured_pool(s.writes(), captured, s.expected);
     REQUIRE(findings.size() == 1);
     CHECK_FALSE(findings[0].pass);
-    CHECK(findings[0].classification == "bf16_bytes");
+    CHECK(findings[0].classification == SlotClass::kBf16Bytes);
     CHECK(findings[0].slots == std::vector<std::int64_t>{5, 6});
     CHECK(findings[0].slot_count == 2);
   }
@@ -194,7 +194,7 @@ TEST_CASE("one code off by one is a rounding difference even where it looks like
   REQUIRE(static_cast<std::uint8_t>(bf16_from_float(row[0] / kScale) >> 8) == 0x3F);
   KvPool captured = expected;
   captured.row(0)[0] = 0x3F;
-  CHECK(classify_slot(writes, captured, expected, 0) == "off_by_one_code");
+  CHECK(classify_slot(writes, captured, expected, 0) == SlotClass::kOffByOneCode);
 }
 
 TEST_CASE("backend pool: failing written slots carry the class of what is in them", "[integrity]") {
@@ -205,15 +205,16 @@ TEST_CASE("backend pool: failing written slots carry the class of what is in the
   }
   after.row(5)[0] = static_cast<std::uint8_t>(after.row(5)[0] + 1);  // 2.0 / 0.125 = 16, one up
   const auto findings = check_backend_pool(s.writes(), s.before, after, s.expected);
-  std::vector<std::string> classes;
+  std::vector<SlotClass> classes;
   for (const IntegrityFinding& f : findings) {
-    if (f.check == "written_slots") {
+    if (f.check == IntegrityCheck::kWrittenSlots) {
       CHECK_FALSE(f.pass);
       classes.push_back(f.classification);
-      CHECK(f.slots == std::vector<std::int64_t>{f.classification == "bf16_bytes" ? 2 : 5});
+      CHECK(f.slots ==
+            std::vector<std::int64_t>{f.classification == SlotClass::kBf16Bytes ? 2 : 5});
     }
   }
-  CHECK(classes == std::vector<std::string>{"bf16_bytes", "off_by_one_code"});
+  CHECK(classes == std::vector<SlotClass>{SlotClass::kBf16Bytes, SlotClass::kOffByOneCode});
 }
 
 TEST_CASE("captured pool: damage that persists is reported as carried from its first step",
@@ -224,7 +225,7 @@ TEST_CASE("captured pool: damage that persists is reported as carried from its f
   captured.row(2)[3] = 0x7F;  // NaN where satfinite stores 448
   const auto first = check_captured_pool(s.writes(), captured, s.expected, &history);
   REQUIRE(first.size() == 1);
-  CHECK(first[0].classification == "nan_code");
+  CHECK(first[0].classification == SlotClass::kNanCode);
   CHECK(first[0].carried_from_step == -1);
 
   // The next step writes slot 4 only; the captured pool still holds the NaN in slot 2.
@@ -238,7 +239,7 @@ TEST_CASE("captured pool: damage that persists is reported as carried from its f
   const auto second = check_captured_pool(next, next_captured, next_expected, &history);
   REQUIRE(second.size() == 1);
   CHECK_FALSE(second[0].pass);
-  CHECK(second[0].classification == "nan_code");
+  CHECK(second[0].classification == SlotClass::kNanCode);
   CHECK(second[0].carried_from_step == 3);
   CHECK(second[0].slots == std::vector<std::int64_t>{2});
   CHECK_THAT(second[0].detail, Catch::Contains("unchanged since step 3"));
@@ -253,7 +254,7 @@ TEST_CASE("captured pool: damage that persists is reported as carried from its f
     const auto again = check_captured_pool(next, other_damage, next_expected, &changed);
     REQUIRE(again.size() == 1);
     CHECK(again[0].carried_from_step == -1);
-    CHECK(again[0].classification == "nan_code");
+    CHECK(again[0].classification == SlotClass::kNanCode);
   }
 
   // Repaired at the step after: passes, and the history forgets the slot.
@@ -274,7 +275,7 @@ TEST_CASE("NaN codes already in the pool are reported as data, split by whether 
   const auto finding = report_nan_codes(s.writes(), pool, std::vector<std::int64_t>{2, 5, 6});
   REQUIRE(finding);
   CHECK(finding->pass);
-  CHECK(finding->check == "nan_codes_in_pool");
+  CHECK(finding->check == IntegrityCheck::kNanCodesInPool);
   CHECK(finding->slots == std::vector<std::int64_t>{6, 7});
   CHECK(finding->slot_count == 2);
   CHECK_THAT(finding->detail,

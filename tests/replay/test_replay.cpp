@@ -85,8 +85,8 @@ void plant_outputs(TinyDump& dump, std::size_t s, std::size_t l, Fault fault) {
   dump.tensors[s][l].lse = std::move(lse);
 }
 
-ReplayOutcome replay_tiny(const TinyDump& dump, const std::string& name, Backend* backend,
-                          ReplayOptions options = {}) {
+CheckRun replay_tiny(const TinyDump& dump, const std::string& name, Backend* backend,
+                     ReplayOptions options = {}) {
   if (options.policy.name.empty()) options.policy = default_policy();
   options.threads = 2;
   const auto path = testing::test_tmp_path(name + ".h5");
@@ -193,8 +193,7 @@ TEST_CASE("planted captured outputs: the correct kernel model passes", "[replay]
   for (std::size_t s = 0; s < dump.steps.size(); ++s) {
     for (std::size_t l = 0; l < dump.layers.size(); ++l) plant_outputs(dump, s, l, Fault::kNone);
   }
-  const ReplayOutcome outcome = replay_tiny(dump, "planted_correct", nullptr);
-  const CheckRun& run = outcome.run;
+  const CheckRun run = replay_tiny(dump, "planted_correct", nullptr);
   CHECK(run.backend == "none");
   // Every step and layer has a captured comparison, all passing.
   CHECK(std::count_if(run.comparisons.begin(), run.comparisons.end(), [](const auto& c) {
@@ -205,7 +204,7 @@ TEST_CASE("planted captured outputs: the correct kernel model passes", "[replay]
                    << " fails: " << c->judgement.reasons.front());
   }
   CHECK(run.pass());
-  CHECK_FALSE(outcome.first_divergence.has_value());
+  CHECK_FALSE(run.first_divergence.has_value());
 }
 
 TEST_CASE(
@@ -221,15 +220,15 @@ TEST_CASE(
       plant_outputs(dump, s, l, faulty ? fault : Fault::kNone);
     }
   }
-  const ReplayOutcome outcome = replay_tiny(
+  const CheckRun outcome = replay_tiny(
       dump, fault == Fault::kProbabilitiesE4m3 ? "planted_p_e4m3" : "planted_pow2", nullptr);
-  const auto failing = failing_comparisons(outcome.run);
+  const auto failing = failing_comparisons(outcome);
   REQUIRE(failing.size() == 1);
   CHECK(failing[0]->step == 1);
   CHECK(failing[0]->layer_id == 5);
   CHECK(failing[0]->comparison == Comparison::kCaptured);
   CHECK(failing[0]->sets_exit);
-  CHECK_FALSE(outcome.run.pass());
+  CHECK_FALSE(outcome.pass());
   REQUIRE(outcome.first_divergence.has_value());
   CHECK(outcome.first_divergence->step == 1);
   CHECK(outcome.first_divergence->layer_id == 5);
@@ -258,17 +257,17 @@ TEST_CASE("a pool captured from a reciprocal-scale server fails by default, pass
   // Meaningful only if x / s and x * (1 / s) round apart somewhere in this dump.
   REQUIRE(differing_codes > 0);
 
-  const ReplayOutcome by_default = replay_tiny(dump, "pool_reciprocal_default", nullptr);
-  const auto failing = failing_integrity(by_default.run);
+  const CheckRun by_default = replay_tiny(dump, "pool_reciprocal_default", nullptr);
+  const auto failing = failing_integrity(by_default);
   REQUIRE_FALSE(failing.empty());
-  CHECK(failing[0]->check == "captured_pool");
-  CHECK(failing[0]->classification == "off_by_one_code");
+  CHECK(failing[0]->check == IntegrityCheck::kCapturedPool);
+  CHECK(failing[0]->classification == SlotClass::kOffByOneCode);
 
   ReplayOptions named;
   named.reciprocal_scale = true;
-  const ReplayOutcome with_option = replay_tiny(dump, "pool_reciprocal_named", nullptr, named);
-  CHECK(failing_integrity(with_option.run).empty());
-  CHECK(with_option.run.pass());
+  const CheckRun with_option = replay_tiny(dump, "pool_reciprocal_named", nullptr, named);
+  CHECK(failing_integrity(with_option).empty());
+  CHECK(with_option.pass());
 }
 
 TEST_CASE("captured pool: saturated codes pass, NaN codes for them and BF16 high bytes fail",
@@ -290,10 +289,10 @@ TEST_CASE("captured pool: saturated codes pass, NaN codes for them and BF16 high
   REQUIRE(saturated > 0);
 
   SECTION("correctly saturated pool passes") {
-    const ReplayOutcome outcome = replay_tiny(dump, "pool_saturated", nullptr);
-    CHECK(failing_integrity(outcome.run).empty());
-    CHECK(outcome.run.integrity.size() == dump.steps.size());
-    CHECK(outcome.run.pass());
+    const CheckRun outcome = replay_tiny(dump, "pool_saturated", nullptr);
+    CHECK(failing_integrity(outcome).empty());
+    CHECK(outcome.integrity.size() == dump.steps.size());
+    CHECK(outcome.pass());
   }
   SECTION("NaN codes where satfinite gives +-448") {
     KvPool& captured = *dump.tensors[1][0].kv_cache_after;
@@ -311,17 +310,17 @@ TEST_CASE("captured pool: saturated codes pass, NaN codes for them and BF16 high
         dump.tensors[s][0].kv_cache_after->row(slot)[3] |= 0x7F;
       }
     }
-    const ReplayOutcome outcome = replay_tiny(dump, "pool_nan", nullptr);
-    const auto failing = failing_integrity(outcome.run);
+    const CheckRun outcome = replay_tiny(dump, "pool_nan", nullptr);
+    const auto failing = failing_integrity(outcome);
     REQUIRE(failing.size() == dump.steps.size() - 1);
     CHECK(failing[0]->step == 1);
     CHECK(failing[0]->layer_id == 2);
-    CHECK(failing[0]->check == "captured_pool");
-    CHECK(failing[0]->classification == "nan_code");
+    CHECK(failing[0]->check == IntegrityCheck::kCapturedPool);
+    CHECK(failing[0]->classification == SlotClass::kNanCode);
     CHECK(failing[0]->slots == nan_slots);
     CHECK_THAT(failing[0]->detail,
                Catch::Contains("S001 L002") && Catch::Contains(std::to_string(nan_slots[0])));
-    CHECK_FALSE(outcome.run.pass());
+    CHECK_FALSE(outcome.pass());
   }
   SECTION("BF16 high bytes in one written slot") {
     const int row = 1;
@@ -334,12 +333,12 @@ TEST_CASE("captured pool: saturated codes pass, NaN codes for them and BF16 high
         captured.row(slot)[c] = static_cast<std::uint8_t>(bf16_from_float(value) >> 8);
       }
     }
-    const ReplayOutcome outcome = replay_tiny(dump, "pool_bf16", nullptr);
-    const auto failing = failing_integrity(outcome.run);
+    const CheckRun outcome = replay_tiny(dump, "pool_bf16", nullptr);
+    const auto failing = failing_integrity(outcome);
     REQUIRE_FALSE(failing.empty());
     CHECK(failing[0]->step == 2);
     CHECK(failing[0]->layer_id == 2);
-    CHECK(failing[0]->classification == "bf16_bytes");
+    CHECK(failing[0]->classification == SlotClass::kBf16Bytes);
     // The later steps still hold it: carried, with the step it was first seen at.
     REQUIRE(failing.size() == dump.steps.size() - 2);
     for (std::size_t i = 1; i < failing.size(); ++i) CHECK(failing[i]->carried_from_step == 2);
@@ -370,8 +369,7 @@ TEST_CASE("clean cpu-fp8 replay passes with every comparison and integrity check
       }
     }
   }
-  const ReplayOutcome outcome = replay_tiny(dump, "clean_cpu", backend.get());
-  const CheckRun& run = outcome.run;
+  const CheckRun run = replay_tiny(dump, "clean_cpu", backend.get());
   CHECK(run.backend == "cpu-fp8");
   for (const ComparisonResult* c : failing_comparisons(run)) {
     FAIL_CHECK("S" << c->step << " L" << c->layer_id << " " << comparison_name(c->comparison)
@@ -393,7 +391,7 @@ TEST_CASE("clean cpu-fp8 replay passes with every comparison and integrity check
   CHECK(kernel->metrics.max_abs > 0.0);  // bf16 output: never bit-equal to the double reference
   CHECK(run.reference_rows_heads_tokens > 0.0);
   CHECK(run.pass());
-  CHECK_FALSE(outcome.first_divergence.has_value());
+  CHECK_FALSE(run.first_divergence.has_value());
 }
 
 TEST_CASE("integrity catches a backend that corrupts its pool, naming step, layer and slot",
@@ -405,25 +403,25 @@ TEST_CASE("integrity catches a backend that corrupts its pool, naming step, laye
   TinyDump dump = make_tiny_dump(spec);
   // Corrupt S001 (decode) in layer id 3 (index 1).
   CorruptingBackend backend(corruption, 1, 1);
-  const ReplayOutcome outcome = replay_tiny(dump, "corrupt", &backend);
+  const CheckRun outcome = replay_tiny(dump, "corrupt", &backend);
   const std::int64_t slot = dump.steps[1].new_kv_slots[CorruptingBackend::corrupted_row];
-  const auto failing = failing_integrity(outcome.run);
+  const auto failing = failing_integrity(outcome);
   REQUIRE_FALSE(failing.empty());
   CHECK(failing[0]->step == 1);
   CHECK(failing[0]->layer_id == 3);
   CHECK_THAT(failing[0]->detail, Catch::Contains("S001 L003"));
-  auto failed = [&](const std::string& check) {
+  auto failed = [&](IntegrityCheck check) {
     return std::find_if(failing.begin(), failing.end(), [&](const IntegrityFinding* f) {
       return f->check == check && f->step == 1 && f->layer_id == 3;
     });
   };
-  const auto written = failed("written_slots");
+  const auto written = failed(IntegrityCheck::kWrittenSlots);
   REQUIRE(written != failing.end());
   CHECK(std::find((*written)->slots.begin(), (*written)->slots.end(), slot) !=
         (*written)->slots.end());
   switch (corruption) {
     case Corruption::kNeighbourSlot: {
-      const auto unwritten = failed("unwritten_slots");
+      const auto unwritten = failed(IntegrityCheck::kUnwrittenSlots);
       REQUIRE(unwritten != failing.end());
       CHECK((*unwritten)->slots == std::vector<std::int64_t>{slot + 1});
       break;
@@ -432,7 +430,7 @@ TEST_CASE("integrity catches a backend that corrupts its pool, naming step, laye
       CHECK((*written)->slots.size() == dump.steps[1].new_kv_slots.size());
       break;
     case Corruption::kNanWritten: {
-      const auto nan = failed("nan_written");
+      const auto nan = failed(IntegrityCheck::kNanWritten);
       REQUIRE(nan != failing.end());
       CHECK((*nan)->slots == std::vector<std::int64_t>{slot});
       break;
@@ -448,7 +446,7 @@ TEST_CASE("integrity catches a backend that corrupts its pool, naming step, laye
   // blamed at any step: from S002 on it reads its own (corrupted) pool, R8' is what it read; at
   // S001 this backend attended before corrupting the pool, so its output matches R8, and a note
   // says that is what it is judged against. Where the pools agree the cache comparison is zero.
-  for (const ComparisonResult& c : outcome.run.comparisons) {
+  for (const ComparisonResult& c : outcome.comparisons) {
     INFO("step " << c.step << " layer " << c.layer_id << " " << comparison_name(c.comparison));
     const bool corrupted = c.layer_id == 3 && c.step >= 1;
     if (c.comparison == Comparison::kCache) {
@@ -461,7 +459,7 @@ TEST_CASE("integrity catches a backend that corrupts its pool, naming step, laye
     return note.find("S001 L003: the backend's output matches attention on the reference pool") !=
            std::string::npos;
   }));
-  CHECK_FALSE(outcome.run.pass());
+  CHECK_FALSE(outcome.pass());
 }
 
 TEST_CASE("saturating scale: large quantization error and clean kernel, fails only under signoff",
@@ -473,9 +471,9 @@ TEST_CASE("saturating scale: large quantization error and clean kernel, fails on
   spec.outlier_gain = 8.0f;
   TinyDump dump = make_tiny_dump(spec);
   auto backend = cpu_backend();
-  const ReplayOutcome by_default = replay_tiny(dump, "saturating_default", backend.get());
+  const CheckRun by_default = replay_tiny(dump, "saturating_default", backend.get());
   bool quantization_failed = false;
-  for (const ComparisonResult& c : by_default.run.comparisons) {
+  for (const ComparisonResult& c : by_default.comparisons) {
     if (c.comparison == Comparison::kKernel) {
       INFO("S" << c.step << " kernel");
       CHECK(c.judgement.pass);
@@ -485,19 +483,18 @@ TEST_CASE("saturating scale: large quantization error and clean kernel, fails on
       CHECK_FALSE(c.sets_exit);
       // FP8 storage costs far more than the kernel adds.
       const ComparisonResult* kernel =
-          find_comparison(by_default.run, c.step, c.layer_id, Comparison::kKernel);
+          find_comparison(by_default, c.step, c.layer_id, Comparison::kKernel);
       REQUIRE(kernel != nullptr);
       CHECK(c.metrics.rel_l2 > 10 * kernel->metrics.rel_l2);
     }
   }
   CHECK(quantization_failed);
-  CHECK(by_default.run.pass());
+  CHECK(by_default.pass());
 
   ReplayOptions signoff;
   signoff.policy = signoff_policy();
-  const ReplayOutcome under_signoff =
-      replay_tiny(dump, "saturating_signoff", backend.get(), signoff);
-  CHECK_FALSE(under_signoff.run.pass());
+  const CheckRun under_signoff = replay_tiny(dump, "saturating_signoff", backend.get(), signoff);
+  CHECK_FALSE(under_signoff.pass());
 }
 
 TEST_CASE("unselected steps are replayed but not reported, and no source means no quantization",
@@ -516,17 +513,17 @@ TEST_CASE("unselected steps are replayed but not reported, and no source means n
     CHECK(outputs.backend != nullptr);
     return ok_status();
   };
-  const ReplayOutcome outcome = replay_tiny(dump, "steps_no_source", backend.get(), options);
+  const CheckRun outcome = replay_tiny(dump, "steps_no_source", backend.get(), options);
   CHECK(observed == 1);
-  for (const ComparisonResult& c : outcome.run.comparisons) {
+  for (const ComparisonResult& c : outcome.comparisons) {
     CHECK(c.step == 2);
     CHECK((c.comparison == Comparison::kKernel || c.comparison == Comparison::kCache));
     CHECK(c.judgement.pass);  // the pools evolved through S000 and S001 first
   }
-  CHECK(outcome.run.comparisons.size() == 2);
+  CHECK(outcome.comparisons.size() == 2);
   REQUIRE_FALSE(outcome.notes.empty());
   CHECK_THAT(outcome.notes.front(), Catch::Contains("no source"));
-  CHECK(outcome.run.pass());
+  CHECK(outcome.pass());
 }
 
 TEST_CASE("selection of layers and steps is checked against the dump", "[replay]") {
@@ -561,12 +558,12 @@ TEST_CASE("without kv_source, steps whose tokens were all written are measured a
   const TinyDump sparse = make_tiny_dump(spec);
   spec.with_source = true;
   const TinyDump dense = make_tiny_dump(spec);
-  const ReplayOutcome from_writes = replay_tiny(sparse, "source_from_writes", nullptr);
-  const ReplayOutcome from_dataset = replay_tiny(dense, "source_from_dataset", nullptr);
+  const CheckRun from_writes = replay_tiny(sparse, "source_from_writes", nullptr);
+  const CheckRun from_dataset = replay_tiny(dense, "source_from_dataset", nullptr);
   CHECK(from_writes.notes.empty());
   for (int s = 0; s < static_cast<int>(sparse.steps.size()); ++s) {
-    const ComparisonResult* a = find_comparison(from_writes.run, s, 0, Comparison::kQuantization);
-    const ComparisonResult* b = find_comparison(from_dataset.run, s, 0, Comparison::kQuantization);
+    const ComparisonResult* a = find_comparison(from_writes, s, 0, Comparison::kQuantization);
+    const ComparisonResult* b = find_comparison(from_dataset, s, 0, Comparison::kQuantization);
     REQUIRE(a != nullptr);
     REQUIRE(b != nullptr);
     CHECK(a->metrics.rel_l2 > 0.0);
@@ -592,26 +589,26 @@ TEST_CASE("first divergence names the earliest step and its first failing row an
   };
   // S002: request 1's decode row (row 1), head 2 is 25% too large in every element.
   for (int d = 0; d < dc; ++d) head_values(2, 1, 2)[d] *= 1.25f;
-  const ReplayOutcome later_only = replay_tiny(dump, "divergence_scaled", nullptr);
+  const CheckRun later_only = replay_tiny(dump, "divergence_scaled", nullptr);
   REQUIRE(later_only.first_divergence.has_value());
   CHECK(later_only.first_divergence->step == 2);
   CHECK(later_only.first_divergence->layer_id == 0);
   CHECK(later_only.first_divergence->request == 1);
   CHECK(later_only.first_divergence->row == 1);
   CHECK(later_only.first_divergence->head == 2);
-  const ComparisonResult* scaled = find_comparison(later_only.run, 2, 0, Comparison::kCaptured);
+  const ComparisonResult* scaled = find_comparison(later_only, 2, 0, Comparison::kCaptured);
   REQUIRE(scaled != nullptr);
   CHECK(scaled->worst_request == 1);
 
   // An earlier NaN (S001, row 0, head 1, one element) takes precedence.
   head_values(1, 0, 1)[5] = std::nanf("");
-  const ReplayOutcome with_nan = replay_tiny(dump, "divergence_nan", nullptr);
+  const CheckRun with_nan = replay_tiny(dump, "divergence_nan", nullptr);
   REQUIRE(with_nan.first_divergence.has_value());
   CHECK(with_nan.first_divergence->step == 1);
   CHECK(with_nan.first_divergence->request == 0);
   CHECK(with_nan.first_divergence->row == 0);
   CHECK(with_nan.first_divergence->head == 1);
-  CHECK(failing_comparisons(with_nan.run).size() == 2);
+  CHECK(failing_comparisons(with_nan).size() == 2);
 }
 
 TEST_CASE("a captured lse without a captured out is compared on its own", "[replay]") {
@@ -623,8 +620,8 @@ TEST_CASE("a captured lse without a captured out is compared on its own", "[repl
   StepLayerTensors& lse_only = dump.tensors[1][1];
   lse_only.out.reset();
   (*lse_only.lse)[3] += 0.5f;
-  const ReplayOutcome outcome = replay_tiny(dump, "captured_lse_only", nullptr);
-  const auto failing = failing_comparisons(outcome.run);
+  const CheckRun outcome = replay_tiny(dump, "captured_lse_only", nullptr);
+  const auto failing = failing_comparisons(outcome);
   REQUIRE(failing.size() == 1);
   CHECK(failing[0]->step == 1);
   CHECK(failing[0]->layer_id == 5);

@@ -106,10 +106,9 @@ TEST_CASE("report directory: report.json parses with the schema's keys", "[repor
 
 TEST_CASE("report directory: report.md holds verdict, provenance, tables", "[report]") {
   const std::filesystem::path dir = test_dir("md");
-  const CheckRun run = make_failing_run();
-  nlohmann::json report = kvaudit::to_json(run);
-  report["notes"] = {"step 0 layer 3: no kv_source for 2 tokens"};
-  REQUIRE(kvaudit::write_report_dir(dir, run, report).ok());
+  CheckRun run = make_failing_run();
+  run.notes = {"step 0 layer 3: no kv_source for 2 tokens"};
+  REQUIRE(kvaudit::write_report_dir(dir, run).ok());
   const std::string md = read_text(dir / "report.md");
   INFO(md);
   CHECK(md.rfind("# kvaudit check report\n", 0) == 0);
@@ -156,4 +155,35 @@ TEST_CASE("report directory that cannot be created is bad input naming it", "[re
   REQUIRE_FALSE(written.ok());
   CHECK(written.error().kind == kvaudit::ErrorKind::kBadInput);
   CHECK(written.error().where.find("file/sub") != std::string::npos);
+}
+
+TEST_CASE("report.md and stdout render the run's first divergence, notes and provenance",
+          "[report]") {
+  CheckRun run = make_failing_run();
+  kvaudit::Divergence divergence;
+  divergence.step = 1;
+  divergence.layer_id = 3;
+  divergence.request = 1;
+  divergence.row = 5;
+  divergence.head = 2;
+  divergence.comparison = kvaudit::Comparison::kKernel;
+  divergence.reason = "rel_l2 0.025 > 0.00391 (kernel limit)";
+  run.first_divergence = divergence;
+  run.notes = {"S000 L003: a note"};
+
+  const std::string md = kvaudit::render_markdown(run);
+  INFO(md);
+  CHECK(md.find("First divergence: comparison `kernel` head `2` layer_id `3` reason `rel_l2 0.025 "
+                "> 0.00391 (kernel limit)` request `1` row `5` step `1` \n\n") !=
+        std::string::npos);
+  CHECK(md.find("## Notes\n\n- S000 L003: a note\n\n") != std::string::npos);
+  CHECK(md.find("## Provenance\n\n| key | value |\n| --- | --- |\n| command_line | kvaudit check "
+                "/data/glm5_two_layers.h5 |\n| date | 2026-11-29T09:30:00Z |\n| host | testhost "
+                "|\n| kvaudit_version | 0.1.0 |\n\n") != std::string::npos);
+
+  std::ostringstream out;
+  kvaudit::print_notes(out, run);
+  CHECK(out.str() ==
+        "note: S000 L003: a note\nfirst divergence (kernel): step 1 layer 3 request 1 row 5 head "
+        "2: rel_l2 0.025 > 0.00391 (kernel limit)\n");
 }

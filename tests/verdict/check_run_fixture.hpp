@@ -58,18 +58,18 @@ inline CheckRun make_failing_run() {
   IntegrityFinding ok;
   ok.step = 0;
   ok.layer_id = 0;
-  ok.check = "written_slots";
+  ok.check = IntegrityCheck::kWrittenSlots;
   ok.pass = true;
   ok.detail = "step 0 layer 0: 4 written slots hold e4m3_rne_satfinite(x / kv_scale)";
   run.integrity.push_back(ok);
   IntegrityFinding bad;
   bad.step = 1;
   bad.layer_id = 3;
-  bad.check = "written_slots";
+  bad.check = IntegrityCheck::kWrittenSlots;
   bad.pass = false;
   bad.detail = "step 1 layer 3: slots 12, 13 hold bf16 bytes";
   bad.slots = {12, 13};
-  bad.classification = "bf16_bytes";
+  bad.classification = SlotClass::kBf16Bytes;
   run.integrity.push_back(bad);
 
   run.reference_seconds = 2.0;

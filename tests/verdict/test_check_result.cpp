@@ -10,6 +10,7 @@ using kvaudit::CheckRun;
 using kvaudit::Comparison;
 using kvaudit::ComparisonResult;
 using kvaudit::default_policy;
+using kvaudit::IntegrityCheck;
 using kvaudit::IntegrityFinding;
 using kvaudit::PoolState;
 using kvaudit::StepSummary;
@@ -149,7 +150,7 @@ TEST_CASE("per-step summary: pools intact or damaged, and the worst error with i
   ComparisonResult cache = testing::make_comparison(1, 3, Comparison::kCache, 0.2, false, true);
   cache.metrics.nonfinite_mismatches = 2;
   run.comparisons.push_back(cache);
-  auto finding = [](int step, int layer, const char* check, bool pass, std::int64_t slots,
+  auto finding = [](int step, int layer, IntegrityCheck check, bool pass, std::int64_t slots,
                     int carried) {
     IntegrityFinding f;
     f.step = step;
@@ -160,14 +161,14 @@ TEST_CASE("per-step summary: pools intact or damaged, and the worst error with i
     f.carried_from_step = carried;
     return f;
   };
-  run.integrity.push_back(finding(0, 0, "read_consistency", true, 0, -1));
-  run.integrity.push_back(finding(0, 3, "read_consistency", true, 0, -1));
-  run.integrity.push_back(finding(0, 0, "nan_codes_in_pool", true, 7, -1));
-  run.integrity.push_back(finding(1, 3, "written_slots", false, 5, -1));
-  run.integrity.push_back(finding(1, 3, "read_consistency", false, 5, -1));
-  run.integrity.push_back(finding(1, 0, "read_consistency", true, 0, -1));
-  run.integrity.push_back(finding(1, 0, "captured_pool", false, 2, 0));
-  run.integrity.push_back(finding(1, 0, "captured_pool", false, 1, -1));
+  run.integrity.push_back(finding(0, 0, IntegrityCheck::kReadConsistency, true, 0, -1));
+  run.integrity.push_back(finding(0, 3, IntegrityCheck::kReadConsistency, true, 0, -1));
+  run.integrity.push_back(finding(0, 0, IntegrityCheck::kNanCodesInPool, true, 7, -1));
+  run.integrity.push_back(finding(1, 3, IntegrityCheck::kWrittenSlots, false, 5, -1));
+  run.integrity.push_back(finding(1, 3, IntegrityCheck::kReadConsistency, false, 5, -1));
+  run.integrity.push_back(finding(1, 0, IntegrityCheck::kReadConsistency, true, 0, -1));
+  run.integrity.push_back(finding(1, 0, IntegrityCheck::kCapturedPool, false, 2, 0));
+  run.integrity.push_back(finding(1, 0, IntegrityCheck::kCapturedPool, false, 1, -1));
 
   const std::vector<StepSummary> steps = summarize_steps(run);
   REQUIRE(steps.size() == 2);
@@ -199,4 +200,60 @@ TEST_CASE("per-step summary: pools intact or damaged, and the worst error with i
   CHECK(j.at("steps")[1].at("comparisons").at("cache").at("worst_rel_l2") == 0.2);
   CHECK(j.at("steps")[1].at("comparisons").at("cache").at("worst_layer") == 3);
   CHECK(j.at("steps")[1].at("pass") == false);
+}
+
+TEST_CASE("integrity checks and slot classes carry the names report.json uses", "[check_result]") {
+  using kvaudit::integrity_check_name;
+  using kvaudit::slot_class_name;
+  using kvaudit::SlotClass;
+  CHECK(std::string(integrity_check_name(IntegrityCheck::kStorage)) == "storage");
+  CHECK(std::string(integrity_check_name(IntegrityCheck::kWrittenSlots)) == "written_slots");
+  CHECK(std::string(integrity_check_name(IntegrityCheck::kUnwrittenSlots)) == "unwritten_slots");
+  CHECK(std::string(integrity_check_name(IntegrityCheck::kNanWritten)) == "nan_written");
+  CHECK(std::string(integrity_check_name(IntegrityCheck::kReadConsistency)) == "read_consistency");
+  CHECK(std::string(integrity_check_name(IntegrityCheck::kCapturedPool)) == "captured_pool");
+  CHECK(std::string(integrity_check_name(IntegrityCheck::kNanCodesInPool)) == "nan_codes_in_pool");
+  CHECK(std::string(slot_class_name(SlotClass::kNone)).empty());
+  CHECK(std::string(slot_class_name(SlotClass::kWrongSlot)) == "wrong_slot");
+  CHECK(std::string(slot_class_name(SlotClass::kBf16Bytes)) == "bf16_bytes");
+  CHECK(std::string(slot_class_name(SlotClass::kNanCode)) == "nan_code");
+  CHECK(std::string(slot_class_name(SlotClass::kOffByOneCode)) == "off_by_one_code");
+  CHECK(std::string(slot_class_name(SlotClass::kOther)) == "other");
+
+  // A finding that is not about slots writes an empty classification.
+  CheckRun run;
+  run.policy = default_policy();
+  IntegrityFinding storage;
+  storage.check = IntegrityCheck::kStorage;
+  run.integrity.push_back(storage);
+  const nlohmann::json j = to_json(run);
+  CHECK(j.at("integrity")[0].at("check") == "storage");
+  CHECK(j.at("integrity")[0].at("classification") == "");
+}
+
+TEST_CASE("report.json carries the run's first divergence and notes", "[check_result]") {
+  CheckRun run = make_failing_run();
+  nlohmann::json j = to_json(run);
+  CHECK(j.at("first_divergence").is_null());
+  CHECK(j.at("notes") == nlohmann::json::array());
+
+  kvaudit::Divergence divergence;
+  divergence.step = 1;
+  divergence.layer_id = 3;
+  divergence.request = 1;
+  divergence.row = 5;
+  divergence.head = 2;
+  divergence.comparison = Comparison::kCache;
+  divergence.reason = "rel_l2 0.025 > 0 (cache limit)";
+  run.first_divergence = divergence;
+  run.notes = {"S000 L003: no kv_source", "second note"};
+  j = to_json(run);
+  CHECK(j.at("first_divergence") == nlohmann::json({{"step", 1},
+                                                    {"layer_id", 3},
+                                                    {"request", 1},
+                                                    {"row", 5},
+                                                    {"head", 2},
+                                                    {"comparison", "cache"},
+                                                    {"reason", "rel_l2 0.025 > 0 (cache limit)"}}));
+  CHECK(j.at("notes") == nlohmann::json({"S000 L003: no kv_source", "second note"}));
 }

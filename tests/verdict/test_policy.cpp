@@ -6,6 +6,7 @@
 #include <fstream>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "src/verdict/policy.hpp"
 
@@ -216,7 +217,7 @@ TEST_CASE("a policy written by to_json loads back unchanged", "[policy]") {
   const std::filesystem::path dir = test_dir("round_trip");
   Policy original = kvaudit::signoff_policy();
   original.kernel.rel_l2 = 0.01;
-  original.kernel.derivations["rel_l2"] = "calibrated on 12 dumps";
+  original.kernel.derivations[kvaudit::Limit::kRelL2] = "calibrated on 12 dumps";
   original.captured.lse_max_abs.reset();
   const auto path = write_file(dir / "mine.json", kvaudit::to_json(original).dump(2));
   const auto loaded = kvaudit::load_policy(path);
@@ -237,7 +238,8 @@ TEST_CASE("a short policy file overrides the defaults it names", "[policy]") {
   REQUIRE(loaded.ok());
   CHECK(loaded->name == "strict");  // the file's name when it has no "name"
   CHECK(*loaded->kernel.rel_l2 == 0.004);
-  CHECK(loaded->kernel.derivations.at("rel_l2").find("strict.json") != std::string::npos);
+  CHECK(loaded->kernel.derivations.at(kvaudit::Limit::kRelL2).find("strict.json") !=
+        std::string::npos);
   CHECK_FALSE(loaded->kernel.lse_max_abs.has_value());
   CHECK(*loaded->kernel.cos_diff == 7.62939453125e-06);  // untouched default, 2^-17
   CHECK(loaded->rel_floor == 0.001);
@@ -283,4 +285,44 @@ TEST_CASE("policy file errors name the file and the key", "[policy]") {
   const auto missing = kvaudit::load_policy(dir / "absent.json");
   REQUIRE_FALSE(missing.ok());
   CHECK(missing.error().what.find("cannot open") != std::string::npos);
+}
+
+TEST_CASE("default policy: every limit of every comparison, written out", "[policy]") {
+  using kvaudit::Limit;
+  struct Row {
+    Comparison comparison;
+    double max_abs_over_ref_max, rel_l2, cos_diff, lse_max_abs;
+  };
+  // total: quantization + kernel * (1 + quantization); lse: quantization + kernel.
+  const Row rows[] = {
+      {Comparison::kKernel, 0.0078125, 0.00390625, 7.62939453125e-06, 0.0009765625},
+      {Comparison::kCache, 0.0, 0.0, 0.0, 0.0},
+      {Comparison::kCaptured, 0.0625, 0.03125, 0.00048828125, 0.25},
+      {Comparison::kQuantization, 0.25, 0.0625, 0.001953125, 0.25},
+      {Comparison::kTotal, 0.259765625, 0.066650390625, 0.066650390625 * 0.066650390625 / 2,
+       0.2509765625},
+  };
+  const Policy policy = kvaudit::default_policy();
+  for (const Row& row : rows) {
+    INFO(kvaudit::comparison_name(row.comparison));
+    const kvaudit::ComparisonLimits& limits = kvaudit::limits_for(policy, row.comparison);
+    CHECK(limits.max_abs_over_ref_max == row.max_abs_over_ref_max);
+    CHECK(limits.rel_l2 == row.rel_l2);
+    CHECK(limits.cos_diff == row.cos_diff);
+    CHECK_FALSE(limits.max_ulp_bf16.has_value());
+    CHECK(limits.lse_max_abs == row.lse_max_abs);
+    CHECK(limits.derivations.size() == 5);  // every limit says where it comes from
+  }
+  CHECK(policy.kernel.derivations.at(Limit::kRelL2).rfind("2^-8: 2x the clean estimate", 0) == 0);
+  CHECK(policy.cache.derivations.at(Limit::kMaxUlpBf16) ==
+        "none: implied by the other limits being zero");
+}
+
+TEST_CASE("limit names are the keys of report.json and policy files, in report order", "[policy]") {
+  std::vector<std::string> names;
+  for (const kvaudit::Limit limit : kvaudit::all_limits()) {
+    names.push_back(kvaudit::limit_name(limit));
+  }
+  CHECK(names == std::vector<std::string>{"max_abs_over_ref_max", "rel_l2", "cos_diff",
+                                          "max_ulp_bf16", "lse_max_abs"});
 }

@@ -1,0 +1,131 @@
+// The first divergence and the kernel's reference (see divergence.hpp). Operands per (row, head):
+// out [Dc] at (row * H + head) * Dc, lse at row * H + head.
+#include "src/verdict/divergence.hpp"
+
+#include <cmath>
+
+namespace kvaudit {
+namespace {
+
+// Whether one (row, head) breaks the limits on its own (first_divergent_row_head).
+class RowHeadLimits {
+ public:
+  RowHeadLimits(const ComparisonLimits& limits, double reference_max_abs)
+      : limits_(limits), reference_max_abs_(reference_max_abs) {}
+
+  bool out_breaks(std::span<const double> reference, std::span<const double> candidate) const {
+    double diff_sq = 0.0;
+    double ref_sq = 0.0;
+    for (std::size_t d = 0; d < reference.size(); ++d) {
+      const double a = reference[d];
+      const double b = candidate[d];
+      if (std::isfinite(a) != std::isfinite(b)) return true;
+      if (!std::isfinite(a)) continue;
+      if (exceeds(limits_.max_abs_over_ref_max,
+                  over_reference_max(std::abs(a - b), reference_max_abs_))) {
+        return true;
+      }
+      diff_sq += (a - b) * (a - b);
+      ref_sq += a * a;
+    }
+    return ref_sq > 0.0 && exceeds(limits_.rel_l2, std::sqrt(diff_sq / ref_sq));
+  }
+
+  bool lse_breaks(double a, double b) const {
+    if (std::isfinite(a) != std::isfinite(b)) return true;
+    return std::isfinite(a) && exceeds(limits_.lse_max_abs, std::abs(a - b));
+  }
+
+ private:
+  static bool exceeds(const std::optional<double>& limit, double value) {
+    return limit && value > *limit;
+  }
+
+  const ComparisonLimits& limits_;
+  double reference_max_abs_;
+};
+
+}  // namespace
+
+RowHead first_divergent_row_head(const TensorShape3& shape, const ComparisonOperands& operands,
+                                 const ComparisonMetrics& metrics, const ComparisonLimits& limits) {
+  const RowHeadLimits row_head_limits(limits, metrics.reference_max_abs);
+  const OutputView& reference = operands.reference;
+  const OutputView& candidate = operands.candidate;
+  const bool has_lse = !reference.lse.empty() && !candidate.lse.empty();
+  const auto dims = static_cast<std::size_t>(shape.dims);
+  for (int row = 0; row < shape.rows; ++row) {
+    for (int head = 0; head < shape.heads; ++head) {
+      const std::size_t index = static_cast<std::size_t>(row) * shape.heads + head;
+      if (row_head_limits.out_breaks(reference.out.subspan(index * dims, dims),
+                                     candidate.out.subspan(index * dims, dims))) {
+        return {row, head};
+      }
+      if (has_lse && row_head_limits.lse_breaks(reference.lse[index], candidate.lse[index])) {
+        return {row, head};
+      }
+    }
+  }
+  const ElementLocation& at =
+      metrics.nonfinite_mismatches > 0 ? metrics.first_nonfinite_mismatch : metrics.max_abs_at;
+  return {at.row, at.head};
+}
+
+bool follows_divergence(Comparison comparison) {
+  switch (comparison) {
+    case Comparison::kKernel:
+    case Comparison::kCache:
+    case Comparison::kCaptured:
+      return true;
+    case Comparison::kQuantization:
+    case Comparison::kTotal:
+      return false;
+  }
+  return false;
+}
+
+void DivergenceTracker::consider(const ComparisonSite& site, const ComparisonResult& result,
+                                 const TensorShape3& shape, const ComparisonOperands& operands,
+                                 const ComparisonLimits& limits) {
+  if (!follows_divergence(result.comparison) || result.judgement.pass) return;
+  const bool earlier = !first_ || site.step_index < first_->step ||
+                       (site.step_index == first_->step && site.layer_order < layer_order_);
+  const bool replaces_captured =
+      first_ && first_->step == site.step_index && site.layer_order == layer_order_ &&
+      first_->comparison == Comparison::kCaptured && result.comparison != Comparison::kCaptured;
+  if (!earlier && !replaces_captured) return;
+  const RowHead at = first_divergent_row_head(shape, operands, result.metrics, limits);
+  Divergence divergence;
+  divergence.step = site.step_index;
+  divergence.layer_id = site.layer_id;
+  divergence.row = at.row;
+  divergence.head = at.head;
+  divergence.request =
+      at.row >= 0 && at.row < site.step.num_rows() ? site.step.request_of_row(at.row) : -1;
+  divergence.comparison = result.comparison;
+  divergence.reason = result.judgement.reasons.empty() ? "" : result.judgement.reasons.front();
+  first_ = std::move(divergence);
+  layer_order_ = site.layer_order;
+}
+
+KernelReferenceChoice choose_kernel_reference(const Policy& policy, const TensorShape3& shape,
+                                              const OutputView& backend,
+                                              const OutputView& pool_read,
+                                              const OutputView& reference_pool,
+                                              const std::string& where) {
+  auto passes_against = [&](const OutputView& reference) {
+    const ComparisonMetrics metrics = compare_outputs(shape, reference.out, backend.out,
+                                                      reference.lse, backend.lse, policy.rel_floor);
+    return judge(policy, Comparison::kKernel, metrics).pass;
+  };
+  KernelReferenceChoice choice;
+  if (passes_against(pool_read) || !passes_against(reference_pool)) return choice;
+  choice.reference = KernelReference::kReferencePool;
+  choice.note = where +
+                ": the backend's output matches attention on the reference pool, not on its own "
+                "pool after the step: it read the step's tokens before (or without) the writes "
+                "that damaged its pool; kernel error is measured against R8 there";
+  return choice;
+}
+
+}  // namespace kvaudit
