@@ -107,7 +107,11 @@ class Driver:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-        self._stderr.close()
+        for stream in (self.proc.stdin, self.proc.stdout, self._stderr):
+            try:
+                stream.close()
+            except OSError:  # a broken pipe on flush
+                pass
         shutil.rmtree(self.session, ignore_errors=True)
 
     def __enter__(self):
