@@ -175,8 +175,8 @@ def write_cell(integrity):
 
 
 def verdict_table(runs):
-    lines = ["| backend | dump | verdict | kernel rel_l2 | kernel lse max abs | failing comparisons "
-             "| write / integrity findings | diagnosis |",
+    lines = ["| backend | dump | verdict | kernel rel_l2 | kernel lse max abs "
+             "| failing comparisons | write / integrity findings | diagnosis |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for run in runs:
         if run.get("verdict") == "error":

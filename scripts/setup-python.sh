@@ -22,7 +22,10 @@ say() { echo "setup-python: $*"; }
 install_debian_venv() {
   local sudo_cmd=()
   if [[ $(id -u) -ne 0 ]]; then
-    command -v sudo >/dev/null || { echo "setup-python: $python cannot create a venv; install python3-venv" >&2; exit 2; }
+    if ! command -v sudo >/dev/null; then
+      echo "setup-python: $python cannot create a venv; install python3-venv" >&2
+      exit 2
+    fi
     sudo_cmd=(sudo)
   fi
   local version
@@ -49,7 +52,9 @@ fi
 
 pip=("$venv/bin/python" -m pip --disable-pip-version-check --quiet)
 "${pip[@]}" install ./python
-say "installed ./python: $("$venv/bin/python" -c 'import importlib.metadata as m; print("kvaudit-kvdump", m.version("kvaudit-kvdump"))'), numpy and h5py"
+version=$("$venv/bin/python" -c \
+  'import importlib.metadata as m; print(m.version("kvaudit-kvdump"))')
+say "installed ./python: kvaudit-kvdump $version, numpy and h5py"
 
 if [[ ${KVAUDIT_WITH_TORCH:-0} == 1 ]]; then
   if "$venv/bin/python" -c 'import torch' >/dev/null 2>&1; then
@@ -62,6 +67,7 @@ if [[ ${KVAUDIT_WITH_TORCH:-0} == 1 ]]; then
     say "installed torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
   fi
 else
-  say "torch not requested (KVAUDIT_WITH_TORCH=1 installs it; the torch adapter's tests skip without it)"
+  say "torch not requested (KVAUDIT_WITH_TORCH=1 installs it; the torch adapter's tests" \
+    "skip without it)"
 fi
 say "python for the package's tests: $venv/bin/python"

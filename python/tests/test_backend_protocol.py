@@ -159,6 +159,19 @@ class RoundTripTests(unittest.TestCase):
         self.assertTrue(np.all(pool[written] == 0x11))
         self.assertTrue(np.all(np.delete(pool, written, axis=0) == 0x7F))
 
+    def test_hello_without_model_is_a_bench_session(self):
+        s = self.session
+        hello = {"type": "hello", "protocol": "kvaudit-backend", "version": 1, "name": "stub",
+                 "session_dir": s.dir}
+        s.add(hello)
+        s.layer()
+        s.add({"type": "bye"})
+        status, replies, _ = s.run()
+        self.assertEqual(status, 0)
+        self.assertEqual(replies[0]["type"], "hello")
+        self.assertEqual(replies[1]["kind"], "bad_input")
+        self.assertIn("no model", replies[1]["message"])
+
     def test_end_of_input_without_bye_exits_0(self):
         self.session.hello()
         status, replies, _ = self.session.run()

@@ -270,6 +270,34 @@ class TorchAdapterNumericsTests(unittest.TestCase):
             np.testing.assert_array_equal(pool, ref_pool)
             self.assertTrue(np.any(pool != clean_pool))
 
+    def test_pool_reloaded_reads_a_replaced_pool_file(self):
+        """kvaudit may rewrite the pool file between steps (pool_reloaded): the adapter must
+        serve the next step from the new file, even when it is a new file under the old name."""
+        step0, step1 = self.steps
+        command = [sys.executable, "-m", "kvdump.backends", "torch", "--device", "cpu", "--write",
+                   "kvdump"]
+        replaced = self.pool.copy()
+        replaced[CACHED] = kvdump.quantize_e4m3(
+            bf16_values(np.random.default_rng(21), len(CACHED), D, scale=8.0), KV_SCALE)
+        with Driver(command) as driver:
+            driver.hello(MODEL)
+            driver.layer("L003", 3, KV_SCALE, self.pool)
+            bits = kvdump.bf16_bits_from_float32
+            first = driver.step(0, "S000", "prefill", "L003", 3, KV_SCALE, step0["indices"],
+                                bits(step0["q_nope"]), bits(step0["q_pe"]), bits(step0["new_kv"]))
+            reloaded = first.pool.copy()
+            reloaded[CACHED] = replaced[CACHED]
+            path = os.path.join(driver.session, driver.pool_files["L003"]["file"])
+            reloaded.tofile(path + ".new")
+            os.replace(path + ".new", path)  # a new inode: a stale mapping would not see it
+            second = driver.step(1, "S001", "decode", "L003", 3, KV_SCALE, step1["indices"],
+                                 bits(step1["q_nope"]), bits(step1["q_pe"]), bits(step1["new_kv"]),
+                                 pool_reloaded=True)
+        self.assertEqual(second.reply["type"], "result", second.reply)
+        expected = reference(replaced, self.steps)[1]
+        np.testing.assert_array_equal(second.pool, expected[0])
+        self.assertTrue(out_close(kvdump.float32_from_bf16_bits(second.out_bits), expected[1]))
+
     def test_bfloat16_pool_stores_new_kv_bits(self):
         rng = np.random.default_rng(9)
         values = bf16_values(rng, SLOTS, D, scale=3.0)

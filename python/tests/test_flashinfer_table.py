@@ -141,7 +141,8 @@ class RenderTests(unittest.TestCase):
         return lines[0]
 
     def test_versions(self):
-        for text in ("| flashinfer | 0.6.18 |", "| device | NVIDIA H200 |", "| driver | 570.86.15 |",
+        for text in ("| flashinfer | 0.6.18 |", "| device | NVIDIA H200 |",
+                     "| driver | 570.86.15 |",
                      "| PyTorch bf16 -> e4m3fn cast past 464 | gives the NaN code |"):
             self.assertIn(text, self.markdown)
 

@@ -96,9 +96,11 @@ class SessionFiles:
         """The checked descriptor `name` of a message (a file inside the session directory)."""
         if not isinstance(descriptor, dict):
             raise bad_input(f"{name}: the array descriptor is not an object")
-        file, dtype, shape = descriptor.get("file"), descriptor.get("dtype"), descriptor.get("shape")
+        file, dtype = descriptor.get("file"), descriptor.get("dtype")
+        shape = descriptor.get("shape")
         if not isinstance(file, str) or not file or os.path.isabs(file):
-            raise bad_input(f"{name}: file {file!r} is not a path relative to the session directory")
+            raise bad_input(f"{name}: file {file!r} is not a path relative to the session "
+                            "directory")
         path = os.path.realpath(os.path.join(self.directory, file))
         if os.path.commonpath([path, self.directory]) != self.directory:
             raise bad_input(f"{name}: file {file!r} is outside the session directory")
@@ -150,7 +152,8 @@ class SessionFiles:
         array = np.ascontiguousarray(array)
         if array.dtype != spec.numpy_dtype or tuple(array.shape) != spec.shape:
             raise BackendError("internal", f"{name}: the adapter produced {array.dtype} "
-                                           f"{list(array.shape)}, not {spec.dtype} {list(spec.shape)}")
+                                           f"{list(array.shape)}, not {spec.dtype} "
+                                           f"{list(spec.shape)}")
         # Overwrite rather than replace the file: kvaudit may hold it mapped.
         fd = os.open(spec.path, os.O_WRONLY | os.O_CREAT, 0o644)
         try:
@@ -179,6 +182,7 @@ class ModelInfo:
     kv_scale_kind: str
     name: str = ""
     reciprocal_scale: bool = False
+    bench_only: bool = False  # hello had no model: a `kvaudit bench --peer` session
 
     @property
     def row_width(self):
@@ -308,10 +312,19 @@ def _field(message, key, kinds, what):
     return value
 
 
+# The model a hello without one (a bench session has no dump) stands for: GLM-5 / DeepSeek-V3's MLA,
+# the widths the bench's cases have.
+BENCH_MODEL = {"num_heads": 16, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+               "sm_scale": 192 ** -0.5, "page_size": 1, "num_slots": 0,
+               "kv_dtype": "float8_e4m3fn", "kv_scale_kind": "per_tensor"}
+
+
 def parse_model(hello):
     model = hello.get("model")
+    if model is None:
+        return ModelInfo(name=str(hello.get("name", "")), bench_only=True, **BENCH_MODEL)
     if not isinstance(model, dict):
-        raise bad_input("hello: model is missing or not an object")
+        raise bad_input("hello: model is not an object")
     ints = {}
     for key in ("num_heads", "kv_lora_rank", "qk_rope_head_dim", "page_size", "num_slots"):
         ints[key] = _field(model, key, (int,), "hello model")
@@ -544,6 +557,8 @@ class Server:
                 "describe": describe}
 
     def dispatch(self, kind, message):
+        if kind in ("layer", "step") and self.model.bench_only:
+            raise bad_input(f"{kind}: the hello had no model (a bench session has no dump)")
         if kind == "layer":
             layer = parse_layer(message, "layer")
             spec = self.files.spec(message.get("pool"), "pool")

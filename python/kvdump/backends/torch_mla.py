@@ -20,8 +20,6 @@ e4m3 before P.V).
 
 import math
 
-import numpy as np
-
 from .paged_layout import requests_with_rows
 from .pooled_adapter import PooledAdapter
 from .protocol import unsupported
