@@ -315,6 +315,66 @@ class TorchAdapterNumericsTests(unittest.TestCase):
             self.assertTrue(lse_close(lse, ref[1]))
 
 
+@unittest.skipIf(TORCH_MISSING, TORCH_MISSING)
+class BenchDataTests(unittest.TestCase):
+    """The data a bench case times (timing itself needs a GPU): shapes, distinct pages per case,
+    no NaN codes, and the torch adapter's attention over it is finite."""
+
+    def case(self, **changes):
+        from kvdump.backends import protocol
+
+        fields = dict(name="t", kind="prefill", batch=3, context=70, num_heads=2, page_size=16,
+                      pool_slots=1024, kv_dtype="float8_e4m3fn", q_len=5, warmup=0,
+                      iterations=1, flush_l2=False)
+        fields.update(changes)
+        return protocol.BenchCase(**fields)
+
+    def test_case_data(self):
+        from kvdump.backends.bench import case_data
+
+        data = case_data(torch, self.case(), torch.device("cpu"))
+        self.assertEqual(tuple(data.pool.shape), (1024, 576))
+        self.assertFalse(torch.any((data.pool & 0x7F) == 0x7F))
+        self.assertEqual(tuple(data.q_nope.shape), (15, 2, 512))
+        self.assertEqual(data.qo_indptr.tolist(), [0, 5, 10, 15])
+        self.assertEqual(data.kv_indptr.tolist(), [0, 5, 10, 15])  # ceil(70 / 16) pages each
+        self.assertEqual(len(set(data.kv_indices.tolist())), 15)
+        self.assertEqual(data.kv_last_page_len.tolist(), [6, 6, 6])
+        self.assertEqual([r.kv_len for r in data.requests], [70, 70, 70])
+        small = case_data(torch, self.case(pool_slots=0), torch.device("cpu"))
+        self.assertEqual(small.pool.shape[0], 3 * 5 * 16)  # just the pages needed
+
+    def test_attention_over_case_data_is_finite(self):
+        from kvdump.backends import protocol
+        from kvdump.backends.bench import case_data
+        from kvdump.backends.torch_mla import TorchAdapter
+
+        adapter = TorchAdapter(argparse_options())
+        model = protocol.ModelInfo(**dict(protocol.BENCH_MODEL, num_heads=2))
+        adapter.start(model, None)
+        data = case_data(torch, self.case(), adapter.device)
+        prepared = [adapter.prepare_request(r) for r in data.requests]
+        out, lse = adapter.attention(data.q_nope, data.q_pe, data.pool, prepared, data.kv_scale)
+        self.assertEqual(tuple(out.shape), (15, 2, 512))
+        self.assertTrue(torch.all(torch.isfinite(out.float())) and torch.all(torch.isfinite(lse)))
+
+    def test_cpu_bench_is_unsupported(self):
+        from kvdump.backends import protocol
+        from kvdump.backends.torch_mla import TorchAdapter
+
+        adapter = TorchAdapter(argparse_options())
+        adapter.start(protocol.ModelInfo(**protocol.BENCH_MODEL), None)
+        with self.assertRaises(protocol.BackendError) as caught:
+            adapter.bench(self.case())
+        self.assertEqual(caught.exception.kind, "unsupported")
+
+
+def argparse_options():
+    import argparse
+
+    return argparse.Namespace(device="cpu", write="server", fault=[])
+
+
 def reference_from_values(values, step):
     rows = visible_slots(step["indices"])
     out, lse = np.zeros((len(rows), H, DC)), np.zeros((len(rows), H))
