@@ -170,13 +170,13 @@ bool diagnosis_names_lse_base(const nlohmann::json& diagnosis) {
 
 #define KVAUDIT_REQUIRE_EXEC_TORCH()                                                         \
   do {                                                                                       \
-    if (const std::string missing = missing_prerequisite(); !missing.empty()) {              \
-      WARN("SKIPPED " << Catch::getResultCapture().getCurrentTestName() << ": " << missing); \
-      return;                                                                                \
-    }                                                                                        \
     if (!kvaudit_has_exec_backends()) {                                                      \
       WARN("SKIPPED " << Catch::getResultCapture().getCurrentTestName()                      \
                       << ": kvaudit check has no --backend-command (no exec backends yet)"); \
+      return;                                                                                \
+    }                                                                                        \
+    if (const std::string missing = missing_prerequisite(); !missing.empty()) {              \
+      WARN("SKIPPED " << Catch::getResultCapture().getCurrentTestName() << ": " << missing); \
       return;                                                                                \
     }                                                                                        \
   } while (0)
