@@ -25,7 +25,6 @@ Groups are named by the model's layer id (L005 for layer 5) and by step order (S
 import math
 import numbers
 
-import h5py
 import numpy as np
 
 from .codec import bf16_bits_from_float32
@@ -223,6 +222,10 @@ class KvDumpWriter:
         self._compression = compression
         self._layers = {}  # layer_id -> group name
         self._steps = []
+        # h5py is imported here, not at the top, so that `import kvdump` (and the backend server,
+        # kvdump.backends, which uses only validate_step_indices) works without h5py.
+        import h5py
+
         self._file = h5py.File(path, "w")
         attrs = self._file.attrs
         attrs["format"] = "kvdump"

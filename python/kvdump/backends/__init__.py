@@ -1,0 +1,33 @@
+"""External backends for kvaudit: adapters that serve a kernel over kvaudit's backend protocol
+(docs/backend-protocol.md, version 1).
+
+    python -m kvdump.backends NAME [options]      (python -m kvdump.backends --help lists them)
+
+Adapters (one module each; torch and flashinfer are imported only when an adapter starts, and a
+missing one is an `unsupported` error reply naming it):
+  torch                 torch_mla.py             plain PyTorch on the CPU or a GPU
+  flashinfer-fp8        flashinfer_fp8.py        FlashInfer's paged MLA on the FP8 pool, in place
+  flashinfer-cast-bf16  flashinfer_cast_bf16.py  SGLang's old path: the whole pool cast to bf16
+The rest: protocol.py (message loop, array files, errors), pooled_adapter.py (what adapters share),
+writes.py (servers' write rules), faults.py (planted faults), paged_layout.py (which slots a row
+reads), pools.py (the pool on the host or the GPU), bench.py (timing), environment.py (describe).
+"""
+
+import importlib
+
+# name -> (module, class, one line for --help)
+ADAPTERS = {
+    "torch": ("torch_mla", "TorchAdapter",
+              "plain PyTorch: gather, dequantize, q.k, softmax, p.v in float32 (CPU or GPU)"),
+    "flashinfer-fp8": ("flashinfer_fp8", "FlashInferFp8Adapter",
+                       "flashinfer.mla.BatchMLAPagedAttentionWrapper on the FP8 pool, in place "
+                       "(SM90)"),
+    "flashinfer-cast-bf16": ("flashinfer_cast_bf16", "FlashInferCastBf16Adapter",
+                             "the whole FP8 pool cast to bf16 every step, then FlashInfer's bf16 "
+                             "MLA (SGLang before its FP8 fix)"),
+}
+
+
+def adapter_class(name):
+    module, cls, _ = ADAPTERS[name]
+    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)

@@ -1,0 +1,77 @@
+"""`python -m kvdump.backends NAME [options]`: serve one adapter over kvaudit's backend protocol
+on standard input / output (docs/backend-protocol.md), until `bye` or the end of input.
+
+kvaudit starts this command (`kvaudit check DUMP --backend exec:NAME --backend-command CMD`).
+Standard output carries replies only: the real descriptor 1 is kept for them and descriptor 1 is
+pointed at standard error, so that anything else that prints (a library, a compiler FlashInfer
+runs) cannot corrupt the protocol. Exit status: 0 after bye; 2 when the hello cannot be read or
+is refused (after an `unsupported` error reply naming what is missing), or for a usage error.
+"""
+
+import argparse
+import os
+import sys
+
+from . import ADAPTERS, adapter_class
+from .faults import FAULTS
+from .protocol import Server
+from .writes import WRITE_RULES
+
+EPILOG = "planted faults (--fault, repeatable; for tests):\n" + "\n".join(
+    f"  {name:19} {stage:8} {text}" for name, (stage, text) in FAULTS.items())
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog="python -m kvdump.backends",
+        description="Serve an MLA kernel to kvaudit over its external-backend protocol "
+                    "(docs/backend-protocol.md). `python -m kvdump.backends ADAPTER --help` "
+                    "lists an adapter's options and the planted faults.")
+    adapters = parser.add_subparsers(dest="adapter", metavar="ADAPTER", required=True)
+    for name, (_, _, line) in ADAPTERS.items():
+        sub = adapters.add_parser(name, help=line, description=line, epilog=EPILOG,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+        add_common_options(sub, name)
+    return parser
+
+
+def add_common_options(parser, adapter):
+    flashinfer = adapter.startswith("flashinfer")
+    parser.add_argument("--device", default=None,
+                        help="cpu or cuda[:N] (default: cuda when available, else cpu)"
+                        if not flashinfer else "cuda[:N] (default cuda)")
+    parser.add_argument("--write", choices=list(WRITE_RULES), default="server",
+                        help="how new KV rows are written into the FP8 pool: server = PyTorch's "
+                             "(new_kv / kv_scale).to(float8_e4m3fn) with new_kv in bf16, as "
+                             "SGLang does it (default); saturate = the same clamped to +-448 "
+                             "first; kvdump = kvdump v1's rule (fp32 division, RNE, satfinite)")
+    parser.add_argument("--fault", action="append", choices=list(FAULTS), default=[],
+                        metavar="FAULT", help="plant a wrong convention (list below)")
+    if flashinfer:
+        parser.add_argument("--flashinfer-backend", choices=("fa3", "fa2"), default="fa3",
+                            help="FlashInfer's MLA backend (default fa3)")
+    if adapter == "flashinfer-cast-bf16":
+        parser.add_argument("--cast-scale", choices=("none", "fold"), default="none",
+                            help="none: the cast ignores kv_scale, as SGLang's did (default); "
+                                 "fold: apply kv_scale outside the kernel")
+
+
+def reply_stream():
+    """A binary stream on the real standard output; descriptor 1 then points at stderr."""
+    sys.stdout.flush()
+    reply_fd = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return os.fdopen(reply_fd, "wb", buffering=0)
+
+
+def main(argv=None):
+    options = build_parser().parse_args(argv)
+    cls = adapter_class(options.adapter)
+    server = Server(make_adapter=lambda: cls(options), requests=sys.stdin.buffer,
+                    replies=reply_stream())
+    return server.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Creates the Python environment kvaudit's tests use for the Python package (python/): a venv at
+# build/python-venv with `pip install ./python` (kvdump: the dump writer and the external-backend
+# adapters, `python -m kvdump.backends`), and PyTorch in it when KVAUDIT_WITH_TORCH=1 (CI sets
+# it), so that the `torch` adapter can be run end to end on the CPU. Safe to run again: an
+# existing venv is reused, the package is reinstalled from the source tree, torch is installed
+# only when it does not import yet. Prints what it did.
+#   KVAUDIT_PYTHON_VENV     where the venv goes (default: build/python-venv)
+#   KVAUDIT_PYTHON          the interpreter that creates it (default: python3)
+#   KVAUDIT_WITH_TORCH=1    also install torch (the package's [torch] extra)
+#   KVAUDIT_TORCH_INDEX_URL a package index to take torch from (e.g. one serving CPU-only
+#                           wheels); default: pip's configured index
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+venv=${KVAUDIT_PYTHON_VENV:-build/python-venv}
+python=${KVAUDIT_PYTHON:-python3}
+
+say() { echo "setup-python: $*"; }
+
+# Debian's python3 has venv only with the python3-venv package (ensurepip is split out).
+install_debian_venv() {
+  local sudo_cmd=()
+  if [[ $(id -u) -ne 0 ]]; then
+    if ! command -v sudo >/dev/null; then
+      echo "setup-python: $python cannot create a venv; install python3-venv" >&2
+      exit 2
+    fi
+    sudo_cmd=(sudo)
+  fi
+  local version
+  version=$("$python" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+  say "installing python3-venv (and python${version}-venv) for $python"
+  "${sudo_cmd[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+    python3-venv "python${version}-venv" ||
+    { "${sudo_cmd[@]}" apt-get update &&
+      "${sudo_cmd[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y \
+        --no-install-recommends python3-venv; }
+}
+
+if [[ -x $venv/bin/python ]] && "$venv/bin/python" -m pip --version >/dev/null 2>&1; then
+  say "reusing $venv ($("$venv/bin/python" --version 2>&1))"
+else
+  rm -rf "$venv"
+  if ! "$python" -m venv "$venv" 2>/dev/null; then
+    rm -rf "$venv"
+    install_debian_venv
+    "$python" -m venv "$venv"
+  fi
+  say "created $venv with $("$venv/bin/python" --version 2>&1) ($(command -v "$python"))"
+fi
+
+pip=("$venv/bin/python" -m pip --disable-pip-version-check --quiet)
+"${pip[@]}" install ./python
+version=$("$venv/bin/python" -c \
+  'import importlib.metadata as m; print(m.version("kvaudit-kvdump"))')
+say "installed ./python: kvaudit-kvdump $version, numpy and h5py"
+
+if [[ ${KVAUDIT_WITH_TORCH:-0} == 1 ]]; then
+  if "$venv/bin/python" -c 'import torch' >/dev/null 2>&1; then
+    say "torch already installed: $("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
+  else
+    index=()
+    [[ -n ${KVAUDIT_TORCH_INDEX_URL:-} ]] && index=(--index-url "$KVAUDIT_TORCH_INDEX_URL")
+    say "installing torch (>= 2.1)${index:+ from $KVAUDIT_TORCH_INDEX_URL}"
+    "${pip[@]}" install "${index[@]}" 'torch>=2.1'
+    say "installed torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
+  fi
+else
+  say "torch not requested (KVAUDIT_WITH_TORCH=1 installs it; the torch adapter's tests" \
+    "skip without it)"
+fi
+say "python for the package's tests: $venv/bin/python"

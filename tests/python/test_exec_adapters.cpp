@@ -1,0 +1,249 @@
+// kvaudit with an external backend (docs/backend-protocol.md): the `torch` adapter of the Python
+// package (python -m kvdump.backends torch --device cpu) judged end to end by `kvaudit check
+// --backend exec:torch` on a shipped dump. A clean adapter passes; one planted with a wrong
+// convention fails with the check meant to catch it:
+//   --write kvdump                     (kvdump's write rule)        exit 0, verdict pass
+//   default write                      PyTorch's (new_kv / kv_scale).to(float8_e4m3fn) on a bf16
+//                                      new_kv: the bf16 quotient double-rounds, exit 1, integrity
+//                                      written_slots [off_by_one_code]
+//   --fault round-toward-zero          exit 1, integrity written_slots [off_by_one_code]
+//   --fault lse-base2                  exit 1, a failing kernel comparison whose reasons name lse;
+//                                      where report.json has a "diagnosis" array, a finding that
+//                                      names the lse base (kRequireDiagnosis makes it required)
+// Also the package's unittest suite under the same interpreter, so that its torch tests run.
+//
+// The interpreter: $KVAUDIT_PYTHON, else build/python-venv/bin/python (scripts/setup-python.sh;
+// KVAUDIT_WITH_TORCH=1 installs torch). The adapter runs from this checkout's python/ (PYTHONPATH),
+// not from the copy installed in the venv. Each case says by name why it checks nothing where that
+// interpreter or its torch is missing, or where kvaudit has no exec backends (its check --help
+// does not mention --backend-command).
+#include <fmt/core.h>
+#include <sys/wait.h>
+
+#include <catch2/catch.hpp>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+
+namespace {
+
+// Set once kvaudit's diagnosis of convention mismatches exists: then report.json must hold a
+// "diagnosis" array for a failing run.
+constexpr bool kRequireDiagnosis = false;
+
+// tests/python/test_exec_adapters.cpp -> the repository root (CMake compiles with full paths).
+std::filesystem::path source_root() {
+  return std::filesystem::path(__FILE__).parent_path().parent_path().parent_path();
+}
+
+std::string quoted(const std::filesystem::path& path) { return fmt::format("'{}'", path.string()); }
+
+// Exit status of a shell command; -1 when it did not exit normally.
+int exit_status(const std::string& command) {
+  const int status = std::system(command.c_str());
+  if (status == -1 || !WIFEXITED(status)) return -1;
+  return WEXITSTATUS(status);
+}
+
+std::string read_text(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+std::filesystem::path case_dir(const std::string& name) {
+  const std::filesystem::path dir = std::filesystem::path(KVAUDIT_TEST_TMPDIR) / "exec" / name;
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+std::filesystem::path venv_python() {
+  if (const char* python = std::getenv("KVAUDIT_PYTHON"); python != nullptr && *python != '\0') {
+    return python;
+  }
+  return source_root() / "build" / "python-venv" / "bin" / "python";
+}
+
+// Empty when the adapter can run here, else why not.
+std::string missing_prerequisite() {
+  const std::filesystem::path python = venv_python();
+  if (!std::filesystem::exists(python)) {
+    return fmt::format("{} does not exist (run scripts/setup-python.sh, or set KVAUDIT_PYTHON)",
+                       python.string());
+  }
+  if (exit_status(fmt::format("{} -c 'import torch, numpy' >/dev/null 2>&1", quoted(python))) !=
+      0) {
+    return fmt::format("{} cannot import torch (KVAUDIT_WITH_TORCH=1 scripts/setup-python.sh)",
+                       python.string());
+  }
+  return {};
+}
+
+bool kvaudit_has_exec_backends() {
+  const std::string help =
+      fmt::format("{} check --help 2>/dev/null | grep -q -- --backend-command", KVAUDIT_BINARY);
+  return exit_status(help) == 0;
+}
+
+struct ExecRun {
+  std::string command;
+  int status = -1;
+  std::string output;  // kvaudit's stdout and stderr
+  nlohmann::json report;
+};
+
+// `kvaudit check DUMP --backend exec:torch --backend-command "<python> -m kvdump.backends torch
+// --device cpu ADAPTER_OPTIONS" --json DIR/report.json`.
+ExecRun check_with_torch_adapter(const std::string& name, const std::string& adapter_options) {
+  const std::filesystem::path dir = case_dir(name);
+  const std::string backend_command =
+      fmt::format("PYTHONPATH=\"{}\" \"{}\" -B -m kvdump.backends torch --device cpu {}",
+                  (source_root() / "python").string(), venv_python().string(), adapter_options);
+  ExecRun run;
+  run.command =
+      fmt::format("{} check {} --backend exec:torch --backend-command '{}' --json {} --threads 2",
+                  KVAUDIT_BINARY, quoted(source_root() / "datasets" / "glm5_page1.h5"),
+                  backend_command, quoted(dir / "report.json"));
+  const std::filesystem::path log = dir / "kvaudit.log";
+  run.status = exit_status(fmt::format("{} > {} 2>&1", run.command, quoted(log)));
+  run.output = read_text(log);
+  if (std::filesystem::exists(dir / "report.json")) {
+    run.report = nlohmann::json::parse(read_text(dir / "report.json"), nullptr, false);
+  }
+  return run;
+}
+
+// The failing integrity findings of a check (name, classification) as "check [class]" lines.
+std::string failing_integrity(const nlohmann::json& report) {
+  std::string lines;
+  for (const auto& finding : report.value("integrity", nlohmann::json::array())) {
+    if (finding.value("pass", true)) continue;
+    lines +=
+        fmt::format("{} [{}]\n", finding.value("check", ""), finding.value("classification", ""));
+  }
+  return lines;
+}
+
+bool has_failing_integrity(const nlohmann::json& report, const std::string& check,
+                           const std::string& classification) {
+  for (const auto& finding : report.value("integrity", nlohmann::json::array())) {
+    if (!finding.value("pass", true) && finding.value("check", "") == check &&
+        finding.value("classification", "") == classification) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// A failing comparison of this kind whose reasons mention `word`.
+bool has_failing_comparison(const nlohmann::json& report, const std::string& comparison,
+                            const std::string& word) {
+  for (const auto& result : report.value("results", nlohmann::json::array())) {
+    if (result.value("pass", true) || result.value("comparison", "") != comparison) continue;
+    for (const auto& reason : result.value("reasons", nlohmann::json::array())) {
+      if (reason.is_string() && reason.get<std::string>().find(word) != std::string::npos) {
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+// Whether some entry of report.json's "diagnosis" array names the lse's base.
+bool diagnosis_names_lse_base(const nlohmann::json& diagnosis) {
+  for (const auto& finding : diagnosis) {
+    const std::string text = finding.dump();
+    if (text.find("lse") != std::string::npos &&
+        (text.find("base") != std::string::npos || text.find("log2") != std::string::npos)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+#define KVAUDIT_REQUIRE_EXEC_TORCH()                                                         \
+  do {                                                                                       \
+    if (!kvaudit_has_exec_backends()) {                                                      \
+      WARN("SKIPPED " << Catch::getResultCapture().getCurrentTestName()                      \
+                      << ": kvaudit check has no --backend-command (no exec backends yet)"); \
+      return;                                                                                \
+    }                                                                                        \
+    if (const std::string missing = missing_prerequisite(); !missing.empty()) {              \
+      WARN("SKIPPED " << Catch::getResultCapture().getCurrentTestName() << ": " << missing); \
+      return;                                                                                \
+    }                                                                                        \
+  } while (0)
+
+TEST_CASE("python backends: the package's unittest suite passes under the venv python",
+          "[python][exec]") {
+  if (const std::string missing = missing_prerequisite(); !missing.empty()) {
+    WARN("SKIPPED " << Catch::getResultCapture().getCurrentTestName() << ": " << missing);
+    return;
+  }
+  const std::filesystem::path dir = case_dir("unittest");
+  const std::string command =
+      fmt::format("KVAUDIT_BINARY={} {} -B -m unittest discover -s {} > {} 2>&1",
+                  quoted(KVAUDIT_BINARY), quoted(venv_python()),
+                  quoted(source_root() / "python" / "tests"), quoted(dir / "unittest.log"));
+  const int status = exit_status(command);
+  INFO(command << "\n" << read_text(dir / "unittest.log"));
+  CHECK(status == 0);
+}
+
+TEST_CASE("exec torch adapter: with kvdump's write rule a shipped dump passes", "[python][exec]") {
+  KVAUDIT_REQUIRE_EXEC_TORCH();
+  const ExecRun run = check_with_torch_adapter("clean", "--write kvdump");
+  INFO(run.command << "\n" << run.output);
+  CHECK(run.status == 0);
+  REQUIRE(run.report.is_object());
+  CHECK(run.report.value("verdict", "") == "pass");
+  CHECK(run.report.value("backend", "") == "exec:torch");
+  CHECK(failing_integrity(run.report).empty());
+}
+
+TEST_CASE("exec torch adapter: PyTorch's own write of a bf16 quotient is reported code by code",
+          "[python][exec]") {
+  KVAUDIT_REQUIRE_EXEC_TORCH();
+  // glm5_page1's kv_scales are not 1, so new_kv / kv_scale is rounded to bf16 before the FP8
+  // cast: about 2% of the written codes are one step from e4m3_rne_satfinite(x / kv_scale).
+  const ExecRun run = check_with_torch_adapter("server_write", "");
+  INFO(run.command << "\n" << run.output << "\n" << failing_integrity(run.report));
+  CHECK(run.status == 1);
+  REQUIRE(run.report.is_object());
+  CHECK(has_failing_integrity(run.report, "written_slots", "off_by_one_code"));
+}
+
+TEST_CASE("exec torch adapter: a round-toward-zero write fails written_slots as off_by_one_code",
+          "[python][exec]") {
+  KVAUDIT_REQUIRE_EXEC_TORCH();
+  const ExecRun run =
+      check_with_torch_adapter("round_toward_zero", "--write kvdump --fault round-toward-zero");
+  INFO(run.command << "\n" << run.output << "\n" << failing_integrity(run.report));
+  CHECK(run.status == 1);
+  REQUIRE(run.report.is_object());
+  CHECK(run.report.value("verdict", "") == "fail");
+  CHECK(has_failing_integrity(run.report, "written_slots", "off_by_one_code"));
+}
+
+TEST_CASE("exec torch adapter: a base-2 lse fails the kernel comparison on lse", "[python][exec]") {
+  KVAUDIT_REQUIRE_EXEC_TORCH();
+  const ExecRun run = check_with_torch_adapter("lse_base2", "--write kvdump --fault lse-base2");
+  INFO(run.command << "\n" << run.output);
+  CHECK(run.status == 1);
+  REQUIRE(run.report.is_object());
+  CHECK(run.report.value("verdict", "") == "fail");
+  CHECK(has_failing_comparison(run.report, "kernel", "lse"));
+  CHECK(failing_integrity(run.report).empty());  // the write is right; only the output is not
+  if (kRequireDiagnosis) REQUIRE(run.report.contains("diagnosis"));
+  if (run.report.contains("diagnosis")) {
+    INFO(run.report["diagnosis"].dump(2));
+    CHECK(diagnosis_names_lse_base(run.report["diagnosis"]));
+  }
+}
