@@ -10,6 +10,8 @@
 #include <filesystem>
 #include <string>
 
+#include "kvaudit_test_config.hpp"  // KVAUDIT_BINARY, KVAUDIT_SOURCE_DIR, KVAUDIT_TEST_TMPDIR
+
 namespace kvaudit_test {
 
 inline std::filesystem::path path_from(const char* variable, const char* built_in,

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "kvaudit_test_config.hpp"  // KVAUDIT_BINARY, KVAUDIT_SOURCE_DIR, KVAUDIT_TEST_TMPDIR
 #include "src/core/cuda_device.hpp"
 #include "tests/replay/check_dumps.hpp"
 

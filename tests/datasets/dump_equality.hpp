@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "kvaudit_test_config.hpp"  // KVAUDIT_BINARY, KVAUDIT_SOURCE_DIR, KVAUDIT_TEST_TMPDIR
 #include "src/cli/cli.hpp"
 #include "src/format/kvdump.hpp"
 

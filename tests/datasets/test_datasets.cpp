@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "kvaudit_test_config.hpp"  // KVAUDIT_BINARY, KVAUDIT_SOURCE_DIR, KVAUDIT_TEST_TMPDIR
 #include "src/format/kvdump.hpp"
 #include "tests/datasets/dump_equality.hpp"
 

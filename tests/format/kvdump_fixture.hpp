@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "kvaudit_test_config.hpp"  // KVAUDIT_BINARY, KVAUDIT_SOURCE_DIR, KVAUDIT_TEST_TMPDIR
 #include "src/format/kvdump.hpp"
 
 namespace kvaudit::testing {

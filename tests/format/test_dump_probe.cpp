@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "kvaudit_test_config.hpp"  // KVAUDIT_BINARY, KVAUDIT_SOURCE_DIR, KVAUDIT_TEST_TMPDIR
+
 namespace {
 
 int exit_status_of(const std::string& command) {

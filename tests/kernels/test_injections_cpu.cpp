@@ -13,6 +13,7 @@
 #include <string>
 
 #include "kernels/injection_matrix.hpp"
+#include "kvaudit_test_config.hpp"  // KVAUDIT_BINARY, KVAUDIT_SOURCE_DIR, KVAUDIT_TEST_TMPDIR
 #include "src/backend/injection.hpp"
 
 namespace {

@@ -28,6 +28,8 @@
 #include <sstream>
 #include <string>
 
+#include "kvaudit_test_config.hpp"  // KVAUDIT_BINARY, KVAUDIT_SOURCE_DIR, KVAUDIT_TEST_TMPDIR
+
 namespace {
 
 // Set once kvaudit's diagnosis of convention mismatches exists: then report.json must hold a

@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "kvaudit_test_config.hpp"  // KVAUDIT_BINARY, KVAUDIT_SOURCE_DIR, KVAUDIT_TEST_TMPDIR
+
 namespace {
 
 const std::string kPython = "/usr/bin/python3";

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "kvaudit_test_config.hpp"  // KVAUDIT_BINARY, KVAUDIT_SOURCE_DIR, KVAUDIT_TEST_TMPDIR
 #include "src/core/fp8_e4m3.hpp"
 #include "src/format/kvdump.hpp"
 

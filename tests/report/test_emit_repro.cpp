@@ -13,6 +13,7 @@
 #include <sstream>
 #include <string>
 
+#include "kvaudit_test_config.hpp"  // KVAUDIT_BINARY, KVAUDIT_SOURCE_DIR, KVAUDIT_TEST_TMPDIR
 #include "src/format/kvdump.hpp"
 #include "tests/replay/check_dumps.hpp"
 

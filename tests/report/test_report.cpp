@@ -5,6 +5,7 @@
 #include <sstream>
 #include <string>
 
+#include "kvaudit_test_config.hpp"  // KVAUDIT_BINARY, KVAUDIT_SOURCE_DIR, KVAUDIT_TEST_TMPDIR
 #include "src/report/report.hpp"
 #include "tests/verdict/check_run_fixture.hpp"
 
