@@ -493,6 +493,52 @@ class ModelsAndInstallation(unittest.TestCase):
             self.assertIn("kvdump capture not installed", run.stderr)
 
 
+class TorchTensors(unittest.TestCase):
+    """The host conversions on real torch tensors (skipped where torch does not import, as in CI):
+    a float8 pool copied (not viewed), bf16 writes and queries as bits, int64 index tensors."""
+
+    def setUp(self):
+        try:
+            import torch
+        except ImportError:
+            self.skipTest("torch is not installed")
+        if not hasattr(torch, "float8_e4m3fn"):
+            self.skipTest("torch < 2.1 has no float8_e4m3fn")
+        self.torch = torch
+
+    def test_conversions(self):
+        torch = self.torch
+        pool = torch.zeros((6, 1, fakes.D), dtype=torch.uint8)
+        pool[2, 0, :] = 0x38  # 1.0 in e4m3fn
+        snapshot = capture._host_copy(pool.view(torch.float8_e4m3fn), "pool")
+        pool[2, 0, :] = 0x40  # a later write must not reach the snapshot
+        self.assertEqual((snapshot.dtype, int(snapshot[2, 0, 0])), (np.uint8, 0x38))
+
+        k_nope = torch.randn(3, 1, fakes.DC).to(torch.bfloat16)
+        k_rope = torch.randn(3, 1, fakes.DR).to(torch.bfloat16)
+        new_kv = capture.new_kv_from_write("set_mla_kv_buffer", k_nope, k_rope, fakes.D)
+        want = torch.cat([k_nope, k_rope], dim=-1).reshape(3, fakes.D).view(torch.int16)
+        np.testing.assert_array_equal(new_kv, want.numpy().view(np.uint16))
+        with self.assertRaises(capture.CaptureStopped):
+            capture.new_kv_from_write("set_kv_buffer", k_nope.float(), None, fakes.DC)
+
+        q = torch.randn(fakes.H, 3, fakes.DC).to(torch.bfloat16).transpose(0, 1)  # as bmm leaves it
+        q_rope = torch.randn(3, fakes.H, fakes.DR).to(torch.bfloat16)
+        q_nope, q_pe = capture.queries_from_mqa((q, None, None, None), {"q_rope": q_rope},
+                                                fakes.H, fakes.DC)
+        np.testing.assert_array_equal(q_nope, q.contiguous().view(torch.int16).numpy()
+                                      .view(np.uint16))
+        self.assertEqual(q_pe.shape, (3, fakes.H, fakes.DR))
+
+        table = torch.arange(40, dtype=torch.int32).reshape(4, 10)
+        batch = fakes.ForwardBatch(fakes.ForwardMode.DECODE, 2, torch.tensor([3, 1]),
+                                   torch.tensor([2, 4]), torch.tensor([31, 13]))
+        indices, loc = capture.step_indices("decode", batch, table)
+        np.testing.assert_array_equal(indices["kv_indices"], [30, 31, 10, 11, 12, 13])
+        np.testing.assert_array_equal(loc, [31, 13])
+        self.assertFalse(capture._stream_capturing())
+
+
 if __name__ == "__main__":
     logging.basicConfig()
     unittest.main()
