@@ -25,15 +25,18 @@ with `--attention-backend flashinfer`, one kvdump step per forward batch:
                        backend reads pool.to(bf16); a checkpoint k_scale is ignored (warned)
   sm_scale             the planned wrapper's sm_scale (model_config.scaling), else attn_mqa.scaling
 
-Supported SGLang releases (read, not run): 0.4.6.post5, 0.5.4.post3, 0.5.12, 0.5.18, 0.5.23. The
-pools and the TP rank come from model_executor/forward_context.py and runtime_context.get_parallel()
+Supported SGLang releases: 0.4.6.post5, 0.5.4.post3, 0.5.12, 0.5.18, 0.5.23 (their source read;
+the pool, ForwardBatch, RadixAttention and forward context of the last four also run under the
+capture on the CPU in tests/test_sglang_capture_real.py; no release was run on a GPU). The pools
+and the TP rank come from model_executor/forward_context.py and runtime_context.get_parallel()
 where they exist (0.5.18 on), else from the ForwardBatch and the ModelRunner.
 
 The capture never breaks the server: it refuses at install what it cannot record completely
 (server flags, versions, models; logged once), and at run time stops at the first step it cannot
 represent (speculative verify, padded DP-attention batches, CUDA graphs, foreign writers, any
-exception), logging why and leaving the server running. Each step is flushed to disk when written,
-so a capture that stops early, or a worker that is killed between steps, leaves a readable file.
+exception), logging why and leaving the server running. Each step is checked, written whole and
+flushed to disk, so a capture that stops early, or a worker killed at any point after its first
+step, leaves a file that h5py and kvaudit read.
 
 numpy and h5py only; torch and SGLang are never imported here (tensors are read by duck typing).
 """
