@@ -97,14 +97,16 @@ class RealClasses(unittest.TestCase):
                 continue
         return contextlib.nullcontext()
 
-    def test_two_decode_steps_on_sglang_classes(self):
-        torch, mp, fbi, ra = self.torch, self.mp, self.fbi, self.ra
+    def make_server(self):
+        """SGLang's pools with three cached tokens (slots 5-7 of request 0, value 1.0), a stand-in
+        FlashInferMLAAttnBackend writing through the pool and a DeepseekV2AttentionMLA stand-in
+        around SGLang's RadixAttention."""
+        torch, mp, ra = self.torch, self.mp, self.ra
         pool = mp.MLATokenToKVPool(64, 1, torch.float8_e4m3fn, DC, DR, 1, "cpu", False)
         requests = mp.ReqToTokenPool(4, 32, "cpu", False)
-        pool.kv_buffer[0].view(torch.uint8)[5:8] = 0x38  # three cached tokens of value 1.0
+        pool.kv_buffer[0].view(torch.uint8)[5:8] = 0x38
         requests.req_to_token[0, :3] = torch.tensor([5, 6, 7])
         Wrapper = make_wrapper(torch)
-        on_batch = self.context is None  # <= 0.5.12: the pools travel on the ForwardBatch
 
         class FlashInferMLAAttnBackend:
             def __init__(self):
@@ -113,8 +115,8 @@ class RealClasses(unittest.TestCase):
 
             def forward(self, q, k, v, layer, batch, save_kv_cache=True, q_rope=None,
                         k_rope=None):
-                loc = mp.KVWriteLoc(batch.out_cache_loc) if hasattr(mp, "KVWriteLoc") else \
-                    batch.out_cache_loc
+                loc = batch.out_cache_loc
+                loc = mp.KVWriteLoc(loc) if hasattr(mp, "KVWriteLoc") else loc
                 pool.set_kv_buffer(layer, loc, torch.cat([k, k_rope], -1), None)
                 k_buf = pool.get_key_buffer(layer.layer_id).to(q.dtype)
                 out = self.decode_wrapper.run(q.view(-1, H, DC), q_rope.view(-1, H, DR),
@@ -135,37 +137,48 @@ class RealClasses(unittest.TestCase):
                 return self.attn_mqa(x["q"], x["k"], x["k"], forward_batch, q_rope=x["q_pe"],
                                      k_rope=x["k_pe"])
 
-        backend, layer = FlashInferMLAAttnBackend(), DeepseekV2AttentionMLA()
+        return pool, requests, FlashInferMLAAttnBackend(), DeepseekV2AttentionMLA()
+
+    def decode(self, pool, requests, backend, layer, length, slot):
+        """One decode step of request 0 to `length` tokens, its new token in `slot`."""
+        torch, fbi = self.torch, self.fbi
+        requests.req_to_token[0, length - 1] = slot
+        batch = fbi.ForwardBatch(forward_mode=fbi.ForwardMode.DECODE, batch_size=1,
+                                 input_ids=torch.zeros(1, dtype=torch.long),
+                                 req_pool_indices=torch.tensor([0]),
+                                 seq_lens=torch.tensor([length]),
+                                 out_cache_loc=torch.tensor([slot]), seq_lens_sum=length)
+        if self.context is None:  # <= 0.5.12: the pools travel on the ForwardBatch
+            batch.token_to_kv_pool, batch.req_to_token_pool = pool, requests
+            batch.attn_backend = backend
+            forward = contextlib.nullcontext()
+        else:
+            forward = self.context.forward_context(self.context.ForwardContext(
+                attn_backend=backend))
+        backend.decode_wrapper.plan([0, 1], [0, length], requests.req_to_token[0, :length].long(),
+                                    0.25)
+        inputs = dict(q=torch.randn(1, H, DC).bfloat16(), k=torch.randn(1, 1, DC).bfloat16(),
+                      q_pe=torch.randn(1, H, DR).bfloat16(), k_pe=torch.randn(1, 1, DR).bfloat16())
+        with self.parallel(), forward:
+            layer(None, inputs, batch)
+        return inputs
+
+    def test_two_decode_steps_on_sglang_classes(self):
+        pool, requests, backend, layer = self.make_server()
         api = capture.SglangApi.detect()
+        self.assertIn(api.version, capture.CHECKED_VERSIONS)
         path = os.path.join(self.tmp.name, "real.h5")
         cap = capture.MlaCapture({0: layer}, path, model="m", producer="real classes", api=api,
                                  max_steps=2).install()
-        written = []
-        for length, slot in ((4, 8), (5, 9)):
-            requests.req_to_token[0, length - 1] = slot
-            batch = fbi.ForwardBatch(forward_mode=fbi.ForwardMode.DECODE, batch_size=1,
-                                     input_ids=torch.zeros(1, dtype=torch.long),
-                                     req_pool_indices=torch.tensor([0]),
-                                     seq_lens=torch.tensor([length]),
-                                     out_cache_loc=torch.tensor([slot]), seq_lens_sum=length)
-            if on_batch:
-                batch.token_to_kv_pool, batch.req_to_token_pool = pool, requests
-                batch.attn_backend = backend
-            kv = requests.req_to_token[0, :length].long()
-            backend.decode_wrapper.plan([0, 1], [0, length], kv, 0.25)
-            inputs = dict(q=torch.randn(1, H, DC).bfloat16(), k=torch.randn(1, 1, DC).bfloat16(),
-                          q_pe=torch.randn(1, H, DR).bfloat16(),
-                          k_pe=torch.randn(1, 1, DR).bfloat16())
-            forward = (contextlib.nullcontext() if on_batch else
-                       self.context.forward_context(self.context.ForwardContext(
-                           attn_backend=backend)))
-            with self.parallel(), forward:
-                layer(None, inputs, batch)
-            written.append(inputs)
+        written = [self.decode(pool, requests, backend, layer, length, slot)
+                   for length, slot in ((4, 8), (5, 9))]
         self.assertEqual((cap.state, cap.steps_written), ("finished", 2), cap.stop_reason)
+        self.check_dump(path, written)
 
+    def check_dump(self, path, written):
         import h5py
 
+        torch = self.torch
         with h5py.File(path, "r") as f:
             before = f["layers/L000/kv_cache"][()]
             self.assertEqual(f["layers/L000"].attrs["kv_scale"], 1.0)
@@ -184,8 +197,6 @@ class RealClasses(unittest.TestCase):
             run = subprocess.run([binary, "check", path, "--backend", "none"],
                                  capture_output=True, text=True)
             self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
-        self.assertIn(api.version, capture.CHECKED_VERSIONS)
-
 
 if __name__ == "__main__":
     unittest.main()
