@@ -35,8 +35,8 @@ The capture never breaks the server: it refuses at install what it cannot record
 (server flags, versions, models; logged once), and at run time stops at the first step it cannot
 represent (speculative verify, padded DP-attention batches, CUDA graphs, foreign writers, any
 exception), logging why and leaving the server running. Each step is checked, written whole and
-flushed to disk, so a capture that stops early, or a worker killed at any point after its first
-step, leaves a file that h5py and kvaudit read.
+flushed to disk, so a capture that stops early, or a worker killed while the model computes,
+leaves a file that h5py and kvaudit read (a kill during a step's own HDF5 write is not covered).
 
 numpy and h5py only; torch and SGLang are never imported here (tensors are read by duck typing).
 """
