@@ -161,7 +161,7 @@ TEST_CASE("kvaudit golden check: an unchanged run passes", "[cli][golden]") {
 
 TEST_CASE("kvaudit golden check: one flipped bit of a stored output fails and names the element",
           "[cli][golden]") {
-  {
+  SECTION("a tiny dump") {
     const fs::path dir = fresh_dir("golden_cli_flip");
     write_tiny_dump(dir / "tiny.h5");
     record(dir / "tiny.h5", dir / "tiny.golden.h5");
@@ -174,6 +174,21 @@ TEST_CASE("kvaudit golden check: one flipped bit of a stored output fails and na
                Catch::Contains("first moved: step 1 layer 4 out[row 1, head 1, dim 5]"));
     CHECK_THAT(result.out, Catch::Contains(", 1 ulp"));
     CHECK_THAT(result.out, Catch::Contains("verdict: MOVED (1 of 6 (step, layer)s moved"));
+  }
+  SECTION("a shipped dump and its checked-in golden file") {
+    const fs::path source = fs::path(KVAUDIT_SOURCE_DIR);
+    const fs::path golden = test_tmp_path("golden_cli_shipped.golden.h5");
+    fs::copy_file(source / "tests/golden/saturated_page16.cpu-fp8.golden.h5", golden,
+                  fs::copy_options::overwrite_existing);
+    // Step 2 of saturated_page16 has 3 rows of 16 heads x 512: its last element.
+    flip_out_bits(golden, "/steps/S002/L005/out", (2 * 16 + 15) * 512 + 511, 0x1);
+    const CommandResult result = run_kvaudit(
+        "flip_shipped", "golden check " + quoted(source / "datasets/saturated_page16.h5") + " " +
+                            quoted(golden) + " --backend cpu-fp8");
+    INFO(result.out << result.err);
+    CHECK(result.status == 1);
+    CHECK_THAT(result.out,
+               Catch::Contains("first moved: step 2 layer 5 out[row 2, head 15, dim 511]"));
   }
 }
 
