@@ -97,12 +97,13 @@ fs::path golden_path_for(const fs::path& dump, const fs::path& folder, const std
   return folder / fmt::format("{}.{}.golden.h5", dump.stem().string(), backend);
 }
 
-// DIR/*.h5, sorted by name.
+// DIR/*.h5 but golden files (*.golden.h5: a folder may hold both), sorted by name.
 Result<std::vector<fs::path>> dumps_in(const fs::path& folder) {
   std::vector<fs::path> dumps;
   std::error_code error;
   for (const auto& entry : fs::directory_iterator(folder, error)) {
-    if (entry.is_regular_file() && entry.path().extension() == ".h5") {
+    const std::string name = entry.path().filename().string();
+    if (entry.is_regular_file() && name.ends_with(".h5") && !name.ends_with(".golden.h5")) {
       dumps.push_back(entry.path());
     }
   }
@@ -145,7 +146,7 @@ Result<Golden> run_and_capture(const GoldenOptions& options, const DumpReader& r
   return golden;
 }
 
-// "12 (step, layer)s, pools whole, 812 KiB"
+// "12 (step, layer)s, backend cpu-fp8, pools as SHA-256 + written rows, 764433 bytes"
 std::string golden_summary(const Golden& golden, const fs::path& path) {
   std::size_t whole = 0;
   for (const GoldenEntry& entry : golden.entries) {
@@ -186,16 +187,18 @@ Status record_folder(const GoldenOptions& options) {
   KVAUDIT_ASSIGN_OR_RETURN(const std::vector<fs::path> dumps, dumps_in(options.dump));
   std::error_code error;
   fs::create_directories(options.golden, error);
-  if (error)
+  if (error) {
     return bad_input("-o " + options.golden, "cannot create the folder: " + error.message());
+  }
   std::vector<fs::path> outputs;
   for (const fs::path& dump : dumps) {
     outputs.push_back(golden_path_for(dump, options.golden, options.backend));
     KVAUDIT_TRY(check_output_file(outputs.back(), "-o"));
     KVAUDIT_TRY(probe_dump_in_child(dump));
   }
-  for (std::size_t i = 0; i < dumps.size(); ++i)
+  for (std::size_t i = 0; i < dumps.size(); ++i) {
     KVAUDIT_TRY(record_one(options, dumps[i], outputs[i]));
+  }
   return ok_status();
 }
 

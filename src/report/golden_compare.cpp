@@ -487,6 +487,20 @@ GoldenComparison compare_golden(const Golden& golden, const Golden& current, Gol
 
 namespace {
 
+// "out[3,2,17] (1)", "lse[0,1] (4)", "pool[25,2] (1)": where, and the distance in ulps.
+std::string compact_move(const ElementMove& move) {
+  const std::string ulps = std::isfinite(move.ulps) ? fmt::format("{:g}", move.ulps) : "inf";
+  switch (move.part) {
+    case MovedPart::kOut:
+      return fmt::format("out[{},{},{}] ({})", move.row, move.head, move.dim, ulps);
+    case MovedPart::kLse:
+      return fmt::format("lse[{},{}] ({})", move.row, move.head, ulps);
+    case MovedPart::kPool:
+      return fmt::format("pool[{},{}] ({})", move.slot, move.dim, ulps);
+  }
+  return "?";
+}
+
 std::string pool_text(const EntryDiff& diff) {
   if (diff.written_slots_differ) return "wrote other slots";
   if (diff.slots_moved == 0) {
@@ -504,8 +518,9 @@ std::string pool_text(const EntryDiff& diff) {
 
 void print_golden_comparison(std::ostream& out, const GoldenComparison& comparison) {
   if (!comparison.any_moved()) return;
-  fmt::print(out, "{:>5} {:>6} {:>9} {:>8} {:>10} {:>9} {:>10}  {}\n", "step", "layer", "out_moved",
-             "max_ulp", "out_maxabs", "lse_moved", "lse_maxabs", "pool slots moved");
+  fmt::print(out, "{:>5} {:>6} {:>9} {:>8} {:>10} {:>9} {:>10}  {:<24} {}\n", "step", "layer",
+             "out_moved", "max_ulp", "out_maxabs", "lse_moved", "lse_maxabs", "first (ulps)",
+             "pool slots moved");
   for (const EntryDiff& diff : comparison.moved) {
     if (!diff.structure.empty()) {
       fmt::print(out, "{:>5} {:>6}  {}\n", diff.step, diff.layer_id, diff.structure);
@@ -513,9 +528,10 @@ void print_golden_comparison(std::ostream& out, const GoldenComparison& comparis
     }
     const std::string ulps =
         std::isfinite(diff.out_max_ulps) ? fmt::format("{:g}", diff.out_max_ulps) : "inf";
-    fmt::print(out, "{:>5} {:>6} {:>9} {:>8} {:>10.3e} {:>9} {:>10.3e}  {}\n", diff.step,
+    const std::optional<ElementMove> first = diff.first();
+    fmt::print(out, "{:>5} {:>6} {:>9} {:>8} {:>10.3e} {:>9} {:>10.3e}  {:<24} {}\n", diff.step,
                diff.layer_id, diff.out_moved, ulps, diff.out_max_abs, diff.lse_moved,
-               diff.lse_max_abs, pool_text(diff));
+               diff.lse_max_abs, first ? compact_move(*first) : "-", pool_text(diff));
   }
   if (comparison.first) fmt::print(out, "first moved: {}\n", describe_move(*comparison.first));
 }

@@ -111,8 +111,9 @@ struct GoldenComparison {
 // are matched by (step, layer_id) and ordered by the golden's step_indices and layer_ids.
 GoldenComparison compare_golden(const Golden& golden, const Golden& current, GoldenMode mode);
 
-// One line per moved (step, layer) under a header, then "first moved: ...". Nothing when nothing
-// moved.
+// One line per moved (step, layer) under a header (counts, largest distances, its first moved
+// element as "out[row,head,dim] (ulps)", the pool slots that moved), then "first moved: ..." in
+// full. Nothing when nothing moved.
 void print_golden_comparison(std::ostream& out, const GoldenComparison& comparison);
 
 }  // namespace kvaudit

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <fstream>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -220,6 +221,12 @@ TEST_CASE("golden compare: one flipped bit of out names step, layer, row, head a
   CHECK(first.ulps == 1.0);
   CHECK_THAT(describe_move(first), Catch::Contains("step 1 layer 4 out[row 1, head 1, dim 5]") &&
                                        Catch::Contains("1 ulp"));
+  std::ostringstream printed;
+  print_golden_comparison(printed, comparison);
+  CHECK_THAT(printed.str(),
+             Catch::Matches(R"([\s\S]*\n +1 +4 +1 +1 [^\n]* out\[1,1,5\] \(1\) +0\n[\s\S]*)"));
+  CHECK_THAT(printed.str(),
+             Catch::Contains("first moved: step 1 layer 4 out[row 1, head 1, dim 5]"));
   // Tolerance mode lets one ulp through.
   CHECK_FALSE(compare_golden(recorded.golden, current, GoldenMode::kTolerance).any_moved());
 }

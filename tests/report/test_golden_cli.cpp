@@ -336,4 +336,19 @@ TEST_CASE("kvaudit golden check on folders: one summary, one verdict", "[cli][go
   CHECK(run_kvaudit("folder_after", check).status == 0);
 }
 
+TEST_CASE("kvaudit golden on one folder holding dumps and golden files", "[cli][golden]") {
+  const fs::path dir = fresh_dir("golden_cli_same_folder");
+  write_tiny_dump(dir / "a.h5", 1);
+  const std::string folder = quoted(dir);
+  REQUIRE(run_kvaudit("same_record", "golden record " + folder + " -o " + folder).status == 0);
+  REQUIRE(fs::exists(dir / "a.cpu-fp8.golden.h5"));
+  // The golden file is not taken for a dump, neither now nor when recording again.
+  const CommandResult check = run_kvaudit("same_check", "golden check " + folder + " " + folder);
+  INFO(check.out << check.err);
+  CHECK(check.status == 0);
+  CHECK_THAT(check.out, Catch::Contains("verdict: MATCH (1 dumps: 1 match"));
+  CHECK(run_kvaudit("same_record_again", "golden record " + folder + " -o " + folder).status == 0);
+  CHECK_FALSE(fs::exists(dir / "a.cpu-fp8.golden.cpu-fp8.golden.h5"));
+}
+
 }  // namespace kvaudit
