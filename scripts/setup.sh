@@ -8,7 +8,8 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 packages=(cmake g++ make pkg-config libhdf5-dev libboost-dev libcli11-dev catch2 nlohmann-json3-dev
-          libfmt-dev nettle-dev python3-h5py python3-numpy clang-format)
+          libfmt-dev nettle-dev python3-h5py python3-numpy clang-format
+          chromium tidy python3-pil python3-html5lib fonts-dejavu-core)  # report.html's browser test
 missing=()
 for package in "${packages[@]}"; do
   if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q 'install ok installed'; then

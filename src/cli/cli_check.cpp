@@ -30,6 +30,41 @@
 namespace kvaudit {
 namespace {
 
+// ---- sign-off fields (--signed-by, --model, --deployment): who and what a --signoff report signs
+// for; report.json's "signoff" block carries them with the report's digest
+// (src/verdict/report_digest.hpp), checked later by `kvaudit verify-report`.
+struct SignOffFields {
+  std::string signed_by;
+  std::string model;
+  std::string deployment;
+  bool any() const { return !signed_by.empty() || !model.empty() || !deployment.empty(); }
+};
+
+void add_signoff_options(CLI::App& cmd, SignOffFields& fields) {
+  cmd.add_option("--signed-by", fields.signed_by,
+                 "With --signoff: who signs the report (a name), written into report.json's "
+                 "signoff block and covered by its digest");
+  cmd.add_option("--model", fields.model,
+                 "With --signoff: the model the sign-off is for (e.g. GLM-5)");
+  cmd.add_option("--deployment", fields.deployment,
+                 "With --signoff: the deployment the sign-off is for (free text: server, "
+                 "kernel version, GPU)");
+}
+
+// The run's sign-off block under --signoff; the fields without --signoff are a usage error.
+Result<std::optional<SignOff>> signoff_of(bool signoff, const SignOffFields& fields) {
+  if (!signoff) {
+    if (fields.any()) {
+      return bad_input(!fields.signed_by.empty() ? "--signed-by"
+                       : !fields.model.empty()   ? "--model"
+                                                 : "--deployment",
+                       "needs --signoff (only a sign-off report is signed)");
+    }
+    return std::optional<SignOff>();
+  }
+  return std::optional<SignOff>(SignOff{fields.signed_by, fields.model, fields.deployment});
+}
+
 struct CheckOptions {
   std::string dump;
   std::string backend = "cpu-fp8";
@@ -38,6 +73,7 @@ struct CheckOptions {
   std::string steps;
   std::string policy_file;
   bool signoff = false;
+  SignOffFields signoff_fields;
   std::string json_file;
   std::string report_dir;
   std::string save_outputs;
@@ -172,6 +208,8 @@ Result<int> check_dump(const CheckOptions& options) {
   if (options.dump.empty()) {
     return bad_input("kvaudit check", "a DUMP file is required (see --help)");
   }
+  KVAUDIT_ASSIGN_OR_RETURN(const std::optional<SignOff> signoff,
+                           signoff_of(options.signoff, options.signoff_fields));
   KVAUDIT_TRY(probe_dump_in_child(options.dump));
   KVAUDIT_ASSIGN_OR_RETURN(const DumpReader reader, DumpReader::open(options.dump));
   KVAUDIT_ASSIGN_OR_RETURN(ReplayOptions replay, replay_options(options, reader.layout()));
@@ -194,6 +232,7 @@ Result<int> check_dump(const CheckOptions& options) {
   run.dump_path = options.dump;
   run.dump_sha256 = sha;
   run.provenance = current_provenance();
+  run.signoff = signoff;
   if (outputs) KVAUDIT_TRY(outputs->close());
 
   print_check_table(std::cout, run, options.verbose);
@@ -233,14 +272,17 @@ void add_input_options(CLI::App& cmd, CheckOptions& options) {
   cmd.add_option("--policy", options.policy_file,
                  "Policy file (JSON, the keys of report.json's policy) instead of the default");
   cmd.add_flag("--signoff", options.signoff,
-               "Sign-off policy: quantization and total error limits also set the exit status");
+               "Sign-off policy: quantization and total error limits also set the exit status, "
+               "and a step-layer where they could not be measured (no kv_source) fails; the "
+               "report carries a signoff block with its digest");
+  add_signoff_options(cmd, options.signoff_fields);
 }
 
 // What is written, and how the run is done: reports, saved outputs, repro, threads, verbosity.
 void add_output_options(CLI::App& cmd, CheckOptions& options) {
   cmd.add_option("--json", options.json_file, "Write report.json to this file");
   cmd.add_option("--report", options.report_dir,
-                 "Write a report directory (report.json, report.md)");
+                 "Write a report directory (report.json, report.md, report.html)");
   cmd.add_option("--save-outputs", options.save_outputs,
                  "Write the reference and backend outputs per step and layer to this HDF5 file "
                  "(/steps/S###/L###/{reference_out, reference_lse, reference_source_out, "

@@ -17,6 +17,7 @@
 #include <unordered_map>
 
 #include "references/mla_reference.hpp"
+#include "src/format/pool_codes.hpp"
 #include "src/replay/integrity.hpp"
 #include "src/verdict/divergence.hpp"
 #include "src/verdict/run_judge.hpp"
@@ -81,10 +82,13 @@ class SourceRows {
     known_[slot] = 1;
   }
 
-  // Whether every token a row of the step sees has a known source value.
+  // How many of the tokens the step's rows see have no known source value (Rs needs none).
+  std::int64_t count_unknown(const std::vector<std::int64_t>& visible) const {
+    return std::count_if(visible.begin(), visible.end(),
+                         [&](std::int64_t slot) { return known_[slot] == 0; });
+  }
   bool covers(const std::vector<std::int64_t>& visible) const {
-    return std::all_of(visible.begin(), visible.end(),
-                       [&](std::int64_t slot) { return known_[slot] != 0; });
+    return count_unknown(visible) == 0;
   }
 
   // Rs for the step (the step must be covered). Sparse rows are gathered into the pages the step
@@ -193,11 +197,15 @@ class LayerReplay {
 
   Status load_state();
   Status replay_step(std::size_t step_index);
+  // After the last step: one note naming the steps whose quantization and total error could not
+  // be measured (no source value for some token they read), if any.
+  void note_unmeasured_steps();
 
  private:
   StepInput step_input(std::size_t step_index, const StepLayerTensors& tensors) const;
   StepLayerWrites write_reference(const StepInput& step);
   Status compute_references(const StepInput& step, StepResults& results);
+  void record_coverage(const StepInput& step);
   Status run_backend(const StepInput& step, const StepLayerWrites& writes, StepResults& results);
   Status reference_on_read_pool(const StepInput& step, StepResults& results);
   void record(std::vector<IntegrityFinding> findings, bool reported);
@@ -220,7 +228,8 @@ class LayerReplay {
   PoolDamageHistory captured_damage_;  // slots of kv_cache_after that differ, step to step
   PoolNanCodes reference_nan_codes_;   // NaN codes of reference_pool_ (data), kept per write
   SourceRows source_;
-  bool noted_missing_source_ = false;
+  std::vector<StepLayerCoverage> unmeasured_;  // reported steps whose tokens lack a source value
+  std::size_t reported_steps_ = 0;
 };
 
 Status LayerReplay::load_state() {
@@ -321,15 +330,46 @@ Status LayerReplay::compute_references(const StepInput& step, StepResults& resul
                                                results.rs_lse, context_.options.threads));
     context_.run.reference_rows_heads_tokens += static_cast<double>(work);
     results.has_source_reference = true;
-  } else if (!noted_missing_source_) {
-    noted_missing_source_ = true;
-    context_.run.notes.push_back(
-        step.where +
-        ": the dump has no source value for some visible tokens (no kv_source); "
-        "quantization and total error are not measured where that holds");
   }
   context_.run.reference_seconds += seconds_since(start);
+  record_coverage(step);
   return ok_status();
+}
+
+// What the step read: tokens, those without a source value, saturated codes among them (in the
+// reference pool after the step's writes: what R8 read).
+void LayerReplay::record_coverage(const StepInput& step) {
+  StepLayerCoverage site;
+  site.step = static_cast<int>(step.index);
+  site.layer_id = layer_.layer_id;
+  site.tokens_read = static_cast<std::int64_t>(step.visible.size());
+  site.tokens_without_source = source_.count_unknown(step.visible);
+  site.codes_read = site.tokens_read * attrs_.row_width();
+  if (reference_pool_.dtype == KvDtype::kFloat8E4m3fn) {
+    site.saturated_codes = count_pool_codes(reference_pool_, step.visible).saturated;
+  }
+  ++reported_steps_;
+  if (site.tokens_without_source > 0) unmeasured_.push_back(site);
+  context_.run.coverage.push_back(site);
+}
+
+void LayerReplay::note_unmeasured_steps() {
+  if (unmeasured_.empty()) return;
+  std::vector<int> steps;
+  for (const StepLayerCoverage& site : unmeasured_) steps.push_back(site.step);
+  const StepLayerCoverage& first = unmeasured_.front();
+  const std::string which =
+      unmeasured_.size() == reported_steps_
+          ? fmt::format("any of the {} reported steps", reported_steps_)
+          : fmt::format("steps {} ({} of {} reported)", fmt::join(steps, ", "), steps.size(),
+                        reported_steps_);
+  context_.run.notes.push_back(fmt::format(
+      "{}: quantization and total error not measured at {}: they read tokens with no source "
+      "value ({}; only the new_kv rows the dump's steps write have one); at step {}, {} of the "
+      "{} tokens read have none",
+      layer_.group, which,
+      layer_.has_source ? "kv_source does not cover them" : "the layer has no kv_source",
+      first.step, first.tokens_without_source, first.tokens_read));
 }
 
 // 3. The backend under test, on its own pool, then the integrity of that pool and R8'.
@@ -560,6 +600,7 @@ Result<CheckRun> replay_dump(const DumpReader& reader, Backend* backend,
     for (std::size_t step = 0; step < reader.layout().steps.size(); ++step) {
       KVAUDIT_TRY(layer.replay_step(step));
     }
+    layer.note_unmeasured_steps();
   }
   run.total_seconds = seconds_since(total_start);
   return run;

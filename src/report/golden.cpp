@@ -13,7 +13,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "src/core/build_revision.hpp"
+#include "src/core/build_info.hpp"
 #include "src/core/sha256.hpp"
 #include "src/verdict/check_result.hpp"
 

@@ -72,7 +72,7 @@ struct GoldenProvenance {
   std::string backend;      // "cpu-fp8", ...
   nlohmann::json backend_description = nlohmann::json::object();  // Backend::describe()
   std::string kvaudit_version;
-  std::string kvaudit_revision;  // git describe --always --dirty at configure time, or "unknown"
+  std::string kvaudit_revision;  // the commit built from (src/core/build_info.hpp), or "unknown"
   // What else can move a CPU backend's last bit: {"compiler", "libc", "hdf5"} versions (exp2f and
   // log2f come from the C library).
   nlohmann::json platform = nlohmann::json::object();

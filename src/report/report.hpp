@@ -1,6 +1,6 @@
 // Renderings of a check run (src/verdict/check_result.hpp): the stdout table, and a report
-// directory with report.json (the schema of docs/report-schema.md) and report.md (self-contained
-// Markdown).
+// directory with report.json (the schema of docs/report-schema.md), report.md (self-contained
+// Markdown) and report.html (one self-contained page with charts, src/report/report_html.hpp).
 #pragma once
 
 #include <filesystem>
@@ -34,14 +34,17 @@ void print_step_summary(std::ostream& out, const CheckRun& run);
 void print_notes(std::ostream& out, const CheckRun& run);
 // The reference's and the backend's wall time, and the reference's throughput.
 void print_timing(std::ostream& out, const CheckRun& run);
-// "verdict: PASS (policy default, backend cpu-fp8, 24 comparisons, 0 failed, ...)"
+// "verdict: PASS (policy default, backend cpu-fp8, 24 comparisons, 0 failed, ...)"; under sign-off
+// with quantization or total error unmeasured, " - sign-off incomplete: <what, which layers>".
 std::string verdict_summary(const CheckRun& run);
 
-// report.md's text, from the run alone (report.json is to_json(run)).
+// report.md's text, from the run alone (report.json is to_json(run)): the verdict, the sign-off
+// block, the summary a person signs, the failures with their likely cause, the diagnosis, the
+// details, then the appendices (policy, dump, backend, timing, provenance).
 std::string render_markdown(const CheckRun& run);
 
-// Creates `dir` (and parents) and writes report.json (to_json(run), pretty-printed) and report.md,
-// both with the same provenance (empty fields filled once, from this process).
+// Creates `dir` (and parents) and writes report.json (to_json(run), pretty-printed), report.md and
+// report.html, all with the same provenance (empty fields filled once, from this process).
 Status write_report_dir(const std::filesystem::path& dir, const CheckRun& run);
 
 }  // namespace kvaudit

@@ -8,24 +8,6 @@
 #include <vector>
 
 namespace kvaudit {
-
-PoolCodeCounts count_pool_codes(const KvPool& pool) {
-  PoolCodeCounts counts;
-  if (pool.dtype == KvDtype::kFloat8E4m3fn) {
-    for (const std::uint8_t code : pool.bytes) {
-      const std::uint8_t magnitude = code & 0x7F;
-      counts.nan += magnitude == kE4m3NanCode;
-      counts.saturated += magnitude == kE4m3MaxFiniteCode;
-    }
-    return counts;
-  }
-  for (std::size_t i = 0; i + 1 < pool.bytes.size(); i += 2) {
-    const std::uint16_t bits = static_cast<std::uint16_t>(pool.bytes[i] | (pool.bytes[i + 1] << 8));
-    counts.nan += (bits & 0x7FFF) > 0x7F80;  // exponent all ones, mantissa non-zero
-  }
-  return counts;
-}
-
 namespace {
 
 nlohmann::json shapes_info(const DumpLayout& layout) {

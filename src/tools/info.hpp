@@ -9,17 +9,9 @@
 
 #include "src/core/result.hpp"
 #include "src/format/kvdump.hpp"
+#include "src/format/pool_codes.hpp"  // count_pool_codes, used here and by the tests
 
 namespace kvaudit {
-
-// Counts over a pool's stored elements. e4m3fn: NaN codes are 0x7F/0xFF (S.1111.111), saturated
-// codes are 0x7E/0xFE (+-448, where satfinite clamps overflow). bf16: NaN bit patterns; there is
-// no saturation in a bf16 pool, so `saturated` is 0 and not meaningful.
-struct PoolCodeCounts {
-  std::int64_t nan = 0;
-  std::int64_t saturated = 0;
-};
-PoolCodeCounts count_pool_codes(const KvPool& pool);
 
 // Reads every layer's initial pool (one at a time) to count codes. Schema:
 // { "file", "format_version", "model", "producer",

@@ -11,6 +11,10 @@
 #include <limits>
 #include <set>
 
+#include "src/core/build_info.hpp"
+#include "src/verdict/report_digest.hpp"
+#include "src/verdict/signoff.hpp"
+
 namespace kvaudit {
 namespace {
 
@@ -63,12 +67,15 @@ Provenance current_provenance() {
 #ifdef KVAUDIT_VERSION
   provenance.kvaudit_version = KVAUDIT_VERSION;
 #endif
+  provenance.git_revision = kvaudit_git_revision();
+  provenance.cpu = cpu_description();
   return provenance;
 }
 
 bool is_complete(const Provenance& provenance) {
   return !provenance.host.empty() && !provenance.date_utc.empty() &&
-         !provenance.command_line.empty() && !provenance.kvaudit_version.empty();
+         !provenance.command_line.empty() && !provenance.kvaudit_version.empty() &&
+         !provenance.git_revision.empty() && !provenance.cpu.empty();
 }
 
 Provenance completed_provenance(const Provenance& given) {
@@ -79,6 +86,8 @@ Provenance completed_provenance(const Provenance& given) {
   if (provenance.date_utc.empty()) provenance.date_utc = here.date_utc;
   if (provenance.command_line.empty()) provenance.command_line = here.command_line;
   if (provenance.kvaudit_version.empty()) provenance.kvaudit_version = here.kvaudit_version;
+  if (provenance.git_revision.empty()) provenance.git_revision = here.git_revision;
+  if (provenance.cpu.empty()) provenance.cpu = here.cpu;
   return provenance;
 }
 
@@ -106,7 +115,7 @@ bool CheckRun::pass() const {
   for (const IntegrityFinding& finding : integrity) {
     if (!finding.pass) return false;
   }
-  return true;
+  return !gaps_fail_run(*this);
 }
 
 RunCounts count_results(const CheckRun& run) {
@@ -122,6 +131,7 @@ RunCounts count_results(const CheckRun& run) {
   }
   counts.integrity_checks = run.integrity.size();
   for (const IntegrityFinding& finding : run.integrity) counts.integrity_failed += !finding.pass;
+  counts.unmeasured = unmeasured_sites(measurement_gaps(run));
   return counts;
 }
 
@@ -270,7 +280,8 @@ nlohmann::json counts_json(const RunCounts& counts) {
           {"failed", counts.failed},
           {"failed_report_only", counts.failed_report_only},
           {"integrity_checks", counts.integrity_checks},
-          {"integrity_failed", counts.integrity_failed}};
+          {"integrity_failed", counts.integrity_failed},
+          {"unmeasured", counts.unmeasured}};
 }
 
 nlohmann::json result_json(const ComparisonResult& result) {
@@ -348,7 +359,46 @@ nlohmann::json provenance_json(const Provenance& given) {
   return {{"host", provenance.host},
           {"date", provenance.date_utc},
           {"command_line", provenance.command_line},
-          {"kvaudit_version", provenance.kvaudit_version}};
+          {"kvaudit_version", provenance.kvaudit_version},
+          {"git_revision", provenance.git_revision},
+          {"cpu", provenance.cpu}};
+}
+
+nlohmann::json coverage_json(const StepLayerCoverage& site) {
+  return {{"step", site.step},
+          {"layer", site.layer_id},
+          {"tokens_read", site.tokens_read},
+          {"tokens_without_source", site.tokens_without_source},
+          {"codes_read", site.codes_read},
+          {"saturated_codes", site.saturated_codes >= 0 ? nlohmann::json(site.saturated_codes)
+                                                        : nlohmann::json(nullptr)}};
+}
+
+nlohmann::json gap_json(const MeasurementGap& gap) {
+  return {{"layer", gap.layer_id},
+          {"comparison", comparison_name(gap.comparison)},
+          {"reason", gap_reason_name(gap.reason)},
+          {"steps", gap.steps},
+          {"tokens_read", gap.tokens_read},
+          {"tokens_without_source", gap.tokens_without_source}};
+}
+
+// Who signed, and the digest of everything else but timing (src/verdict/report_digest.hpp);
+// null for a run that is not a sign-off.
+void add_signoff(nlohmann::json& j, const std::optional<SignOff>& signoff) {
+  if (!signoff) {
+    j["signoff"] = nullptr;
+    return;
+  }
+  auto text_or_null = [](const std::string& text) {
+    return text.empty() ? nlohmann::json(nullptr) : nlohmann::json(text);
+  };
+  j["signoff"] = {{"signed_by", text_or_null(signoff->signed_by)},
+                  {"model", text_or_null(signoff->model)},
+                  {"deployment", text_or_null(signoff->deployment)}};
+  j["signoff"]["digest"] = {{"algorithm", kReportDigestAlgorithm},
+                            {"covers", kReportDigestCovers},
+                            {"value", report_digest(j)}};
 }
 
 template <typename T, typename ToJson>
@@ -377,8 +427,11 @@ nlohmann::json to_json(const CheckRun& run) {
   j["steps"] = array_json(summarize_steps(run), step_json);
   j["first_divergence"] = divergence_json(run.first_divergence);
   j["notes"] = run.notes;
+  j["coverage"] = array_json(run.coverage, coverage_json);
+  j["unmeasured"] = array_json(measurement_gaps(run), gap_json);
   j["timing"] = timing_json(run);
   j["provenance"] = provenance_json(run.provenance);
+  add_signoff(j, run.signoff);  // last: its digest covers everything above
   return j;
 }
 

@@ -82,6 +82,30 @@ struct Divergence {
   std::string reason;  // the comparison's first reason
 };
 
+// What a reported (step, layer) read and whether its source was known, recorded by the replay.
+// The sign-off verdict rests on it (src/verdict/signoff.hpp: a step-layer whose tokens lack a
+// source value has no quantization or total error), and the reports put the saturated codes a
+// step read beside the quantization error they cause.
+struct StepLayerCoverage {
+  int step = 0;
+  int layer_id = 0;
+  std::int64_t tokens_read = 0;            // distinct slots the step's rows read
+  std::int64_t tokens_without_source = 0;  // of those, slots with no source value (Rs needs all)
+  std::int64_t codes_read = 0;             // stored elements of those slots (tokens_read x D)
+  // e4m3 codes +-448 among them (values past 464 * kv_scale clamped by satfinite), in the
+  // reference replay's pool after the step's writes; -1 for a bf16 pool (no saturation).
+  std::int64_t saturated_codes = -1;
+};
+
+// Who and what a sign-off report signs for (--signed-by, --model, --deployment; empty when not
+// given). Only --signoff runs carry one; report.json's "signoff" block adds the digest
+// (src/verdict/report_digest.hpp).
+struct SignOff {
+  std::string signed_by;
+  std::string model;
+  std::string deployment;
+};
+
 // Where and how a run was made, for the report. Empty fields are filled with this process's
 // values (current_provenance) when the run is written out.
 struct Provenance {
@@ -89,10 +113,12 @@ struct Provenance {
   std::string date_utc;      // ISO-8601, "2026-11-29T09:30:00Z"
   std::string command_line;  // as typed, arguments shell-quoted where needed
   std::string kvaudit_version;
+  std::string git_revision;  // src/core/build_info.hpp
+  std::string cpu;           // the host's CPU model and count
 };
 
 // This process: host name, the time now (UTC), its command line (from /proc/self/cmdline where
-// there is one), KVAUDIT_VERSION.
+// there is one), KVAUDIT_VERSION, the git revision it was built from, the CPU.
 Provenance current_provenance();
 // `given` with its empty fields filled from current_provenance().
 Provenance completed_provenance(const Provenance& given);
@@ -111,12 +137,16 @@ struct CheckRun {
   std::vector<IntegrityFinding> integrity;
   std::optional<Divergence> first_divergence;  // none while nothing diverges
   std::vector<std::string> notes;  // what the run could not do, or did differently, and why
+  std::vector<StepLayerCoverage> coverage;  // one per reported (step, layer), in replay order
+  std::optional<SignOff> signoff;           // --signoff runs
   double reference_seconds = 0.0;
   double reference_rows_heads_tokens = 0.0;  // work done, for throughput
   double backend_seconds = 0.0;
   double total_seconds = 0.0;
   Provenance provenance;
-  bool pass() const;  // no failing comparison that sets exit, no failing integrity finding
+  // No failing comparison that sets exit, no failing integrity finding, and, where the policy
+  // judges quantization and total error (sign-off), both measured at every reported step-layer.
+  bool pass() const;
 };
 
 // Whether this comparison fails the run: it failed and either its kind sets the exit status under
@@ -131,6 +161,9 @@ struct RunCounts {
   std::size_t failed_report_only = 0;  // failing, but reported only under this policy
   std::size_t integrity_checks = 0;
   std::size_t integrity_failed = 0;
+  // (step, layer, comparison) sites where quantization or total error could not be measured
+  // (src/verdict/signoff.hpp); they fail the run under sign-off.
+  std::size_t unmeasured = 0;
 };
 RunCounts count_results(const CheckRun& run);
 

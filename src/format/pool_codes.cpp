@@ -1,0 +1,40 @@
+// Counting NaN and saturated codes in a KV pool (see pool_codes.hpp).
+#include "src/format/pool_codes.hpp"
+
+namespace kvaudit {
+namespace {
+
+// Adds the counts of `count` stored elements starting at `bytes`.
+void add_codes(KvDtype dtype, const std::uint8_t* bytes, std::size_t count,
+               PoolCodeCounts& counts) {
+  if (dtype == KvDtype::kFloat8E4m3fn) {
+    for (std::size_t i = 0; i < count; ++i) {
+      const std::uint8_t magnitude = bytes[i] & 0x7F;
+      counts.nan += magnitude == kE4m3NanCode;
+      counts.saturated += magnitude == kE4m3MaxFiniteCode;
+    }
+    return;
+  }
+  for (std::size_t i = 0; i < count; ++i) {
+    const std::uint16_t bits = static_cast<std::uint16_t>(bytes[2 * i] | (bytes[2 * i + 1] << 8));
+    counts.nan += (bits & 0x7FFF) > 0x7F80;  // exponent all ones, mantissa non-zero
+  }
+}
+
+}  // namespace
+
+PoolCodeCounts count_pool_codes(const KvPool& pool) {
+  PoolCodeCounts counts;
+  add_codes(pool.dtype, pool.bytes.data(), pool.bytes.size() / pool.bytes_per_element(), counts);
+  return counts;
+}
+
+PoolCodeCounts count_pool_codes(const KvPool& pool, std::span<const std::int64_t> slots) {
+  PoolCodeCounts counts;
+  for (const std::int64_t slot : slots) {
+    add_codes(pool.dtype, pool.row(slot), static_cast<std::size_t>(pool.row_width), counts);
+  }
+  return counts;
+}
+
+}  // namespace kvaudit
