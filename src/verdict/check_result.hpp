@@ -16,6 +16,14 @@
 
 namespace kvaudit {
 
+// Where a failing comparison first leaves its reference: the first (row, head) that breaks the
+// policy on its own (src/verdict/divergence.hpp), and the request that row belongs to.
+struct DivergencePoint {
+  int request = -1;
+  int row = -1;  // step-global query row
+  int head = -1;
+};
+
 struct ComparisonResult {
   int step = 0;      // step index (S### number)
   int layer_id = 0;  // model layer id (L### number)
@@ -25,6 +33,11 @@ struct ComparisonResult {
   bool sets_exit = true;  // whether a failure here fails the run under the policy
   // The first failing request/row/head for bug reproduction (row is step-global).
   int worst_request = -1;
+  // Set on the failing comparisons the first divergence follows (kernel, cache, captured): the
+  // run's first divergence is the earliest of them (DivergenceTracker). Not in report.json, where
+  // only the first divergence is; a shard's part carries them (src/verdict/shard.hpp) so that a
+  // merge finds the first divergence by the same rule.
+  std::optional<DivergencePoint> divergence;
 };
 
 // The integrity checks of src/replay/integrity.hpp, in the order a step reports them.
