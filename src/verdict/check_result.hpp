@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "src/core/result.hpp"
 #include "src/verdict/metrics.hpp"
 #include "src/verdict/policy.hpp"
 
@@ -95,6 +96,15 @@ struct Divergence {
   std::string reason;  // the comparison's first reason
 };
 
+// One part a merged run was made from (`kvaudit merge`): its file, its shard and where it ran.
+struct MergedPart {
+  std::string file;   // as given to kvaudit merge
+  std::string shard;  // "I/N"
+  std::string host;
+  std::string date_utc;
+  std::string command_line;
+};
+
 // Where and how a run was made, for the report. Empty fields are filled with this process's
 // values (current_provenance) when the run is written out.
 struct Provenance {
@@ -102,6 +112,7 @@ struct Provenance {
   std::string date_utc;      // ISO-8601, "2026-11-29T09:30:00Z"
   std::string command_line;  // as typed, arguments shell-quoted where needed
   std::string kvaudit_version;
+  std::vector<MergedPart> merged_from;  // kvaudit merge: its parts in shard order; else empty
 };
 
 // This process: host name, the time now (UTC), its command line (from /proc/self/cmdline where
@@ -176,5 +187,12 @@ struct StepSummary {
 std::vector<StepSummary> summarize_steps(const CheckRun& run);
 
 nlohmann::json to_json(const CheckRun& run);  // the report.json schema (docs/report-schema.md)
+
+// The inverse of to_json: report.json read back into the run (src/verdict/check_result_json.cpp).
+// Keys to_json derives from the run (verdict, counts, steps, worst, max_abs_over_ref_max, the
+// throughput, version) are not read; every other key is, and an unknown key is refused, so that a
+// key added to to_json without its reader fails the round-trip test. `where` names the file in
+// errors (bad input: "FILE:/results/3/metrics/rms: expected a number").
+Result<CheckRun> check_run_from_json(const nlohmann::json& report, const std::string& where);
 
 }  // namespace kvaudit
