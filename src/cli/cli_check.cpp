@@ -17,6 +17,7 @@
 #include "src/backend/backend.hpp"
 #include "src/backend/injection.hpp"
 #include "src/cli/backend_registry.hpp"
+#include "src/cli/check_shard.hpp"
 #include "src/cli/cli.hpp"
 #include "src/core/sha256.hpp"
 #include "src/format/dump_probe.hpp"
@@ -78,6 +79,7 @@ struct CheckOptions {
   std::string report_dir;
   std::string save_outputs;
   std::string emit_repro;
+  std::string shard;  // --shard I/N or auto/N (src/cli/check_shard.hpp)
   int threads = 0;
   bool verbose = false;
   bool progress = false;
@@ -187,19 +189,44 @@ Result<std::unique_ptr<Backend>> check_backend(const CheckOptions& options) {
   return make_backend(options.backend, backend_options);
 }
 
-Status write_json(const std::string& path, const CheckRun& run) {
+// report.json, or with --shard the part file (report.json and its "shard" key).
+Status write_json(const std::string& path, const CheckRun& run, const ShardInfo* shard) {
   std::ofstream file(path);
-  file << to_json(run).dump(2) << "\n";
+  file << (shard != nullptr ? part_to_json(run, *shard) : to_json(run)).dump(2) << "\n";
   if (!file) return bad_input(path, "cannot write the JSON report");
   return ok_status();
 }
 
 // --json, --report, --emit-repro.
-Status write_outputs(const CheckOptions& options, const DumpReader& reader, const CheckRun& run) {
-  if (!options.json_file.empty()) KVAUDIT_TRY(write_json(options.json_file, run));
+Status write_outputs(const CheckOptions& options, const DumpReader& reader, const CheckRun& run,
+                     const ShardInfo* shard) {
+  if (!options.json_file.empty()) KVAUDIT_TRY(write_json(options.json_file, run, shard));
   if (!options.report_dir.empty()) KVAUDIT_TRY(write_report_dir(options.report_dir, run));
   if (!options.emit_repro.empty()) KVAUDIT_TRY(emit_repro(options, reader, run));
   return ok_status();
+}
+
+// --shard, resolved before any work (nothing without it).
+Result<std::optional<ResolvedShard>> check_shard(const CheckOptions& options) {
+  if (options.shard.empty()) return std::optional<ResolvedShard>();
+  KVAUDIT_ASSIGN_OR_RETURN(ResolvedShard resolved,
+                           resolve_shard(options.shard, process_environment));
+  return std::optional<ResolvedShard>(std::move(resolved));
+}
+
+// The whole check, or with --shard its part (`shard` then says what the part records).
+Result<CheckRun> replay_check(const CheckOptions& options, const DumpReader& reader,
+                              Backend* backend, const ReplayOptions& replay,
+                              const std::optional<ResolvedShard>& resolved,
+                              std::optional<ShardInfo>& shard) {
+  if (!resolved) return replay_dump(reader, backend, replay);
+  KVAUDIT_ASSIGN_OR_RETURN(ShardPart part,
+                           replay_shard(reader, backend, replay, resolved->spec, options.inject));
+  fmt::print(std::cout, "shard {} ({}): layers [{}] of [{}]\n", shard_name(resolved->spec),
+             resolved->source, fmt::join(part.shard.layers, ", "),
+             fmt::join(part.shard.selected_layers, ", "));
+  shard = std::move(part.shard);
+  return std::move(part.run);
 }
 
 // The exit status of a check, or the error that stopped it. Everything is validated before any
@@ -214,6 +241,7 @@ Result<int> check_dump(const CheckOptions& options) {
   KVAUDIT_ASSIGN_OR_RETURN(const DumpReader reader, DumpReader::open(options.dump));
   KVAUDIT_ASSIGN_OR_RETURN(ReplayOptions replay, replay_options(options, reader.layout()));
   KVAUDIT_ASSIGN_OR_RETURN(const std::unique_ptr<Backend> backend, check_backend(options));
+  KVAUDIT_ASSIGN_OR_RETURN(const std::optional<ResolvedShard> resolved, check_shard(options));
   std::optional<OutputsWriter> outputs;
   if (!options.save_outputs.empty()) {
     KVAUDIT_ASSIGN_OR_RETURN(
@@ -228,7 +256,9 @@ Result<int> check_dump(const CheckOptions& options) {
 
   print_policy(std::cout, replay.policy);
   std::cout.flush();
-  KVAUDIT_ASSIGN_OR_RETURN(CheckRun run, replay_dump(reader, backend.get(), replay));
+  std::optional<ShardInfo> shard;
+  KVAUDIT_ASSIGN_OR_RETURN(CheckRun run,
+                           replay_check(options, reader, backend.get(), replay, resolved, shard));
   run.dump_path = options.dump;
   run.dump_sha256 = sha;
   run.provenance = current_provenance();
@@ -236,7 +266,7 @@ Result<int> check_dump(const CheckOptions& options) {
   if (outputs) KVAUDIT_TRY(outputs->close());
 
   print_check_table(std::cout, run, options.verbose);
-  KVAUDIT_TRY(write_outputs(options, reader, run));
+  KVAUDIT_TRY(write_outputs(options, reader, run, shard ? &*shard : nullptr));
   return run.pass() ? kExitPass : kExitChecksFailed;
 }
 
@@ -276,6 +306,13 @@ void add_input_options(CLI::App& cmd, CheckOptions& options) {
                "and a step-layer where they could not be measured (no kv_source) fails; the "
                "report carries a signoff block with its digest");
   add_signoff_options(cmd, options.signoff_fields);
+  cmd.add_option("--shard", options.shard,
+                 "Check one part of the layers, for kvaudit merge: I/N (0-based shard I of N: "
+                 "the layers checked, in dump order, cut into N contiguous groups of near-equal "
+                 "size, the larger first) or auto/N (I = SLURM_ARRAY_TASK_ID - "
+                 "SLURM_ARRAY_TASK_MIN in a Slurm job array, else JOB_COMPLETION_INDEX in a "
+                 "Kubernetes Indexed Job; Slurm's wins when both are set). --json then writes the "
+                 "part file; a shard with no layers writes an empty part");
 }
 
 // What is written, and how the run is done: reports, saved outputs, repro, threads, verbosity.

@@ -515,7 +515,8 @@ std::vector<std::size_t> selected_layers(const DumpLayout& layout, const ReplayO
   return indices;
 }
 
-// The run before any step: what was replayed, with what, under which policy.
+}  // namespace
+
 CheckRun begin_run(const DumpReader& reader, const Backend* backend, const ReplayOptions& options) {
   CheckRun run;
   run.dump_path = reader.path().string();
@@ -530,8 +531,6 @@ CheckRun begin_run(const DumpReader& reader, const Backend* backend, const Repla
   }
   return run;
 }
-
-}  // namespace
 
 Status check_selection(const DumpLayout& layout, const ReplayOptions& options) {
   for (const int id : options.layer_ids) {

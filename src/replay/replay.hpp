@@ -75,6 +75,11 @@ struct ReplayOptions {
 // Checks that every requested layer id and step index exists (bad input naming it otherwise).
 Status check_selection(const DumpLayout& layout, const ReplayOptions& options);
 
+// The run before any layer is replayed: dump path and summary, backend and its description,
+// policy, and the notes about the run as a whole (replay_dump starts from it; a shard's part counts
+// its notes, and a shard with no layers is this run, src/verdict/shard.hpp). `backend` may be null.
+CheckRun begin_run(const DumpReader& reader, const Backend* backend, const ReplayOptions& options);
+
 // Replays the dump into a judged run (comparisons, integrity, first divergence, notes, timings;
 // the caller adds the dump's SHA-256 and provenance). `backend` may be null (--backend none):
 // only captured outputs and pools are compared. Errors are I/O or backend failures; checks that

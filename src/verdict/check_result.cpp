@@ -354,14 +354,30 @@ nlohmann::json timing_json(const CheckRun& run) {
           {"total_seconds", json_number(run.total_seconds)}};
 }
 
+nlohmann::json merged_part_json(const MergedPart& part) {
+  return {{"file", part.file},
+          {"shard", part.shard},
+          {"host", part.host},
+          {"date", part.date_utc},
+          {"command_line", part.command_line}};
+}
+
+// merged_from only in a merged run's report, so that other reports keep their keys.
 nlohmann::json provenance_json(const Provenance& given) {
   const Provenance provenance = completed_provenance(given);
-  return {{"host", provenance.host},
-          {"date", provenance.date_utc},
-          {"command_line", provenance.command_line},
-          {"kvaudit_version", provenance.kvaudit_version},
-          {"git_revision", provenance.git_revision},
-          {"cpu", provenance.cpu}};
+  nlohmann::json j = {{"host", provenance.host},
+                      {"date", provenance.date_utc},
+                      {"command_line", provenance.command_line},
+                      {"kvaudit_version", provenance.kvaudit_version},
+                      {"git_revision", provenance.git_revision},
+                      {"cpu", provenance.cpu}};
+  if (!provenance.merged_from.empty()) {
+    j["merged_from"] = nlohmann::json::array();
+    for (const MergedPart& part : provenance.merged_from) {
+      j["merged_from"].push_back(merged_part_json(part));
+    }
+  }
+  return j;
 }
 
 nlohmann::json coverage_json(const StepLayerCoverage& site) {
@@ -410,6 +426,8 @@ nlohmann::json array_json(const std::vector<T>& items, ToJson to_json_item) {
 
 }  // namespace
 
+// Read back by check_run_from_json (check_result_json.cpp): a key added here needs its reader
+// there, or the round-trip test over the shipped dumps' reports fails.
 nlohmann::json to_json(const CheckRun& run) {
   nlohmann::json j;
   j["tool"] = "kvaudit";

@@ -11,10 +11,19 @@
 #include <string>
 #include <vector>
 
+#include "src/core/result.hpp"
 #include "src/verdict/metrics.hpp"
 #include "src/verdict/policy.hpp"
 
 namespace kvaudit {
+
+// Where a failing comparison first leaves its reference: the first (row, head) that breaks the
+// policy on its own (src/verdict/divergence.hpp), and the request that row belongs to.
+struct DivergencePoint {
+  int request = -1;
+  int row = -1;  // step-global query row
+  int head = -1;
+};
 
 struct ComparisonResult {
   int step = 0;      // step index (S### number)
@@ -25,6 +34,11 @@ struct ComparisonResult {
   bool sets_exit = true;  // whether a failure here fails the run under the policy
   // The first failing request/row/head for bug reproduction (row is step-global).
   int worst_request = -1;
+  // Set on the failing comparisons the first divergence follows (kernel, cache, captured): the
+  // run's first divergence is the earliest of them (DivergenceTracker). Not in report.json, where
+  // only the first divergence is; a shard's part carries them (src/verdict/shard.hpp) so that a
+  // merge finds the first divergence by the same rule.
+  std::optional<DivergencePoint> divergence;
 };
 
 // The integrity checks of src/replay/integrity.hpp, in the order a step reports them.
@@ -106,6 +120,15 @@ struct SignOff {
   std::string deployment;
 };
 
+// One part a merged run was made from (`kvaudit merge`): its file, its shard and where it ran.
+struct MergedPart {
+  std::string file;   // as given to kvaudit merge
+  std::string shard;  // "I/N"
+  std::string host;
+  std::string date_utc;
+  std::string command_line;
+};
+
 // Where and how a run was made, for the report. Empty fields are filled with this process's
 // values (current_provenance) when the run is written out.
 struct Provenance {
@@ -115,6 +138,7 @@ struct Provenance {
   std::string kvaudit_version;
   std::string git_revision;  // src/core/build_info.hpp
   std::string cpu;           // the host's CPU model and count
+  std::vector<MergedPart> merged_from;  // kvaudit merge: its parts in shard order; else empty
 };
 
 // This process: host name, the time now (UTC), its command line (from /proc/self/cmdline where
@@ -196,5 +220,12 @@ struct StepSummary {
 std::vector<StepSummary> summarize_steps(const CheckRun& run);
 
 nlohmann::json to_json(const CheckRun& run);  // the report.json schema (docs/report-schema.md)
+
+// The inverse of to_json: report.json read back into the run (src/verdict/check_result_json.cpp).
+// Keys to_json derives from the run (verdict, counts, steps, worst, max_abs_over_ref_max, the
+// throughput, version) are not read; every other key is, and an unknown key is refused, so that a
+// key added to to_json without its reader fails the round-trip test. `where` names the file in
+// errors (bad input: "FILE:/results/3/metrics/rms: expected a number").
+Result<CheckRun> check_run_from_json(const nlohmann::json& report, const std::string& where);
 
 }  // namespace kvaudit

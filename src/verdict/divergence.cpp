@@ -84,28 +84,58 @@ bool follows_divergence(Comparison comparison) {
   return false;
 }
 
+DivergencePoint locate_divergence(const ComparisonSite& site, const TensorShape3& shape,
+                                  const ComparisonOperands& operands,
+                                  const ComparisonMetrics& metrics,
+                                  const ComparisonLimits& limits) {
+  const RowHead at = first_divergent_row_head(shape, operands, metrics, limits);
+  DivergencePoint point;
+  point.row = at.row;
+  point.head = at.head;
+  point.request =
+      at.row >= 0 && at.row < site.step.num_rows() ? site.step.request_of_row(at.row) : -1;
+  return point;
+}
+
+bool DivergenceTracker::takes_over(int step, std::size_t layer_order, Comparison comparison) const {
+  const bool earlier =
+      !first_ || step < first_->step || (step == first_->step && layer_order < layer_order_);
+  const bool replaces_captured = first_ && first_->step == step && layer_order == layer_order_ &&
+                                 first_->comparison == Comparison::kCaptured &&
+                                 comparison != Comparison::kCaptured;
+  return earlier || replaces_captured;
+}
+
+void DivergenceTracker::take(int step, int layer_id, std::size_t layer_order,
+                             const ComparisonResult& result, const DivergencePoint& at) {
+  Divergence divergence;
+  divergence.step = step;
+  divergence.layer_id = layer_id;
+  divergence.row = at.row;
+  divergence.head = at.head;
+  divergence.request = at.request;
+  divergence.comparison = result.comparison;
+  divergence.reason = result.judgement.reasons.empty() ? "" : result.judgement.reasons.front();
+  first_ = std::move(divergence);
+  layer_order_ = layer_order;
+}
+
 void DivergenceTracker::consider(const ComparisonSite& site, const ComparisonResult& result,
                                  const TensorShape3& shape, const ComparisonOperands& operands,
                                  const ComparisonLimits& limits) {
   if (!follows_divergence(result.comparison) || result.judgement.pass) return;
-  const bool earlier = !first_ || site.step_index < first_->step ||
-                       (site.step_index == first_->step && site.layer_order < layer_order_);
-  const bool replaces_captured =
-      first_ && first_->step == site.step_index && site.layer_order == layer_order_ &&
-      first_->comparison == Comparison::kCaptured && result.comparison != Comparison::kCaptured;
-  if (!earlier && !replaces_captured) return;
-  const RowHead at = first_divergent_row_head(shape, operands, result.metrics, limits);
-  Divergence divergence;
-  divergence.step = site.step_index;
-  divergence.layer_id = site.layer_id;
-  divergence.row = at.row;
-  divergence.head = at.head;
-  divergence.request =
-      at.row >= 0 && at.row < site.step.num_rows() ? site.step.request_of_row(at.row) : -1;
-  divergence.comparison = result.comparison;
-  divergence.reason = result.judgement.reasons.empty() ? "" : result.judgement.reasons.front();
-  first_ = std::move(divergence);
-  layer_order_ = site.layer_order;
+  if (!takes_over(site.step_index, site.layer_order, result.comparison)) return;
+  take(site.step_index, site.layer_id, site.layer_order, result,
+       locate_divergence(site, shape, operands, result.metrics, limits));
+}
+
+bool DivergenceTracker::consider(std::size_t layer_order, const ComparisonResult& result) {
+  if (!follows_divergence(result.comparison) || result.judgement.pass) return true;
+  if (!result.divergence) return false;
+  if (takes_over(result.step, layer_order, result.comparison)) {
+    take(result.step, result.layer_id, layer_order, result, *result.divergence);
+  }
+  return true;
 }
 
 KernelReferenceChoice choose_kernel_reference(const Policy& policy, const TensorShape3& shape,

@@ -62,18 +62,34 @@ RowHead first_divergent_row_head(const TensorShape3& shape, const ComparisonOper
 // Whether a comparison's failures can be the run's first divergence: kernel, cache, captured.
 bool follows_divergence(Comparison comparison);
 
-// The first divergence of a run, kept while the comparisons are judged in replay order.
+// Where a failing comparison at `site` first leaves its reference: first_divergent_row_head and
+// the request of that row (-1 where the row is not in the step).
+DivergencePoint locate_divergence(const ComparisonSite& site, const TensorShape3& shape,
+                                  const ComparisonOperands& operands,
+                                  const ComparisonMetrics& metrics, const ComparisonLimits& limits);
+
+// The first divergence of a run, kept while the comparisons are judged in replay order (or, in
+// `kvaudit merge`, in the merged run's order, which is the same).
 class DivergenceTracker {
  public:
   // A failing, followed comparison becomes the first divergence when it is at an earlier step, or
   // an earlier layer of the same step, than the current one; or at the same (step, layer) when the
   // current one is a captured comparison and this one is not (the backend is what is under test).
+  // Locates the divergence in the operands (locate_divergence) when it does.
   void consider(const ComparisonSite& site, const ComparisonResult& result,
                 const TensorShape3& shape, const ComparisonOperands& operands,
                 const ComparisonLimits& limits);
+  // The same rule on a result whose divergence point is already known (result.divergence, set on
+  // every failing followed comparison by judge_comparison); `layer_order` is its layer's position
+  // in dump order. Returns false when the result fails, is followed and has no point.
+  bool consider(std::size_t layer_order, const ComparisonResult& result);
   const std::optional<Divergence>& first() const { return first_; }
 
  private:
+  bool takes_over(int step, std::size_t layer_order, Comparison comparison) const;
+  void take(int step, int layer_id, std::size_t layer_order, const ComparisonResult& result,
+            const DivergencePoint& at);
+
   std::optional<Divergence> first_;
   std::size_t layer_order_ = 0;  // of first_
 };

@@ -275,7 +275,8 @@ std::string describe_location(const ElementLocation& at) {
 
 struct FileContext {
   std::string file;
-  std::string where(const std::string& pointer) const { return file + ":" + pointer; }
+  std::string prefix;  // the JSON pointer of the policy object in its file ("" at the top)
+  std::string where(const std::string& pointer) const { return file + ":" + prefix + pointer; }
 };
 
 Error wrong_type(const FileContext& context, const std::string& pointer, const char* expected,
@@ -528,12 +529,23 @@ nlohmann::json to_json(const Policy& policy) {
 }
 
 Result<Policy> load_policy(const std::filesystem::path& path) {
-  const FileContext context{path.string()};
+  const FileContext context{path.string(), ""};
   KVAUDIT_ASSIGN_OR_RETURN(const nlohmann::json root, read_json_object(path, context));
   // A file overrides the default policy key by key; a limit set to null is not checked.
   Policy policy = default_policy();
   policy.name = path.stem().string();
   for (const auto& [key, value] : root.items()) {
+    KVAUDIT_TRY(read_policy_key(context, key, value, policy));
+  }
+  return policy;
+}
+
+Result<Policy> policy_from_json(const nlohmann::json& object, const std::string& file,
+                                const std::string& pointer) {
+  const FileContext context{file, pointer};
+  if (!object.is_object()) return wrong_type(context, "", "a policy object", object);
+  Policy policy = default_policy();
+  for (const auto& [key, value] : object.items()) {
     KVAUDIT_TRY(read_policy_key(context, key, value, policy));
   }
   return policy;

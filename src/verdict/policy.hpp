@@ -71,6 +71,11 @@ Policy default_policy();
 Policy signoff_policy();
 Result<Policy> load_policy(const std::filesystem::path& path);  // JSON, same keys as to_json
 nlohmann::json to_json(const Policy& policy);
+// A policy object as to_json writes it (report.json's "policy"), read over the default policy with
+// load_policy's rules; errors name `file` and the key's JSON pointer below `pointer`
+// ("part.json:/policy/kernel/rel_l2").
+Result<Policy> policy_from_json(const nlohmann::json& object, const std::string& file,
+                                const std::string& pointer);
 
 Judgement judge(const Policy& policy, Comparison comparison, const ComparisonMetrics& metrics);
 // Whether a failing comparison of this kind sets the exit status under this policy. A NaN/Inf

@@ -17,13 +17,19 @@ ComparisonResult judge_comparison(const Policy& policy, const ComparisonSite& si
   result.sets_exit = comparison_sets_exit(policy, comparison);
   const int row = worst_location(result).row;
   if (row >= 0 && row < site.step.num_rows()) result.worst_request = site.step.request_of_row(row);
+  // Located on every failing followed comparison, not only the one that becomes the first
+  // divergence, so that a merge of shards can find the first divergence from the results alone.
+  if (!result.judgement.pass && follows_divergence(comparison)) {
+    result.divergence =
+        locate_divergence(site, shape, operands, result.metrics, limits_for(policy, comparison));
+  }
   return result;
 }
 
 void RunJudge::compare(const ComparisonSite& site, Comparison comparison, const TensorShape3& shape,
                        const ComparisonOperands& operands) {
   ComparisonResult result = judge_comparison(run_.policy, site, comparison, shape, operands);
-  divergence_.consider(site, result, shape, operands, limits_for(run_.policy, comparison));
+  divergence_.consider(site.layer_order, result);
   run_.first_divergence = divergence_.first();
   run_.comparisons.push_back(std::move(result));
 }

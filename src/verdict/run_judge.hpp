@@ -12,7 +12,8 @@
 
 namespace kvaudit {
 
-// One comparison of (step, layer), measured and judged with `policy`.
+// One comparison of (step, layer), measured and judged with `policy`; where it fails and the first
+// divergence follows it, located too (ComparisonResult::divergence).
 ComparisonResult judge_comparison(const Policy& policy, const ComparisonSite& site,
                                   Comparison comparison, const TensorShape3& shape,
                                   const ComparisonOperands& operands);

@@ -61,4 +61,44 @@ TEST_CASE("the run judge measures, judges and records each comparison", "[run_ju
   CHECK(run.first_divergence->reason == "max_abs/ref_max 0.25 > 0.00781 (kernel limit)");
 }
 
+TEST_CASE("the run judge locates every failing followed comparison, for a merge", "[run_judge]") {
+  const StepMeta step = two_requests();
+  const std::vector<double> reference_out(24, 1.0);
+  const std::vector<double> lse(6, 0.5);
+  std::vector<double> candidate_out = reference_out;
+  candidate_out[(1 * 2 + 1) * 4 + 0] += 0.5;  // row 1 (request 1), head 1
+  const ComparisonSite site{step, 2, 9, 1};
+  const ComparisonOperands operands{{reference_out, lse}, {candidate_out, lse}};
+
+  const ComparisonResult kernel =
+      judge_comparison(default_policy(), site, Comparison::kKernel, kShape, operands);
+  REQUIRE(kernel.divergence);
+  CHECK(kernel.divergence->row == 1);
+  CHECK(kernel.divergence->head == 1);
+  CHECK(kernel.divergence->request == 1);
+  // Not followed (sign-off comparisons), or passing: no point.
+  const ComparisonResult total =
+      judge_comparison(signoff_policy(), site, Comparison::kTotal, kShape, operands);
+  CHECK_FALSE(total.judgement.pass);
+  CHECK_FALSE(total.divergence);
+  const ComparisonResult clean =
+      judge_comparison(default_policy(), site, Comparison::kKernel, kShape,
+                       {{reference_out, lse}, {reference_out, lse}});
+  CHECK_FALSE(clean.divergence);
+
+  // The tracker on located results (as kvaudit merge runs it) keeps the same first divergence.
+  DivergenceTracker tracker;
+  CHECK(tracker.consider(0, clean));
+  CHECK(tracker.consider(1, kernel));
+  REQUIRE(tracker.first());
+  CHECK(tracker.first()->step == 2);
+  CHECK(tracker.first()->layer_id == 9);
+  CHECK(tracker.first()->row == 1);
+  CHECK(tracker.first()->head == 1);
+  CHECK(tracker.first()->request == 1);
+  ComparisonResult unlocated = kernel;
+  unlocated.divergence.reset();
+  CHECK_FALSE(tracker.consider(0, unlocated));
+}
+
 }  // namespace kvaudit

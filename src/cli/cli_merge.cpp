@@ -1,0 +1,96 @@
+// `kvaudit merge PART.json... [--json OUT] [--report DIR]`: the parts of a sharded check
+// (`kvaudit check DUMP --shard I/N --json PART.json`, src/cli/check_shard.hpp) put back into the
+// report the unsharded check gives (src/verdict/merge.hpp says what is equal, what is refused and
+// why). Prints the same table as check, then writes the outputs.
+// Exit status: 0 pass, 1 checks failed (the merged verdict), 2 bad input (a file that is no part,
+// parts that are not one run, a shard given twice or missing), 3 internal error.
+#include <fmt/format.h>
+#include <fmt/ostream.h>
+
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "src/cli/cli.hpp"
+#include "src/report/report.hpp"
+#include "src/verdict/merge.hpp"
+#include "src/verdict/shard.hpp"
+
+namespace kvaudit {
+namespace {
+
+struct MergeOptions {
+  std::vector<std::string> parts;
+  std::string json_file;
+  std::string report_dir;
+  bool verbose = false;
+};
+
+Result<NamedPart> read_part(const std::string& file) {
+  std::ifstream in(file);
+  if (!in) return bad_input(file, "cannot open the part");
+  nlohmann::json json;
+  try {
+    json = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::parse_error& e) {
+    return bad_input(file, fmt::format("not valid JSON: {}", e.what()));
+  }
+  KVAUDIT_ASSIGN_OR_RETURN(ShardPart part, part_from_json(json, file));
+  return NamedPart{file, std::move(part)};
+}
+
+Status write_outputs(const MergeOptions& options, const CheckRun& run) {
+  if (!options.json_file.empty()) {
+    std::ofstream file(options.json_file);
+    file << to_json(run).dump(2) << "\n";
+    if (!file) return bad_input(options.json_file, "cannot write the JSON report");
+  }
+  if (!options.report_dir.empty()) KVAUDIT_TRY(write_report_dir(options.report_dir, run));
+  return ok_status();
+}
+
+Result<int> merge(const MergeOptions& options) {
+  std::vector<NamedPart> parts;
+  for (const std::string& file : options.parts) {
+    KVAUDIT_ASSIGN_OR_RETURN(NamedPart part, read_part(file));
+    parts.push_back(std::move(part));
+  }
+  KVAUDIT_ASSIGN_OR_RETURN(const CheckRun run, merge_parts(std::move(parts)));
+  fmt::print(std::cout, "merged {} parts of {}\n", run.provenance.merged_from.size(),
+             run.dump_path);
+  print_check_table(std::cout, run, options.verbose);
+  KVAUDIT_TRY(write_outputs(options, run));
+  return run.pass() ? kExitPass : kExitChecksFailed;
+}
+
+int run_merge(const MergeOptions& options) {
+  const Result<int> status = merge(options);
+  return status.ok() ? *status : report_error(status.error());
+}
+
+}  // namespace
+
+void register_merge_command(CLI::App& app, CommandRunner& runner) {
+  auto options = std::make_shared<MergeOptions>();
+  CLI::App* cmd = app.add_subcommand(
+      "merge",
+      "Merge the parts of a sharded check (kvaudit check DUMP --shard I/N --json PART.json, "
+      "one per shard 0..N-1, in any order) into the report the unsharded check gives: the same "
+      "verdict, results, integrity findings, steps summary, notes and first divergence (found "
+      "again from the merged results); timing is summed over the parts, and the provenance "
+      "names them (merged_from). Parts of different dumps (SHA-256), backends, policies, "
+      "selections, injections or kvaudit versions are refused, as are a shard given twice and a "
+      "missing shard.\n"
+      "Exit status: 0 pass, 1 checks failed, 2 bad input (naming the part), 3 internal error.");
+  cmd->add_option("PART", options->parts, "Part files (JSON) written by check --shard")->required();
+  cmd->add_option("--json", options->json_file, "Write the merged report.json to this file");
+  cmd->add_option("--report", options->report_dir,
+                  "Write a report directory (report.json, report.md) of the merged run");
+  cmd->add_flag("--verbose", options->verbose,
+                "Also print the timings (summed over the parts) and the reference throughput");
+  cmd->callback([options, &runner] { runner = [options] { return run_merge(*options); }; });
+}
+
+}  // namespace kvaudit
