@@ -22,6 +22,7 @@ void register_info_command(CLI::App& app, CommandRunner& runner);
 void register_synth_command(CLI::App& app, CommandRunner& runner);
 void register_check_command(CLI::App& app, CommandRunner& runner);
 void register_bench_command(CLI::App& app, CommandRunner& runner);
+void register_backend_serve_command(CLI::App& app, CommandRunner& runner);
 
 // Prints "kvaudit: <where>: <what>" on stderr and returns the exit status for the error's kind:
 // 3 for an internal error, 2 otherwise (defined in cli_info.cpp).

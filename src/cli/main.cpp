@@ -61,6 +61,7 @@ int main(int argc, char** argv) {
   kvaudit::register_synth_command(app, runner);
   kvaudit::register_check_command(app, runner);
   kvaudit::register_bench_command(app, runner);
+  kvaudit::register_backend_serve_command(app, runner);
   if (const std::optional<int> status = parse_command_line(app, argc, argv)) return *status;
   return run_command(runner);
 }

@@ -550,6 +550,7 @@ Result<CheckRun> replay_dump(const DumpReader& reader, Backend* backend,
       KVAUDIT_TRY(layer.replay_step(step));
     }
   }
+  if (backend != nullptr) run.backend_protocol = backend->protocol_statistics();
   run.total_seconds = seconds_since(total_start);
   return run;
 }

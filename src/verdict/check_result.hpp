@@ -91,6 +91,9 @@ struct Provenance {
   std::string kvaudit_version;
 };
 
+// Quotes an argument for a POSIX shell when it holds anything but plainly safe characters.
+std::string shell_quote(const std::string& arg);
+
 // This process: host name, the time now (UTC), its command line (from /proc/self/cmdline where
 // there is one), KVAUDIT_VERSION.
 Provenance current_provenance();
@@ -115,6 +118,8 @@ struct CheckRun {
   double reference_rows_heads_tokens = 0.0;  // work done, for throughput
   double backend_seconds = 0.0;
   double total_seconds = 0.0;
+  // An exec backend's protocol overhead (Backend::protocol_statistics); null for in-process ones.
+  nlohmann::json backend_protocol;
   Provenance provenance;
   bool pass() const;  // no failing comparison that sets exit, no failing integrity finding
 };
