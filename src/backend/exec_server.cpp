@@ -124,7 +124,10 @@ Result<nlohmann::json> Server::hello(const nlohmann::json& request) {
   }
   BackendOptions options = hooks_.options;
   options.reciprocal_scale = bool_or(request, "reciprocal_scale", false);
-  KVAUDIT_ASSIGN_OR_RETURN(backend_, hooks_.make_backend(options));
+  // A backend this machine cannot make (no CUDA device, a build without CUDA) cannot serve.
+  Result<std::unique_ptr<Backend>> made = hooks_.make_backend(options);
+  if (!made) return unsupported(made.error().where, made.error().what);
+  backend_ = std::move(*made);
   nlohmann::json describe = backend_->describe();
   describe["served_by"] = "kvaudit backend-serve";
   nlohmann::json capabilities = {"check"};

@@ -148,7 +148,12 @@ Result<HelloReply> ExecSession::hello(std::string_view name, const nlohmann::jso
                             {"session_dir", directory_.string()}};
   if (!model.is_null()) request["model"] = model;
   request["reciprocal_scale"] = reciprocal_scale;
-  KVAUDIT_ASSIGN_OR_RETURN(const nlohmann::json reply, this->request(request, "hello", ""));
+  const Result<nlohmann::json> answered = this->request(request, "hello", "");
+  if (!answered) {
+    broken_ = true;  // a program that refuses the hello exits: no bye
+    return answered.error();
+  }
+  const nlohmann::json& reply = *answered;
   if (reply.contains("version") && reply["version"] != kProtocolVersion) {
     return fail("hello", "",
                 fmt::format("it replied with protocol version {}; kvaudit asked for {}",

@@ -55,7 +55,7 @@ class ExecSession {
   ExecSession& operator=(const ExecSession&) = delete;
 
   // The hello: `model` is the hello's model object, or null for a bench session (none is sent).
-  // `name` is NAME of exec:NAME.
+  // `name` is NAME of exec:NAME. A refused hello ends the session (the program exits; no bye).
   Result<HelloReply> hello(std::string_view name, const nlohmann::json& model,
                            bool reciprocal_scale);
   // Sends `request` and returns its reply, which must have type `expected`. `context` names what

@@ -456,6 +456,19 @@ int run_bench(BenchCliOptions& o) {
   return o.check_targets && targets_missed ? kExitChecksFailed : kExitPass;
 }
 
+// --peer and --peer-command (src/tools/bench_peer.hpp).
+void add_peer_options(CLI::App& cmd, BenchCliOptions& o) {
+  cmd.add_option("--peer", o.peer,
+                 "Also time a program outside kvaudit on every GPU case, in the same run: "
+                 "exec:NAME, speaking the external backend protocol's bench request "
+                 "(docs/backend-protocol.md); its time, its time over cuda-fp8's and its share "
+                 "of the copy bandwidth join the table and the JSON (\"peer\"); cases it cannot "
+                 "run are recorded as unsupported");
+  cmd.add_option("--peer-command", o.peer_command,
+                 "The command that starts the --peer program, run by /bin/sh -c (default: "
+                 "python3 -m kvdump.backends NAME)");
+}
+
 }  // namespace
 
 void register_bench_command(CLI::App& app, CommandRunner& runner) {
@@ -484,15 +497,7 @@ void register_bench_command(CLI::App& app, CommandRunner& runner) {
   cmd->add_flag("--list", o->list, "Print the GPU cases that would run, and exit");
   cmd->add_option("--json", o->json_path, "Also write every figure to this JSON file");
   cmd->add_flag("--no-cast", o->no_cast, "Do not time the cuda-cast-bf16 path");
-  cmd->add_option("--peer", o->peer,
-                  "Also time a program outside kvaudit on every GPU case, in the same run: "
-                  "exec:NAME, speaking the external backend protocol's bench request "
-                  "(docs/backend-protocol.md); its time, its time over cuda-fp8's and its share "
-                  "of the copy bandwidth join the table and the JSON (\"peer\"); cases it cannot "
-                  "run are recorded as unsupported");
-  cmd->add_option("--peer-command", o->peer_command,
-                  "The command that starts the --peer program, run by /bin/sh -c (default: "
-                  "python3 -m kvdump.backends NAME)");
+  add_peer_options(*cmd, *o);
   cmd->add_flag("--check-targets", o->check_targets,
                 "Exit 1 when a stated target (see the 'targets' lines) is evaluated and missed");
   o->launches_option = cmd->add_option("--launches", o->gpu.launches,

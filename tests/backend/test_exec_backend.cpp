@@ -121,6 +121,7 @@ TEST_CASE("exec backend: an unsupported hello is exit 2 with the program's reaso
   CHECK_THAT(run.output, Catch::Contains("kvaudit: exec:fake: hello request: FP8 MLA needs an SM90 "
                                          "GPU (fake)"));
   CHECK_FALSE(std::filesystem::exists(dir / "report.json"));
+  CHECK_THAT(run.output, !Catch::Contains("warning"));  // no bye to a program that has gone
   CHECK(exchange_empty(dir));
 }
 
