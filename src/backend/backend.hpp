@@ -28,6 +28,11 @@ struct BackendOptions {
   int threads = 0;                // 0: every core
   std::string injection;          // empty: none; else a name from list_injections()
   bool reciprocal_scale = false;  // write with x * (1/scale) instead of x / scale (named option)
+  // exec:NAME backends only (src/backend/exec_backend.hpp): the command line that starts the
+  // program (empty: `python3 -m kvdump.backends NAME`) and the dump the run replays (the hello
+  // sends its model).
+  std::string exec_command;
+  const DumpLayout* dump = nullptr;
 };
 
 struct StepLayerInput {
@@ -46,6 +51,10 @@ class Backend {
   // Device, driver, versions, options: recorded in reports.
   virtual nlohmann::json describe() const = 0;
   virtual Result<AttentionOutput> run_step(const StepLayerInput& input, KvPool& pool) = 0;
+  // What talking to the backend cost beyond its own computing, for report.json's
+  // timing.backend_protocol (an exec backend's protocol overhead, docs/report-schema.md); null for
+  // a backend that runs inside kvaudit.
+  virtual nlohmann::json protocol_statistics() const { return nullptr; }
 };
 
 }  // namespace kvaudit

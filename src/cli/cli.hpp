@@ -31,6 +31,7 @@ void register_golden_command(CLI::App& app, CommandRunner& runner);
 Result<std::vector<int>> parse_index_list(const std::string& text, const std::string& option);
 void register_verify_report_command(CLI::App& app, CommandRunner& runner);
 void register_merge_command(CLI::App& app, CommandRunner& runner);
+void register_backend_serve_command(CLI::App& app, CommandRunner& runner);
 
 // Prints "kvaudit: <where>: <what>" on stderr and returns the exit status for the error's kind:
 // 3 for an internal error, 2 otherwise (defined in cli_info.cpp).

@@ -6,6 +6,12 @@
 // Without a usable GPU (none present, or a build without CUDA) the GPU part is skipped with the
 // reason and the CPU part still runs (exit 0), unless GPU cases were asked for explicitly
 // (--gpu-only or a single case by --batch/--context/...): then exit 2.
+//
+// --peer exec:NAME --peer-command CMD: a program speaking the external backend protocol times its
+// own kernel on every GPU case, in the same run (src/tools/bench_peer.hpp); its time and ratios
+// join the table and the JSON. The program is started only when GPU cases run. A case it cannot
+// run is recorded as unsupported; a peer that fails a case is recorded as failed, the bench goes
+// on, and exits 2 at the end.
 #include <fmt/format.h>
 
 #include <cctype>
@@ -15,15 +21,20 @@
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "kernels/mla_attention_bench.hpp"
+#include "src/backend/exec_protocol.hpp"
+#include "src/backend/exec_session.hpp"
+#include "src/cli/backend_registry.hpp"
 #include "src/cli/cli.hpp"
 #include "src/core/cuda_device.hpp"
 #include "src/tools/bench_cpu.hpp"
 #include "src/tools/bench_grid.hpp"
+#include "src/tools/bench_peer.hpp"
 
 namespace kvaudit {
 namespace {
@@ -38,6 +49,8 @@ struct BenchCliOptions {
   bool no_cast = false;
   bool check_targets = false;
   std::string json_path;
+  std::string peer;          // exec:NAME
+  std::string peer_command;  // empty: python3 -m kvdump.backends NAME
   bench::GpuBenchOptions gpu;
   std::size_t copy_mib = 1024;
   std::size_t flush_mib = 256;
@@ -52,6 +65,12 @@ struct BenchCliOptions {
   CLI::Option* cpu_context_option = nullptr;
   CLI::Option* cpu_heads_option = nullptr;
   CLI::Option* cpu_seconds_option = nullptr;
+};
+
+// The peer of a run: its session and how many cases it failed.
+struct PeerRun {
+  std::unique_ptr<exec::ExecSession> session;
+  int failures = 0;
 };
 
 std::string version_string(int v) {  // 13000 -> "13.0"
@@ -105,22 +124,39 @@ json times_json(const bench::LaunchTimes& t) {
   return j;
 }
 
-[[maybe_unused]] void print_case_header() {
-  fmt::print("{:<11} {:<52} {:>10} {:>8} {:>6} {:>8} {:>10} {:>8}\n", "group", "case", "fp8 us",
-             "GB/s", "%copy", "TFLOP/s", "cast us", "speedup");
+[[maybe_unused]] void print_case_header(bool with_peer) {
+  fmt::print("{:<11} {:<52} {:>10} {:>8} {:>6} {:>8} {:>10} {:>8}{}\n", "group", "case", "fp8 us",
+             "GB/s", "%copy", "TFLOP/s", "cast us", "speedup",
+             with_peer ? bench::peer_table_header() : "");
 }
 
-[[maybe_unused]] void print_case(const bench::GpuCaseResult& r) {
+// One row; `peer` holds the peer's cells (empty without a peer).
+[[maybe_unused]] void print_case(const bench::GpuCaseResult& r, const std::string& peer) {
   if (!r.skipped.empty()) {
-    fmt::print("{:<11} {:<52} skipped: {}\n", r.config.group, r.config.name(), r.skipped);
+    fmt::print("{:<11} {:<52} skipped: {}{}\n", r.config.group, r.config.name(), r.skipped, peer);
   } else {
     const std::string cast = r.cast ? fmt::format("{:.1f}", r.cast->median_us) : "-";
     const std::string speedup = r.cast ? fmt::format("{:.1f}x", r.cast_speedup) : "-";
-    fmt::print("{:<11} {:<52} {:10.1f} {:8.0f} {:5.0f}% {:8.1f} {:>10} {:>8}{}\n", r.config.group,
+    fmt::print("{:<11} {:<52} {:10.1f} {:8.0f} {:5.0f}% {:8.1f} {:>10} {:>8}{}{}\n", r.config.group,
                r.config.name(), r.fp8.median_us, r.fp8_gbps, 100.0 * r.fp8_copy_ratio, r.fp8_tflops,
-               cast, speedup, r.fp8_nonfinite_lse > 0 ? "  (non-finite lse!)" : "");
+               cast, speedup, peer, r.fp8_nonfinite_lse > 0 ? "  (non-finite lse!)" : "");
   }
   std::fflush(stdout);
+}
+
+// The peer's time for one case (nothing without a peer), into the case's JSON and the row's cells.
+[[maybe_unused]] std::string time_on_peer(PeerRun* peer, const BenchCliOptions& o,
+                                          const bench::GpuCaseResult& r, double copy_gbps,
+                                          json& case_doc) {
+  if (peer == nullptr) return {};
+  const bench::PeerBenchRequest request{r.config, o.gpu.warmup, o.gpu.launches,
+                                        o.gpu.l2_flush_bytes > 0};
+  const bench::PeerTiming timing =
+      bench::peer_timing_from_reply(peer->session->request_allowing_unsupported(
+          bench::peer_bench_request_json(request), "bench", r.config.name()));
+  if (timing.outcome == bench::PeerOutcome::kFailed) peer->failures += 1;
+  case_doc["peer"] = bench::peer_case_json(timing, r, copy_gbps);
+  return bench::peer_table_cells(timing, r, copy_gbps);
 }
 
 json cpu_json(const bench::CpuBenchResult& r) {
@@ -236,7 +272,8 @@ json describe_run(const BenchCliOptions& o, const CudaDeviceInfo& device) {
 // doc["cases"]. Nothing runs in a build without CUDA (the caller has reported the skip).
 Result<std::vector<bench::GpuCaseResult>> run_gpu_cases(
     [[maybe_unused]] const BenchCliOptions& o, [[maybe_unused]] const CudaDeviceInfo& device,
-    [[maybe_unused]] const std::vector<bench::GpuCase>& grid, [[maybe_unused]] json& doc) {
+    [[maybe_unused]] const std::vector<bench::GpuCase>& grid, [[maybe_unused]] PeerRun* peer,
+    [[maybe_unused]] json& doc) {
   std::vector<bench::GpuCaseResult> results;
 #ifdef KVAUDIT_HAVE_CUDA
   fmt::print("kvaudit bench: {} (sm_{}, {} SMs, {:.1f} GiB), driver {} (CUDA {}), runtime {}\n",
@@ -253,12 +290,13 @@ Result<std::vector<bench::GpuCaseResult>> run_gpu_cases(
   doc["copy"] = {{"bytes", copy.bytes},
                  {"times", times_json(copy.times)},
                  {"gbps_read_plus_written", copy.gbps}};
-  print_case_header();
+  print_case_header(peer != nullptr);
   json cases = json::array();
   for (const bench::GpuCase& c : grid) {
     KVAUDIT_ASSIGN_OR_RETURN(bench::GpuCaseResult r, bench::run_gpu_case(c, o.gpu, copy.gbps));
-    print_case(r);
-    cases.push_back(case_json(r));
+    json case_doc = case_json(r);
+    print_case(r, time_on_peer(peer, o, r, copy.gbps, case_doc));
+    cases.push_back(std::move(case_doc));
     results.push_back(std::move(r));
   }
   doc["cases"] = cases;
@@ -313,13 +351,68 @@ Status write_json(const std::string& path, const json& doc) {
   return ok_status();
 }
 
-// options, cases (or --list), device, GPU cases, targets, CPU reference, JSON.
+// --peer exec:NAME and --peer-command, checked before anything runs.
+Status check_peer_options(const BenchCliOptions& o) {
+  if (o.peer.empty()) {
+    if (o.peer_command.empty()) return ok_status();
+    return bad_input("--peer-command", "starts the program of --peer exec:NAME; no --peer given");
+  }
+  const std::optional<std::string_view> name = exec_backend_name(o.peer);
+  if (!name) {
+    return bad_input("--peer", fmt::format("'{}' is not exec:NAME (a program speaking the "
+                                           "external backend protocol)",
+                                           o.peer));
+  }
+  return exec::check_exec_name(*name, "--peer");
+}
+
+// Starts the peer and says hello without a model (a bench session); what it says about itself
+// goes into doc["peer"].
+Result<PeerRun> start_peer(const BenchCliOptions& o, json& doc) {
+  const std::string name(*exec_backend_name(o.peer));
+  const std::string command =
+      o.peer_command.empty() ? exec::default_exec_command(name) : o.peer_command;
+  PeerRun peer;
+  KVAUDIT_ASSIGN_OR_RETURN(peer.session, exec::ExecSession::start(o.peer, command));
+  KVAUDIT_ASSIGN_OR_RETURN(const exec::HelloReply hello, peer.session->hello(name, nullptr, false));
+  doc["peer"] = {{"backend", o.peer},
+                 {"command", command},
+                 {"protocol_version", exec::kProtocolVersion},
+                 {"capabilities", hello.capabilities},
+                 {"describe", hello.describe}};
+  fmt::print("peer: {} ({}), timing each GPU case in the same run\n", o.peer, command);
+  return peer;
+}
+
+// The GPU cases, with the peer where one is given; exit 2 when it failed a case.
+Result<std::vector<bench::GpuCaseResult>> run_gpu_part(const BenchCliOptions& o,
+                                                       const CudaDeviceInfo& device,
+                                                       const std::vector<bench::GpuCase>& grid,
+                                                       json& doc, int& peer_failures) {
+  std::optional<PeerRun> peer;
+  if (!o.peer.empty()) {
+    KVAUDIT_ASSIGN_OR_RETURN(peer, start_peer(o, doc));
+  }
+  KVAUDIT_ASSIGN_OR_RETURN(std::vector<bench::GpuCaseResult> results,
+                           run_gpu_cases(o, device, grid, peer ? &*peer : nullptr, doc));
+  if (peer && peer->failures > 0) {
+    peer_failures = peer->failures;
+    fmt::print(stderr,
+               "kvaudit: {}: the peer failed {} case(s) (their \"peer\" objects in the "
+               "JSON say why)\n",
+               o.peer, peer->failures);
+  }
+  return results;
+}
+
+// options, cases (or --list), device, GPU cases (and the peer), targets, CPU reference, JSON.
 int run_bench(BenchCliOptions& o) {
   const auto wall_start = std::chrono::steady_clock::now();
   apply_options(o);
   const bool custom = custom_case_given(o);
   auto grid = gpu_cases(o, custom);
   if (!grid) return report_error(grid.error());
+  if (const Status peer = check_peer_options(o); !peer) return report_error(peer.error());
   if (o.list) {
     print_cases(*grid);
     return kExitPass;
@@ -337,10 +430,13 @@ int run_bench(BenchCliOptions& o) {
     run_gpu = false;
   }
   std::vector<bench::GpuCaseResult> results;
+  int peer_failures = 0;
   if (run_gpu) {
-    auto ran = run_gpu_cases(o, device, *grid, doc);
+    auto ran = run_gpu_part(o, device, *grid, doc, peer_failures);
     if (!ran) return report_error(ran.error());
     results = std::move(*ran);
+  } else if (!o.peer.empty()) {
+    fmt::print("peer {} not started: no GPU case runs\n", o.peer);
   }
   const bool targets_missed = report_targets(results, doc);
   if (!o.gpu_only) {
@@ -356,7 +452,21 @@ int run_bench(BenchCliOptions& o) {
     const Status written = write_json(o.json_path, doc);
     if (!written.ok()) return report_error(written.error());
   }
+  if (peer_failures > 0) return kExitBadInput;
   return o.check_targets && targets_missed ? kExitChecksFailed : kExitPass;
+}
+
+// --peer and --peer-command (src/tools/bench_peer.hpp).
+void add_peer_options(CLI::App& cmd, BenchCliOptions& o) {
+  cmd.add_option("--peer", o.peer,
+                 "Also time a program outside kvaudit on every GPU case, in the same run: "
+                 "exec:NAME, speaking the external backend protocol's bench request "
+                 "(docs/backend-protocol.md); its time, its time over cuda-fp8's and its share "
+                 "of the copy bandwidth join the table and the JSON (\"peer\"); cases it cannot "
+                 "run are recorded as unsupported");
+  cmd.add_option("--peer-command", o.peer_command,
+                 "The command that starts the --peer program, run by /bin/sh -c (default: "
+                 "python3 -m kvdump.backends NAME)");
 }
 
 }  // namespace
@@ -375,7 +485,9 @@ void register_bench_command(CLI::App& app, CommandRunner& runner) {
       "head), cast time and speedup.\n"
       "Without a GPU (or in a build without CUDA) the GPU cases are skipped with the reason and "
       "the CPU part still runs (exit 0); asking for GPU cases explicitly (--gpu-only, or one "
-      "case by --batch/--context/--heads/--page-size/--pool-slots/--q-len) exits 2 there.");
+      "case by --batch/--context/--heads/--page-size/--pool-slots/--q-len) exits 2 there.\n"
+      "--peer exec:NAME --peer-command CMD times another implementation (e.g. FlashInfer through "
+      "python -m kvdump.backends flashinfer-fp8) on the same cases, side by side.");
   cmd->add_flag("--quick", o->quick,
                 "Tiny grid and few launches (tests, smoke runs); explicit options still apply");
   auto* cpu_only =
@@ -385,6 +497,7 @@ void register_bench_command(CLI::App& app, CommandRunner& runner) {
   cmd->add_flag("--list", o->list, "Print the GPU cases that would run, and exit");
   cmd->add_option("--json", o->json_path, "Also write every figure to this JSON file");
   cmd->add_flag("--no-cast", o->no_cast, "Do not time the cuda-cast-bf16 path");
+  add_peer_options(*cmd, *o);
   cmd->add_flag("--check-targets", o->check_targets,
                 "Exit 1 when a stated target (see the 'targets' lines) is evaluated and missed");
   o->launches_option = cmd->add_option("--launches", o->gpu.launches,

@@ -69,6 +69,7 @@ Result<std::optional<SignOff>> signoff_of(bool signoff, const SignOffFields& fie
 struct CheckOptions {
   std::string dump;
   std::string backend = "cpu-fp8";
+  std::string backend_command;  // exec:NAME: the command that starts the program
   std::string inject;
   std::string layers;
   std::string steps;
@@ -114,9 +115,13 @@ void print_policy(std::ostream& out, const Policy& policy) {
   }
 }
 
-// The options a repro is checked with: " --inject NAME --reciprocal-scale", as given.
+// The options a repro is checked with: " --backend-command CMD --inject NAME
+// --reciprocal-scale", as given.
 std::string repro_options(const CheckOptions& options, const char* separator) {
   std::string text;
+  if (!options.backend_command.empty()) {
+    text += fmt::format("{}--backend-command {}", separator, shell_quote(options.backend_command));
+  }
   if (!options.inject.empty()) text += fmt::format("{}--inject {}", separator, options.inject);
   if (options.reciprocal_scale) text += fmt::format("{}--reciprocal-scale", separator);
   return text;
@@ -174,18 +179,38 @@ Result<ReplayOptions> replay_options(const CheckOptions& options, const DumpLayo
   return replay;
 }
 
-// The backend under test; none for --backend none.
-Result<std::unique_ptr<Backend>> check_backend(const CheckOptions& options) {
-  if (options.backend == "none") {
-    if (!options.inject.empty()) {
-      return bad_input("--inject", "needs a backend (--backend none runs none)");
-    }
-    return std::unique_ptr<Backend>();
+// --backend-command belongs to exec:NAME, --inject to the built-in backends.
+Status check_backend_options(const CheckOptions& options) {
+  const bool exec = exec_backend_name(options.backend).has_value();
+  if (!options.backend_command.empty() && !exec) {
+    return bad_input("--backend-command",
+                     fmt::format("starts an exec:NAME backend; --backend is {}", options.backend));
   }
+  if (!options.inject.empty() && exec) {
+    return bad_input("--inject",
+                     fmt::format("injections are for the built-in backends; {} is a program of "
+                                 "its own: plant faults with its own options (the Python "
+                                 "adapters: --fault, see python -m kvdump.backends NAME --help)",
+                                 options.backend));
+  }
+  if (options.backend == "none" && !options.inject.empty()) {
+    return bad_input("--inject", "needs a backend (--backend none runs none)");
+  }
+  return ok_status();
+}
+
+// The backend under test; none for --backend none. An exec backend's program is started here
+// and greeted with the dump's model.
+Result<std::unique_ptr<Backend>> check_backend(const CheckOptions& options,
+                                               const DumpLayout& layout) {
+  KVAUDIT_TRY(check_backend_options(options));
+  if (options.backend == "none") return std::unique_ptr<Backend>();
   BackendOptions backend_options;
   backend_options.threads = options.threads;
   backend_options.injection = options.inject;
   backend_options.reciprocal_scale = options.reciprocal_scale;
+  backend_options.exec_command = options.backend_command;
+  backend_options.dump = &layout;
   return make_backend(options.backend, backend_options);
 }
 
@@ -240,7 +265,8 @@ Result<int> check_dump(const CheckOptions& options) {
   KVAUDIT_TRY(probe_dump_in_child(options.dump));
   KVAUDIT_ASSIGN_OR_RETURN(const DumpReader reader, DumpReader::open(options.dump));
   KVAUDIT_ASSIGN_OR_RETURN(ReplayOptions replay, replay_options(options, reader.layout()));
-  KVAUDIT_ASSIGN_OR_RETURN(const std::unique_ptr<Backend> backend, check_backend(options));
+  KVAUDIT_ASSIGN_OR_RETURN(const std::unique_ptr<Backend> backend,
+                           check_backend(options, reader.layout()));
   KVAUDIT_ASSIGN_OR_RETURN(const std::optional<ResolvedShard> resolved, check_shard(options));
   std::optional<OutputsWriter> outputs;
   if (!options.save_outputs.empty()) {
@@ -283,15 +309,23 @@ void add_input_options(CLI::App& cmd, CheckOptions& options) {
   for (const std::string& name : backend_names()) backends += name + ", ";
   cmd.add_option("--backend", options.backend,
                  "Backend under test: " + backends +
-                     "or none (compare only the captured outputs and pools)")
+                     "exec:NAME (a program outside kvaudit speaking the external backend "
+                     "protocol, docs/backend-protocol.md; NAME: letters, digits, -, _, .), or none "
+                     "(compare only the captured outputs and pools)")
       ->capture_default_str();
+  cmd.add_option("--backend-command", options.backend_command,
+                 "With --backend exec:NAME: the command that starts the program, run once per "
+                 "run by /bin/sh -c (default: python3 -m kvdump.backends NAME, the Python "
+                 "package's adapters torch, flashinfer-fp8, flashinfer-cast-bf16). Environment: "
+                 "KVAUDIT_BACKEND_TIMEOUT (seconds per reply, default 900), "
+                 "KVAUDIT_EXCHANGE_DIR (where the session directory goes, default /dev/shm)");
   std::string injections;
   for (const InjectionInfo& info : injection_table()) {
     injections += std::string(injections.empty() ? "" : ", ") + info.name;
   }
   cmd.add_option("--inject", options.inject,
-                 "Fault injection into the backend, a mutation test of the harness: " + injections +
-                     " (each names the check meant to catch it)");
+                 "Fault injection into a built-in backend, a mutation test of the harness: " +
+                     injections + " (each names the check meant to catch it)");
   cmd.add_flag("--list-injections", options.list_injections,
                "List the fault injections, one line each with the check meant to catch it");
   cmd.add_option("--layers", options.layers,
@@ -366,9 +400,12 @@ void register_check_command(CLI::App& app, CommandRunner& runner) {
       "kv_scale), other slots unchanged, no NaN codes written, captured kv_cache_after equal to "
       "the replay (differing slots classified), NaN codes already in the pool reported as data. "
       "A per-step summary says whether each pool is intact and how error evolves.\n"
+      "External backends: --backend exec:NAME --backend-command CMD runs CMD once and judges it "
+      "like a built-in backend (docs/backend-protocol.md).\n"
       "Exit status: 0 pass, 1 checks failed, 2 bad input or usage (malformed dump, unknown "
       "backend, layer or step not in the dump, bad policy file, no CUDA device for a cuda "
-      "backend), 3 internal error.");
+      "backend, an exec backend's program that fails, refuses or breaks the protocol), 3 "
+      "internal error.");
   add_input_options(*cmd, *options);
   add_output_options(*cmd, *options);
   cmd->callback([options, &runner] { runner = [options] { return run_check(*options); }; });

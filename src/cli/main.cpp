@@ -64,6 +64,7 @@ int main(int argc, char** argv) {
   kvaudit::register_golden_command(app, runner);
   kvaudit::register_verify_report_command(app, runner);
   kvaudit::register_merge_command(app, runner);
+  kvaudit::register_backend_serve_command(app, runner);
   if (const std::optional<int> status = parse_command_line(app, argc, argv)) return *status;
   return run_command(runner);
 }

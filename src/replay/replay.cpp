@@ -601,6 +601,7 @@ Result<CheckRun> replay_dump(const DumpReader& reader, Backend* backend,
     }
     layer.note_unmeasured_steps();
   }
+  if (backend != nullptr) run.backend_protocol = backend->protocol_statistics();
   run.total_seconds = seconds_since(total_start);
   return run;
 }

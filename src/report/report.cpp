@@ -148,6 +148,13 @@ void print_timing(std::ostream& out, const CheckRun& run) {
              "reference throughput: {:.4g} rows*heads*tokens/s ({:.4g} in all)\n",
              run.reference_seconds, run.backend_seconds, run.total_seconds, throughput,
              run.reference_rows_heads_tokens);
+  if (const nlohmann::json& protocol = run.backend_protocol; protocol.is_object()) {
+    fmt::print(out,
+               "exec backend: started in {:.4g} s; protocol overhead {:.4g} s over {} steps "
+               "(backend time minus the compute_seconds it reported)\n",
+               protocol.value("startup_seconds", 0.0), protocol.value("overhead_seconds", 0.0),
+               protocol.value("steps", 0));
+  }
 }
 
 void print_check_table(std::ostream& out, const CheckRun& run, bool with_timing) {

@@ -391,6 +391,10 @@ void timing_section(Markdown& md, const CheckRun& run) {
            short_number(run.reference_rows_heads_tokens / run.reference_seconds));
   }
   append(md, "| backend | {} s |\n", short_number(run.backend_seconds));
+  if (const nlohmann::json& protocol = run.backend_protocol; protocol.is_object()) {
+    append(md, "| of which protocol overhead (exec backend) | {} s over {} steps |\n",
+           short_number(protocol.value("overhead_seconds", 0.0)), protocol.value("steps", 0));
+  }
   append(md, "| total | {} s |\n\n", short_number(run.total_seconds));
 }
 

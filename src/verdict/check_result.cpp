@@ -16,9 +16,7 @@
 #include "src/verdict/signoff.hpp"
 
 namespace kvaudit {
-namespace {
 
-// Quotes an argument for a POSIX shell when it holds anything but plainly safe characters.
 std::string shell_quote(const std::string& arg) {
   const bool plain = !arg.empty() && arg.find_first_not_of(
                                          "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -34,6 +32,8 @@ std::string shell_quote(const std::string& arg) {
   }
   return quoted + "'";
 }
+
+namespace {
 
 std::string process_command_line() {
   std::ifstream in("/proc/self/cmdline", std::ios::binary);
@@ -351,7 +351,8 @@ nlohmann::json timing_json(const CheckRun& run) {
           {"reference_rows_heads_tokens", json_number(run.reference_rows_heads_tokens)},
           {"reference_throughput_rows_heads_tokens_per_s", throughput},
           {"backend_seconds", json_number(run.backend_seconds)},
-          {"total_seconds", json_number(run.total_seconds)}};
+          {"total_seconds", json_number(run.total_seconds)},
+          {"backend_protocol", run.backend_protocol}};
 }
 
 nlohmann::json merged_part_json(const MergedPart& part) {

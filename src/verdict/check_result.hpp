@@ -141,6 +141,9 @@ struct Provenance {
   std::vector<MergedPart> merged_from;  // kvaudit merge: its parts in shard order; else empty
 };
 
+// Quotes an argument for a POSIX shell when it holds anything but plainly safe characters.
+std::string shell_quote(const std::string& arg);
+
 // This process: host name, the time now (UTC), its command line (from /proc/self/cmdline where
 // there is one), KVAUDIT_VERSION, the git revision it was built from, the CPU.
 Provenance current_provenance();
@@ -167,6 +170,8 @@ struct CheckRun {
   double reference_rows_heads_tokens = 0.0;  // work done, for throughput
   double backend_seconds = 0.0;
   double total_seconds = 0.0;
+  // An exec backend's protocol overhead (Backend::protocol_statistics); null for in-process ones.
+  nlohmann::json backend_protocol;
   Provenance provenance;
   // No failing comparison that sets exit, no failing integrity finding, and, where the policy
   // judges quantization and total error (sign-off), both measured at every reported step-layer.
