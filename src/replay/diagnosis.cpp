@@ -297,27 +297,40 @@ Status resolve_variant_problem(const DumpAttributes& attrs, const StepMeta& step
   return ok_status();
 }
 
+// sum_j q_j k_j in double, four partial sums (the order is free at double's precision; four
+// independent sums let the compiler use vector registers).
+double dot(const double* q, const float* k, int n) {
+  double partial[4] = {0.0, 0.0, 0.0, 0.0};
+  int j = 0;
+  for (; j + 4 <= n; j += 4) {
+    for (int lane = 0; lane < 4; ++lane) partial[lane] += q[j + lane] * k[j + lane];
+  }
+  for (; j < n; ++j) partial[0] += q[j] * k[j];
+  return (partial[0] + partial[1]) + (partial[2] + partial[3]);
+}
+
 // One (row, head) pair: the header's formulas in double.
 class VariantKernel {
  public:
   explicit VariantKernel(const VariantProblem& problem)
-      : p_(problem), s_(static_cast<std::size_t>(problem.max_visible)), acc_(problem.dc) {}
+      : p_(problem),
+        q_(static_cast<std::size_t>(problem.dc + problem.dr)),
+        s_(static_cast<std::size_t>(problem.max_visible)),
+        acc_(problem.dc) {}
 
   void run(int row, int head) {
     const std::size_t pair = static_cast<std::size_t>(row) * p_.heads + head;
     const ResolvedVariant& v = p_.variant;
-    const float* qn = p_.q_nope.data() + pair * p_.dc;
-    const float* qp = p_.q_pe.data() + pair * p_.dr;
+    std::copy_n(p_.q_nope.data() + pair * p_.dc, p_.dc, q_.begin());
+    std::copy_n(p_.q_pe.data() + pair * p_.dr, p_.dr, q_.begin() + p_.dc);
     const auto& rows = p_.token_rows[p_.request_of_row[row]];
     const std::int64_t n = p_.visible_of_row[row];
     double* out = p_.out.data() + pair * p_.dc;
     double m = -std::numeric_limits<double>::infinity();
     for (std::int64_t t = 0; t < n; ++t) {
       const float* k = rows[t];
-      double latent = 0.0;
-      double rope = 0.0;
-      for (int j = 0; j < p_.dc; ++j) latent += static_cast<double>(qn[j]) * k[j];
-      for (int j = 0; j < p_.dr; ++j) rope += static_cast<double>(qp[j]) * k[p_.dc + j];
+      const double latent = dot(q_.data(), k, p_.dc);
+      const double rope = dot(q_.data() + p_.dc, k + p_.dc, p_.dr);
       s_[t] = v.sm_scale * (v.latent_scale * latent + v.rope_scale * rope);
       if (std::isnan(s_[t])) {
         std::fill_n(out, p_.dc, std::numeric_limits<double>::quiet_NaN());
@@ -326,6 +339,9 @@ class VariantKernel {
       }
       m = std::max(m, s_[t]);
     }
+    // e4m3 codes are finite (a NaN code made its score NaN above), so a zero weight adds
+    // nothing; other reads may hold Inf, where 0 x Inf must stay NaN, as in a kernel.
+    const bool skip_zero_weights = v.read == PoolRead::kAsStored;
     std::fill(acc_.begin(), acc_.end(), 0.0);
     double l = 0.0;
     for (std::int64_t t = 0; t < n; ++t) {
@@ -334,6 +350,7 @@ class VariantKernel {
       const double p = v.weights == WeightRounding::kE4m3
                            ? e4m3_decode(e4m3_encode(w, E4m3Overflow::kSatFinite))
                            : w;
+      if (p == 0.0 && skip_zero_weights) continue;
       const float* c = rows[t];
       for (int d = 0; d < p_.dc; ++d) acc_[d] += p * c[d];
     }
@@ -343,6 +360,7 @@ class VariantKernel {
 
  private:
   const VariantProblem& p_;
+  std::vector<double> q_;  // q_nope then q_pe, widened once per pair
   std::vector<double> s_;
   std::vector<double> acc_;
 };

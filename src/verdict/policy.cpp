@@ -579,7 +579,7 @@ Result<Policy> load_policy(const std::filesystem::path& path) {
 
 namespace {
 
-// judge() against explicit limits; reasons name them "(LABEL limit)".
+// judge() against explicit limits; reasons end with "(LABEL)", e.g. "(kernel limit)".
 Judgement judge_limits(const ComparisonLimits& limits, const std::string& label,
                        const ComparisonMetrics& metrics) {
   Judgement judgement;
@@ -596,7 +596,7 @@ Judgement judge_limits(const ComparisonLimits& limits, const std::string& label,
     // `!(value <= bound)` so that a NaN metric fails too.
     if (!bound || !value || *value <= *bound) continue;
     judgement.pass = false;
-    judgement.reasons.push_back(fmt::format("{} {} > {} ({} limit)", reason_label(limit),
+    judgement.reasons.push_back(fmt::format("{} {} > {} ({})", reason_label(limit),
                                             format_number(*value), format_number(*bound), label));
   }
   return judgement;
@@ -624,7 +624,8 @@ double limit_excess(const ComparisonLimits& limits, const ComparisonMetrics& met
 }  // namespace
 
 Judgement judge(const Policy& policy, Comparison comparison, const ComparisonMetrics& metrics) {
-  return judge_limits(limits_for(policy, comparison), comparison_name(comparison), metrics);
+  return judge_limits(limits_for(policy, comparison),
+                      fmt::format("{} limit", comparison_name(comparison)), metrics);
 }
 
 HypothesisJudgement judge_hypothesis(const Policy& policy, Comparison comparison,
@@ -636,13 +637,13 @@ HypothesisJudgement judge_hypothesis(const Policy& policy, Comparison comparison
     return judgement;
   }
   ComparisonLimits limits = limits_for(policy, comparison);
-  std::string label = comparison_name(comparison);
+  std::string label = fmt::format("{} limit", comparison_name(comparison));
   const double widening = std::isfinite(lse_magnitude)
                               ? std::max(1.0, std::abs(lse_magnitude) / kLseLimitMagnitude)
                               : 1.0;
   if (limits.lse_max_abs && widening > 1.0) {
     *limits.lse_max_abs *= widening;
-    label += fmt::format(", lse limit x{} for |lse| up to {}", format_number(widening),
+    label += fmt::format("; lse limit x{} for |lse| up to {}", format_number(widening),
                          format_number(std::abs(lse_magnitude)));
   }
   const Judgement after_judgement = judge_limits(limits, label, after);
