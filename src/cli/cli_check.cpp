@@ -22,6 +22,7 @@
 #include "src/core/sha256.hpp"
 #include "src/format/dump_probe.hpp"
 #include "src/format/kvdump.hpp"
+#include "src/replay/diagnosis.hpp"
 #include "src/replay/replay.hpp"
 #include "src/report/report.hpp"
 #include "src/report/repro.hpp"
@@ -85,13 +86,23 @@ struct CheckOptions {
   bool verbose = false;
   bool progress = false;
   bool list_injections = false;
+  bool list_diagnoses = false;
   bool reciprocal_scale = false;
+  int diagnose = kDefaultDiagnoseLimit;
 };
 
 // --list-injections: one line each, with the check meant to catch it.
 int print_injections() {
   for (const InjectionInfo& info : injection_table()) {
     fmt::print("{:<21} {}  [caught by: {}]\n", info.name, info.description, info.caught_by);
+  }
+  return kExitPass;
+}
+
+// --list-diagnoses: the catalogue of convention mismatches, one line each with what it models.
+int print_diagnoses() {
+  for (const HypothesisInfo& info : hypothesis_catalogue()) {
+    fmt::print("{:<19} {}\n", info.name, info.description);
   }
   return kExitPass;
 }
@@ -175,6 +186,7 @@ Result<ReplayOptions> replay_options(const CheckOptions& options, const DumpLayo
   KVAUDIT_ASSIGN_OR_RETURN(replay.policy, check_policy(options));
   replay.threads = options.threads;
   replay.reciprocal_scale = options.reciprocal_scale;
+  replay.diagnose = options.diagnose;
   replay.progress = options.progress || isatty(STDERR_FILENO) != 0;
   return replay;
 }
@@ -298,13 +310,15 @@ Result<int> check_dump(const CheckOptions& options) {
 
 int run_check(const CheckOptions& options) {
   if (options.list_injections) return print_injections();
+  if (options.list_diagnoses) return print_diagnoses();
   const Result<int> status = check_dump(options);
   return status.ok() ? *status : report_error(status.error());
 }
 
 // What is checked, and how: the dump, backend, injection, selection, policy.
 void add_input_options(CLI::App& cmd, CheckOptions& options) {
-  cmd.add_option("DUMP", options.dump, "kvdump HDF5 file (required unless --list-injections)");
+  cmd.add_option("DUMP", options.dump,
+                 "kvdump HDF5 file (required unless --list-injections or --list-diagnoses)");
   std::string backends;
   for (const std::string& name : backend_names()) backends += name + ", ";
   cmd.add_option("--backend", options.backend,
@@ -374,6 +388,16 @@ void add_output_options(CLI::App& cmd, CheckOptions& options) {
                "that multiply by a reciprocal scale, instead of kvdump-v1's x / kv_scale: in the "
                "reference replay (so captured pools are judged by it) and in the backend. It "
                "differs in the last bit of rare codes; the report notes it");
+  cmd.add_option("--diagnose", options.diagnose,
+                 "When a kernel or captured comparison fails, try the catalogue of convention "
+                 "mismatches (lse base, kv_scale forms, softmax scale, FP8 variant, P rounding; "
+                 "--list-diagnoses) on the pool its candidate read and name the ones that bring "
+                 "the error to a clean kernel's level; at most N failing (step, layer)s, the "
+                 "earliest first (0: off)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  cmd.add_flag("--list-diagnoses", options.list_diagnoses,
+               "List the diagnosis catalogue, one line each with what it models");
   cmd.add_option("--threads", options.threads,
                  "Threads for the reference and CPU backends (0: every core)")
       ->capture_default_str()

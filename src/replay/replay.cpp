@@ -143,6 +143,7 @@ struct ReplayContext {
   CheckRun& run;
   RunJudge& judge;
   Progress& progress;
+  DiagnosisBudget& diagnosis;
   std::size_t num_layers = 0;    // selected
   std::set<int> reported_steps;  // empty: every step
 
@@ -176,11 +177,17 @@ struct StepResults {
   // The backend's pool as it left it, kept only when it changed the storage (the replay then goes
   // on with the reference pool, and observers must still see what the backend wrote).
   std::optional<KvPool> changed_storage_pool;
+  std::vector<double> server_out;          // R8s: the server's pool, where it differs from R8's
+  std::vector<double> server_lse;
+  bool server_tracked = false;  // a captured pool of the layer has differed from the replay
+  bool server_differs = false;
 
   OutputView r8() const { return {r8_out, r8_lse}; }
   // R8 on the pool the backend read: R8 itself while the slots the step reads hold the
   // reference's bytes (the reference is deterministic).
   OutputView read() const { return read_differs ? OutputView{read_out, read_lse} : r8(); }
+  // R8 on the server's pool, likewise.
+  OutputView server() const { return server_differs ? OutputView{server_out, server_lse} : r8(); }
 };
 
 // The replay of one layer over every step: the reference replay's own pool, the backend's copy,
@@ -208,12 +215,19 @@ class LayerReplay {
   void record_coverage(const StepInput& step);
   Status run_backend(const StepInput& step, const StepLayerWrites& writes, StepResults& results);
   Status reference_on_read_pool(const StepInput& step, StepResults& results);
+  void update_server_pool(const StepInput& step);
+  Status reference_on_server_pool(const StepInput& step, StepResults& results);
   void record(std::vector<IntegrityFinding> findings, bool reported);
-  void compare(const StepInput& step, const StepResults& results);
-  void compare_backend(const ComparisonSite& site, const StepInput& step,
-                       const StepResults& results, const OutputView& backend);
-  void compare_captured(const ComparisonSite& site, const StepInput& step,
-                        const StepResults& results);
+  Status compare(const StepInput& step, const StepResults& results);
+  Status compare_backend(const ComparisonSite& site, const StepInput& step,
+                         const StepResults& results, const OutputView& backend);
+  Status compare_captured(const ComparisonSite& site, const StepInput& step,
+                          const StepResults& results);
+  // The diagnosis of a failing comparison whose candidate read `pool` (when the budget admits
+  // its (step, layer)).
+  Status diagnose_failure(const StepInput& step, const ComparisonResult& failed,
+                          const TensorShape3& shape, const ComparisonOperands& operands,
+                          const KvPool& pool);
   Status observe(const StepInput& step, const StepResults& results) const;
   Status reference_on_pool(const KvPool& pool, const StepInput& step, std::vector<double>& out,
                            std::vector<double>& lse);
@@ -226,7 +240,10 @@ class LayerReplay {
   KvPool reference_pool_;
   KvPool backend_pool_;
   PoolDamageHistory captured_damage_;  // slots of kv_cache_after that differ, step to step
-  PoolNanCodes reference_nan_codes_;   // NaN codes of reference_pool_ (data), kept per write
+  // What the server's attention read, once a captured pool differed from the replay (until then
+  // the reference pool): the captured pool, carried with the reference's writes.
+  std::optional<KvPool> server_pool_;
+  PoolNanCodes reference_nan_codes_;  // NaN codes of reference_pool_ (data), kept per write
   SourceRows source_;
   std::vector<StepLayerCoverage> unmeasured_;  // reported steps whose tokens lack a source value
   std::size_t reported_steps_ = 0;
@@ -262,13 +279,15 @@ Status LayerReplay::replay_step(std::size_t step_index) {
     record(check_captured_pool(writes, *tensors.kv_cache_after, reference_pool_, &captured_damage_),
            step.reported);
   }
+  update_server_pool(step);
   if (!step.reported) return ok_status();
+  if (server_pool_) KVAUDIT_TRY(reference_on_server_pool(step, results));
   // NaN codes in the reference pool: data (unused slots may hold them), reported per step.
   if (auto nan_codes =
           reference_nan_codes_.report(writes, reference_pool_.num_slots, step.visible)) {
     context_.run.integrity.push_back(std::move(*nan_codes));
   }
-  compare(step, results);
+  KVAUDIT_TRY(compare(step, results));
   return observe(step, results);
 }
 
@@ -414,6 +433,39 @@ Status LayerReplay::reference_on_read_pool(const StepInput& step, StepResults& r
   return ok_status();
 }
 
+// 5. The server's pool after the step (what its attention read; the hook writes before attention,
+// docs/sglang-capture.md): the captured kv_cache_after where the step has one, else the previous
+// server pool with the reference's writes of the step. Materialised only once a captured pool
+// differs from the reference pool: until then it is the reference pool.
+void LayerReplay::update_server_pool(const StepInput& step) {
+  const std::optional<KvPool>& captured = step.tensors.kv_cache_after;
+  if (captured) {
+    if (server_pool_ || captured->bytes != reference_pool_.bytes) server_pool_ = *captured;
+    return;
+  }
+  if (!server_pool_) return;
+  for (const std::int32_t slot : step.meta.new_kv_slots) {
+    std::memcpy(server_pool_->row(slot), reference_pool_.row(slot), reference_pool_.row_bytes());
+  }
+}
+
+// R8s: R8 on the server's pool, computed only where the slots the step reads differ from the
+// reference pool's (R8s = R8 exactly otherwise).
+Status LayerReplay::reference_on_server_pool(const StepInput& step, StepResults& results) {
+  results.server_tracked = true;
+  const KvPool& server = *server_pool_;
+  results.server_differs =
+      std::any_of(step.visible.begin(), step.visible.end(), [&](std::int64_t slot) {
+        return std::memcmp(server.row(slot), reference_pool_.row(slot),
+                           reference_pool_.row_bytes()) != 0;
+      });
+  if (!results.server_differs) return ok_status();
+  const auto start = Clock::now();
+  KVAUDIT_TRY(reference_on_pool(server, step, results.server_out, results.server_lse));
+  context_.run.reference_seconds += seconds_since(start);
+  return ok_status();
+}
+
 // The findings of a reported step go into the run; a failure at a step that is not reported
 // becomes a note, so that it is not lost.
 void LayerReplay::record(std::vector<IntegrityFinding> findings, bool reported) {
@@ -427,14 +479,14 @@ void LayerReplay::record(std::vector<IntegrityFinding> findings, bool reported) 
 }
 
 // 4. Comparisons, handed to the run judge.
-void LayerReplay::compare(const StepInput& step, const StepResults& results) {
+Status LayerReplay::compare(const StepInput& step, const StepResults& results) {
   const ComparisonSite site{step.meta, static_cast<int>(step.index), layer_.layer_id, order_};
   std::vector<double> backend_out;
   std::vector<double> backend_lse;
   if (results.backend) {
     backend_out = widen_bf16(results.backend->out_bf16);
     backend_lse = widen(results.backend->lse);
-    compare_backend(site, step, results, {backend_out, backend_lse});
+    KVAUDIT_TRY(compare_backend(site, step, results, {backend_out, backend_lse}));
   }
   if (results.has_source_reference) {
     const OutputView rs{results.rs_out, results.rs_lse};
@@ -444,13 +496,18 @@ void LayerReplay::compare(const StepInput& step, const StepResults& results) {
                              {rs, {backend_out, backend_lse}});
     }
   }
-  if (step.tensors.out || step.tensors.lse) compare_captured(site, step, results);
+  if (step.tensors.out || step.tensors.lse) KVAUDIT_TRY(compare_captured(site, step, results));
+  if (results.server_tracked) {
+    context_.judge.compare(site, Comparison::kCapturedCache, step.shape,
+                           {results.r8(), results.server()});
+  }
+  return ok_status();
 }
 
 // kernel (the backend against what it read; the verdict chooses between R8' and R8) and cache
 // (what the pool it read costs).
-void LayerReplay::compare_backend(const ComparisonSite& site, const StepInput& step,
-                                  const StepResults& results, const OutputView& backend) {
+Status LayerReplay::compare_backend(const ComparisonSite& site, const StepInput& step,
+                                    const StepResults& results, const OutputView& backend) {
   const OutputView r8 = results.r8();
   const OutputView read = results.read();
   const KernelReferenceChoice choice =
@@ -458,27 +515,71 @@ void LayerReplay::compare_backend(const ComparisonSite& site, const StepInput& s
                                                      read, r8, step.where)
                            : KernelReferenceChoice{};
   if (!choice.note.empty()) context_.run.notes.push_back(choice.note);
-  const OutputView& kernel_reference =
-      choice.reference == KernelReference::kReferencePool ? r8 : read;
-  context_.judge.compare(site, Comparison::kKernel, step.shape, {kernel_reference, backend});
+  const bool on_reference_pool = choice.reference == KernelReference::kReferencePool;
+  const OutputView& kernel_reference = on_reference_pool ? r8 : read;
+  const ComparisonResult kernel =
+      context_.judge.compare(site, Comparison::kKernel, step.shape, {kernel_reference, backend});
   context_.judge.compare(site, Comparison::kCache, step.shape, {r8, read});
+  if (kernel.judgement.pass) return ok_status();
+  return diagnose_failure(step, kernel, step.shape, {kernel_reference, backend},
+                          on_reference_pool ? reference_pool_ : backend_pool_);
 }
 
-// The dump's own out/lse against R8. They are captured independently: an lse-only capture is
-// compared on lse alone (an out shape with no dims).
-void LayerReplay::compare_captured(const ComparisonSite& site, const StepInput& step,
-                                   const StepResults& results) {
+// The dump's own out/lse against R8, and against R8s once the server's pool is tracked. They are
+// captured independently: an lse-only capture is compared on lse alone (an out shape with no
+// dims). The failing one judged on what the server read is diagnosed: captured_read where the
+// server's pool differs on the slots the step reads, else captured.
+Status LayerReplay::compare_captured(const ComparisonSite& site, const StepInput& step,
+                                     const StepResults& results) {
   const StepLayerTensors& tensors = step.tensors;
   const std::vector<double> captured_out =
       tensors.out ? widen(*tensors.out) : std::vector<double>{};
   const std::vector<double> captured_lse =
       tensors.lse ? widen(*tensors.lse) : std::vector<double>{};
+  const OutputView candidate{captured_out, captured_lse};
   const TensorShape3 shape{step.shape.rows, step.shape.heads, tensors.out ? step.shape.dims : 0};
-  const OutputView reference{
-      tensors.out ? std::span<const double>(results.r8_out) : std::span<const double>(),
-      tensors.lse ? std::span<const double>(results.r8_lse) : std::span<const double>()};
-  context_.judge.compare(site, Comparison::kCaptured, shape,
-                         {reference, {captured_out, captured_lse}});
+  auto as_captured = [&](const OutputView& full) {
+    return OutputView{tensors.out ? full.out : std::span<const double>(),
+                      tensors.lse ? full.lse : std::span<const double>()};
+  };
+  const OutputView r8 = as_captured(results.r8());
+  const ComparisonResult captured =
+      context_.judge.compare(site, Comparison::kCaptured, shape, {r8, candidate});
+  if (!results.server_tracked) {
+    if (captured.judgement.pass) return ok_status();
+    return diagnose_failure(step, captured, shape, {r8, candidate}, reference_pool_);
+  }
+  const OutputView server = as_captured(results.server());
+  const ComparisonResult read =
+      context_.judge.compare(site, Comparison::kCapturedRead, shape, {server, candidate});
+  const ComparisonResult& failed = results.server_differs ? read : captured;
+  if (failed.judgement.pass) return ok_status();
+  return diagnose_failure(step, failed, shape, {results.server_differs ? server : r8, candidate},
+                          results.server_differs ? *server_pool_ : reference_pool_);
+}
+
+// 6. The diagnosis of a failing comparison (src/replay/diagnosis.hpp), within the run's budget.
+Status LayerReplay::diagnose_failure(const StepInput& step, const ComparisonResult& failed,
+                                     const TensorShape3& shape, const ComparisonOperands& operands,
+                                     const KvPool& pool) {
+  if (!context_.diagnosis.admit(static_cast<int>(step.index), order_)) return ok_status();
+  const auto start = Clock::now();
+  const DiagnosisInput input{attrs_,
+                             step.meta,
+                             step.tensors,
+                             layer_.kv_scale,
+                             pool,
+                             step.visible,
+                             failed,
+                             shape,
+                             operands.reference,
+                             operands.candidate,
+                             context_.options.policy,
+                             context_.options.threads};
+  KVAUDIT_ASSIGN_OR_RETURN(DiagnosisFinding finding, diagnose(input));
+  context_.diagnosis.add(static_cast<int>(step.index), order_, std::move(finding));
+  context_.run.diagnosis_seconds += seconds_since(start);
+  return ok_status();
 }
 
 Status LayerReplay::observe(const StepInput& step, const StepResults& results) const {
@@ -587,12 +688,17 @@ Result<CheckRun> replay_dump(const DumpReader& reader, Backend* backend,
   CheckRun run = begin_run(reader, backend, options);
   RunJudge judge(run);
   Progress progress(options.progress);
+  DiagnosisBudget diagnosis(options.diagnose);
   const std::vector<std::size_t> layers = selected_layers(reader.layout(), options);
-  ReplayContext context{
-      reader,        options,
-      backend,       run,
-      judge,         progress,
-      layers.size(), std::set<int>(options.step_indices.begin(), options.step_indices.end())};
+  ReplayContext context{reader,
+                        options,
+                        backend,
+                        run,
+                        judge,
+                        progress,
+                        diagnosis,
+                        layers.size(),
+                        std::set<int>(options.step_indices.begin(), options.step_indices.end())};
   for (std::size_t order = 0; order < layers.size(); ++order) {
     LayerReplay layer(context, layers[order], order);
     KVAUDIT_TRY(layer.load_state());
@@ -602,6 +708,13 @@ Result<CheckRun> replay_dump(const DumpReader& reader, Backend* backend,
     layer.note_unmeasured_steps();
   }
   if (backend != nullptr) run.backend_protocol = backend->protocol_statistics();
+  run.diagnosis = diagnosis.findings();
+  if (diagnosis.diagnosed_sites() < diagnosis.failing_sites() && diagnosis.limit() > 0) {
+    run.notes.push_back(fmt::format(
+        "diagnosis: {} of {} (step, layer)s with a failing kernel or captured comparison "
+        "diagnosed (--diagnose {}), the earliest first",
+        diagnosis.diagnosed_sites(), diagnosis.failing_sites(), diagnosis.limit()));
+  }
   run.total_seconds = seconds_since(total_start);
   return run;
 }

@@ -23,6 +23,17 @@
 //      first divergence; which of R8 and R8' the kernel is judged against is the verdict's
 //      choice too (src/verdict/divergence.hpp); captured kv_cache_after against the reference
 //      pool after the writes (slot-level classification).
+//   5. the server's pool: once a captured kv_cache_after differs from the reference pool, the
+//      layer keeps server_pool (the captured pool where the step has one, else the previous
+//      server pool plus the reference's writes of the step: what the server's attention read)
+//      and R8s = R8 on it (computed only where the slots the step reads differ), and adds
+//        captured_read   dump's out/lse vs R8s   (the server's kernel on what it read)
+//        captured_cache  R8 vs R8s               (what the server's corrupted cache costs)
+//      at every later reported step (report-only: src/verdict/policy.cpp's header says why).
+//   6. diagnosis (src/replay/diagnosis.hpp): a failing kernel comparison (on the pool the backend
+//      read), captured comparison (on the reference pool) or, where the server's pool differs,
+//      captured_read comparison (on the server's pool) is tried against the catalogue of
+//      convention mismatches, for at most options.diagnose (step, layer)s, the earliest first.
 // A failure never stops the replay: the report is complete.
 #pragma once
 
@@ -36,6 +47,7 @@
 #include "src/backend/backend.hpp"
 #include "src/core/result.hpp"
 #include "src/format/kvdump.hpp"
+#include "src/replay/diagnosis.hpp"
 #include "src/verdict/check_result.hpp"
 #include "src/verdict/metrics.hpp"
 #include "src/verdict/policy.hpp"
@@ -70,6 +82,8 @@ struct ReplayOptions {
   // The reference writes with the named reciprocal convention (x * fp32(1 / kv_scale)) instead
   // of kvdump-v1's x / kv_scale (`kvaudit check --reciprocal-scale`).
   bool reciprocal_scale = false;
+  // At most this many failing (step, layer)s are diagnosed (the earliest); 0: no diagnosis.
+  int diagnose = kDefaultDiagnoseLimit;
 };
 
 // Checks that every requested layer id and step index exists (bad input naming it otherwise).

@@ -23,6 +23,7 @@
 #include "src/report/report_html.hpp"
 #include "src/report/report_summary.hpp"
 #include "src/verdict/signoff.hpp"
+#include "src/report/diagnosis_report.hpp"
 
 namespace kvaudit {
 namespace {
@@ -131,6 +132,27 @@ void print_step_summary(std::ostream& out, const CheckRun& run) {
   }
 }
 
+void print_captured_pool_cost(std::ostream& out, const CheckRun& run) {
+  const std::optional<CapturedPoolCost> cost = captured_pool_cost(run);
+  if (!cost) return;
+  const std::string since = cost->damaged_since_step >= 0
+                                ? fmt::format(" (damaged from step {})", cost->damaged_since_step)
+                                : "";
+  if (!cost->shows) {
+    fmt::print(out,
+               "captured pool cost: zero: the captured pool differs from the replay{} but no "
+               "reported step reads a damaged slot\n",
+               since);
+    return;
+  }
+  const ErrorSummary& e = cost->cost;
+  fmt::print(out,
+             "captured pool cost first shows at step {} layer {}{}: R8 on the captured pool vs R8 "
+             "rel_l2 {}, lse_max_abs {}, max_abs/ref_max {}\n",
+             cost->step, cost->layer_id, since, sci(e.rel_l2), e.has_lse ? sci(e.lse_max_abs) : "-",
+             sci(e.max_abs_over_ref_max));
+}
+
 void print_notes(std::ostream& out, const CheckRun& run) {
   for (const std::string& note : run.notes) fmt::print(out, "note: {}\n", note);
   if (!run.first_divergence) return;
@@ -143,10 +165,12 @@ void print_notes(std::ostream& out, const CheckRun& run) {
 void print_timing(std::ostream& out, const CheckRun& run) {
   const double throughput =
       run.reference_seconds > 0.0 ? run.reference_rows_heads_tokens / run.reference_seconds : 0.0;
+  const std::string diagnosis =
+      run.diagnosis_seconds > 0.0 ? fmt::format(", diagnosis {:.4g} s", run.diagnosis_seconds) : "";
   fmt::print(out,
-             "timing: reference {:.4g} s, backend {:.4g} s, total {:.4g} s\n"
+             "timing: reference {:.4g} s, backend {:.4g} s{}, total {:.4g} s\n"
              "reference throughput: {:.4g} rows*heads*tokens/s ({:.4g} in all)\n",
-             run.reference_seconds, run.backend_seconds, run.total_seconds, throughput,
+             run.reference_seconds, run.backend_seconds, diagnosis, run.total_seconds, throughput,
              run.reference_rows_heads_tokens);
   if (const nlohmann::json& protocol = run.backend_protocol; protocol.is_object()) {
     fmt::print(out,
@@ -159,9 +183,11 @@ void print_timing(std::ostream& out, const CheckRun& run) {
 
 void print_check_table(std::ostream& out, const CheckRun& run, bool with_timing) {
   print_comparison_table(out, run);
+  print_diagnosis(out, run);
   print_integrity_failures(out, run);
   print_pool_data(out, run);
   print_step_summary(out, run);
+  print_captured_pool_cost(out, run);
   print_notes(out, run);
   if (with_timing) print_timing(out, run);
   out << verdict_summary(run) << "\n";

@@ -12,8 +12,9 @@
 
 namespace kvaudit {
 
-// Everything `kvaudit check` prints after the run: the comparison table, the failing integrity
-// findings, the pool data, the per-step summary, the notes and the first divergence, the timings
+// Everything `kvaudit check` prints after the run: the comparison table, the diagnosis
+// (src/report/diagnosis_report.hpp), the failing integrity findings, the pool data, the per-step
+// summary, the captured pool's cost, the notes and the first divergence, the timings
 // (with_timing: --verbose) and the verdict line.
 void print_check_table(std::ostream& out, const CheckRun& run, bool with_timing = false);
 
@@ -29,6 +30,9 @@ void print_pool_data(std::ostream& out, const CheckRun& run);
 // One line per step (summarize_steps): the backend's pool and the captured pool intact or damaged
 // (how many slots), and the worst kernel / cache / total rel_l2 over the step's layers.
 void print_step_summary(std::ostream& out, const CheckRun& run);
+// Where the server's corrupted pool first costs the outputs something (captured_pool_cost): one
+// line once a captured pool differs from the replay, "cost zero" when no reported step reads it.
+void print_captured_pool_cost(std::ostream& out, const CheckRun& run);
 // "note: ..." per note, then "first divergence (kernel): step 1 layer 3 request 0 row 5 head 2:
 // REASON" when there is one.
 void print_notes(std::ostream& out, const CheckRun& run);

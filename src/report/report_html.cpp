@@ -83,6 +83,10 @@ std::string comparison_title(Comparison comparison) {
       return "total (backend vs Rs)";
     case Comparison::kCaptured:
       return "captured (dump out vs R8)";
+    case Comparison::kCapturedRead:
+      return "captured read (dump out vs R8 on the captured pool)";
+    case Comparison::kCapturedCache:
+      return "captured cache (R8 on the captured pool vs R8)";
   }
   return comparison_name(comparison);
 }

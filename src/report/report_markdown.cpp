@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "src/report/report.hpp"
+#include "src/report/diagnosis_report.hpp"
 #include "src/report/report_summary.hpp"
 #include "src/verdict/signoff.hpp"
 
@@ -253,6 +254,8 @@ struct LayerWorst {
         break;
       case Comparison::kCaptured:
       case Comparison::kCache:
+      case Comparison::kCapturedRead:
+      case Comparison::kCapturedCache:
         break;
     }
   }
@@ -391,6 +394,9 @@ void timing_section(Markdown& md, const CheckRun& run) {
            short_number(run.reference_rows_heads_tokens / run.reference_seconds));
   }
   append(md, "| backend | {} s |\n", short_number(run.backend_seconds));
+  if (run.diagnosis_seconds > 0) {
+    append(md, "| diagnosis | {} s |\n", short_number(run.diagnosis_seconds));
+  }
   if (const nlohmann::json& protocol = run.backend_protocol; protocol.is_object()) {
     append(md, "| of which protocol overhead (exec backend) | {} s over {} steps |\n",
            short_number(protocol.value("overhead_seconds", 0.0)), protocol.value("steps", 0));
@@ -476,16 +482,6 @@ void failures_section(Markdown& md, const CheckRun& run) {
   }
 }
 
-// The convention-mismatch diagnosis (report.json "diagnosis", an array of findings), shown when
-// the run has findings. Rendered generically, one row per finding and one column per key, so
-// it shows whatever fields a finding carries.
-void diagnosis_section(Markdown& md, const nlohmann::json& report) {
-  const auto it = report.find("diagnosis");
-  if (it == report.end() || !is_array_of_objects(*it)) return;
-  append(md, "## Diagnosis\n\n");
-  array_table(md, *it);
-}
-
 }  // namespace
 
 std::string render_markdown(const CheckRun& run) {
@@ -495,7 +491,7 @@ std::string render_markdown(const CheckRun& run) {
   signoff_block(md, report);
   summary_section(md, run);
   failures_section(md, run);
-  diagnosis_section(md, report);
+  append(md, "{}", render_diagnosis_markdown(run));
   signoff_section(md, run);
   steps_section(md, run);
   results_section(md, run);

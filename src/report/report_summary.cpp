@@ -472,6 +472,13 @@ std::string comparison_cause(const CheckRun& run, Comparison comparison, int lay
       return "The server's output differs from exact attention on the replayed pool: a kernel "
              "fault or a convention mismatch (lse base, scales); see the diagnosis where there "
              "is one.";
+    case Comparison::kCapturedRead:
+      return "The server's output differs from exact attention on the pool it captured (what it "
+             "read): its kernel, not its cache; see the diagnosis where there is one.";
+    case Comparison::kCapturedCache:
+      return "The server's captured pool differs from the replay in slots this step reads: what "
+             "its corrupted cache costs the output (the captured_pool integrity finding names "
+             "the slots).";
   }
   return "";
 }

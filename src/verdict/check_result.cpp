@@ -1,6 +1,7 @@
 // The verdict of a check run and its report.json form (docs/report-schema.md).
 #include "src/verdict/check_result.hpp"
 
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -264,6 +265,82 @@ std::vector<StepSummary> summarize_steps(const CheckRun& run) {
   return ordered;
 }
 
+ErrorSummary summarize_error(const ComparisonMetrics& metrics) {
+  ErrorSummary summary;
+  summary.rel_l2 = metrics.rel_l2;
+  summary.max_abs_over_ref_max = max_abs_over_ref_max(metrics);
+  summary.has_lse = metrics.has_lse;
+  summary.lse_max_abs = metrics.lse_max_abs;
+  summary.nonfinite_mismatches = metrics.nonfinite_mismatches;
+  return summary;
+}
+
+namespace {
+
+std::string outcome_text(const HypothesisOutcome& outcome) {
+  return fmt::format("{} ({})", outcome.hypothesis, outcome.transform);
+}
+
+std::string closest_text(const HypothesisOutcome& closest) {
+  return fmt::format("closest: {}, {:.3g}x its limits", outcome_text(closest), closest.excess);
+}
+
+}  // namespace
+
+std::string diagnosis_summary(const DiagnosisFinding& finding) {
+  const std::vector<HypothesisOutcome>& explaining = finding.explained_by;
+  if (explaining.empty()) {
+    if (finding.tried == 0) {
+      return "no hypothesis in the catalogue explains this failure (none applies here)";
+    }
+    return fmt::format("no hypothesis in the catalogue explains this failure ({} tried{})",
+                       finding.tried,
+                       finding.closest ? "; " + closest_text(*finding.closest) : std::string());
+  }
+  if (explaining.size() == 1) return "explained by " + outcome_text(explaining.front());
+  std::vector<std::string> names;
+  for (const HypothesisOutcome& outcome : explaining) names.push_back(outcome.hypothesis);
+  if (finding.same_computation) {
+    return fmt::format(
+        "explained by {} (indistinguishable on this data: the same computation here, {})",
+        fmt::join(names, ", "), explaining.front().transform);
+  }
+  std::vector<std::string> each;
+  for (const HypothesisOutcome& outcome : explaining) each.push_back(outcome_text(outcome));
+  return fmt::format(
+      "explained by {} (indistinguishable on this data: each brings the error to a clean "
+      "kernel's level)",
+      fmt::join(each, ", "));
+}
+
+std::optional<CapturedPoolCost> captured_pool_cost(const CheckRun& run) {
+  bool diverged = false;
+  const ComparisonResult* first = nullptr;
+  for (const ComparisonResult& result : run.comparisons) {
+    if (result.comparison != Comparison::kCapturedCache) continue;
+    diverged = true;
+    // The run lists layers in dump order within a step: the first at the smallest step wins.
+    if (!result.judgement.pass && (first == nullptr || result.step < first->step)) first = &result;
+  }
+  if (!diverged) return std::nullopt;
+  CapturedPoolCost cost;
+  cost.shows = first != nullptr;
+  if (first != nullptr) {
+    cost.step = first->step;
+    cost.layer_id = first->layer_id;
+    cost.cost = summarize_error(first->metrics);
+  }
+  for (const IntegrityFinding& finding : run.integrity) {
+    const bool in_layer = first == nullptr || finding.layer_id == first->layer_id;
+    if (finding.check != IntegrityCheck::kCapturedPool || finding.pass || !in_layer) continue;
+    const int since = finding.carried_from_step >= 0 ? finding.carried_from_step : finding.step;
+    if (cost.damaged_since_step < 0 || since < cost.damaged_since_step) {
+      cost.damaged_since_step = since;
+    }
+  }
+  return cost;
+}
+
 namespace {
 
 nlohmann::json pool_state_json(PoolState state) {
@@ -334,6 +411,50 @@ nlohmann::json step_json(const StepSummary& summary) {
           {"pass", summary.pass}};
 }
 
+nlohmann::json error_json(const ErrorSummary& error) {
+  return {{"rel_l2", json_number(error.rel_l2)},
+          {"max_abs_over_ref_max", json_number(error.max_abs_over_ref_max)},
+          {"lse_max_abs", error.has_lse ? json_number(error.lse_max_abs) : nlohmann::json(nullptr)},
+          {"nonfinite_mismatches", error.nonfinite_mismatches}};
+}
+
+nlohmann::json outcome_json(const HypothesisOutcome& outcome) {
+  return {{"hypothesis", outcome.hypothesis},      {"transform", outcome.transform},
+          {"after", error_json(outcome.after)},    {"explains", outcome.explains},
+          {"excess", json_number(outcome.excess)}, {"reasons", outcome.reasons}};
+}
+
+nlohmann::json diagnosis_json(const DiagnosisFinding& finding) {
+  nlohmann::json explained_by = nlohmann::json::array();
+  for (const HypothesisOutcome& outcome : finding.explained_by) {
+    explained_by.push_back(outcome_json(outcome));
+  }
+  return {{"step", finding.step},
+          {"layer", finding.layer_id},
+          {"comparison", comparison_name(finding.comparison)},
+          {"before", error_json(finding.before)},
+          {"explained", !finding.explained_by.empty()},
+          {"explained_by", std::move(explained_by)},
+          {"indistinguishable", finding.explained_by.size() > 1},
+          {"same_computation", finding.same_computation},
+          {"closest", finding.closest ? outcome_json(*finding.closest) : nlohmann::json(nullptr)},
+          {"hypotheses_tried", finding.tried},
+          {"not_applicable", finding.not_applicable},
+          {"summary", diagnosis_summary(finding)}};
+}
+
+nlohmann::json captured_pool_cost_json(const std::optional<CapturedPoolCost>& cost) {
+  if (!cost) return nullptr;
+  auto optional_int = [](int value) {
+    return value >= 0 ? nlohmann::json(value) : nlohmann::json(nullptr);
+  };
+  return {{"damaged_since_step", optional_int(cost->damaged_since_step)},
+          {"shows", cost->shows},
+          {"step", optional_int(cost->step)},
+          {"layer", cost->shows ? nlohmann::json(cost->layer_id) : nlohmann::json(nullptr)},
+          {"cost", cost->shows ? error_json(cost->cost) : nlohmann::json(nullptr)}};
+}
+
 nlohmann::json divergence_json(const std::optional<Divergence>& divergence) {
   if (!divergence) return nullptr;
   return {{"step", divergence->step},       {"layer_id", divergence->layer_id},
@@ -351,6 +472,7 @@ nlohmann::json timing_json(const CheckRun& run) {
           {"reference_rows_heads_tokens", json_number(run.reference_rows_heads_tokens)},
           {"reference_throughput_rows_heads_tokens_per_s", throughput},
           {"backend_seconds", json_number(run.backend_seconds)},
+          {"diagnosis_seconds", json_number(run.diagnosis_seconds)},
           {"total_seconds", json_number(run.total_seconds)},
           {"backend_protocol", run.backend_protocol}};
 }
@@ -445,6 +567,8 @@ nlohmann::json to_json(const CheckRun& run) {
   j["integrity"] = array_json(run.integrity, finding_json);
   j["steps"] = array_json(summarize_steps(run), step_json);
   j["first_divergence"] = divergence_json(run.first_divergence);
+  j["diagnosis"] = array_json(run.diagnosis, diagnosis_json);
+  j["captured_pool_cost"] = captured_pool_cost_json(captured_pool_cost(run));
   j["notes"] = run.notes;
   j["coverage"] = array_json(run.coverage, coverage_json);
   j["unmeasured"] = array_json(measurement_gaps(run), gap_json);

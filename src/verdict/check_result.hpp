@@ -129,6 +129,60 @@ struct MergedPart {
   std::string command_line;
 };
 
+// The three numbers a diagnosis quotes of a comparison's error (with the NaN/Inf mismatches that
+// fail it before any of them).
+struct ErrorSummary {
+  double rel_l2 = 0.0;
+  double max_abs_over_ref_max = 0.0;
+  bool has_lse = false;
+  double lse_max_abs = 0.0;  // meaningful when has_lse
+  std::size_t nonfinite_mismatches = 0;
+};
+ErrorSummary summarize_error(const ComparisonMetrics& metrics);
+
+// One hypothesis of the diagnosis catalogue (src/replay/diagnosis.hpp) tried on a failing
+// comparison: the candidate against the reference recomputed under it.
+struct HypothesisOutcome {
+  std::string hypothesis;  // the catalogue's name, "scale-pow2-floor"
+  std::string transform;   // what it changed here, "kv_scale 0.0029 read as 0.00195"
+  ErrorSummary after;
+  bool explains = false;             // judge_hypothesis (src/verdict/policy.hpp)
+  std::vector<std::string> reasons;  // why it does not explain (limits still exceeded)
+  double excess = 0.0;  // after's largest metric / limit ratio (<= 1 explains; inf: NaN/Inf)
+};
+
+// The diagnosis of one failing kernel, captured or captured_read comparison: every hypothesis
+// that explains it (brings it to a clean kernel's level), or, when none does, the closest one.
+struct DiagnosisFinding {
+  int step = 0;
+  int layer_id = 0;
+  Comparison comparison = Comparison::kKernel;
+  ErrorSummary before;
+  std::vector<HypothesisOutcome> explained_by;  // catalogue order; empty: none explains
+  // More than one explains: they are indistinguishable on this data. same_computation: they
+  // resolved to the same computation here (e.g. kv_scale rounded down and to the nearest power
+  // of two give the same scale), so no data could tell them apart.
+  bool same_computation = false;
+  // None explains: the one nearest its limits (smallest finite excess), if any has no NaN/Inf.
+  std::optional<HypothesisOutcome> closest;
+  int tried = 0;                            // hypotheses tried (applicable here)
+  std::vector<std::string> not_applicable;  // would change nothing here (e.g. kv_scale = 1)
+};
+// One line: "explained by NAME (TRANSFORM)", "explained by A, B (indistinguishable on this data:
+// ...)", or "no hypothesis in the catalogue explains this failure (N tried; closest NAME ...)".
+std::string diagnosis_summary(const DiagnosisFinding& finding);
+
+// Where the server's corrupted pool first costs the outputs something: the first (step, then layer
+// in dump order) failing captured_cache comparison (R8 on the server's pool vs R8). Reported once
+// any captured pool differs from the replay (captured_cache comparisons exist).
+struct CapturedPoolCost {
+  int damaged_since_step = -1;  // the first failing captured_pool finding's step; -1 unknown
+  bool shows = false;           // some step reads a damaged slot
+  int step = -1;                // where the cost first shows (when shows)
+  int layer_id = -1;
+  ErrorSummary cost;  // of that captured_cache comparison
+};
+
 // Where and how a run was made, for the report. Empty fields are filled with this process's
 // values (current_provenance) when the run is written out.
 struct Provenance {
@@ -169,10 +223,14 @@ struct CheckRun {
   double reference_seconds = 0.0;
   double reference_rows_heads_tokens = 0.0;  // work done, for throughput
   double backend_seconds = 0.0;
+  double diagnosis_seconds = 0.0;  // the diagnosis of failing comparisons
   double total_seconds = 0.0;
   // An exec backend's protocol overhead (Backend::protocol_statistics); null for in-process ones.
   nlohmann::json backend_protocol;
   Provenance provenance;
+  // Diagnoses of failing kernel and captured comparisons, by step then layer in dump order
+  // (src/replay/diagnosis.hpp; at most --diagnose N (step, layer)s, the earliest).
+  std::vector<DiagnosisFinding> diagnosis;
   // No failing comparison that sets exit, no failing integrity finding, and, where the policy
   // judges quantization and total error (sign-off), both measured at every reported step-layer.
   bool pass() const;
@@ -223,6 +281,9 @@ struct StepSummary {
 };
 
 std::vector<StepSummary> summarize_steps(const CheckRun& run);
+
+// None while no captured pool differs from the replay (no captured_cache comparison was made).
+std::optional<CapturedPoolCost> captured_pool_cost(const CheckRun& run);
 
 nlohmann::json to_json(const CheckRun& run);  // the report.json schema (docs/report-schema.md)
 

@@ -79,6 +79,8 @@ bool follows_divergence(Comparison comparison) {
       return true;
     case Comparison::kQuantization:
     case Comparison::kTotal:
+    case Comparison::kCapturedRead:  // report-only: they attribute a captured failure
+    case Comparison::kCapturedCache:
       return false;
   }
   return false;

@@ -87,6 +87,36 @@
 // q the quantization rel_l2 limit, so rel_l2(total) <= q + k (1 + q) with k the kernel limit;
 // likewise max_abs_over_ref_max and lse (whose errors add). cos_diff: (rel_l2 limit)^2 / 2.
 //
+// ---- The server's pool (captured_read, captured_cache) -----------------------------------------
+// Once a captured kv_cache_after differs from the replay, the replay keeps the server's pool (the
+// captured pool, carried with the reference's writes to steps without one) and splits the captured
+// outputs' error as the backend path splits the kernel's:
+//   captured_read  (dump's out/lse vs R8 on the server's pool) with the captured limits: the
+//                  server's kernel judged on what it read, the same arithmetic as above;
+//   captured_cache (R8 vs R8 on the server's pool) with the cache limits (0): the same bytes give
+//                  the same R8, so any difference is what the server's corruption costs.
+// Both are report-only (NaN/Inf mismatches aside, which always count). They attribute a failure,
+// they find none of their own: the corruption already fails the run as the captured_pool
+// integrity check at the step it appears at, and captured (vs R8, unchanged so reports stay
+// comparable) already fails where the corruption or the server's kernel moves the outputs past
+// the captured limits. Making captured_read count would fail a run a second time for the same
+// corruption, or, where a server attended before its damaging write (captured matches R8, not
+// the server's pool), for a kernel that read correct values.
+//
+// ---- Diagnosis (judge_hypothesis) ---------------------------------------------------------------
+// A hypothesis of the catalogue (src/replay/diagnosis.hpp: a scale, softmax-scale, FP8-variant,
+// P-rounding or lse-base convention) explains a failing kernel or captured comparison when the
+// candidate, against the reference recomputed under the hypothesis on the pool it read, passes
+// that comparison's limits: the error comes down to a clean kernel's level. One adjustment: the
+// lse limits are absolute and derived for scores up to |s| ~ 100 (2^-10: fp32 dot error
+// ~2^-19.4 |s| with 8x margin at |s| ~ 100; captured 2^-2: bf16 K and V cost ~2^-9.9 |s|). A
+// clean fp32 kernel's lse error grows in proportion to |s|, and hypotheses such as a reciprocal
+// scale or FP8 bytes read as bf16 move the scores to |s| ~ 1e5 .. 1e36, where even the fp32 lse
+// itself is off by 2^-24 |lse| >> 2^-10. So the lse limit is multiplied by max(1, M / 2^7), M =
+// max |lse| of the hypothesis's reference (lse >= max_t s_t: the size of the scores that carry
+// the weight): unchanged in the range the limit was derived for, the same relative margin beyond.
+// The out limits are relative already and stay as they are.
+//
 // The default policy judges every comparison, but only kernel and captured failures (and any
 // NaN/Inf mismatch) set the exit status; sign-off (--signoff) makes quantization and total count
 // too. rel_floor (max_rel's denominator floor) is reported, not judged.
@@ -94,8 +124,10 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <limits>
 
 namespace kvaudit {
 namespace {
@@ -234,8 +266,10 @@ auto& comparison_limits(P& policy, Comparison comparison) {
     case Comparison::kTotal:
       return policy.total;
     case Comparison::kCaptured:
+    case Comparison::kCapturedRead:  // the server's kernel on its own pool: the captured limits
       return policy.captured;
     case Comparison::kCache:
+    case Comparison::kCapturedCache:  // the same bytes give the same R8: the cache limits
       return policy.cache;
   }
   return policy.kernel;
@@ -439,6 +473,10 @@ const char* comparison_name(Comparison comparison) {
       return "captured";
     case Comparison::kCache:
       return "cache";
+    case Comparison::kCapturedRead:
+      return "captured_read";
+    case Comparison::kCapturedCache:
+      return "captured_cache";
   }
   return "unknown";
 }
@@ -551,7 +589,11 @@ Result<Policy> policy_from_json(const nlohmann::json& object, const std::string&
   return policy;
 }
 
-Judgement judge(const Policy& policy, Comparison comparison, const ComparisonMetrics& metrics) {
+namespace {
+
+// judge() against explicit limits; reasons end with "(LABEL)", e.g. "(kernel limit)".
+Judgement judge_limits(const ComparisonLimits& limits, const std::string& label,
+                       const ComparisonMetrics& metrics) {
   Judgement judgement;
   // Non-finite disagreements fail before any norm is looked at.
   if (metrics.nonfinite_mismatches > 0) {
@@ -560,17 +602,66 @@ Judgement judge(const Policy& policy, Comparison comparison, const ComparisonMet
                                             metrics.nonfinite_mismatches,
                                             describe_location(metrics.first_nonfinite_mismatch)));
   }
-  const ComparisonLimits& limits = limits_for(policy, comparison);
   for (const Limit limit : all_limits()) {
     const std::optional<double> bound = limit_value(limits, limit);
     const std::optional<double> value = judged_value(metrics, limit);
     // `!(value <= bound)` so that a NaN metric fails too.
     if (!bound || !value || *value <= *bound) continue;
     judgement.pass = false;
-    judgement.reasons.push_back(fmt::format("{} {} > {} ({} limit)", reason_label(limit),
-                                            format_number(*value), format_number(*bound),
-                                            comparison_name(comparison)));
+    judgement.reasons.push_back(fmt::format("{} {} > {} ({})", reason_label(limit),
+                                            format_number(*value), format_number(*bound), label));
   }
+  return judgement;
+}
+
+// The lse magnitude up to which the policy's absolute lse limits were derived (header).
+constexpr double kLseLimitMagnitude = 128.0;  // 2^7
+
+// The largest metric / limit ratio over the judged limits (HypothesisJudgement::excess).
+double limit_excess(const ComparisonLimits& limits, const ComparisonMetrics& metrics) {
+  constexpr double kInfinity = std::numeric_limits<double>::infinity();
+  if (metrics.nonfinite_mismatches > 0) return kInfinity;
+  double excess = 0.0;
+  for (const Limit limit : all_limits()) {
+    const std::optional<double> bound = limit_value(limits, limit);
+    const std::optional<double> value = judged_value(metrics, limit);
+    if (!bound || !value) continue;
+    if (std::isnan(*value)) return kInfinity;
+    const double ratio = *bound > 0.0 ? *value / *bound : (*value > 0.0 ? kInfinity : 0.0);
+    excess = std::max(excess, ratio);
+  }
+  return excess;
+}
+
+}  // namespace
+
+Judgement judge(const Policy& policy, Comparison comparison, const ComparisonMetrics& metrics) {
+  return judge_limits(limits_for(policy, comparison),
+                      fmt::format("{} limit", comparison_name(comparison)), metrics);
+}
+
+HypothesisJudgement judge_hypothesis(const Policy& policy, Comparison comparison,
+                                     const ComparisonMetrics& before,
+                                     const ComparisonMetrics& after, double lse_magnitude) {
+  HypothesisJudgement judgement;
+  if (judge(policy, comparison, before).pass) {
+    judgement.reasons.push_back("the comparison passes: there is nothing to explain");
+    return judgement;
+  }
+  ComparisonLimits limits = limits_for(policy, comparison);
+  std::string label = fmt::format("{} limit", comparison_name(comparison));
+  const double widening = std::isfinite(lse_magnitude)
+                              ? std::max(1.0, std::abs(lse_magnitude) / kLseLimitMagnitude)
+                              : 1.0;
+  if (limits.lse_max_abs && widening > 1.0) {
+    *limits.lse_max_abs *= widening;
+    label += fmt::format("; lse limit x{} for |lse| up to {}", format_number(widening),
+                         format_number(std::abs(lse_magnitude)));
+  }
+  const Judgement after_judgement = judge_limits(limits, label, after);
+  judgement.explains = after_judgement.pass;
+  judgement.reasons = after_judgement.reasons;
+  judgement.excess = limit_excess(limits, after);
   return judgement;
 }
 
@@ -583,6 +674,9 @@ bool comparison_sets_exit(const Policy& policy, Comparison comparison) {
     case Comparison::kQuantization:
     case Comparison::kTotal:
       return policy.quantization_sets_exit;
+    case Comparison::kCapturedRead:  // report-only: they attribute a failure (header)
+    case Comparison::kCapturedCache:
+      return false;
   }
   return true;
 }

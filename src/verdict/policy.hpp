@@ -16,12 +16,28 @@
 
 namespace kvaudit {
 
-// kernel       backend vs R8 on the pool the backend read (its own pool after its writes)
-// cache        R8 on that pool vs R8 on the reference replay's pool: what a corrupted cache costs
-// quantization R8 vs Rs;  total  backend vs Rs;  captured  the dump's out/lse vs R8
-enum class Comparison { kKernel, kQuantization, kTotal, kCaptured, kCache };
+// kernel         backend vs R8 on the pool the backend read (its own pool after its writes)
+// cache          R8 on that pool vs R8 on the reference replay's pool: what a corrupted cache costs
+// quantization   R8 vs Rs;  total  backend vs Rs;  captured  the dump's out/lse vs R8
+// captured_read  the dump's out/lse vs R8 on the server's pool (its captured kv_cache_after,
+// carried
+//                with the reference's writes to steps without one): the server's kernel on what
+//                it read; made only once a captured pool differs from the replay
+// captured_cache R8 vs R8 on the server's pool: what the server's corrupted cache costs
+// captured_read and captured_cache are judged with the captured and the cache limits (they have no
+// policy keys of their own) and are report-only (policy.cpp's header says why).
+enum class Comparison {
+  kKernel,
+  kQuantization,
+  kTotal,
+  kCaptured,
+  kCache,
+  kCapturedRead,
+  kCapturedCache
+};
 const char* comparison_name(Comparison comparison);  // "kernel" | "quantization" | ...
-// Every comparison, in report order: kernel, cache, captured, quantization, total.
+// The comparisons with limits of their own (the policy's keys), in report order: kernel, cache,
+// captured, quantization, total.
 const std::vector<Comparison>& all_comparisons();
 
 // The limits a comparison may have, each bounding one metric (src/verdict/metrics.hpp).
@@ -78,6 +94,23 @@ Result<Policy> policy_from_json(const nlohmann::json& object, const std::string&
                                 const std::string& pointer);
 
 Judgement judge(const Policy& policy, Comparison comparison, const ComparisonMetrics& metrics);
+
+// Whether a hypothesis of the diagnosis (src/replay/diagnosis.hpp) explains a failing comparison:
+// `before` (the candidate against the comparison's reference) fails `comparison`'s limits and
+// `after` (the candidate against the reference recomputed under the hypothesis, on the same pool)
+// has no NaN/Inf mismatch and passes them, the lse limit widened in proportion to the hypothesis's
+// lse magnitude past 2^7 (max |lse| of its reference; policy.cpp's header derives it). `reasons`
+// say why it does not explain; `excess` how far `after` is past those limits: the largest
+// metric / limit ratio (<= 1 passes; +inf with a NaN/Inf mismatch, a NaN metric or a limit of 0
+// exceeded), which ranks the hypotheses when none explains.
+struct HypothesisJudgement {
+  bool explains = false;
+  std::vector<std::string> reasons;
+  double excess = 0.0;
+};
+HypothesisJudgement judge_hypothesis(const Policy& policy, Comparison comparison,
+                                     const ComparisonMetrics& before,
+                                     const ComparisonMetrics& after, double lse_magnitude);
 // Whether a failing comparison of this kind sets the exit status under this policy. A NaN/Inf
 // mismatch sets it whatever the kind (CheckRun::pass, fails_run in src/verdict/check_result.hpp).
 bool comparison_sets_exit(const Policy& policy, Comparison comparison);

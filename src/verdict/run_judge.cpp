@@ -26,12 +26,14 @@ ComparisonResult judge_comparison(const Policy& policy, const ComparisonSite& si
   return result;
 }
 
-void RunJudge::compare(const ComparisonSite& site, Comparison comparison, const TensorShape3& shape,
-                       const ComparisonOperands& operands) {
+const ComparisonResult& RunJudge::compare(const ComparisonSite& site, Comparison comparison,
+                                          const TensorShape3& shape,
+                                          const ComparisonOperands& operands) {
   ComparisonResult result = judge_comparison(run_.policy, site, comparison, shape, operands);
   divergence_.consider(site.layer_order, result);
   run_.first_divergence = divergence_.first();
   run_.comparisons.push_back(std::move(result));
+  return run_.comparisons.back();
 }
 
 }  // namespace kvaudit

@@ -23,8 +23,9 @@ ComparisonResult judge_comparison(const Policy& policy, const ComparisonSite& si
 class RunJudge {
  public:
   explicit RunJudge(CheckRun& run) : run_(run) {}
-  void compare(const ComparisonSite& site, Comparison comparison, const TensorShape3& shape,
-               const ComparisonOperands& operands);
+  // The judged result, as recorded in the run (valid until the next compare).
+  const ComparisonResult& compare(const ComparisonSite& site, Comparison comparison,
+                                  const TensorShape3& shape, const ComparisonOperands& operands);
 
  private:
   CheckRun& run_;

@@ -224,6 +224,42 @@ TEST_CASE("kvaudit check: a captured pool with NaN codes fails with --backend no
   CHECK_THAT(result.out, Catch::Contains("S000 L000") && Catch::Contains("nan_code"));
 }
 
+TEST_CASE("kvaudit check --list-diagnoses lists the catalogue; --diagnose N names the mismatch",
+          "[cli][check][diagnosis]") {
+  const CommandResult listed = run_check("cli_list_diagnoses", "--list-diagnoses");
+  CHECK(listed.status == 0);
+  for (const char* name :
+       {"lse-base-2", "scale-pow2-floor", "scale-pow2-nearest", "scale-e8m0", "scale-bf16",
+        "scale-reciprocal", "scale-squared", "scale-not-applied", "scale-latent-only",
+        "sm-scale-missing", "sm-scale-log2e", "fp8-read-as-e5m2", "fp8-read-as-bf16", "p-e4m3"}) {
+    CHECK_THAT(listed.out, Catch::Contains(std::string("\n") + name + " ") ||
+                               Catch::StartsWith(std::string(name) + " "));
+  }
+  // kv_scale 0.0029 (log2 -8.43): the scale-mismatch injection reads 2^-8, its ceiling too.
+  const std::string file = write_dump(make_tiny_dump(two_layer_spec()), "cli_diagnose");
+  const auto json = test_tmp_path("cli_diagnose.json");
+  const std::string injected = file + " --backend cpu-fp8 --threads 2 --inject scale-mismatch";
+  const CommandResult named =
+      run_check("cli_diagnose", injected + " --diagnose 1 --json '" + json.string() + "'");
+  INFO(named.out << named.err);
+  CHECK(named.status == 1);
+  CHECK_THAT(named.out,
+             Catch::Contains("diagnosis (convention mismatches") &&
+                 Catch::Contains("step 0 layer 0 kernel: explained by scale-pow2-nearest, "
+                                 "scale-e8m0 (indistinguishable on this data: the same "
+                                 "computation here, kv_scale 0.0029 read as 0.00390625 (2^-8))") &&
+                 Catch::Contains("note: diagnosis: 1 of 6 (step, layer)s"));
+  const nlohmann::json report = nlohmann::json::parse(read_text(json));
+  REQUIRE(report.at("diagnosis").size() == 1);
+  CHECK(report.at("diagnosis")[0].at("explained_by")[0].at("hypothesis") == "scale-pow2-nearest");
+  const CommandResult off = run_check("cli_diagnose_off", injected + " --diagnose 0");
+  CHECK(off.status == 1);
+  CHECK(off.out.find("diagnosis") == std::string::npos);
+  const CommandResult negative = run_check("cli_diagnose_negative", file + " --diagnose -1");
+  CHECK(negative.status == 2);
+  CHECK_THAT(negative.err, Catch::Contains("--diagnose"));
+}
+
 TEST_CASE("kvaudit check: bad input exits 2 with one line on stderr", "[cli][check]") {
   const std::string file = write_dump(make_tiny_dump(two_layer_spec()), "cli_bad");
   const auto bad_policy = test_tmp_path("cli_bad_policy.json");

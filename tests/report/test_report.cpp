@@ -188,3 +188,40 @@ TEST_CASE("report.md and stdout render the run's first divergence, notes and pro
         "note: S000 L003: a note\nfirst divergence (kernel): step 1 layer 3 request 1 row 5 head "
         "2: rel_l2 0.025 > 0.00391 (kernel limit)\n");
 }
+
+TEST_CASE("diagnosis: a stdout block after the table and a report.md section after the failures",
+          "[report]") {
+  CheckRun run = make_failing_run();
+  run.diagnosis = kvaudit::testing::make_diagnosis();
+  std::ostringstream out;
+  kvaudit::print_check_table(out, run);
+  const std::string text = out.str();
+  const std::size_t block = text.find("diagnosis (convention mismatches");
+  REQUIRE(block != std::string::npos);
+  CHECK(block > text.find("failures:"));
+  CHECK(block < text.find("integrity failures:"));
+  CHECK_THAT(text, Catch::Contains("  step 1 layer 3 kernel: explained by lse-base-2 (candidate "
+                                   "lse read as log2 of the sum)\n"
+                                   "    rel_l2 0.025 -> 0.0018, lse_max_abs 1.5 -> 2e-06, "
+                                   "max_abs/ref_max 0.031 -> 0.0022\n"));
+  CHECK_THAT(text, Catch::Contains("  step 2 layer 3 kernel: no hypothesis in the catalogue "
+                                   "explains this failure (14 tried; closest: scale-bf16"));
+  CHECK_THAT(text, Catch::Contains("rel_l2 0.025 -> 0.02, lse_max_abs 1.5 -> 0.4"));
+
+  const std::string md = kvaudit::render_markdown(run);
+  const std::size_t section = md.find("## Diagnosis");
+  REQUIRE(section != std::string::npos);
+  // Summary first: the diagnosis follows the failures it explains, before the long tables.
+  CHECK(section > md.find("## Failures and their likely cause"));
+  CHECK(section < md.find("## Results per step"));
+  CHECK_THAT(md, Catch::Contains("| 1 | 0 | kernel | explained by scale-pow2-floor, "
+                                 "scale-pow2-nearest (indistinguishable on this data"));
+  CHECK_THAT(md, Catch::Contains("rel_l2 0.025 -> 0.0017"));
+
+  // Nothing diagnosed: no block, no section.
+  run.diagnosis.clear();
+  std::ostringstream clean;
+  kvaudit::print_check_table(clean, run);
+  CHECK(clean.str().find("diagnosis") == std::string::npos);
+  CHECK(kvaudit::render_markdown(run).find("## Diagnosis") == std::string::npos);
+}

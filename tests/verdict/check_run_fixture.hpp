@@ -81,4 +81,54 @@ inline CheckRun make_failing_run() {
   return run;
 }
 
+// Three diagnosis findings for the failing kernel comparison above (step 1 layer 3): one
+// hypothesis explains; two explain as the same computation; none explains (the closest named).
+inline std::vector<DiagnosisFinding> make_diagnosis() {
+  auto error = [](double rel_l2, double over_max, double lse) {
+    ErrorSummary e;
+    e.rel_l2 = rel_l2;
+    e.max_abs_over_ref_max = over_max;
+    e.has_lse = true;
+    e.lse_max_abs = lse;
+    return e;
+  };
+  DiagnosisFinding one;
+  one.step = 1;
+  one.layer_id = 3;
+  one.before = error(0.025, 0.031, 1.5);
+  one.explained_by.push_back({"lse-base-2",
+                              "candidate lse read as log2 of the sum",
+                              error(0.0018, 0.0022, 2e-6),
+                              true,
+                              {},
+                              0.46});
+  one.tried = 14;
+  DiagnosisFinding twins = one;
+  twins.layer_id = 0;
+  twins.explained_by = {{"scale-pow2-floor",
+                         "kv_scale 0.75 read as 0.5 (2^-1)",
+                         error(0.0017, 0.002, 1e-6),
+                         true,
+                         {},
+                         0.44},
+                        {"scale-pow2-nearest",
+                         "kv_scale 0.75 read as 0.5 (2^-1)",
+                         error(0.0017, 0.002, 1e-6),
+                         true,
+                         {},
+                         0.44}};
+  twins.same_computation = true;
+  DiagnosisFinding none = one;
+  none.step = 2;
+  none.explained_by.clear();
+  none.closest = HypothesisOutcome{"scale-bf16",
+                                   "kv_scale 0.75 read as 0.75",
+                                   error(0.02, 0.03, 0.4),
+                                   false,
+                                   {"rel_l2 0.02 > 0.00391 (kernel limit)"},
+                                   5.12};
+  none.not_applicable = {"scale-not-applied"};
+  return {one, twins, none};
+}
+
 }  // namespace kvaudit::testing

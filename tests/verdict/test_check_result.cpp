@@ -257,3 +257,88 @@ TEST_CASE("report.json carries the run's first divergence and notes", "[check_re
                                                     {"reason", "rel_l2 0.025 > 0 (cache limit)"}}));
   CHECK(j.at("notes") == nlohmann::json({"S000 L003: no kv_source", "second note"}));
 }
+
+TEST_CASE("diagnosis findings: one line each, and report.json's diagnosis array",
+          "[check_result][diagnosis]") {
+  CheckRun run = kvaudit::testing::make_failing_run();
+  run.diagnosis = kvaudit::testing::make_diagnosis();
+  CHECK(kvaudit::diagnosis_summary(run.diagnosis[0]) ==
+        "explained by lse-base-2 (candidate lse read as log2 of the sum)");
+  CHECK(kvaudit::diagnosis_summary(run.diagnosis[1]) ==
+        "explained by scale-pow2-floor, scale-pow2-nearest (indistinguishable on this data: the "
+        "same computation here, kv_scale 0.75 read as 0.5 (2^-1))");
+  CHECK(kvaudit::diagnosis_summary(run.diagnosis[2]) ==
+        "no hypothesis in the catalogue explains this failure (14 tried; closest: scale-bf16 "
+        "(kv_scale 0.75 read as 0.75), 5.12x its limits)");
+  kvaudit::DiagnosisFinding nothing_applies = run.diagnosis[2];
+  nothing_applies.tried = 0;
+  nothing_applies.closest.reset();
+  CHECK(kvaudit::diagnosis_summary(nothing_applies) ==
+        "no hypothesis in the catalogue explains this failure (none applies here)");
+
+  const nlohmann::json j = kvaudit::to_json(run);
+  const nlohmann::json& diagnosis = j.at("diagnosis");
+  REQUIRE(diagnosis.size() == 3);
+  const nlohmann::json& first = diagnosis[0];
+  CHECK(first.at("step") == 1);
+  CHECK(first.at("layer") == 3);
+  CHECK(first.at("comparison") == "kernel");
+  CHECK(first.at("explained") == true);
+  CHECK(first.at("indistinguishable") == false);
+  CHECK(first.at("before") == nlohmann::json({{"rel_l2", 0.025},
+                                              {"max_abs_over_ref_max", 0.031},
+                                              {"lse_max_abs", 1.5},
+                                              {"nonfinite_mismatches", 0}}));
+  CHECK(first.at("explained_by")[0].at("hypothesis") == "lse-base-2");
+  CHECK(first.at("explained_by")[0].at("after").at("rel_l2") == 0.0018);
+  CHECK(first.at("explained_by")[0].at("excess") == 0.46);
+  CHECK(first.at("closest").is_null());
+  CHECK(first.at("hypotheses_tried") == 14);
+  CHECK(diagnosis[1].at("indistinguishable") == true);
+  CHECK(diagnosis[1].at("same_computation") == true);
+  const nlohmann::json& none = diagnosis[2];
+  CHECK(none.at("explained") == false);
+  CHECK(none.at("explained_by") == nlohmann::json::array());
+  CHECK(none.at("closest").at("hypothesis") == "scale-bf16");
+  CHECK(none.at("closest").at("reasons")[0] == "rel_l2 0.02 > 0.00391 (kernel limit)");
+  CHECK(none.at("not_applicable") == nlohmann::json({"scale-not-applied"}));
+  CHECK_THAT(none.at("summary").get<std::string>(),
+             Catch::StartsWith("no hypothesis in the catalogue explains this failure"));
+  // Without a captured pool that differs, there is no captured pool cost.
+  CHECK(j.at("captured_pool_cost").is_null());
+}
+
+TEST_CASE("captured pool cost: the first failing captured_cache, by step then layer",
+          "[check_result]") {
+  using kvaudit::testing::make_comparison;
+  CheckRun run;
+  run.policy = kvaudit::default_policy();
+  CHECK_FALSE(kvaudit::captured_pool_cost(run).has_value());
+  // Layer 5 (dump order first) fails from step 3; layer 1 from step 2.
+  run.comparisons.push_back(make_comparison(1, 5, Comparison::kCapturedCache, 0.0, true, false));
+  run.comparisons.push_back(make_comparison(3, 5, Comparison::kCapturedCache, 0.2, false, false));
+  auto cost = kvaudit::captured_pool_cost(run);
+  REQUIRE(cost.has_value());
+  CHECK(cost->shows);
+  CHECK(cost->step == 3);
+  run.comparisons.push_back(make_comparison(2, 1, Comparison::kCapturedCache, 0.1, false, false));
+  run.comparisons.push_back(make_comparison(2, 4, Comparison::kCapturedCache, 0.3, false, false));
+  kvaudit::IntegrityFinding damage;
+  damage.step = 1;
+  damage.layer_id = 1;
+  damage.check = IntegrityCheck::kCapturedPool;
+  damage.pass = false;
+  run.integrity.push_back(damage);
+  cost = kvaudit::captured_pool_cost(run);
+  REQUIRE(cost.has_value());
+  CHECK(cost->step == 2);
+  CHECK(cost->layer_id == 1);
+  CHECK(cost->cost.rel_l2 == 0.1);
+  CHECK(cost->damaged_since_step == 1);
+  const nlohmann::json j = kvaudit::to_json(run).at("captured_pool_cost");
+  CHECK(j.at("step") == 2);
+  CHECK(j.at("layer") == 1);
+  CHECK(j.at("shows") == true);
+  CHECK(j.at("damaged_since_step") == 1);
+  CHECK(j.at("cost").at("rel_l2") == 0.1);
+}

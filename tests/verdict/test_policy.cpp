@@ -327,3 +327,97 @@ TEST_CASE("limit names are the keys of report.json and policy files, in report o
   CHECK(names == std::vector<std::string>{"max_abs_over_ref_max", "rel_l2", "cos_diff",
                                           "max_ulp_bf16", "lse_max_abs"});
 }
+
+TEST_CASE("captured_read and captured_cache: the captured and cache limits, report-only",
+          "[policy]") {
+  const Policy policy = kvaudit::default_policy();
+  // No policy keys of their own: they borrow the captured and the cache limit sets.
+  CHECK(&kvaudit::limits_for(policy, Comparison::kCapturedRead) == &policy.captured);
+  CHECK(&kvaudit::limits_for(policy, Comparison::kCapturedCache) == &policy.cache);
+  CHECK(kvaudit::comparison_name(Comparison::kCapturedRead) == std::string("captured_read"));
+  CHECK(kvaudit::comparison_name(Comparison::kCapturedCache) == std::string("captured_cache"));
+  CHECK(kvaudit::all_comparisons().size() == 5);
+  CHECK(kvaudit::to_json(policy).count("captured_read") == 0);
+  CHECK_FALSE(kvaudit::comparison_sets_exit(policy, Comparison::kCapturedRead));
+  CHECK_FALSE(kvaudit::comparison_sets_exit(kvaudit::signoff_policy(), Comparison::kCapturedCache));
+  ComparisonMetrics m = quiet_metrics();
+  m.rel_l2 = 0.02;  // within 2^-5 (captured), not within 0 (cache)
+  CHECK(kvaudit::judge(policy, Comparison::kCapturedRead, m).pass);
+  const Judgement cache = kvaudit::judge(policy, Comparison::kCapturedCache, m);
+  CHECK_FALSE(cache.pass);
+  CHECK(mentions(cache, "rel_l2 0.02 > 0 (captured_cache limit)"));
+}
+
+TEST_CASE("judge_hypothesis: explains when the failing comparison passes against it",
+          "[policy][diagnosis]") {
+  const Policy policy = kvaudit::default_policy();
+  ComparisonMetrics before = quiet_metrics();
+  before.rel_l2 = 0.3;  // a wrong scale
+  before.lse_max_abs = 2.0;
+  ComparisonMetrics after = quiet_metrics();
+  after.rel_l2 = 0.0018;  // a clean kernel's level
+  after.max_abs = 0.003;
+  after.lse_max_abs = 2e-6;
+
+  const kvaudit::HypothesisJudgement explains =
+      kvaudit::judge_hypothesis(policy, Comparison::kKernel, before, after, 10.0);
+  CHECK(explains.explains);
+  CHECK(explains.reasons.empty());
+  // Largest ratio to its limit: rel_l2 0.0018 / 2^-8 = 0.4608 (max_abs/ref_max 0.003 / 2^-7 =
+  // 0.384, lse 2e-6 / 2^-10).
+  CHECK(explains.excess == Approx(0.4608));
+
+  // Nothing failed: nothing to explain.
+  const kvaudit::HypothesisJudgement nothing =
+      kvaudit::judge_hypothesis(policy, Comparison::kKernel, after, after, 10.0);
+  CHECK_FALSE(nothing.explains);
+
+  // Still past a limit: rel_l2 2^-7 = 2x the kernel's 2^-8.
+  ComparisonMetrics still = after;
+  still.rel_l2 = 0.0078125;
+  const kvaudit::HypothesisJudgement no =
+      kvaudit::judge_hypothesis(policy, Comparison::kKernel, before, still, 10.0);
+  CHECK_FALSE(no.explains);
+  CHECK(no.excess == Approx(2.0));
+  REQUIRE(no.reasons.size() == 1);
+  CHECK(no.reasons[0] == "rel_l2 0.00781 > 0.00391 (kernel limit)");
+
+  // A NaN/Inf mismatch never explains, and is no approach at all.
+  ComparisonMetrics nan = after;
+  nan.nonfinite_mismatches = 1;
+  const kvaudit::HypothesisJudgement with_nan =
+      kvaudit::judge_hypothesis(policy, Comparison::kKernel, before, nan, 10.0);
+  CHECK_FALSE(with_nan.explains);
+  CHECK(with_nan.excess == std::numeric_limits<double>::infinity());
+}
+
+TEST_CASE("judge_hypothesis: the lse limit follows the hypothesis's lse past 2^7",
+          "[policy][diagnosis]") {
+  const Policy policy = kvaudit::default_policy();
+  ComparisonMetrics before = quiet_metrics();
+  before.rel_l2 = 100.0;
+  before.lse_max_abs = 1e5;
+  ComparisonMetrics after = quiet_metrics();
+  after.rel_l2 = 0.002;
+  after.lse_max_abs = 0.03;  // fp32 lse of ~1e5 is off by ~2^-24 * 1e5 = 0.006 by itself
+  // |lse| up to 1.2e5: the kernel's 2^-10 becomes 2^-10 * 1.2e5 / 128 = 0.916.
+  const kvaudit::HypothesisJudgement large =
+      kvaudit::judge_hypothesis(policy, Comparison::kKernel, before, after, 1.2e5);
+  CHECK(large.explains);
+  // rel_l2 0.002 / 2^-8 = 0.512 is now the largest ratio (lse: 0.03 / 0.916 = 0.033).
+  CHECK(large.excess == Approx(0.512));
+  // Within the range the limit was derived for (|lse| <= 128) it stays 2^-10.
+  const kvaudit::HypothesisJudgement small =
+      kvaudit::judge_hypothesis(policy, Comparison::kKernel, before, after, 100.0);
+  CHECK_FALSE(small.explains);
+  REQUIRE(small.reasons.size() == 1);
+  CHECK(small.reasons[0] == "lse_max_abs 0.03 > 0.000977 (kernel limit)");
+  // A widened limit says so in its reason.
+  after.lse_max_abs = 2.0;
+  const kvaudit::HypothesisJudgement past =
+      kvaudit::judge_hypothesis(policy, Comparison::kKernel, before, after, 1.2e5);
+  CHECK_FALSE(past.explains);
+  REQUIRE(past.reasons.size() == 1);
+  CHECK(past.reasons[0] ==
+        "lse_max_abs 2 > 0.916 (kernel limit; lse limit x938 for |lse| up to 1.2e+05)");
+}
