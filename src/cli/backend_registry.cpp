@@ -31,9 +31,10 @@ Result<std::unique_ptr<Backend>> make_backend(std::string_view name,
                      "exists); use --backend cpu-fp8");
 #endif
   }
-  return bad_input(
-      fmt::format("--backend {}", name),
-      fmt::format("unknown backend '{}' (valid: {})", name, fmt::join(backend_names(), ", ")));
+  // "none" is valid too (check runs no backend for it, before asking here): list every name.
+  return bad_input(fmt::format("--backend {}", name),
+                   fmt::format("unknown backend '{}' (valid: {}, none)", name,
+                               fmt::join(backend_names(), ", ")));
 }
 
 }  // namespace kvaudit
