@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "src/core/output_file.hpp"
 #include "src/core/result.hpp"
@@ -47,8 +48,13 @@ void register_info_command(CLI::App& app, CommandRunner& runner);
 void register_synth_command(CLI::App& app, CommandRunner& runner);
 void register_check_command(CLI::App& app, CommandRunner& runner);
 void register_bench_command(CLI::App& app, CommandRunner& runner);
+void register_golden_command(CLI::App& app, CommandRunner& runner);
 // `kvaudit help [COMMAND]`: prints the help of the program or of one command.
 void register_help_command(CLI::App& app, CommandRunner& runner);
+
+// "0,1,77" or ranges "0-3,7": non-negative integers (--layers, --steps); bad input naming
+// `option` otherwise (defined in index_list.cpp).
+Result<std::vector<int>> parse_index_list(const std::string& text, const std::string& option);
 
 // Prints "kvaudit: <where>: <what>" on stderr and returns the exit status for the error's kind:
 // 3 for an internal error, 2 otherwise (defined in cli_info.cpp).

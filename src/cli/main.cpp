@@ -29,6 +29,13 @@ constexpr const char* kDescription =
 constexpr const char* kFooter =
     "`kvaudit help COMMAND` (or `kvaudit COMMAND --help`) describes a command and its options.";
 
+// The names of the commands of `level`, for messages.
+std::vector<std::string> command_names(const CLI::App& level) {
+  std::vector<std::string> names;
+  for (const CLI::App* sub : level.get_subcommands({})) names.push_back(sub->get_name());
+  return names;
+}
+
 // Names of the long options of `cmd` ("--threads"), for suggestions.
 std::vector<std::string> option_names(const CLI::App& cmd) {
   std::vector<std::string> names;
@@ -63,11 +70,19 @@ std::string parse_error_line(const CLI::App& app, const CLI::App* cmd, const CLI
   }
   while (!what.empty() && what.back() == ' ') what.pop_back();
   if (dynamic_cast<const CLI::ExtrasError*>(&e) != nullptr) what = unexpected_arguments(app, cmd);
+  if (what.find("subcommand is required") != std::string::npos) {
+    what =
+        fmt::format("a command is required: {}", fmt::join(command_names(cmd ? *cmd : app), ", "));
+  }
   // "--threads: 1 required INT missing": the option was given without its value.
   if (dynamic_cast<const CLI::ArgumentMismatch*>(&e) != nullptr && what.ends_with(" missing")) {
     what = what.substr(0, what.find(": ") + 2) + "needs a value";
   }
-  std::string where = cmd ? cmd->get_name() : std::string();
+  std::string where;
+  for (const CLI::App* level = cmd; level != nullptr && level->get_parent() != nullptr;
+       level = level->get_parent()) {
+    where = level->get_name() + (where.empty() ? "" : " " + where);
+  }
   // "--threads: ..." or "DUMP: ..." (a validator's message): the option joins the command.
   if (const std::size_t colon = what.find(": ");
       colon != std::string::npos && what.substr(0, colon).find(' ') == std::string::npos) {
@@ -78,22 +93,46 @@ std::string parse_error_line(const CLI::App& app, const CLI::App* cmd, const CLI
                        : fmt::format("kvaudit: {}: {}", where, what);
 }
 
-// Before parsing: a command must be named, and it must exist. The exit status when it ends the
-// run here.
+// Before parsing: a command must be named, and it must exist (at every level: "golden record").
+// The exit status when it ends the run here.
 std::optional<int> check_command_name(const CLI::App& app, int argc, char** argv) {
   if (argc < 2) {
-    std::vector<std::string> names;
-    for (const CLI::App* sub : app.get_subcommands({})) names.push_back(sub->get_name());
     std::cerr << fmt::format("kvaudit: a command is required: {} (kvaudit --help)\n",
-                             fmt::join(names, ", "));
+                             fmt::join(command_names(app), ", "));
     return kExitBadInput;
   }
-  const std::string first = argv[1];
-  if (first.empty() || first[0] == '-') return std::nullopt;  // --help, --version, or an error
-  for (const CLI::App* sub : app.get_subcommands({})) {
-    if (sub->get_name() == first) return std::nullopt;
+  const CLI::App* level = &app;
+  for (int i = 1; i < argc && !level->get_subcommands({}).empty(); ++i) {
+    const std::string word = argv[i];
+    if (word.empty() || word[0] == '-') break;  // --help, --version, an option, or an error
+    const CLI::App* next = nullptr;
+    for (const CLI::App* sub : level->get_subcommands({})) {
+      if (sub->get_name() == word) next = sub;
+    }
+    if (next == nullptr) {
+      // A positional argument where the level takes one; else a mistyped command.
+      if (level != &app && level->get_require_subcommand_min() == 0) break;
+      return report_error(unknown_command(*level, word));
+    }
+    level = next;
   }
-  return report_error(unknown_command(app, first));
+  return std::nullopt;
+}
+
+// The innermost command named by the leading words of the command line ("golden record"), for
+// messages; nothing when the first word names none.
+const CLI::App* named_command(const CLI::App& app, int argc, char** argv) {
+  const CLI::App* named = nullptr;
+  const CLI::App* level = &app;
+  for (int i = 1; i < argc; ++i) {
+    const CLI::App* next = nullptr;
+    for (const CLI::App* sub : level->get_subcommands({})) {
+      if (sub->get_name() == argv[i]) next = sub;
+    }
+    if (next == nullptr) break;
+    named = level = next;
+  }
+  return named;
 }
 
 // Parses the command line. Returns the exit status when parsing ends the run: --help and
@@ -108,14 +147,20 @@ std::optional<int> parse_command_line(CLI::App& app, int argc, char** argv) {
   } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    const CLI::App* cmd = nullptr;
-    for (const CLI::App* sub : app.get_subcommands({})) {
-      if (argc > 1 && sub->get_name() == argv[1]) cmd = sub;
-    }
-    std::cerr << parse_error_line(app, cmd, e) << "\n";
+    std::cerr << parse_error_line(app, named_command(app, argc, argv), e) << "\n";
     return kExitBadInput;
   }
   return std::nullopt;
+}
+
+// Every command chosen on the parsed command line, outermost first ("golden", then "record").
+std::vector<const CLI::App*> chosen_commands(const CLI::App& app) {
+  std::vector<const CLI::App*> chosen;
+  for (const CLI::App* level = &app; !level->get_subcommands().empty();) {
+    level = level->get_subcommands().front();
+    chosen.push_back(level);
+  }
+  return chosen;
 }
 
 // Runs the chosen command. Errors are values inside kvaudit; an exception that still escapes
@@ -147,12 +192,15 @@ int main(int argc, char** argv) {
   register_synth_command(app, runner);
   register_check_command(app, runner);
   register_bench_command(app, runner);
+  register_golden_command(app, runner);
   register_help_command(app, runner);
   refuse_empty_values(app);
   if (const std::optional<int> status = check_command_name(app, argc, argv)) return *status;
   if (const std::optional<int> status = parse_command_line(app, argc, argv)) return *status;
-  if (const Status outputs = validate_output_options(*app.get_subcommands().front()); !outputs) {
-    return report_error(outputs.error());
+  for (const CLI::App* command : chosen_commands(app)) {
+    if (const Status outputs = validate_output_options(*command); !outputs) {
+      return report_error(outputs.error());
+    }
   }
   return run_command(runner);
 }

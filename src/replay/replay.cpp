@@ -169,6 +169,9 @@ struct StepResults {
   std::vector<double> read_lse;
   bool read_differs = false;
   std::optional<AttentionOutput> backend;  // null without a backend
+  // The backend's pool as it left it, kept only when it changed the storage (the replay then goes
+  // on with the reference pool, and observers must still see what the backend wrote).
+  std::optional<KvPool> changed_storage_pool;
 
   OutputView r8() const { return {r8_out, r8_lse}; }
   // R8 on the pool the backend read: R8 itself while the slots the step reads hold the
@@ -349,7 +352,10 @@ Status LayerReplay::run_backend(const StepInput& step, const StepLayerWrites& wr
   const bool same_storage = backend_pool_.bytes.size() == reference_pool_.bytes.size() &&
                             backend_pool_.dtype == reference_pool_.dtype;
   if (step.reported && same_storage) KVAUDIT_TRY(reference_on_read_pool(step, results));
-  if (!same_storage) backend_pool_ = reference_pool_;
+  if (!same_storage) {
+    results.changed_storage_pool = std::move(backend_pool_);
+    backend_pool_ = reference_pool_;
+  }
   return ok_status();
 }
 
@@ -448,6 +454,11 @@ Status LayerReplay::observe(const StepInput& step, const StepResults& results) c
     outputs.reference_source_lse = results.rs_lse;
   }
   outputs.backend = results.backend ? &*results.backend : nullptr;
+  if (results.backend) {
+    outputs.backend_pool =
+        results.changed_storage_pool ? &*results.changed_storage_pool : &backend_pool_;
+  }
+  outputs.written_slots = step.meta.new_kv_slots;
   return context_.options.observer(outputs);
 }
 

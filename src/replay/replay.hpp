@@ -42,7 +42,7 @@
 
 namespace kvaudit {
 
-// What one (step, layer) produced, handed to an observer (--save-outputs).
+// What one (step, layer) produced, handed to an observer (--save-outputs, golden files).
 struct StepLayerOutputs {
   int step = 0;                                  // S### number
   int layer_id = 0;                              // L### number
@@ -52,6 +52,10 @@ struct StepLayerOutputs {
   std::span<const double> reference_source_out;  // Rs, empty when the source is unknown
   std::span<const double> reference_source_lse;
   const AttentionOutput* backend = nullptr;  // null without a backend
+  // The backend's pool after the step, as it left it (null without a backend), and the slots the
+  // step wrote (new_kv_slots, [Nq]).
+  const KvPool* backend_pool = nullptr;
+  std::span<const std::int32_t> written_slots;
 };
 
 using StepLayerObserver = std::function<Status(const StepLayerOutputs&)>;
