@@ -261,7 +261,11 @@ TEST_CASE("a command that fails writes nothing; one that succeeds writes every o
     INFO(run.err);
     CHECK(run.status == 0);
     CHECK(entries(dir) == std::vector<std::string>{"r.json", "report", "saved.h5"});
-    CHECK(entries(dir / "report") == std::vector<std::string>{"report.json", "report.md"});
+    const std::vector<std::string> report = entries(dir / "report");  // report.html may follow
+    CHECK(std::find(report.begin(), report.end(), "report.json") != report.end());
+    CHECK(std::find(report.begin(), report.end(), "report.md") != report.end());
+    CHECK(std::none_of(report.begin(), report.end(),
+                       [](const std::string& name) { return name[0] == '.'; }));
   }
 }
 

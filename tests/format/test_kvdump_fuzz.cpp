@@ -242,5 +242,28 @@ TEST_CASE("kvaudit info survives mutated shipped dumps (h5py-written)", "[kvdump
   }
 }
 
+TEST_CASE("sanitizer reports: HDF5's own faults told apart from kvaudit's", "[kvdump]") {
+  // The shape of ASan's report of HDF5 1.10's overlapping memcpy on a damaged global heap.
+  const std::string hdf5 =
+      "==4242==ERROR: AddressSanitizer: memcpy-param-overlap: memory ranges overlap\n"
+      "    #0 0x7f1 in __interceptor_memcpy ../../../../src/libsanitizer/asan/"
+      "asan_interceptors.cpp:827\n"
+      "    #1 0x7f2 in H5HG_read (/lib/x86_64-linux-gnu/libhdf5_serial.so.103+0x16c1b0)\n"
+      "    #2 0x7f3 in kvaudit::ObjectReader::read_string(...) src/format/hdf5_objects.cpp:80\n";
+  CHECK(testing::is_hdf5_report(hdf5));
+  const std::string ours =
+      "==4243==ERROR: AddressSanitizer: heap-buffer-overflow on address 0x602\n"
+      "    #0 0x7f1 in __asan_memcpy (/lib/x86_64-linux-gnu/libasan.so.8+0xb8f3c)\n"
+      "    #1 0x7f2 in std::vector<int>::assign (/lib/x86_64-linux-gnu/libstdc++.so.6+0x1)\n"
+      "    #2 0x7f3 in kvaudit::read_index(...) src/format/kvdump_validator.cpp:190\n"
+      "    #3 0x7f4 in H5Dread (/lib/x86_64-linux-gnu/libhdf5_serial.so.103+0x1)\n";
+  CHECK_FALSE(testing::is_hdf5_report(ours));
+  const std::string undefined =
+      "src/format/step_indices.cpp:40:12: runtime error: signed integer overflow\n"
+      "    #0 0x55 in kvaudit::check_indptr(...) src/format/step_indices.cpp:40\n";
+  CHECK_FALSE(testing::is_hdf5_report(undefined));
+  CHECK_FALSE(testing::is_hdf5_report("no stack at all"));
+}
+
 }  // namespace
 }  // namespace kvaudit
