@@ -1,16 +1,43 @@
 #!/usr/bin/env bash
-# Builds kvaudit (scripts/setup.sh), runs every test through CTest (the Python writer's unittest
-# suite runs inside it, as the [python] case),
-# and checks that every C++/CUDA source is clang-format clean. Exits non-zero when any test or the
-# format check fails.
+# The test job (what CI runs, through .ci/run): checks that every C++/CUDA source is clang-format
+# clean, builds everything with the tests into build-tests/ (every .cu file too wherever nvcc
+# exists: CI compiles the CUDA code even without a GPU), runs the mutation fuzz through a kvaudit
+# built with AddressSanitizer and UndefinedBehaviorSanitizer (build-asan/, CPU only), the [gpu]
+# cases (skipped by name without a device), and every other test through CTest (the Python
+# package's unittest suite runs inside it, as the [python] cases). Each phase prints one line with
+# the time elapsed. Exits non-zero when any of them fails.
+#   KVAUDIT_BUILD_DIR        build directory of the tests (default: build-tests; the main job's is
+#                            build/, so the two never reconfigure each other)
+#   KVAUDIT_JOBS             parallel compile jobs (default: nproc)
+#   KVAUDIT_TEST_JOBS        parallel CTest jobs (default: 2)
+#   KVAUDIT_CUDA             ON or OFF (default: ON where nvcc is found)
+#   KVAUDIT_FUZZ_MUTATIONS   mutations per dump in the sanitizer fuzz (default: 300)
+#   KVAUDIT_SANITIZER_FUZZ=0 skip the sanitizer build and fuzz
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-bash scripts/setup.sh
-build_dir=${KVAUDIT_BUILD_DIR:-build}
-
+start=$SECONDS
+build_dir=${KVAUDIT_BUILD_DIR:-build-tests}
+asan_dir=build-asan
+jobs=${KVAUDIT_JOBS:-$(nproc)}
 status=0
-echo "== clang-format check"
+
+phase() {
+  local elapsed=$((SECONDS - start))
+  printf 'run-tests [%d:%02d] %s\n' $((elapsed / 60)) $((elapsed % 60)) "$*"
+}
+
+phase "checking the build dependencies (scripts/setup.sh)"
+bash scripts/setup.sh
+
+# CUDA toolkits install nvcc outside PATH; CMake finds the compiler through PATH or CUDACXX.
+if ! command -v nvcc >/dev/null && [[ -z ${CUDACXX:-} && -x /usr/local/cuda/bin/nvcc ]]; then
+  export PATH="/usr/local/cuda/bin:$PATH"
+fi
+configure=(cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DKVAUDIT_TESTS=ON)
+[[ -n ${KVAUDIT_CUDA:-} ]] && configure+=("-DKVAUDIT_CUDA=$KVAUDIT_CUDA")
+
+phase "clang-format check of every C++ and CUDA source"
 mapfile -t sources < <(find src kernels references tests -type f \
   \( -name '*.cpp' -o -name '*.hpp' -o -name '*.cu' -o -name '*.cuh' \) 2>/dev/null | sort)
 if ((${#sources[@]} > 0)) && ! clang-format --dry-run --Werror "${sources[@]}"; then
@@ -18,15 +45,32 @@ if ((${#sources[@]} > 0)) && ! clang-format --dry-run --Werror "${sources[@]}"; 
   status=1
 fi
 
-echo "== tests"
-if ! ctest --test-dir "$build_dir" --output-on-failure -j"${KVAUDIT_TEST_JOBS:-2}" \
-    -E '^gpu_tests$'; then
-  status=1
+phase "configuring $build_dir (Release, tests; CUDA where nvcc exists)"
+"${configure[@]}"
+phase "building everything in $build_dir with $jobs jobs"
+cmake --build "$build_dir" -j"$jobs"
+
+if [[ ${KVAUDIT_SANITIZER_FUZZ:-1} != 0 ]]; then
+  phase "building kvaudit with -fsanitize=address,undefined in $asan_dir (CPU only)"
+  cmake -S . -B "$asan_dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g" -DKVAUDIT_CUDA=OFF -DKVAUDIT_TESTS=OFF \
+    -DKVAUDIT_SANITIZE=address,undefined > /dev/null
+  cmake --build "$asan_dir" --target kvaudit -j"$jobs"
+  mutations=${KVAUDIT_FUZZ_MUTATIONS:-300}
+  phase "mutation fuzz through the sanitizer build: $mutations mutations of each dump"
+  # tests/format/test_kvdump_fuzz.cpp and test_dump_probe.cpp: every run must end with exit 0, 1
+  # or 2, and no sanitizer report may come from kvaudit's own code (HDF5's are contained by the
+  # probe child).
+  if ! KVAUDIT_TEST_BINARY="$PWD/$asan_dir/kvaudit" KVAUDIT_FUZZ_MUTATIONS=$mutations \
+      "$build_dir/tests/kvaudit_tests" "[fuzz]"; then
+    echo "sanitizer fuzz: FAILED (a crash, a hang, exit 3, or a sanitizer report from kvaudit)" >&2
+    status=1
+  fi
 fi
 
-# The [gpu] cases run here, outside CTest, so that their names show in the log: on a machine
-# without a CUDA device the runner lists each one as skipped and exits 77.
-echo "== gpu tests"
+# The [gpu] cases run outside CTest, so that their names show in the log: on a machine without a
+# CUDA device the runner lists each one as skipped and exits 77.
+phase "gpu tests"
 gpu_status=0
 "$build_dir/tests/kvaudit_tests" "[gpu]" || gpu_status=$?
 case "$gpu_status" in
@@ -34,4 +78,11 @@ case "$gpu_status" in
   77) echo "gpu tests: skipped (no CUDA device)" ;;
   *) echo "gpu tests: FAILED (exit $gpu_status)" >&2; status=1 ;;
 esac
+
+phase "tests (CTest, ${KVAUDIT_TEST_JOBS:-2} at a time)"
+if ! ctest --test-dir "$build_dir" --output-on-failure -j"${KVAUDIT_TEST_JOBS:-2}" \
+    -E '^gpu_tests$'; then
+  status=1
+fi
+phase "done (exit $status)"
 exit "$status"

@@ -1,7 +1,10 @@
 """Example: write a small, self-consistent kvdump v1 file with the kvdump package.
 
-    /usr/bin/python3 python/examples/write_synthetic_dump.py dump.h5
+    python3 python/examples/write_synthetic_dump.py dump.h5
     kvaudit info dump.h5
+
+Any Python 3.10+ with numpy and h5py runs it (`python3 -m pip install ./python` installs them
+into the interpreter it is run with); the kvdump package is taken from this checkout.
 
 Two layers (ids 0 and 3), H = 4 heads, Dc = 64, Dr = 16, page_size = 4, an fp8 pool per layer with
 its bf16 source; one request already holds 5 tokens. Steps: a prefill (request 0 extends by 2

@@ -445,13 +445,9 @@ def _stream_capturing():
 
 
 def _flush_to_disk(writer):
-    """Pushes the file's buffers to disk after a step (h5py File.flush), so the file read after an
-    early stop or a killed worker holds every step written so far."""
-    flush = getattr(writer, "flush", None)
-    if callable(flush):
-        flush()
-    else:  # KvDumpWriter has no flush(): its h5py file handle
-        writer._file.flush()
+    """Pushes the file's buffers to disk after a step (KvDumpWriter.flush), so the file read after
+    an early stop or a killed worker holds every step written so far."""
+    writer.flush()
 
 
 class MlaCapture:
@@ -837,7 +833,7 @@ class MlaCapture:
         writer = KvDumpWriter(self.path, model=self.model, producer=self.producer,
                               num_heads=int(first.tp_q_head_num), kv_lora_rank=dc,
                               qk_rope_head_dim=width - dc, sm_scale=sm_scale, page_size=1,
-                              kv_dtype=self.kv_dtype)
+                              kv_dtype=self.kv_dtype, incremental=True)  # readable if it stops
         for layer_id in self.layer_ids:
             writer.add_layer(layer_id, 1.0, self._pool_before.pop(layer_id))
         self._writer, self._writer_sm_scale = writer, float(sm_scale)

@@ -20,10 +20,20 @@ unless a torch tensor is passed):
   lse              : float32.
   index arrays     : any integer type whose values fit int32.
 Groups are named by the model's layer id (L005 for layer 5) and by step order (S000, S001, ...).
+
+Files are written atomically by default: under a temporary name in the same folder, renamed onto
+the path by a successful close(); after an exception, or a close() that finds the dump incomplete,
+the temporary is deleted, so no partial file is left (and an existing file of that name stays as
+it was). A capture that may stop at any moment passes incremental=True instead: the file is
+written under its own name from the start, and flush() after each step keeps what was written
+readable.
 """
 
 import math
 import numbers
+import os
+import tempfile
+import weakref
 
 import numpy as np
 
@@ -183,6 +193,27 @@ def _check_step_arrays(path, kind, num_pages, page_size, qo_indptr, kv_indptr, k
         _fail(f"{path}/new_kv_slots", f"row {i} (request {request[i]}, position {position[i]}) "
                                       f"has slot {new_kv_slots[i]}, but that position's slot is "
                                       f"{expected[i]}")
+    # Two rows writing one slot would race on a GPU (the step's writes are concurrent).
+    order = np.argsort(new_kv_slots, kind="stable")
+    repeats = np.flatnonzero(np.diff(new_kv_slots[order]) == 0)
+    if repeats.size:
+        first, second = int(order[repeats[0]]), int(order[repeats[0] + 1])
+        _fail(f"{path}/new_kv_slots", f"rows {first} and {second} both write slot "
+                                      f"{new_kv_slots[first]}: two writes of one slot in one step "
+                                      "would race")
+
+
+def _umask():
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _remove_quietly(path):
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
 
 
 class KvDumpWriter:
@@ -198,10 +229,16 @@ class KvDumpWriter:
 
     Tensors are written as they are added, so a long capture does not accumulate in memory.
     Closing checks that every step holds every layer.
+
+    The file appears at `path` only when close() succeeds (written under a temporary name in the
+    same folder until then; deleted after an exception). incremental=True writes `path` directly
+    instead, for a capture that must leave a readable file when it stops early: call flush() after
+    each step.
     """
 
     def __init__(self, path, *, model, producer, num_heads, kv_lora_rank, qk_rope_head_dim,
-                 sm_scale, page_size, kv_dtype="float8_e4m3fn", compression=None):
+                 sm_scale, page_size, kv_dtype="float8_e4m3fn", compression=None,
+                 incremental=False):
         for name, value in (("num_heads", num_heads), ("kv_lora_rank", kv_lora_rank),
                             ("qk_rope_head_dim", qk_rope_head_dim), ("page_size", page_size)):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
@@ -226,7 +263,18 @@ class KvDumpWriter:
         # kvdump.backends, which uses only validate_step_indices) works without h5py.
         import h5py
 
-        self._file = h5py.File(path, "w")
+        self.path = os.fspath(path)
+        self.incremental = bool(incremental)
+        self._temp_path = None if self.incremental else self._create_temp_file()
+        try:
+            self._file = h5py.File(self._temp_path or self.path, "w")
+        except BaseException:
+            if self._temp_path is not None:
+                _remove_quietly(self._temp_path)
+            raise
+        if self._temp_path is not None:
+            # A writer dropped without close() leaves no temporary behind.
+            self._finalizer = weakref.finalize(self, _remove_quietly, self._temp_path)
         attrs = self._file.attrs
         attrs["format"] = "kvdump"
         attrs["format_version"] = np.int32(1)
@@ -239,6 +287,40 @@ class KvDumpWriter:
         attrs["page_size"] = np.int32(page_size)
         attrs["kv_dtype"] = kv_dtype
         attrs["kv_scale_kind"] = "per_tensor"
+        # Both groups at once: a dump without steps is valid (kvaudit requires /steps to exist).
+        self._file.create_group("layers")
+        self._file.create_group("steps")
+
+    def _create_temp_file(self):
+        """An empty ".<name>.kvdump-XXXXXX" next to the path, with a plain file's permissions."""
+        folder = os.path.dirname(os.path.abspath(self.path))
+        name = os.path.basename(self.path)[:200] or "dump"
+        fd, temp = tempfile.mkstemp(prefix=f".{name}.kvdump-", dir=folder)
+        os.close(fd)
+        os.chmod(temp, 0o666 & ~_umask())
+        return temp
+
+    def flush(self):
+        """Pushes what was written so far to the file (h5py File.flush): after it, the file read
+        by another process holds every step added so far (an incremental writer's file then
+        survives the capture stopping; an atomic writer's temporary is not visible anyway)."""
+        self._require_open("/")
+        self._file.flush()
+
+    def _finish(self, keep):
+        """Closes the HDF5 file; renames the temporary onto the path when `keep`, else deletes it."""
+        if self._file is None:
+            return
+        try:
+            self._file.close()
+        finally:
+            self._file = None
+            if self._temp_path is not None:
+                self._finalizer.detach()
+                if keep:
+                    os.replace(self._temp_path, self.path)
+                else:
+                    _remove_quietly(self._temp_path)
 
     @property
     def row_width(self):
@@ -291,7 +373,7 @@ class KvDumpWriter:
         if kv_source is not None:
             source = _bf16_storage(kv_source, shape, f"{path}/kv_source")
         self.num_pages = num_pages
-        group = self._file.require_group("layers").create_group(path.rsplit("/", 1)[1])
+        group = self._file["layers"].create_group(path.rsplit("/", 1)[1])
         group.attrs["layer_id"] = np.int32(layer_id)
         group.attrs["kv_scale"] = scale
         self._write(group, "kv_cache", pool_bits, pool_dtype)
@@ -312,7 +394,7 @@ class KvDumpWriter:
         arrays = validate_step_indices(path, kind, qo_indptr, kv_indptr, kv_indices,
                                        kv_last_page_len, new_kv_slots, self.num_pages,
                                        self.page_size)
-        group = self._file.require_group("steps").create_group(path.rsplit("/", 1)[1])
+        group = self._file["steps"].create_group(path.rsplit("/", 1)[1])
         group.attrs["kind"] = kind
         for name, arr in arrays.items():
             self._write(group, name, arr, None)
@@ -321,18 +403,21 @@ class KvDumpWriter:
         return step
 
     def close(self):
-        """Checks that every step holds every layer, then closes the file."""
+        """Checks that every step holds every layer, then closes the file: renamed onto the path
+        when complete; an incomplete one raises ValueError and is deleted (an incremental writer's
+        file is kept as written)."""
         if self._file is None:
             return
+        complete = False
         try:
             for step in self._steps:
                 for layer_id in sorted(self._layers):
                     if layer_id not in step.layers:
                         _fail(f"{step.path}/L{layer_id:03d}",
                               "missing: every step holds every layer of /layers")
+            complete = True
         finally:
-            self._file.close()
-            self._file = None
+            self._finish(keep=complete)
 
     def __enter__(self):
         return self
@@ -340,9 +425,8 @@ class KvDumpWriter:
     def __exit__(self, exc_type, exc, traceback):
         if exc_type is None:
             self.close()
-        elif self._file is not None:  # keep the first error; the file is incomplete anyway
-            self._file.close()
-            self._file = None
+        else:  # keep the first error: the dump is incomplete, an atomic writer leaves no file
+            self._finish(keep=False)
         return False
 
 

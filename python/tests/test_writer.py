@@ -332,6 +332,107 @@ class RefusalTest(WriterTestCase):
         self.assert_refused("/steps/S000/L002", dump.close)
         dump.close()  # already closed: nothing more to say
 
+    def test_two_rows_writing_one_slot(self):
+        # Requests 0 and 1 share page 2 and both put their last token in its slot 2 * 4 + 1.
+        with self.writer() as dump:
+            dump.add_layer(0, 1.0, self.pool())
+            with self.assertRaisesRegex(ValueError, "^" + re.escape(
+                    "/steps/S000/new_kv_slots: rows 0 and 1 both write slot 9: two writes of one "
+                    "slot in one step would race") + "$"):
+                dump.add_step("decode", qo_indptr=[0, 1, 2], kv_indptr=[0, 1, 2],
+                              kv_indices=[2, 2], kv_last_page_len=[2, 2], new_kv_slots=[9, 9])
+
+
+class OutputFileTest(WriterTestCase):
+    """The file appears only when complete (atomic by default), or is written as it goes
+    (incremental=True, for captures that may stop); /steps exists from the start."""
+
+    def leftovers(self):
+        return sorted(name for name in os.listdir(self._dir.name) if name != "dump.h5")
+
+    def test_exception_leaves_no_file(self):
+        with self.assertRaises(ValueError):
+            with self.writer() as dump:
+                dump.add_layer(0, 1.0, self.pool())
+                self.assertFalse(os.path.exists(self.path))  # not before close
+                dump.add_layer(0, 1.0, self.pool())  # twice: ValueError
+        self.assertFalse(os.path.exists(self.path))
+        self.assertEqual(self.leftovers(), [])
+
+    def test_exception_keeps_an_existing_file(self):
+        with open(self.path, "wb") as old:
+            old.write(b"previous content")
+        with self.assertRaises(RuntimeError):
+            with self.writer() as dump:
+                dump.add_layer(0, 1.0, self.pool())
+                raise RuntimeError("the capture failed")
+        with open(self.path, "rb") as old:
+            self.assertEqual(old.read(), b"previous content")
+        self.assertEqual(self.leftovers(), [])
+
+    def test_incomplete_close_leaves_no_file(self):
+        dump = self.writer()
+        dump.add_layer(0, 1.0, self.pool())
+        dump.add_layer(2, 1.0, self.pool())
+        dump.add_step(**DECODE).add_layer(0, **step_tensors(2, seed=0))
+        self.assert_refused("/steps/S000/L002", dump.close)
+        self.assertFalse(os.path.exists(self.path))
+        self.assertEqual(self.leftovers(), [])
+
+    def test_dropped_writer_leaves_no_temporary(self):
+        dump = self.writer()
+        dump.add_layer(0, 1.0, self.pool())
+        del dump
+        import gc
+
+        gc.collect()
+        self.assertFalse(os.path.exists(self.path))
+        self.assertEqual(self.leftovers(), [])
+
+    def test_permissions_of_a_plain_file(self):
+        with self.writer() as dump:
+            dump.add_layer(0, 1.0, self.pool())
+        mask = os.umask(0)
+        os.umask(mask)
+        self.assertEqual(os.stat(self.path).st_mode & 0o777, 0o666 & ~mask)
+
+    def test_dump_without_steps_has_the_steps_group(self):
+        with self.writer() as dump:
+            dump.add_layer(0, 1.0, self.pool())
+        with h5py.File(self.path, "r") as f:
+            self.assertIn("steps", f)
+            self.assertEqual(len(f["steps"]), 0)
+        binary = os.environ.get("KVAUDIT_BINARY")
+        if binary and os.path.exists(binary):
+            info = subprocess.run([binary, "info", self.path], capture_output=True, text=True)
+            self.assertEqual(info.returncode, 0, info.stdout + info.stderr)
+
+    def test_incremental_writes_the_path_and_flushes(self):
+        dump = self.writer(incremental=True)
+        dump.add_layer(0, 1.0, self.pool())
+        step = dump.add_step(**DECODE)
+        step.add_layer(0, **step_tensors(2, seed=0))
+        dump.flush()
+        self.assertEqual(self.leftovers(), [])
+        # Another reader sees the flushed step while the writer is still open.
+        code = ("import h5py, sys; f = h5py.File(sys.argv[1], 'r', locking=False); "
+                "print(sorted(f['steps']), sorted(f['steps/S000']))")
+        seen = subprocess.run([sys.executable, "-c", code, self.path], capture_output=True,
+                              text=True)
+        self.assertEqual(seen.returncode, 0, seen.stderr)
+        self.assertIn("['S000'] ['L000', 'kv_indices'", seen.stdout)
+        with self.assertRaises(RuntimeError):
+            with dump:
+                raise RuntimeError("the server stopped")
+        self.assertTrue(os.path.exists(self.path))  # an incremental file is kept as written
+        with h5py.File(self.path, "r") as f:
+            self.assertEqual(sorted(f["steps"]), ["S000"])
+
+    def test_flush_after_close_is_refused(self):
+        with self.writer() as dump:
+            dump.add_layer(0, 1.0, self.pool())
+        self.assert_refused("/", dump.flush)
+
 
 if __name__ == "__main__":
     unittest.main()

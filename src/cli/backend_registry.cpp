@@ -42,10 +42,11 @@ Result<std::unique_ptr<Backend>> make_backend(std::string_view name,
                      "exists); use --backend cpu-fp8");
 #endif
   }
+  // "none" is valid too (check runs no backend for it, before asking here): list every name.
   return bad_input(
       fmt::format("--backend {}", name),
-      fmt::format("unknown backend '{}' (valid: {}, or exec:NAME for a program speaking the "
-                  "external backend protocol)",
+      fmt::format("unknown backend '{}' (valid: {}, none; exec:NAME runs a program speaking "
+                  "the external backend protocol)",
                   name, fmt::join(backend_names(), ", ")));
 }
 

@@ -102,18 +102,18 @@ void register_backend_serve_command(CLI::App& app, CommandRunner& runner) {
   auto options = std::make_shared<ServeOptions>();
   std::string backends;
   for (const std::string& name : backend_names()) backends += (backends.empty() ? "" : ", ") + name;
-  CLI::App* cmd = app.add_subcommand(
-      "backend-serve",
-      "For testing the external backend protocol (docs/backend-protocol.md): serve a built-in "
-      "backend over the protocol on standard input/output, as a program started by check "
-      "--backend exec:NAME --backend-command CMD (or bench --peer) would. Exit status: 0 after "
-      "bye or the end of input, 2 when the hello is refused.");
+  CLI::App* cmd = add_command(
+      app, "backend-serve",
+      {"For testing the external backend protocol: serve a built-in backend over it.",
+       "Speaks docs/backend-protocol.md on standard input/output, as a program started by check "
+       "--backend exec:NAME --backend-command CMD (or bench --peer) would.",
+       "0 after bye or the end of input, 2 when the hello is refused, 3 internal error"});
   cmd->add_option("BACKEND", options->backend, "The backend to serve: " + backends)->required();
   cmd->add_option("--inject", options->inject,
                   "A fault injection of the served backend (check --list-injections)");
-  cmd->add_option("--threads", options->threads, "Threads of a CPU backend (0: every core)")
-      ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+  add_integer_option(*cmd, "--threads", options->threads, 0, kMaxThreads,
+                     "Threads of a CPU backend (0: every core)")
+      ->capture_default_str();
   cmd->callback([options, &runner] { runner = [options] { return run_serve(*options); }; });
 }
 

@@ -32,6 +32,8 @@
 #include "src/cli/backend_registry.hpp"
 #include "src/cli/cli.hpp"
 #include "src/core/cuda_device.hpp"
+#include "src/core/memory_budget.hpp"
+#include "src/core/output_file.hpp"
 #include "src/tools/bench_cpu.hpp"
 #include "src/tools/bench_grid.hpp"
 #include "src/tools/bench_peer.hpp"
@@ -344,11 +346,30 @@ Status run_cpu_part(const BenchCliOptions& o, json& doc) {
   return ok_status();
 }
 
-Status write_json(const std::string& path, const json& doc) {
-  std::ofstream out(path);
-  out << doc.dump(2) << "\n";
-  if (!out) return bad_input(path, "cannot write the JSON report");
-  return ok_status();
+// The memory the CPU part allocates: the pool's values as floats plus the permutation and page
+// list (batch x context slots), and per query row its q, out (double) and lse.
+double cpu_bench_bytes(const bench::CpuBenchOptions& cpu) {
+  const double slots = static_cast<double>(cpu.batch) * cpu.context;
+  const double rows = static_cast<double>(cpu.batch) * cpu.num_heads;
+  return slots * (576.0 * 4.0 + 8.0) + rows * (576.0 * 4.0 + 512.0 * 8.0 + 8.0);
+}
+
+// Before any work: the JSON file's temporary (its path was validated before parsing ended) and
+// whether the CPU part fits in memory.
+Result<std::optional<AtomicOutputFile>> prepare_bench(const BenchCliOptions& o) {
+  if (!o.gpu_only) {
+    KVAUDIT_TRY(
+        check_memory_fits(cpu_bench_bytes(o.cpu), "bench",
+                          fmt::format("--cpu-batch {} x --cpu-context {} tokens of 576 channels",
+                                      o.cpu.batch, o.cpu.context)));
+  }
+  std::optional<AtomicOutputFile> json_file;
+  if (!o.json_path.empty()) {
+    KVAUDIT_ASSIGN_OR_RETURN(AtomicOutputFile file,
+                             AtomicOutputFile::create(o.json_path, "--json"));
+    json_file.emplace(std::move(file));
+  }
+  return json_file;
 }
 
 // --peer exec:NAME and --peer-command, checked before anything runs.
@@ -417,6 +438,8 @@ int run_bench(BenchCliOptions& o) {
     print_cases(*grid);
     return kExitPass;
   }
+  auto json_file = prepare_bench(o);
+  if (!json_file) return report_error(json_file.error());
 
   const CudaDeviceInfo device = cuda_device_info();
   json doc = describe_run(o, device);
@@ -448,8 +471,9 @@ int run_bench(BenchCliOptions& o) {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start).count();
   doc["wall_seconds"] = wall;
   fmt::print("bench finished in {:.1f} s\n", wall);
-  if (!o.json_path.empty()) {
-    const Status written = write_json(o.json_path, doc);
+  if (*json_file) {
+    Status written = (*json_file)->write(doc.dump(2) + "\n");
+    if (written.ok()) written = (*json_file)->commit();
     if (!written.ok()) return report_error(written.error());
   }
   if (peer_failures > 0) return kExitBadInput;
@@ -469,118 +493,124 @@ void add_peer_options(CLI::App& cmd, BenchCliOptions& o) {
                  "python3 -m kvdump.backends NAME)");
 }
 
+// The grid's run: what runs, how long, what is written.
+void add_run_options(CLI::App& cmd, BenchCliOptions& o) {
+  cmd.add_flag("--quick", o.quick,
+               "Tiny grid and few launches (tests, smoke runs); explicit options still apply");
+  auto* cpu_only =
+      cmd.add_flag("--cpu-only", o.cpu_only, "Only the CPU reference throughput (no GPU needed)");
+  cmd.add_flag("--gpu-only", o.gpu_only, "Only the GPU cases (exit 2 without a GPU)")
+      ->excludes(cpu_only);
+  cmd.add_flag("--list", o.list, "Print the GPU cases that would run, and exit");
+  add_output_path(cmd, "--json", o.json_path, OutputKind::kFile,
+                  "Also write every figure to this JSON file");
+  cmd.add_flag("--no-cast", o.no_cast, "Do not time the cuda-cast-bf16 path");
+  cmd.add_flag("--check-targets", o.check_targets,
+               "Exit 1 when a stated target (see the 'targets' lines) is evaluated and missed");
+  o.launches_option = add_integer_option(cmd, "--launches", o.gpu.launches, 1, 100000,
+                                         "Timed launches per case and path (median reported)")
+                          ->capture_default_str();
+  o.warmup_option =
+      add_integer_option(cmd, "--warmup", o.gpu.warmup, 0, 100000, "Untimed launches first")
+          ->capture_default_str();
+  add_seed_option(cmd, "--seed", o.gpu.seed, "Seed of pools, queries and page permutations")
+      ->capture_default_str();
+  o.copy_option = add_integer_option(cmd, "--copy-mib", o.copy_mib, std::size_t{1},
+                                     std::size_t{65536}, "Bytes of the device-to-device copy (MiB)")
+                      ->capture_default_str();
+  o.flush_option =
+      add_integer_option(cmd, "--l2-flush-mib", o.flush_mib, std::size_t{0}, std::size_t{65536},
+                         "MiB overwritten between timed launches so KV is read from HBM (0: none)")
+          ->capture_default_str();
+}
+
+// One custom GPU case instead of the grid.
+void add_custom_case_options(CLI::App& cmd, BenchCliOptions& o) {
+  const std::string group = "One GPU case (any of these replaces the grid)";
+  o.custom_options = {
+      add_integer_option(cmd, "--batch", o.custom.batch, 1, 1 << 20, "Requests")->group(group),
+      add_integer_option(cmd, "--context", o.custom.context, 1, 1 << 24,
+                         "Visible tokens per request")
+          ->group(group),
+      add_integer_option(cmd, "--heads", o.custom.num_heads, 1, 1024, "Query heads")->group(group),
+      add_integer_option(cmd, "--page-size", o.custom.page_size, 1, 1 << 16, "Slots per page")
+          ->group(group),
+      add_integer_option(cmd, "--pool-slots", o.custom.pool_slots, std::int64_t{0},
+                         std::int64_t{1} << 34,
+                         "Pool size in slots (default: just what the requests need)")
+          ->group(group),
+      add_integer_option(cmd, "--q-len", o.custom.q_len, 1, 1 << 24,
+                         "Query rows per request (1: decode; more: causal prefill/extend)")
+          ->group(group)};
+}
+
+// The CPU reference's throughput and the GLM-5 step it is projected to.
+void add_cpu_options(CLI::App& cmd, BenchCliOptions& o) {
+  const std::string group = "CPU reference";
+  o.cpu_batch_option =
+      add_integer_option(cmd, "--cpu-batch", o.cpu.batch, 1, 1 << 16, "Decode requests")
+          ->capture_default_str()
+          ->group(group);
+  o.cpu_context_option =
+      add_integer_option(cmd, "--cpu-context", o.cpu.context, 1, 1 << 24, "Tokens per request")
+          ->capture_default_str()
+          ->group(group);
+  o.cpu_heads_option =
+      add_integer_option(cmd, "--cpu-heads", o.cpu.num_heads, 1, 1024, "Query heads")
+          ->capture_default_str()
+          ->group(group);
+  add_integer_option(cmd, "--cpu-threads", o.cpu.threads, 0, kMaxThreads, "Threads (0: every core)")
+      ->capture_default_str()
+      ->group(group);
+  o.cpu_seconds_option =
+      add_number_option(cmd, "--cpu-seconds", o.cpu.min_seconds, 0.0, 3600.0,
+                        "Repeat the reference until this much wall time has passed (at least once)")
+          ->capture_default_str()
+          ->group(group);
+  add_integer_option(cmd, "--project-batch", o.cpu.project_batch, 1, 1 << 20,
+                     "Requests of the projected GLM-5 decode step")
+      ->capture_default_str()
+      ->group(group);
+  add_integer_option(cmd, "--project-context", o.cpu.project_context, 1, 1 << 24,
+                     "Tokens per request of the projected step")
+      ->capture_default_str()
+      ->group(group);
+  add_integer_option(cmd, "--project-layers", o.cpu.project_layers, 1, 1024,
+                     "Layers of the projected step")
+      ->capture_default_str()
+      ->group(group);
+  add_integer_option(cmd, "--project-heads", o.cpu.project_heads, 1, 1024,
+                     "Heads of the projected step")
+      ->capture_default_str()
+      ->group(group);
+}
+
 }  // namespace
 
 void register_bench_command(CLI::App& app, CommandRunner& runner) {
   auto o = std::make_shared<BenchCliOptions>();
-  CLI::App* cmd = app.add_subcommand(
-      "bench",
-      "Time the CUDA MLA attention kernels: cuda-fp8 (reads the FP8 pool directly) against the "
-      "seed's cuda-cast-bf16 (cast the whole pool to bf16, then attend; timed together per "
-      "call), over a grid of batch, context, heads, page size and pool size, with a "
-      "device-to-device copy measured in the same run as the bandwidth yardstick; and measure "
-      "the CPU reference's throughput. Per case: median time of many launches (CUDA events, "
-      "after warm-up, L2 evicted between launches), KV bytes (576 per visible token, each "
-      "request's tokens once), GB/s, % of copy bandwidth, TFLOP/s (2176 FLOP per token per "
-      "head), cast time and speedup.\n"
-      "Without a GPU (or in a build without CUDA) the GPU cases are skipped with the reason and "
-      "the CPU part still runs (exit 0); asking for GPU cases explicitly (--gpu-only, or one "
-      "case by --batch/--context/--heads/--page-size/--pool-slots/--q-len) exits 2 there.\n"
-      "--peer exec:NAME --peer-command CMD times another implementation (e.g. FlashInfer through "
-      "python -m kvdump.backends flashinfer-fp8) on the same cases, side by side.");
-  cmd->add_flag("--quick", o->quick,
-                "Tiny grid and few launches (tests, smoke runs); explicit options still apply");
-  auto* cpu_only =
-      cmd->add_flag("--cpu-only", o->cpu_only, "Only the CPU reference throughput (no GPU needed)");
-  cmd->add_flag("--gpu-only", o->gpu_only, "Only the GPU cases (exit 2 without a GPU)")
-      ->excludes(cpu_only);
-  cmd->add_flag("--list", o->list, "Print the GPU cases that would run, and exit");
-  cmd->add_option("--json", o->json_path, "Also write every figure to this JSON file");
-  cmd->add_flag("--no-cast", o->no_cast, "Do not time the cuda-cast-bf16 path");
+  CLI::App* cmd = add_command(
+      app, "bench",
+      {"Time the CUDA MLA attention kernels and measure the CPU reference's throughput.",
+       "cuda-fp8 (reads the FP8 pool directly) against the seed's cuda-cast-bf16 (cast the whole "
+       "pool to bf16, then attend; timed together per call), over a grid of batch, context, "
+       "heads, page size and pool size, with a device-to-device copy measured in the same run as "
+       "the bandwidth yardstick. Per case: median time of many launches (CUDA events, after "
+       "warm-up, L2 evicted between launches), KV bytes (576 per visible token, each request's "
+       "tokens once), GB/s, % of copy bandwidth, TFLOP/s (2176 FLOP per token per head), cast "
+       "time and speedup.\n"
+       "Without a GPU (or in a build without CUDA) the GPU cases are skipped with the reason and "
+       "the CPU part still runs (exit 0); asking for GPU cases explicitly (--gpu-only, or one "
+       "case by --batch/--context/--heads/--page-size/--pool-slots/--q-len) exits 2 there.\n"
+       "--peer exec:NAME --peer-command CMD times another implementation (e.g. FlashInfer "
+       "through python3 -m kvdump.backends flashinfer-fp8) on the same cases, side by side.",
+       "0 done, 1 a stated target missed under --check-targets, 2 bad options, GPU cases asked "
+       "for without a GPU, sizes this machine cannot hold, or a --peer that failed a case, 3 "
+       "internal error"});
+  add_run_options(*cmd, *o);
   add_peer_options(*cmd, *o);
-  cmd->add_flag("--check-targets", o->check_targets,
-                "Exit 1 when a stated target (see the 'targets' lines) is evaluated and missed");
-  o->launches_option = cmd->add_option("--launches", o->gpu.launches,
-                                       "Timed launches per case and path (median reported)")
-                           ->check(CLI::Range(1, 100000))
-                           ->capture_default_str();
-  o->warmup_option = cmd->add_option("--warmup", o->gpu.warmup, "Untimed launches first")
-                         ->check(CLI::Range(0, 100000))
-                         ->capture_default_str();
-  cmd->add_option("--seed", o->gpu.seed, "Seed of pools, queries and page permutations")
-      ->capture_default_str();
-  o->copy_option =
-      cmd->add_option("--copy-mib", o->copy_mib, "Bytes of the device-to-device copy (MiB)")
-          ->check(CLI::Range(std::size_t{1}, std::size_t{65536}))
-          ->capture_default_str();
-  o->flush_option =
-      cmd->add_option("--l2-flush-mib", o->flush_mib,
-                      "MiB overwritten between timed launches so KV is read from HBM (0: none)")
-          ->check(CLI::Range(std::size_t{0}, std::size_t{65536}))
-          ->capture_default_str();
-  const std::string custom_group = "One GPU case (any of these replaces the grid)";
-  o->custom_options = {
-      cmd->add_option("--batch", o->custom.batch, "Requests")
-          ->check(CLI::Range(1, 1 << 20))
-          ->group(custom_group),
-      cmd->add_option("--context", o->custom.context, "Visible tokens per request")
-          ->check(CLI::Range(1, 1 << 24))
-          ->group(custom_group),
-      cmd->add_option("--heads", o->custom.num_heads, "Query heads")
-          ->check(CLI::Range(1, 1024))
-          ->group(custom_group),
-      cmd->add_option("--page-size", o->custom.page_size, "Slots per page")
-          ->check(CLI::Range(1, 1 << 16))
-          ->group(custom_group),
-      cmd->add_option("--pool-slots", o->custom.pool_slots,
-                      "Pool size in slots (default: just what the requests need)")
-          ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 34))
-          ->group(custom_group),
-      cmd->add_option("--q-len", o->custom.q_len,
-                      "Query rows per request (1: decode; more: causal prefill/extend)")
-          ->check(CLI::Range(1, 1 << 24))
-          ->group(custom_group)};
-  const std::string cpu_group = "CPU reference";
-  o->cpu_batch_option = cmd->add_option("--cpu-batch", o->cpu.batch, "Decode requests")
-                            ->check(CLI::Range(1, 1 << 16))
-                            ->capture_default_str()
-                            ->group(cpu_group);
-  o->cpu_context_option = cmd->add_option("--cpu-context", o->cpu.context, "Tokens per request")
-                              ->check(CLI::Range(1, 1 << 24))
-                              ->capture_default_str()
-                              ->group(cpu_group);
-  o->cpu_heads_option = cmd->add_option("--cpu-heads", o->cpu.num_heads, "Query heads")
-                            ->check(CLI::Range(1, 1024))
-                            ->capture_default_str()
-                            ->group(cpu_group);
-  cmd->add_option("--cpu-threads", o->cpu.threads, "Threads (0: every core)")
-      ->check(CLI::Range(0, 4096))
-      ->capture_default_str()
-      ->group(cpu_group);
-  o->cpu_seconds_option =
-      cmd->add_option("--cpu-seconds", o->cpu.min_seconds,
-                      "Repeat the reference until this much wall time has passed (at least once)")
-          ->check(CLI::Range(0.0, 3600.0))
-          ->capture_default_str()
-          ->group(cpu_group);
-  cmd->add_option("--project-batch", o->cpu.project_batch,
-                  "Requests of the projected GLM-5 decode step")
-      ->check(CLI::Range(1, 1 << 20))
-      ->capture_default_str()
-      ->group(cpu_group);
-  cmd->add_option("--project-context", o->cpu.project_context,
-                  "Tokens per request of the projected step")
-      ->check(CLI::Range(1, 1 << 24))
-      ->capture_default_str()
-      ->group(cpu_group);
-  cmd->add_option("--project-layers", o->cpu.project_layers, "Layers of the projected step")
-      ->check(CLI::Range(1, 1024))
-      ->capture_default_str()
-      ->group(cpu_group);
-  cmd->add_option("--project-heads", o->cpu.project_heads, "Heads of the projected step")
-      ->check(CLI::Range(1, 1024))
-      ->capture_default_str()
-      ->group(cpu_group);
+  add_custom_case_options(*cmd, *o);
+  add_cpu_options(*cmd, *o);
   cmd->callback([o, &runner] { runner = [o] { return run_bench(*o); }; });
 }
 

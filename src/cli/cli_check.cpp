@@ -1,12 +1,14 @@
 // `kvaudit check DUMP`: validate a kvdump, replay it through a backend and the reference, check
 // the cache's integrity after every step, judge every comparison with the policy, and report.
-// Exit status: 0 pass, 1 checks failed, 2 bad input (dump, options, policy file, backend), 3
-// internal error.
+// Exit status: 0 pass, 1 checks failed, 2 bad input (dump, options, policy file, backend, an output
+// path), 3 internal error. Every output (--json, --report, --save-outputs, --emit-repro) is
+// created under a temporary name before the replay starts and renamed into place only when every
+// one of them has been written (src/core/output_file.hpp): a check that fails to run leaves none.
 #include <fmt/format.h>
 #include <fmt/ostream.h>
 #include <unistd.h>
 
-#include <fstream>
+#include <filesystem>
 #include <iostream>
 #include <memory>
 #include <optional>
@@ -19,6 +21,8 @@
 #include "src/cli/backend_registry.hpp"
 #include "src/cli/check_shard.hpp"
 #include "src/cli/cli.hpp"
+#include "src/core/memory_budget.hpp"
+#include "src/core/output_file.hpp"
 #include "src/core/sha256.hpp"
 #include "src/format/dump_probe.hpp"
 #include "src/format/kvdump.hpp"
@@ -138,9 +142,10 @@ std::string repro_options(const CheckOptions& options, const char* separator) {
   return text;
 }
 
-// --emit-repro: the first failure as a one-step, one-layer kvdump (src/report/repro.hpp); nothing
-// when the run passed.
-Status emit_repro(const CheckOptions& options, const DumpReader& reader, const CheckRun& run) {
+// --emit-repro: the first failure as a one-step, one-layer kvdump (src/report/repro.hpp) written to
+// `path` (the temporary of options.emit_repro); nothing when the run passed.
+Status emit_repro(const CheckOptions& options, const std::filesystem::path& path,
+                  const DumpReader& reader, const CheckRun& run) {
   if (run.pass()) {
     std::cerr << "kvaudit: the run passed; --emit-repro wrote nothing\n";
     return ok_status();
@@ -156,7 +161,7 @@ Status emit_repro(const CheckOptions& options, const DumpReader& reader, const C
       options.dump, target->step, target->layer_id, requests, options.backend,
       repro_options(options, ", "), target->failure);
   KVAUDIT_ASSIGN_OR_RETURN(const ReproSummary written,
-                           write_repro(reader, *target, options.emit_repro, producer));
+                           write_repro(reader, *target, path, producer));
   fmt::print(std::cout,
              "repro: wrote {} (step {} layer {} request {}: {} rows, {} pages{}); check it with "
              "--backend {}{}\n",
@@ -189,6 +194,23 @@ Result<ReplayOptions> replay_options(const CheckOptions& options, const DumpLayo
   replay.diagnose = options.diagnose;
   replay.progress = options.progress || isatty(STDERR_FILENO) != 0;
   return replay;
+}
+
+// Whether the machine can hold the replay of one layer (layers are replayed one at a time): its
+// pool three times (the reference replay's, the backend's, the backend's before each step) and
+// kv_source as floats. A lower bound (step tensors and the reference's buffers come on top), so
+// only a dump that cannot fit is refused, before the replay rather than by running out of memory.
+Status check_replay_fits(const DumpLayout& layout) {
+  const double slots = static_cast<double>(layout.num_slots());
+  const double width = layout.attrs.row_width();
+  const double pool = slots * width * (layout.attrs.kv_dtype == KvDtype::kBfloat16 ? 2.0 : 1.0);
+  bool any_source = false;
+  for (const LayerMeta& layer : layout.layers) any_source = any_source || layer.has_source;
+  const double bytes = 3.0 * pool + (any_source ? slots * width * 4.0 : 0.0);
+  return check_memory_fits(
+      bytes, "check",
+      fmt::format("one layer's pool of {} slots x {} channels, three copies{}", layout.num_slots(),
+                  layout.attrs.row_width(), any_source ? ", and its kv_source" : ""));
 }
 
 // --backend-command belongs to exec:NAME, --inject to the built-in backends.
@@ -226,21 +248,63 @@ Result<std::unique_ptr<Backend>> check_backend(const CheckOptions& options,
   return make_backend(options.backend, backend_options);
 }
 
-// report.json, or with --shard the part file (report.json and its "shard" key).
-Status write_json(const std::string& path, const CheckRun& run, const ShardInfo* shard) {
-  std::ofstream file(path);
-  file << (shard != nullptr ? part_to_json(run, *shard) : to_json(run)).dump(2) << "\n";
-  if (!file) return bad_input(path, "cannot write the JSON report");
-  return ok_status();
+// The outputs of one check, each under a temporary name from before the replay until commit().
+struct CheckOutputs {
+  std::optional<AtomicOutputFile> json;
+  std::optional<AtomicOutputDirectory> report;
+  std::optional<AtomicOutputFile> save_outputs;
+  std::optional<AtomicOutputFile> repro;
+
+  // Renames every output into place, once all are written. A repro is kept only when written.
+  Status commit(bool repro_written) {
+    if (json) KVAUDIT_TRY(json->commit());
+    if (report) KVAUDIT_TRY(report->commit());
+    if (save_outputs) KVAUDIT_TRY(save_outputs->commit());
+    if (repro && repro_written) KVAUDIT_TRY(repro->commit());
+    return ok_status();
+  }
+};
+
+// Creates the temporaries of every output asked for (the paths were validated before parsing
+// ended).
+Result<CheckOutputs> open_outputs(const CheckOptions& options) {
+  CheckOutputs outputs;
+  if (!options.json_file.empty()) {
+    KVAUDIT_ASSIGN_OR_RETURN(AtomicOutputFile json,
+                             AtomicOutputFile::create(options.json_file, "--json"));
+    outputs.json.emplace(std::move(json));
+  }
+  if (!options.report_dir.empty()) {
+    KVAUDIT_ASSIGN_OR_RETURN(AtomicOutputDirectory report,
+                             AtomicOutputDirectory::create(options.report_dir, "--report"));
+    outputs.report.emplace(std::move(report));
+  }
+  if (!options.save_outputs.empty()) {
+    KVAUDIT_ASSIGN_OR_RETURN(AtomicOutputFile saved,
+                             AtomicOutputFile::create(options.save_outputs, "--save-outputs"));
+    outputs.save_outputs.emplace(std::move(saved));
+  }
+  if (!options.emit_repro.empty()) {
+    KVAUDIT_ASSIGN_OR_RETURN(AtomicOutputFile repro,
+                             AtomicOutputFile::create(options.emit_repro, "--emit-repro"));
+    outputs.repro.emplace(std::move(repro));
+  }
+  return outputs;
 }
 
-// --json, --report, --emit-repro.
+// --json (report.json, or with --shard the part file: report.json and its "shard" key),
+// --report, --emit-repro into their temporaries, then every output into place.
 Status write_outputs(const CheckOptions& options, const DumpReader& reader, const CheckRun& run,
-                     const ShardInfo* shard) {
-  if (!options.json_file.empty()) KVAUDIT_TRY(write_json(options.json_file, run, shard));
-  if (!options.report_dir.empty()) KVAUDIT_TRY(write_report_dir(options.report_dir, run));
-  if (!options.emit_repro.empty()) KVAUDIT_TRY(emit_repro(options, reader, run));
-  return ok_status();
+                     const ShardInfo* shard, CheckOutputs& outputs) {
+  // Strings from the dump (model, producer) may not be UTF-8: replace bad bytes, don't throw.
+  if (outputs.json) {
+    const nlohmann::json doc = shard != nullptr ? part_to_json(run, *shard) : to_json(run);
+    KVAUDIT_TRY(outputs.json->write(
+        doc.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n"));
+  }
+  if (outputs.report) KVAUDIT_TRY(write_report_dir(outputs.report->staging_path(), run));
+  if (outputs.repro) KVAUDIT_TRY(emit_repro(options, outputs.repro->temp_path(), reader, run));
+  return outputs.commit(!run.pass());
 }
 
 // --shard, resolved before any work (nothing without it).
@@ -270,21 +334,23 @@ Result<CheckRun> replay_check(const CheckOptions& options, const DumpReader& rea
 // work: dump, selection, policy, backend, output files.
 Result<int> check_dump(const CheckOptions& options) {
   if (options.dump.empty()) {
-    return bad_input("kvaudit check", "a DUMP file is required (see --help)");
+    return bad_input("check", "DUMP is required (unless --list-injections is given)");
   }
   KVAUDIT_ASSIGN_OR_RETURN(const std::optional<SignOff> signoff,
                            signoff_of(options.signoff, options.signoff_fields));
   KVAUDIT_TRY(probe_dump_in_child(options.dump));
   KVAUDIT_ASSIGN_OR_RETURN(const DumpReader reader, DumpReader::open(options.dump));
+  KVAUDIT_TRY(check_replay_fits(reader.layout()));
   KVAUDIT_ASSIGN_OR_RETURN(ReplayOptions replay, replay_options(options, reader.layout()));
   KVAUDIT_ASSIGN_OR_RETURN(const std::unique_ptr<Backend> backend,
                            check_backend(options, reader.layout()));
   KVAUDIT_ASSIGN_OR_RETURN(const std::optional<ResolvedShard> resolved, check_shard(options));
+  KVAUDIT_ASSIGN_OR_RETURN(CheckOutputs files, open_outputs(options));
   std::optional<OutputsWriter> outputs;
-  if (!options.save_outputs.empty()) {
+  if (files.save_outputs) {
     KVAUDIT_ASSIGN_OR_RETURN(
         OutputsWriter writer,
-        OutputsWriter::create(options.save_outputs, options.dump, options.backend));
+        OutputsWriter::create(files.save_outputs->temp_path(), options.dump, options.backend));
     outputs.emplace(std::move(writer));
     replay.observer = [&outputs](const StepLayerOutputs& step_layer) {
       return outputs->write(step_layer);
@@ -304,7 +370,7 @@ Result<int> check_dump(const CheckOptions& options) {
   if (outputs) KVAUDIT_TRY(outputs->close());
 
   print_check_table(std::cout, run, options.verbose);
-  KVAUDIT_TRY(write_outputs(options, reader, run, shard ? &*shard : nullptr));
+  KVAUDIT_TRY(write_outputs(options, reader, run, shard ? &*shard : nullptr, files));
   return run.pass() ? kExitPass : kExitChecksFailed;
 }
 
@@ -317,7 +383,7 @@ int run_check(const CheckOptions& options) {
 
 // What is checked, and how: the dump, backend, injection, selection, policy.
 void add_input_options(CLI::App& cmd, CheckOptions& options) {
-  cmd.add_option("DUMP", options.dump,
+  add_input_file(cmd, "DUMP", options.dump,
                  "kvdump HDF5 file (required unless --list-injections or --list-diagnoses)");
   std::string backends;
   for (const std::string& name : backend_names()) backends += name + ", ";
@@ -347,7 +413,7 @@ void add_input_options(CLI::App& cmd, CheckOptions& options) {
   cmd.add_option("--steps", options.steps,
                  "Step indices to report (e.g. 0,2 or 1-3); every step is still replayed in "
                  "order so the pools evolve as in the dump; default all");
-  cmd.add_option("--policy", options.policy_file,
+  add_input_file(cmd, "--policy", options.policy_file,
                  "Policy file (JSON, the keys of report.json's policy) instead of the default");
   cmd.add_flag("--signoff", options.signoff,
                "Sign-off policy: quantization and total error limits also set the exit status, "
@@ -365,43 +431,43 @@ void add_input_options(CLI::App& cmd, CheckOptions& options) {
 
 // What is written, and how the run is done: reports, saved outputs, repro, threads, verbosity.
 void add_output_options(CLI::App& cmd, CheckOptions& options) {
-  cmd.add_option("--json", options.json_file, "Write report.json to this file");
-  cmd.add_option("--report", options.report_dir,
-                 "Write a report directory (report.json, report.md, report.html)");
-  cmd.add_option("--save-outputs", options.save_outputs,
-                 "Write the reference and backend outputs per step and layer to this HDF5 file "
-                 "(/steps/S###/L###/{reference_out, reference_lse, reference_source_out, "
-                 "reference_source_lse, backend_out, backend_lse})");
-  cmd.add_option("--emit-repro", options.emit_repro,
-                 "When the run fails, write a minimal kvdump reproducing its first failure (the "
-                 "earliest failing step, then layer): one layer (same layer_id and kv_scale), one "
-                 "step S000 of the failing step's kind holding only the request of the first "
-                 "divergent row (for an integrity failure, the requests that wrote its first "
-                 "offending slot; else the first request with rows), its q/new_kv/out/lse rows, "
-                 "and the pages it uses renumbered 0..P-1, filled with the reference replay's "
-                 "pool just before that step (a captured kv_cache_after restricted likewise, "
-                 "kv_source too when every kept slot's source value is known). Check it alone "
-                 "with the same --backend and --inject. A passing "
-                 "run writes nothing");
+  add_output_path(cmd, "--json", options.json_file, OutputKind::kFile,
+                  "Write report.json to this file");
+  add_output_path(cmd, "--report", options.report_dir, OutputKind::kDirectory,
+                  "Write a report directory (report.json, report.md, report.html; created with its parents, "
+                  "an existing one keeps its other files)");
+  add_output_path(cmd, "--save-outputs", options.save_outputs, OutputKind::kFile,
+                  "Write the reference and backend outputs per step and layer to this HDF5 file "
+                  "(/steps/S###/L###/{reference_out, reference_lse, reference_source_out, "
+                  "reference_source_lse, backend_out, backend_lse})");
+  add_output_path(cmd, "--emit-repro", options.emit_repro, OutputKind::kFile,
+                  "When the run fails, write a minimal kvdump reproducing its first failure (the "
+                  "earliest failing step, then layer): one layer (same layer_id and kv_scale), one "
+                  "step S000 of the failing step's kind holding only the request of the first "
+                  "divergent row (for an integrity failure, the requests that wrote its first "
+                  "offending slot; else the first request with rows), its q/new_kv/out/lse rows, "
+                  "and the pages it uses renumbered 0..P-1, filled with the reference replay's "
+                  "pool just before that step (a captured kv_cache_after restricted likewise, "
+                  "kv_source too when every kept slot's source value is known). Check it alone "
+                  "with the same --backend and --inject. A passing "
+                  "run writes nothing");
   cmd.add_flag("--reciprocal-scale", options.reciprocal_scale,
                "Write with e4m3_rne_satfinite(x * fp32(1 / kv_scale)), the convention of servers "
                "that multiply by a reciprocal scale, instead of kvdump-v1's x / kv_scale: in the "
                "reference replay (so captured pools are judged by it) and in the backend. It "
                "differs in the last bit of rare codes; the report notes it");
-  cmd.add_option("--diagnose", options.diagnose,
-                 "When a kernel or captured comparison fails, try the catalogue of convention "
-                 "mismatches (lse base, kv_scale forms, softmax scale, FP8 variant, P rounding; "
-                 "--list-diagnoses) on the pool its candidate read and name the ones that bring "
-                 "the error to a clean kernel's level; at most N failing (step, layer)s, the "
-                 "earliest first (0: off)")
-      ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+  add_integer_option(cmd, "--diagnose", options.diagnose, 0, 1000000,
+                     "When a kernel or captured comparison fails, try the catalogue of convention "
+                     "mismatches (lse base, kv_scale forms, softmax scale, FP8 variant, P rounding; "
+                     "--list-diagnoses) on the pool its candidate read and name the ones that bring "
+                     "the error to a clean kernel's level; at most N failing (step, layer)s, the "
+                     "earliest first (0: off)")
+      ->capture_default_str();
   cmd.add_flag("--list-diagnoses", options.list_diagnoses,
                "List the diagnosis catalogue, one line each with what it models");
-  cmd.add_option("--threads", options.threads,
-                 "Threads for the reference and CPU backends (0: every core)")
-      ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+  add_integer_option(cmd, "--threads", options.threads, 0, kMaxThreads,
+                     "Threads for the reference and CPU backends (0: every core)")
+      ->capture_default_str();
   cmd.add_flag("--verbose", options.verbose,
                "Also print timings and the reference throughput (rows*heads*tokens/s)");
   cmd.add_flag("--progress", options.progress,
@@ -412,24 +478,26 @@ void add_output_options(CLI::App& cmd, CheckOptions& options) {
 
 void register_check_command(CLI::App& app, CommandRunner& runner) {
   auto options = std::make_shared<CheckOptions>();
-  CLI::App* cmd = app.add_subcommand(
-      "check",
-      "Replay a kvdump through a backend and the high-precision CPU reference, layer by layer "
-      "and step by step. Per (step, layer) it reports kernel error (backend vs R8', the exact "
-      "attention on the dequantized FP8 pool the backend read), cache error (R8 on the "
-      "reference replay's own pool vs R8': zero while the cache is intact), quantization error "
-      "(R8 vs Rs, the exact attention on the source KV, where the dump has it), total error "
-      "(backend vs Rs) and the captured outputs' error (dump out/lse vs R8); after every step it "
-      "checks the cache: storage still FP8, written slots hold e4m3_rne_satfinite(x / "
-      "kv_scale), other slots unchanged, no NaN codes written, captured kv_cache_after equal to "
-      "the replay (differing slots classified), NaN codes already in the pool reported as data. "
-      "A per-step summary says whether each pool is intact and how error evolves.\n"
-      "External backends: --backend exec:NAME --backend-command CMD runs CMD once and judges it "
-      "like a built-in backend (docs/backend-protocol.md).\n"
-      "Exit status: 0 pass, 1 checks failed, 2 bad input or usage (malformed dump, unknown "
-      "backend, layer or step not in the dump, bad policy file, no CUDA device for a cuda "
-      "backend, an exec backend's program that fails, refuses or breaks the protocol), 3 "
-      "internal error.");
+  CLI::App* cmd = add_command(
+      app, "check",
+      {"Replay a kvdump through a backend and the high-precision CPU reference, and judge it.",
+       "Layer by layer and step by step. Per (step, layer) it reports kernel error (backend vs "
+       "R8', the exact attention on the dequantized FP8 pool the backend read), cache error (R8 "
+       "on the reference replay's own pool vs R8': zero while the cache is intact), quantization "
+       "error (R8 vs Rs, the exact attention on the source KV, where the dump has it), total "
+       "error (backend vs Rs) and the captured outputs' error (dump out/lse vs R8); after every "
+       "step it checks the cache: storage still FP8, written slots hold e4m3_rne_satfinite(x / "
+       "kv_scale), other slots unchanged, no NaN codes written, captured kv_cache_after equal to "
+       "the replay (differing slots classified), NaN codes already in the pool reported as data. "
+       "A per-step summary says whether each pool is intact and how error evolves.\n"
+       "External backends: --backend exec:NAME --backend-command CMD runs CMD once and judges it "
+       "like a built-in backend (docs/backend-protocol.md).\n"
+       "Every output path is checked before the replay starts; outputs appear only when the "
+       "check has run (a failing check, exit 1, writes its reports too).",
+       "0 pass, 1 checks failed, 2 bad input or usage (malformed dump, unknown backend, layer or "
+       "step not in the dump, bad policy file, an output path that cannot be written, no CUDA "
+       "device for a cuda backend, an exec backend's program that fails, refuses or breaks the "
+       "protocol), 3 internal error"});
   add_input_options(*cmd, *options);
   add_output_options(*cmd, *options);
   cmd->callback([options, &runner] { runner = [options] { return run_check(*options); }; });

@@ -204,7 +204,7 @@ Status record_folder(const GoldenOptions& options) {
 
 int run_record(const GoldenOptions& options) {
   const auto record = [&]() -> Status {
-    if (options.golden.empty()) return bad_input("kvaudit golden record", "-o is required");
+    if (options.golden.empty()) return bad_input("golden record", "-o is required");
     std::error_code error;
     if (fs::is_directory(options.dump, error)) return record_folder(options);
     KVAUDIT_TRY(check_output_file(options.golden, "-o"));
@@ -424,7 +424,7 @@ int check_folder(const GoldenOptions& options) {
 int run_golden_check(GoldenOptions options) {
   options.accept = options.accept || accept_from_environment();
   if (options.dump.empty() || options.golden.empty()) {
-    return report_error(bad_input("kvaudit golden check", "DUMP and GOLDEN are required"));
+    return report_error(bad_input("golden check", "DUMP and GOLDEN are required"));
   }
   std::error_code error;
   return fs::is_directory(options.dump, error) ? check_folder(options) : check_single(options);
@@ -436,54 +436,63 @@ void add_common_options(CLI::App& cmd, GoldenOptions& options) {
   std::string backends;
   for (const std::string& name : backend_names()) backends += (backends.empty() ? "" : ", ") + name;
   cmd.add_option("--backend", options.backend, "Backend: " + backends)->capture_default_str();
-  cmd.add_option("--threads", options.threads,
-                 "Threads for the reference and CPU backends (0: every core)")
-      ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+  add_integer_option(cmd, "--threads", options.threads, 0, kMaxThreads,
+                     "Threads for the reference and CPU backends (0: every core)")
+      ->capture_default_str();
   cmd.add_flag("--progress", options.progress,
                "Print progress on stderr even when it is not a terminal");
 }
 
 void add_record_command(CLI::App& golden, CommandRunner& runner) {
   auto options = std::make_shared<GoldenOptions>();
-  CLI::App* cmd = golden.add_subcommand(
-      "record",
-      "Replay DUMP through the backend and store, per step and layer, its out (bf16 bits), lse "
-      "(fp32) and pool after the step (whole up to --whole-pool-max-bytes, else its SHA-256 and "
-      "the rows of the slots the step wrote), with provenance (dump SHA-256, backend and its "
-      "description, kvaudit version and git revision, platform, policy, date, command line). "
-      "DUMP may be a folder: every DUMP/*.h5 goes to OUTPUT/<stem>.<backend>.golden.h5. Format: "
-      "docs/golden-format.md.\nExit status: 0 recorded, 2 bad input, 3 internal error.");
-  cmd->add_option("DUMP", options->dump, "kvdump HDF5 file, or a folder of them")->required();
+  CLI::App* cmd = add_command(
+      golden, "record",
+      {"Record a backend's outputs on a dump (or a folder of dumps) as golden files.",
+       "Replay DUMP through the backend and store, per step and layer, its out (bf16 bits), lse "
+       "(fp32) and pool after the step (whole up to --whole-pool-max-bytes, else its SHA-256 and "
+       "the rows of the slots the step wrote), with provenance (dump SHA-256, backend and its "
+       "description, kvaudit version and git revision, platform, policy, date, command line). "
+       "DUMP may be a folder: every DUMP/*.h5 goes to OUTPUT/<stem>.<backend>.golden.h5. "
+       "Format: docs/golden-format.md.",
+       "0 recorded, 2 bad input, 3 internal error"});
+  cmd->add_option("DUMP", options->dump, "kvdump HDF5 file, or a folder of them")
+      ->type_name("PATH")
+      ->required();
   cmd->add_option("-o,--output", options->golden, "Golden file to write (a folder for a folder)")
+      ->type_name("PATH")
       ->required();
   add_common_options(*cmd, *options);
   cmd->add_option("--layers", options->layers, "Layer ids to record (e.g. 0,1,77 or 0-3)");
   cmd->add_option("--steps", options->steps,
                   "Step indices to record (every step is still replayed in order)");
-  cmd->add_option("--whole-pool-max-bytes", options->whole_pool_max_bytes,
-                  "Store a pool whole up to this many bytes, else as SHA-256 + written rows")
-      ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+  add_integer_option(*cmd, "--whole-pool-max-bytes", options->whole_pool_max_bytes, std::int64_t{0},
+                     std::int64_t{1} << 40,
+                     "Store a pool whole up to this many bytes, else as SHA-256 + written rows")
+      ->capture_default_str();
   cmd->callback([options, &runner] { runner = [options] { return run_record(*options); }; });
 }
 
 void add_check_command(CLI::App& golden, CommandRunner& runner) {
   auto options = std::make_shared<GoldenOptions>();
-  CLI::App* cmd = golden.add_subcommand(
-      "check",
-      "Re-run DUMP through the backend (the golden file's layers and steps) and compare with "
-      "GOLDEN: bit for bit in exact mode, within the tolerance of another summation order in "
-      "tolerance mode (out: 2 bf16 ulps or 2^-8 of the (row, head)'s largest |out|; lse: 2^-14), "
-      "the pool always bit for bit. Prints what moved (step, layer, row, head, dim, by how many "
-      "ulps and how much) and the first element that moved; provenance that differs (device, "
-      "library versions) is stated. A golden file made from another dump is refused. DUMP and "
-      "GOLDEN may be folders: DUMP/<stem>.h5 pairs with GOLDEN/<stem>.<backend>.golden.h5, one "
-      "summary and one verdict.\nExit status: 0 match, 1 moved, 2 bad input (unreadable dump or "
-      "golden file, a golden file from another dump, a dump without golden file), 3 internal "
-      "error.");
-  cmd->add_option("DUMP", options->dump, "kvdump HDF5 file, or a folder of them")->required();
-  cmd->add_option("GOLDEN", options->golden, "Golden file, or a folder of them")->required();
+  CLI::App* cmd = add_command(
+      golden, "check",
+      {"Check a backend's outputs on a dump (or a folder of dumps) against golden files.",
+       "Re-run DUMP through the backend (the golden file's layers and steps) and compare with "
+       "GOLDEN: bit for bit in exact mode, within the tolerance of another summation order in "
+       "tolerance mode (out: 2 bf16 ulps or 2^-8 of the (row, head)'s largest |out|; lse: 2^-14), "
+       "the pool always bit for bit. Prints what moved (step, layer, row, head, dim, by how many "
+       "ulps and how much) and the first element that moved; provenance that differs (device, "
+       "library versions) is stated. A golden file made from another dump is refused. DUMP and "
+       "GOLDEN may be folders: DUMP/<stem>.h5 pairs with GOLDEN/<stem>.<backend>.golden.h5, one "
+       "summary and one verdict.",
+       "0 match, 1 moved, 2 bad input (unreadable dump or golden file, a golden file from another "
+       "dump, a dump without golden file), 3 internal error"});
+  cmd->add_option("DUMP", options->dump, "kvdump HDF5 file, or a folder of them")
+      ->type_name("PATH")
+      ->required();
+  cmd->add_option("GOLDEN", options->golden, "Golden file, or a folder of them")
+      ->type_name("PATH")
+      ->required();
   add_common_options(*cmd, *options);
   cmd->add_option("--mode", options->mode,
                   "auto (from the backend: exact for cpu-fp8, and for cuda-fp8 on the golden "
@@ -501,10 +510,13 @@ void add_check_command(CLI::App& golden, CommandRunner& runner) {
 }  // namespace
 
 void register_golden_command(CLI::App& app, CommandRunner& runner) {
-  CLI::App* golden = app.add_subcommand(
-      "golden",
-      "Golden files: record a backend's outputs on a dump, and check later runs against them "
-      "(regression tests for CI; docs/golden-format.md).");
+  CLI::App* golden = add_command(
+      app, "golden",
+      {"Golden files: record a backend's outputs on a dump, and check later runs against them.",
+       "Regression tests for CI (docs/golden-format.md): `kvaudit golden record` and `kvaudit "
+       "golden check`; `kvaudit help golden record` describes each.",
+       "that of the subcommand: 0 recorded or matching, 1 moved (check), 2 bad input, 3 "
+       "internal error"});
   golden->require_subcommand(1);
   add_record_command(*golden, runner);
   add_check_command(*golden, runner);

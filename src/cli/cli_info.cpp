@@ -45,17 +45,18 @@ int run_info(const InfoOptions& options) {
 
 void register_info_command(CLI::App& app, CommandRunner& runner) {
   auto options = std::make_shared<InfoOptions>();
-  CLI::App* cmd = app.add_subcommand(
-      "info",
-      "Validate a kvdump v1 file completely (every rule of the format's Errors section) and "
-      "summarise it: model and producer; shapes (H, Dc, Dr, page_size, num_pages, slots, "
-      "kv_dtype, sm_scale); per layer its layer_id, kv_scale, whether kv_source is present and "
-      "the NaN codes (0x7F/0xFF) and saturated codes (+-448: 0x7E/0xFE) in its initial pool; per "
-      "step its kind, requests, query rows, tokens (sum of kv_len), pages, and which captures "
-      "(out, lse, kv_cache_after) it holds.\n"
-      "Exit status: 0 valid, 2 malformed or unreadable file (one line on stderr naming the file "
-      "and HDF5 object), 3 internal error.");
-  cmd->add_option("DUMP", options->dump, "kvdump HDF5 file")->required();
+  CLI::App* cmd = add_command(
+      app, "info",
+      {"Validate a kvdump v1 file completely and summarise it.",
+       "Every rule of the format's Errors section is checked (docs/kvdump-v1.md). The summary: "
+       "model and producer; shapes (H, Dc, Dr, page_size, num_pages, slots, kv_dtype, "
+       "sm_scale); per layer its layer_id, kv_scale, whether kv_source is present and the NaN "
+       "codes (0x7F/0xFF) and saturated codes (+-448: 0x7E/0xFE) in its initial pool; per step "
+       "its kind, requests, query rows, tokens (sum of kv_len), pages, and which captures (out, "
+       "lse, kv_cache_after) it holds.",
+       "0 valid, 2 malformed or unreadable file (one line on stderr naming the file and HDF5 "
+       "object) or bad usage, 3 internal error"});
+  add_input_file(*cmd, "DUMP", options->dump, "kvdump HDF5 file")->required();
   cmd->add_flag("--json", options->json,
                 "Print the summary as JSON on stdout (keys: file, format_version, model, "
                 "producer, shapes, layers, steps)");

@@ -10,10 +10,12 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "src/cli/cli.hpp"
+#include "src/core/output_file.hpp"
 #include "src/report/report.hpp"
 #include "src/verdict/merge.hpp"
 #include "src/verdict/shard.hpp"
@@ -41,13 +43,25 @@ Result<NamedPart> read_part(const std::string& file) {
   return NamedPart{file, std::move(part)};
 }
 
+// Each output under a temporary name, renamed into place once both are written.
 Status write_outputs(const MergeOptions& options, const CheckRun& run) {
+  std::optional<AtomicOutputFile> json_file;
+  std::optional<AtomicOutputDirectory> report;
   if (!options.json_file.empty()) {
-    std::ofstream file(options.json_file);
-    file << to_json(run).dump(2) << "\n";
-    if (!file) return bad_input(options.json_file, "cannot write the JSON report");
+    KVAUDIT_ASSIGN_OR_RETURN(AtomicOutputFile file,
+                             AtomicOutputFile::create(options.json_file, "--json"));
+    json_file.emplace(std::move(file));
+    KVAUDIT_TRY(json_file->write(
+        to_json(run).dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n"));
   }
-  if (!options.report_dir.empty()) KVAUDIT_TRY(write_report_dir(options.report_dir, run));
+  if (!options.report_dir.empty()) {
+    KVAUDIT_ASSIGN_OR_RETURN(AtomicOutputDirectory dir,
+                             AtomicOutputDirectory::create(options.report_dir, "--report"));
+    report.emplace(std::move(dir));
+    KVAUDIT_TRY(write_report_dir(report->staging_path(), run));
+  }
+  if (json_file) KVAUDIT_TRY(json_file->commit());
+  if (report) KVAUDIT_TRY(report->commit());
   return ok_status();
 }
 
@@ -74,20 +88,24 @@ int run_merge(const MergeOptions& options) {
 
 void register_merge_command(CLI::App& app, CommandRunner& runner) {
   auto options = std::make_shared<MergeOptions>();
-  CLI::App* cmd = app.add_subcommand(
-      "merge",
-      "Merge the parts of a sharded check (kvaudit check DUMP --shard I/N --json PART.json, "
-      "one per shard 0..N-1, in any order) into the report the unsharded check gives: the same "
-      "verdict, results, integrity findings, steps summary, notes and first divergence (found "
-      "again from the merged results); timing is summed over the parts, and the provenance "
-      "names them (merged_from). Parts of different dumps (SHA-256), backends, policies, "
-      "selections, injections or kvaudit versions are refused, as are a shard given twice and a "
-      "missing shard.\n"
-      "Exit status: 0 pass, 1 checks failed, 2 bad input (naming the part), 3 internal error.");
-  cmd->add_option("PART", options->parts, "Part files (JSON) written by check --shard")->required();
-  cmd->add_option("--json", options->json_file, "Write the merged report.json to this file");
-  cmd->add_option("--report", options->report_dir,
-                  "Write a report directory (report.json, report.md) of the merged run");
+  CLI::App* cmd = add_command(
+      app, "merge",
+      {"Merge the parts of a sharded check into the report the unsharded check gives.",
+       "The parts are written by kvaudit check DUMP --shard I/N --json PART.json, one per shard "
+       "0..N-1, given in any order. The merged run has the same verdict, results, integrity "
+       "findings, steps summary, notes and first divergence (found again from the merged "
+       "results); timing is summed over the parts, and the provenance names them (merged_from). "
+       "Parts of different dumps (SHA-256), backends, policies, selections, injections or kvaudit "
+       "versions are refused, as are a shard given twice and a missing shard.",
+       "0 pass, 1 checks failed, 2 bad input (naming the part), 3 internal error"});
+  cmd->add_option("PART", options->parts, "Part files (JSON) written by check --shard")
+      ->type_name("FILE ...")
+      ->required();
+  add_output_path(*cmd, "--json", options->json_file, OutputKind::kFile,
+                  "Write the merged report.json to this file");
+  add_output_path(*cmd, "--report", options->report_dir, OutputKind::kDirectory,
+                  "Write a report directory (report.json, report.md, report.html) of the merged "
+                  "run");
   cmd->add_flag("--verbose", options->verbose,
                 "Also print the timings (summed over the parts) and the reference throughput");
   cmd->callback([options, &runner] { runner = [options] { return run_merge(*options); }; });

@@ -1,9 +1,11 @@
 // `kvaudit synth`: writes a deterministic synthetic kvdump (src/tools/synth.hpp) from command-line
 // options. The dump's producer attribute repeats the full command, so a file says how to
-// regenerate itself.
+// regenerate itself. Sizes are checked against the machine before anything is allocated
+// (check_synth_fits), and the file appears only once complete (DumpWriter writes it atomically).
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <climits>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -55,6 +57,10 @@ std::string summary(const std::string& out, const SynthSpec& spec, const SynthPl
 int run_synth(const SynthOptions& options) {
   const Result<SynthSpec> spec = spec_of(options);
   if (!spec) return report_error(spec.error());
+  // Before plan_synth, which allocates the indices of every step.
+  if (const Status fits = check_synth_fits(*spec, options.out); !fits) {
+    return report_error(fits.error());
+  }
   const Result<SynthPlan> plan = plan_synth(*spec);
   if (!plan) return report_error(plan.error());
   const Result<std::vector<float>> scales = write_synth_dump(options.out, *spec);
@@ -63,64 +69,91 @@ int run_synth(const SynthOptions& options) {
   return kExitPass;
 }
 
+// The trace's shapes: layers, widths, pages, requests and steps.
+void add_shape_options(CLI::App& cmd, SynthOptions& options) {
+  SynthSpec& spec = options.spec;
+  constexpr int kMaxDim = 1 << 20;  // the reader's bound on num_heads, kv_lora_rank, ... (v1)
+  cmd.add_option("--layers", options.layers,
+                 "Layers: a count N (ids 0..N-1, N <= 4096) or a comma list of layer ids "
+                 "(0,1,77; a single id as 77,)")
+      ->capture_default_str();
+  add_integer_option(cmd, "--heads", spec.num_heads, 1, kMaxDim, "Query heads H")
+      ->capture_default_str();
+  add_integer_option(cmd, "--kv-lora-rank", spec.kv_lora_rank, 1, kMaxDim, "Latent width Dc (ckv)")
+      ->capture_default_str();
+  add_integer_option(cmd, "--rope-dim", spec.rope_dim, 1, kMaxDim, "Rope width Dr (kpe)")
+      ->capture_default_str();
+  add_integer_option(cmd, "--page-size", spec.page_size, 1, kMaxDim,
+                     "Tokens per page (1: one slot per token)")
+      ->capture_default_str();
+  cmd.add_option("--prefix-lens", spec.prefix_lens,
+                 "Per request, tokens already cached before step 0 (comma list; 0 = none). A "
+                 "single value applies to every request")
+      ->delimiter(',')
+      ->check(integer_in(0, INT_MAX))
+      ->capture_default_str();
+  cmd.add_option("--prefill-tokens", spec.prefill_tokens,
+                 "Per request, new tokens in the prefill step S000 (comma list; 0 = no rows in "
+                 "that step). A request with no prefix and no prefill tokens stays empty in "
+                 "every step")
+      ->delimiter(',')
+      ->check(integer_in(0, INT_MAX))
+      ->capture_default_str();
+  add_integer_option(cmd, "--decode-steps", spec.decode_steps, 0, INT_MAX,
+                     "Decode steps after the prefill, one new token per non-empty request each")
+      ->capture_default_str();
+  options.num_pages_option =
+      add_integer_option(cmd, "--num-pages", options.num_pages, 1, INT_MAX,
+                         "Pages in the pool (default: the pages needed plus 1/8, at least 2, "
+                         "spare unused pages)");
+}
+
+// The values: scales, saturation, NaN codes, kv_source, storage type.
+void add_value_options(CLI::App& cmd, SynthOptions& options) {
+  SynthSpec& spec = options.spec;
+  options.kv_scale_option = add_number_option(
+      cmd, "--kv-scale", options.kv_scale, 1e-30, 1e30,
+      "Fixed per-tensor kv_scale for every layer (default: calibrated per layer as amax/448)");
+  add_number_option(cmd, "--saturate-fraction", spec.saturate_fraction, 0.0, 0.5,
+                    "Fraction of KV values set beyond 448*kv_scale (1.1x to 2x), so that "
+                    "satfinite stores +-448; they are left out of the calibration")
+      ->capture_default_str();
+  cmd.add_flag("--nan-unused", spec.nan_unused,
+               "Fill every slot that holds no cached token before step 0 (unused pages, tails "
+               "of last pages, slots later steps write) with NaN codes 0x7F/0xFF");
+  cmd.add_flag("--with-source", spec.with_source,
+               "Write kv_source: the bf16 values the initial pool was quantized from");
+  add_number_option(cmd, "--sm-scale", spec.sm_scale, 1e-30, 1e30,
+                    "Softmax scale (default 1/sqrt(192))")
+      ->capture_default_str();
+  cmd.add_option("--kv-dtype", options.kv_dtype, "Pool storage type")
+      ->check(CLI::IsMember({"float8_e4m3fn", "bfloat16"}))
+      ->capture_default_str();
+}
+
 }  // namespace
 
 void register_synth_command(CLI::App& app, CommandRunner& runner) {
   auto options = std::make_shared<SynthOptions>();
-  SynthSpec& spec = options->spec;
-  CLI::App* cmd = app.add_subcommand(
-      "synth",
-      "Write a deterministic synthetic kvdump: GLM-5/DeepSeek-shaped MLA latent cache (a few "
-      "outlier channels, larger rope part), scattered pages, one prefill step then decode steps. "
-      "The same options and seed give the same bytes on every platform.");
-  cmd->add_option("--out", options->out, "Output HDF5 file (overwritten)")->required();
-  cmd->add_option("--seed", spec.seed, "Seed of every random draw")->capture_default_str();
-  cmd->add_option("--model", spec.model, "Model name stored in the dump")->capture_default_str();
-  cmd->add_option("--layers", options->layers,
-                  "Layers: a count N (ids 0..N-1) or a comma list of layer ids (0,1,77; a single "
-                  "id as 77,)")
+  CLI::App* cmd = add_command(
+      app, "synth",
+      {"Write a deterministic synthetic kvdump.",
+       "GLM-5/DeepSeek-shaped MLA latent cache (a few outlier channels, larger rope part), "
+       "scattered pages, one prefill step then decode steps. The same options and seed give the "
+       "same bytes on every platform. Sizes are checked against the memory and disk space "
+       "available before anything is allocated (KVAUDIT_MEMORY_BUDGET overrides the memory "
+       "figure); the file appears only once complete.",
+       "0 written, 2 bad options or sizes this machine cannot hold (the size it would need is "
+       "named), or an unwritable --out, 3 internal error"});
+  add_output_path(*cmd, "--out", options->out, OutputKind::kFile,
+                  "Output HDF5 file (replaced when the dump is complete)")
+      ->required();
+  add_seed_option(*cmd, "--seed", options->spec.seed, "Seed of every random draw")
       ->capture_default_str();
-  cmd->add_option("--heads", spec.num_heads, "Query heads H")->capture_default_str();
-  cmd->add_option("--kv-lora-rank", spec.kv_lora_rank, "Latent width Dc (ckv)")
+  cmd->add_option("--model", options->spec.model, "Model name stored in the dump")
       ->capture_default_str();
-  cmd->add_option("--rope-dim", spec.rope_dim, "Rope width Dr (kpe)")->capture_default_str();
-  cmd->add_option("--page-size", spec.page_size, "Tokens per page (1: one slot per token)")
-      ->capture_default_str();
-  cmd->add_option("--prefix-lens", spec.prefix_lens,
-                  "Per request, tokens already cached before step 0 (comma list; 0 = none). A "
-                  "single value applies to every request")
-      ->delimiter(',')
-      ->capture_default_str();
-  cmd->add_option("--prefill-tokens", spec.prefill_tokens,
-                  "Per request, new tokens in the prefill step S000 (comma list; 0 = no rows in "
-                  "that step). A request with no prefix and no prefill tokens stays empty in "
-                  "every step")
-      ->delimiter(',')
-      ->capture_default_str();
-  cmd->add_option("--decode-steps", spec.decode_steps,
-                  "Decode steps after the prefill, one new token per non-empty request each")
-      ->capture_default_str();
-  options->num_pages_option =
-      cmd->add_option("--num-pages", options->num_pages,
-                      "Pages in the pool (default: the pages needed plus 1/8, at least 2, "
-                      "spare unused pages)");
-  options->kv_scale_option = cmd->add_option(
-      "--kv-scale", options->kv_scale,
-      "Fixed per-tensor kv_scale for every layer (default: calibrated per layer as amax/448)");
-  cmd->add_option("--saturate-fraction", spec.saturate_fraction,
-                  "Fraction of KV values set beyond 448*kv_scale (1.1x to 2x), so that "
-                  "satfinite stores +-448; they are left out of the calibration")
-      ->capture_default_str();
-  cmd->add_flag("--nan-unused", spec.nan_unused,
-                "Fill every slot that holds no cached token before step 0 (unused pages, tails "
-                "of last pages, slots later steps write) with NaN codes 0x7F/0xFF");
-  cmd->add_flag("--with-source", spec.with_source,
-                "Write kv_source: the bf16 values the initial pool was quantized from");
-  cmd->add_option("--sm-scale", spec.sm_scale, "Softmax scale (default 1/sqrt(192))")
-      ->capture_default_str();
-  cmd->add_option("--kv-dtype", options->kv_dtype, "Pool storage type")
-      ->check(CLI::IsMember({"float8_e4m3fn", "bfloat16"}))
-      ->capture_default_str();
+  add_shape_options(*cmd, *options);
+  add_value_options(*cmd, *options);
   cmd->callback([options, &runner] { runner = [options] { return run_synth(*options); }; });
 }
 

@@ -35,15 +35,16 @@ int run_verify_report(const std::string& path) {
 
 void register_verify_report_command(CLI::App& app, CommandRunner& runner) {
   auto path = std::make_shared<std::string>();
-  CLI::App* cmd = app.add_subcommand(
-      "verify-report",
-      "Check a signed report (kvaudit check --signoff --report DIR) against its data: recompute "
-      "the SHA-256 of report.json without \"timing\" and \"signoff\".\"digest\", serialized "
-      "compactly with sorted keys, compare it with the digest the report states, and check that "
-      "report.md and report.html beside it state the same digest.\n"
-      "Exit status: 0 match, 1 mismatch, 2 bad input (no such file, not JSON, a report made "
-      "without --signoff).");
-  cmd->add_option("REPORT", *path, "Report directory, or its report.json")->required();
+  CLI::App* cmd = add_command(
+      app, "verify-report",
+      {"Check a signed report against its data.",
+       "For a report written by kvaudit check --signoff --report DIR: recompute the SHA-256 of "
+       "report.json without \"timing\" and \"signoff\".\"digest\", serialized compactly with "
+       "sorted keys, compare it with the digest the report states, and check that report.md and "
+       "report.html beside it state the same digest.",
+       "0 match, 1 mismatch, 2 bad input (no such file, not JSON, a report made without "
+       "--signoff), 3 internal error"});
+  add_input_file(*cmd, "REPORT", *path, "Report directory, or its report.json")->required();
   cmd->callback([path, &runner] { runner = [path] { return run_verify_report(*path); }; });
 }
 

@@ -206,9 +206,9 @@ Result<std::size_t> ObjectReader::describe_element(hid_t dataset, DatasetDesc* d
       desc->element = ElementClass::kU8;
     } else if (!is_signed && size == 2) {
       desc->element = ElementClass::kU16;
-    } else {
+    } else if (size >= 4) {
       desc->element = ElementClass::kOtherInteger;
-    }
+    }  // int8 / int16: no type of the format (an int16 is more likely bf16 bits than indices)
   } else if (cls == H5T_FLOAT && size == 4) {
     desc->element = ElementClass::kFloat32;
   }

@@ -18,7 +18,8 @@
 namespace kvaudit {
 
 // What an element type is, for the format's purposes: u8 and u16 are the raw-bits types (fp8
-// codes, bf16 bits), float32 a float tensor, any other integer an index.
+// codes, bf16 bits), float32 a float tensor, an integer of 32 or 64 bits an index; anything else
+// (int8 and int16 included) is kOther.
 enum class ElementClass { kU8, kU16, kFloat32, kOtherInteger, kOther };
 
 // One dataset as the validator sees it: no data is read.

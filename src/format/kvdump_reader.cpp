@@ -57,12 +57,16 @@ const std::filesystem::path& DumpReader::path() const { return impl_->path; }
 
 namespace {
 
-// The file exists, is not a directory and carries the HDF5 signature.
+// The file exists, is not a directory, is not empty and carries the HDF5 signature.
 Status check_file(const std::filesystem::path& path, const std::string& file_text) {
   std::error_code ec;
   const auto status = std::filesystem::status(path, ec);
   if (ec || !std::filesystem::exists(status)) return bad_input(file_text, "no such file");
   if (std::filesystem::is_directory(status)) return bad_input(file_text, "is a directory");
+  if (std::filesystem::is_regular_file(status) && std::filesystem::file_size(path, ec) == 0 &&
+      !ec) {
+    return bad_input(file_text, "is empty (0 bytes), not an HDF5 file");
+  }
   if (H5Fis_hdf5(file_text.c_str()) <= 0) {
     return bad_input(file_text, with_hdf5_reason("is not an HDF5 file (no HDF5 signature)"));
   }

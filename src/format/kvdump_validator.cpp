@@ -149,16 +149,20 @@ Result<bool> check_optional_tensor(const ObjectReader& r, hid_t group, const std
 
 // ---- index datasets ----------------------------------------------------------------------------
 
-// Any integer type wider than 16 bits holds indices (int64 from PyTorch is common); u8/u16 are the
-// raw-bits types of the format and never indices. Indices are one-dimensional and not huge.
+// Indices are integers of 32 or 64 bits, signed or not (int64 from PyTorch is common; the format
+// says int32). u8/u16 are the raw-bits types of the format and never indices; int8/int16 are
+// refused too: they cannot address a real pool, and an int16 dataset is more likely bf16 bits
+// viewed as int16 (torch's view(torch.int16)) than indices. Indices are one-dimensional and not
+// huge.
 Status expect_index_dataset(const ObjectReader& r, const DatasetDesc& desc) {
   if (desc.element != ElementClass::kOtherInteger) {
     if ((desc.element == ElementClass::kU8 || desc.element == ElementClass::kU16) && !desc.dtype) {
       return r.bad(desc.path,
                    desc.type_text + " dataset without a dtype attribute; indices must be int32");
     }
-    return r.bad(desc.path, fmt::format("element type {}{}; expected int32", desc.type_text,
-                                        dtype_suffix(desc)));
+    return r.bad(desc.path, fmt::format("element type {}{}; expected int32 (indices are 32- or "
+                                        "64-bit integers)",
+                                        desc.type_text, dtype_suffix(desc)));
   }
   if (desc.dims.size() != 1) {
     return r.bad(desc.path, fmt::format("shape {} is not one-dimensional", shape_text(desc.dims)));

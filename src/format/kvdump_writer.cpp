@@ -10,6 +10,11 @@
 // dtype="float8_e4m3fn"; lse as H5T_IEEE_F32LE; indices as H5T_STD_I32LE; strings as
 // fixed-length NUL-padded UTF-8 scalars.
 //
+// The file is written under a temporary name in its folder and renamed onto the path given to
+// create() by a close() that finds it complete (src/core/output_file.hpp): a writer closed with an
+// error, destroyed without close(), or a process that dies on the way leaves no partial dump (and
+// an existing file of that name unchanged).
+//
 // The output is deterministic: no object timestamps (H5Pset_obj_track_times false), contiguous
 // storage, fixed object order and the 1.8 file-format objects (H5F_LIBVER_V18), whose metadata
 // carries checksums so a damaged file is refused by HDF5 rather than misparsed. Identical input
@@ -19,12 +24,14 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <set>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "src/core/hdf5_handles.hpp"
+#include "src/core/output_file.hpp"
 #include "src/format/kvdump.hpp"
 #include "src/format/step_indices.hpp"
 
@@ -45,6 +52,7 @@ std::size_t element_count(const std::vector<hsize_t>& dims) {
 struct DumpWriter::Impl {
   std::filesystem::path file_path;
   std::string file_text;
+  std::optional<AtomicOutputFile> output;  // the temporary the file is written to
   h5::File file;
   h5::PropertyList gcpl;  // groups: no timestamps
   h5::PropertyList dcpl;  // datasets: no timestamps, contiguous
@@ -189,7 +197,8 @@ DumpWriter::DumpWriter(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 DumpWriter::DumpWriter(DumpWriter&&) noexcept = default;
 DumpWriter& DumpWriter::operator=(DumpWriter&&) noexcept = default;
 DumpWriter::~DumpWriter() {
-  if (impl_ && impl_->file) (void)close();
+  // Without close(), the dump is abandoned: its temporary is removed, nothing is renamed.
+  if (impl_ && impl_->file) impl_->file.reset();
 }
 
 namespace {
@@ -262,7 +271,10 @@ Result<DumpWriter> DumpWriter::create(const std::filesystem::path& path,
   h5::PropertyList fapl;
   h5::PropertyList fcpl;
   KVAUDIT_TRY(impl->set_up_property_lists(&fapl, &fcpl));
-  impl->file = h5::File(H5Fcreate(f.c_str(), H5F_ACC_TRUNC, fcpl.get(), fapl.get()));
+  KVAUDIT_ASSIGN_OR_RETURN(AtomicOutputFile output, AtomicOutputFile::create(path, ""));
+  impl->output.emplace(std::move(output));
+  const std::string temp = impl->output->temp_path().string();
+  impl->file = h5::File(H5Fcreate(temp.c_str(), H5F_ACC_TRUNC, fcpl.get(), fapl.get()));
   if (!impl->file) return bad_input(f, with_hdf5_reason("cannot create the file"));
   h5::Group root(H5Gopen2(impl->file.get(), "/", H5P_DEFAULT));
   if (!root) return impl->fail("/", "cannot open the root group");
@@ -405,9 +417,16 @@ Status DumpWriter::close() {
   w.dcpl.reset();
   w.acpl.reset();
   if (H5Fflush(w.file.get(), H5F_SCOPE_LOCAL) < 0 || w.file.reset() < 0) {
+    w.output.reset();
     return w.fail("/", "cannot close the file");
   }
-  return complete;
+  if (!complete.ok()) {
+    w.output.reset();  // an incomplete dump is not kept
+    return complete;
+  }
+  const Status committed = w.output->commit();
+  w.output.reset();
+  return committed;
 }
 
 }  // namespace kvaudit

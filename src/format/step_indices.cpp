@@ -1,11 +1,15 @@
 // The index rules of one step (src/format/step_indices.hpp), checked in a fixed order so that a
 // step breaking several rules always gives the same message: the sizes of the index datasets, the
-// indptr values, the page ids, each request's last page and rows, then new_kv_slots.
+// indptr values, the page ids, each request's last page and rows, then new_kv_slots (each row's
+// slot, then no slot written twice).
 #include "src/format/step_indices.hpp"
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace kvaudit {
 namespace {
@@ -126,6 +130,28 @@ Status check_new_kv_slots(const StepMeta& step, int page_size, const StepSite& s
   return ok_status();
 }
 
+// No two rows write the same slot: the writes of one step are concurrent on a GPU (one thread
+// block per row or token), so two of them to one slot race and the pool the step leaves is not
+// defined. Requests that share pages (a common prefix) reach this only through a wrong page table.
+Status check_distinct_slots(const StepMeta& step, const StepSite& site) {
+  std::vector<std::pair<std::int32_t, std::int32_t>> slot_rows;  // (slot, row)
+  slot_rows.reserve(step.new_kv_slots.size());
+  for (std::size_t row = 0; row < step.new_kv_slots.size(); ++row) {
+    slot_rows.emplace_back(step.new_kv_slots[row], static_cast<std::int32_t>(row));
+  }
+  std::sort(slot_rows.begin(), slot_rows.end());
+  for (std::size_t i = 1; i < slot_rows.size(); ++i) {
+    if (slot_rows[i].first == slot_rows[i - 1].first) {
+      return bad_input(
+          site.at("new_kv_slots"),
+          fmt::format("rows {} and {} both write slot {}: two writes of one slot in "
+                      "one step would race",
+                      slot_rows[i - 1].second, slot_rows[i].second, slot_rows[i].first));
+    }
+  }
+  return ok_status();
+}
+
 }  // namespace
 
 Status validate_step_indices(const StepMeta& step, std::int64_t num_pages, int page_size,
@@ -137,7 +163,8 @@ Status validate_step_indices(const StepMeta& step, std::int64_t num_pages, int p
   KVAUDIT_TRY(check_indptr_ends(step, site));
   KVAUDIT_TRY(check_page_ids(step, num_pages, site));
   KVAUDIT_TRY(check_requests(step, page_size, site));
-  return check_new_kv_slots(step, page_size, site);
+  KVAUDIT_TRY(check_new_kv_slots(step, page_size, site));
+  return check_distinct_slots(step, site);
 }
 
 Status check_step_indices(const StepMeta& step, int page_size, std::int64_t num_slots) {

@@ -16,7 +16,8 @@ namespace kvaudit {
 // indptr shapes ([B+1]), starts at 0 and monotonicity; kv_indptr ending at the size of kv_indices
 // and qo_indptr at the size of new_kv_slots; page ids below num_pages; kv_last_page_len in
 // 1..page_size (0 for a request without pages); no row that would see zero tokens; at most one row
-// per request in a decode step; new_kv_slots equal to the slot of each row's token position.
+// per request in a decode step; new_kv_slots equal to the slot of each row's token position, and no
+// slot written by two rows of the step.
 // `where` is "file:/steps/S###" (or "step S###" for a step in memory); errors name the dataset
 // below it.
 Status validate_step_indices(const StepMeta& step, std::int64_t num_pages, int page_size,

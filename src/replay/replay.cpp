@@ -625,6 +625,7 @@ CheckRun begin_run(const DumpReader& reader, const Backend* backend, const Repla
   run.backend_description = backend ? backend->describe() : nlohmann::json::object();
   run.policy = options.policy;
   run.dump_summary = summarize_dump(reader.layout());
+  run.diagnose_limit = options.diagnose;
   if (options.reciprocal_scale) {
     run.notes.push_back(
         "--reciprocal-scale: pools were written (and captured pools judged) with "
@@ -709,11 +710,11 @@ Result<CheckRun> replay_dump(const DumpReader& reader, Backend* backend,
   }
   if (backend != nullptr) run.backend_protocol = backend->protocol_statistics();
   run.diagnosis = diagnosis.findings();
-  if (diagnosis.diagnosed_sites() < diagnosis.failing_sites() && diagnosis.limit() > 0) {
-    run.notes.push_back(fmt::format(
-        "diagnosis: {} of {} (step, layer)s with a failing kernel or captured comparison "
-        "diagnosed (--diagnose {}), the earliest first",
-        diagnosis.diagnosed_sites(), diagnosis.failing_sites(), diagnosis.limit()));
+  run.diagnose_limit = diagnosis.limit();
+  run.diagnosis_failing_sites = diagnosis.failing_sites();
+  if (const std::optional<std::string> note = diagnosis_budget_note(
+          diagnosis.diagnosed_sites(), diagnosis.failing_sites(), diagnosis.limit())) {
+    run.notes.push_back(*note);
   }
   run.total_seconds = seconds_since(total_start);
   return run;

@@ -300,23 +300,17 @@ struct Repro {
   std::int64_t num_pages = 0;
 };
 
-// Writes the repro to `path`; a file left half-written is removed.
+// Writes the repro to `path`; DumpWriter renames it there only once complete, so a failure leaves
+// no half-written file (and an existing file unchanged).
 Status write_repro_file(const std::filesystem::path& path, const Repro& repro) {
   const bool keep_source = repro.layer.has_source;
-  auto written = [&]() -> Status {
-    KVAUDIT_ASSIGN_OR_RETURN(DumpWriter writer,
-                             DumpWriter::create(path, repro.attrs, repro.num_pages));
-    KVAUDIT_TRY(writer.write_layer(repro.layer, repro.pool.pool,
-                                   keep_source ? &repro.pool.source : nullptr));
-    KVAUDIT_TRY(writer.write_step(repro.step));
-    KVAUDIT_TRY(writer.write_step_layer(repro.step, repro.layer, repro.tensors));
-    return writer.close();
-  }();
-  if (!written.ok()) {
-    std::error_code ignored;
-    std::filesystem::remove(path, ignored);
-  }
-  return written;
+  KVAUDIT_ASSIGN_OR_RETURN(DumpWriter writer,
+                           DumpWriter::create(path, repro.attrs, repro.num_pages));
+  KVAUDIT_TRY(
+      writer.write_layer(repro.layer, repro.pool.pool, keep_source ? &repro.pool.source : nullptr));
+  KVAUDIT_TRY(writer.write_step(repro.step));
+  KVAUDIT_TRY(writer.write_step_layer(repro.step, repro.layer, repro.tensors));
+  return writer.close();
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 #include <numeric>
 
 #include "src/core/fp8_e4m3.hpp"
+#include "src/core/memory_budget.hpp"
 
 namespace kvaudit {
 namespace {
@@ -252,6 +253,9 @@ Result<std::vector<int>> parse_layer_list(const std::string& text) {
   }
   if (!is_list) {
     if (values[0] < 1) return bad("a layer count must be at least 1");
+    if (values[0] > kMaxSynthLayers) {
+      return bad(fmt::format("a layer count must be at most {}", kMaxSynthLayers));
+    }
     std::vector<int> ids(static_cast<std::size_t>(values[0]));
     std::iota(ids.begin(), ids.end(), 0);
     return ids;
@@ -428,6 +432,118 @@ Result<SynthPlan> plan_synth(const SynthSpec& spec) {
   plan.request_pages = allocate_pages(spec, plan);
   plan.steps = plan_steps(spec, plan, requests);
   return plan;
+}
+
+// ---- footprint ----------------------------------------------------------------------------------
+
+namespace {
+
+// The reader refuses an index dataset longer than this (docs/kvdump-v1.md "Element encodings").
+constexpr double kMaxIndexEntries = 268435456.0;  // 2^28
+
+// Sum over the decode steps k = 1..K of ceil((base + k) / P), the pages a request lists, bounded
+// above by the sum of (base + k) / P + 1.
+double decode_pages_sum(double base, double steps, int page_size) {
+  return steps * base / page_size + steps * (steps + 1) / (2.0 * page_size) + steps;
+}
+
+// Requests, rows and listed pages of the trace a spec describes, in doubles.
+struct TraceCounts {
+  double batch = 0;
+  double pages_needed = 0;     // over the whole trace
+  double prefill_rows = 0;     // rows of S000 when it is a prefill
+  double active = 0;           // requests that decode (one row per decode step)
+  double listed_pages = 0;     // kv_indices entries over every step
+  double longest_listing = 0;  // kv_indices entries of the longest step
+  double steps = 0;
+};
+
+TraceCounts count_trace(const SynthSpec& spec) {
+  const std::size_t batch = std::max(spec.prefix_lens.size(), spec.prefill_tokens.size());
+  const std::vector<int> prefix = broadcast(spec.prefix_lens, batch);
+  const std::vector<int> prefill = broadcast(spec.prefill_tokens, batch);
+  const double decode = spec.decode_steps;
+  const double page = spec.page_size;
+  TraceCounts counts;
+  counts.batch = static_cast<double>(batch);
+  double prefill_listing = 0, last_listing = 0;
+  bool any_prefill = false;
+  for (std::size_t b = 0; b < batch; ++b) {
+    const double base = static_cast<double>(prefix[b]) + prefill[b];
+    const bool active = base > 0;
+    const double final_len = base + (active ? decode : 0.0);
+    counts.pages_needed += std::ceil(final_len / page);
+    counts.prefill_rows += prefill[b];
+    any_prefill = any_prefill || prefill[b] > 0;
+    prefill_listing += std::ceil(base / page);
+    if (active) {
+      counts.active += 1;
+      counts.listed_pages += decode_pages_sum(base, decode, spec.page_size);
+      last_listing += std::ceil(final_len / page);
+    }
+  }
+  if (any_prefill) counts.listed_pages += prefill_listing;
+  counts.longest_listing = std::max(any_prefill ? prefill_listing : 0.0, last_listing);
+  counts.steps = (any_prefill ? 1.0 : 0.0) + decode;
+  return counts;
+}
+
+}  // namespace
+
+SynthFootprint estimate_synth_footprint(const SynthSpec& spec) {
+  const TraceCounts t = count_trace(spec);
+  const double layers = static_cast<double>(spec.layer_ids.size());
+  const double width = static_cast<double>(spec.kv_lora_rank) + spec.rope_dim;
+  const double query_width = static_cast<double>(spec.num_heads) * width;
+  const double num_pages = spec.num_pages
+                               ? static_cast<double>(*spec.num_pages)
+                               : t.pages_needed + std::max(2.0, std::ceil(t.pages_needed / 8.0));
+  const double slots = num_pages * spec.page_size;
+  const double pool_element = spec.kv_dtype == KvDtype::kFloat8E4m3fn ? 1.0 : 2.0;
+  const double decode_rows = static_cast<double>(spec.decode_steps) * t.active;
+  // Indices: [B+1] x 2, [B], kv_indices and new_kv_slots per step, int32.
+  const double index_bytes =
+      4.0 * (t.steps * (3.0 * t.batch + 2.0) + t.listed_pages + t.prefill_rows + decode_rows);
+  // Each StepMeta also costs its object, eight allocations and three bit vectors of L.
+  const double plan_bytes =
+      index_bytes + t.steps * (sizeof(StepMeta) + 8 * 16 + layers * 3 / 8) + 4.0 * t.pages_needed;
+  // One layer: the pool, kv_source as floats and as bf16 bits for writing, the prefix bitmap.
+  const double layer_bytes =
+      slots * width * pool_element + (spec.with_source ? slots * width * 6.0 : 0.0) + slots / 8;
+  // One (step, layer): q_nope, q_pe, new_kv as floats, and the largest one's bf16 copy.
+  const double rows = std::max(t.prefill_rows, t.active);
+  const double step_bytes =
+      rows * (query_width + width) * 4.0 + rows * spec.num_heads * spec.kv_lora_rank * 2.0;
+  SynthFootprint footprint;
+  footprint.memory_bytes = plan_bytes + std::max(layer_bytes, step_bytes);
+  footprint.file_bytes = layers * slots * width * (pool_element + (spec.with_source ? 2.0 : 0.0)) +
+                         index_bytes +
+                         layers * (t.prefill_rows + decode_rows) * (query_width + width) * 2.0;
+  footprint.largest_index = t.longest_listing;
+  footprint.slots = slots;
+  footprint.steps = t.steps;
+  footprint.rows = rows;
+  return footprint;
+}
+
+Status check_synth_fits(const SynthSpec& spec, const std::filesystem::path& out) {
+  KVAUDIT_TRY(validate_synth_spec(spec));
+  const SynthFootprint footprint = estimate_synth_footprint(spec);
+  const std::string what = fmt::format(
+      "{} layer(s) of {:.3g} slots x {} channels, {:.3g} steps, up to {:.3g} query rows of {} "
+      "heads",
+      spec.layer_ids.size(), footprint.slots, spec.kv_lora_rank + spec.rope_dim, footprint.steps,
+      footprint.rows, spec.num_heads);
+  KVAUDIT_TRY(check_memory_fits(footprint.memory_bytes, kWhere, what));
+  const std::filesystem::path folder = out.parent_path().empty() ? "." : out.parent_path();
+  KVAUDIT_TRY(check_disk_fits(footprint.file_bytes, folder, kWhere, "the dump " + out.string()));
+  if (footprint.largest_index > kMaxIndexEntries) {
+    return bad_input(kWhere, fmt::format("a step would list {:.3g} pages, more than the 2^28 "
+                                         "entries a kvdump index may hold (fewer or shorter "
+                                         "requests, fewer decode steps or a larger --page-size)",
+                                         footprint.largest_index));
+  }
+  return ok_status();
 }
 
 std::string describe_synth_spec(const SynthSpec& spec) {
@@ -619,6 +735,7 @@ Status write_steps(DumpWriter& writer, const SynthSpec& spec, const SynthPlan& p
 
 Result<std::vector<float>> write_synth_dump(const std::filesystem::path& path,
                                             const SynthSpec& spec) {
+  KVAUDIT_TRY(check_synth_fits(spec, path));
   KVAUDIT_ASSIGN_OR_RETURN(const SynthPlan plan, plan_synth(spec));
   KVAUDIT_ASSIGN_OR_RETURN(DumpWriter writer,
                            DumpWriter::create(path, synth_attributes(spec), plan.num_pages));

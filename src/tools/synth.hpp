@@ -88,15 +88,37 @@ Status validate_synth_spec(const SynthSpec& spec);
 // Broadcasts the lists, allocates pages and builds every step's indices.
 Result<SynthPlan> plan_synth(const SynthSpec& spec);
 
+// What a valid spec will take, from its shapes alone (nothing is allocated): the peak memory of
+// write_synth_dump (the plan's indices, then the larger of one layer's pool with its kv_source and
+// the tensors of one (step, layer) with their bf16 copies) and the size of the file (pools, indices
+// and step tensors; HDF5's metadata left out). Doubles: absurd options overflow 64-bit integers.
+struct SynthFootprint {
+  double memory_bytes = 0;
+  double file_bytes = 0;
+  double largest_index = 0;  // entries of the longest index dataset (kv_indices of the last step)
+  double slots = 0;          // of the pool
+  double steps = 0;
+  double rows = 0;  // query rows of the largest step
+};
+SynthFootprint estimate_synth_footprint(const SynthSpec& spec);
+
+// Refuses, before anything is allocated, a valid spec whose dump this machine cannot build
+// (memory_budget.hpp: exit 2 with the size it would need) or whose file does not fit in the
+// folder of `out`, or whose indices the format's reader would refuse (more than 2^28 entries, or
+// slot numbers past int32).
+Status check_synth_fits(const SynthSpec& spec, const std::filesystem::path& out);
+
 // One line naming the spec (used as the dump's producer attribute).
 std::string describe_synth_spec(const SynthSpec& spec);
 
-// Generates the trace and writes it to `path` (overwritten). On success returns the kv_scale of
-// each layer, in layer_ids order after sorting.
+// Generates the trace and writes it to `path` (replaced only when the whole file is written:
+// DumpWriter is atomic), after check_synth_fits. On success returns the kv_scale of each layer,
+// in layer_ids order after sorting.
 Result<std::vector<float>> write_synth_dump(const std::filesystem::path& path,
                                             const SynthSpec& spec);
 
-// Parses "3" (layers 0, 1, 2) or "0,1,77" / "77," (those ids).
+// Parses "3" (layers 0, 1, 2) or "0,1,77" / "77," (those ids). A count is at most kMaxSynthLayers.
+inline constexpr int kMaxSynthLayers = 4096;  // real models have about 100 (GLM-5: 78)
 Result<std::vector<int>> parse_layer_list(const std::string& text);
 
 }  // namespace kvaudit

@@ -313,6 +313,15 @@ std::string diagnosis_summary(const DiagnosisFinding& finding) {
       fmt::join(each, ", "));
 }
 
+std::optional<std::string> diagnosis_budget_note(std::size_t diagnosed_sites,
+                                                 std::size_t failing_sites, int limit) {
+  if (limit <= 0 || diagnosed_sites >= failing_sites) return std::nullopt;
+  return fmt::format(
+      "diagnosis: {} of {} (step, layer)s with a failing kernel or captured comparison "
+      "diagnosed (--diagnose {}), the earliest first",
+      diagnosed_sites, failing_sites, limit);
+}
+
 std::optional<CapturedPoolCost> captured_pool_cost(const CheckRun& run) {
   bool diverged = false;
   const ComparisonResult* first = nullptr;

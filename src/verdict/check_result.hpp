@@ -171,6 +171,9 @@ struct DiagnosisFinding {
 // One line: "explained by NAME (TRANSFORM)", "explained by A, B (indistinguishable on this data:
 // ...)", or "no hypothesis in the catalogue explains this failure (N tried; closest NAME ...)".
 std::string diagnosis_summary(const DiagnosisFinding& finding);
+// The run's note when the budget left failing (step, layer)s undiagnosed; none otherwise.
+std::optional<std::string> diagnosis_budget_note(std::size_t diagnosed_sites,
+                                                 std::size_t failing_sites, int limit);
 
 // Where the server's corrupted pool first costs the outputs something: the first (step, then layer
 // in dump order) failing captured_cache comparison (R8 on the server's pool vs R8). Reported once
@@ -231,6 +234,11 @@ struct CheckRun {
   // Diagnoses of failing kernel and captured comparisons, by step then layer in dump order
   // (src/replay/diagnosis.hpp; at most --diagnose N (step, layer)s, the earliest).
   std::vector<DiagnosisFinding> diagnosis;
+  // The diagnosis budget: --diagnose N, and how many (step, layer)s had a failing kernel or
+  // captured comparison (diagnosed or not). Not in report.json (its note says them); a shard part
+  // records them so that kvaudit merge can apply the budget to the whole run.
+  int diagnose_limit = 0;
+  std::size_t diagnosis_failing_sites = 0;
   // No failing comparison that sets exit, no failing integrity finding, and, where the policy
   // judges quantization and total error (sign-off), both measured at every reported step-layer.
   bool pass() const;

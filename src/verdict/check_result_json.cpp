@@ -1,7 +1,8 @@
 // report.json read back into the run it was written from: check_run_from_json, the inverse of
 // to_json (check_result.cpp), used by `kvaudit merge` to read shard parts. Each reader below
 // mirrors one writer there, key for key; keys the writer derives from the run (verdict, counts,
-// steps, a result's worst and max_abs_over_ref_max, the throughput, version) are skipped, any key
+// steps, a result's worst and max_abs_over_ref_max, the throughput, version, captured_pool_cost,
+// unmeasured, a diagnosis' summary, the sign-off digest) are skipped, any key
 // it does not write is refused. Numbers may be json_number's strings "nan", "inf", "-inf".
 #include <fmt/format.h>
 
@@ -139,8 +140,84 @@ void read_timing(JsonObjectReader reader, CheckRun& run) {
   run.reference_rows_heads_tokens = reader.number("reference_rows_heads_tokens");
   reader.skip("reference_throughput_rows_heads_tokens_per_s");  // the ratio of the two above
   run.backend_seconds = reader.number("backend_seconds");
+  run.diagnosis_seconds = reader.number("diagnosis_seconds");
   run.total_seconds = reader.number("total_seconds");
+  run.backend_protocol = reader.raw("backend_protocol");  // the exec backend's own statistics
   reader.finish();
+}
+
+ErrorSummary read_error_summary(JsonObjectReader reader) {
+  ErrorSummary error;
+  error.rel_l2 = reader.number("rel_l2");
+  error.max_abs_over_ref_max = reader.number("max_abs_over_ref_max");
+  error.has_lse = !reader.raw("lse_max_abs").is_null();
+  if (error.has_lse) error.lse_max_abs = reader.number("lse_max_abs");
+  error.nonfinite_mismatches = reader.count("nonfinite_mismatches");
+  reader.finish();
+  return error;
+}
+
+HypothesisOutcome read_outcome(JsonObjectReader reader) {
+  HypothesisOutcome outcome;
+  outcome.hypothesis = reader.text("hypothesis");
+  outcome.transform = reader.text("transform");
+  outcome.after = read_error_summary(reader.object("after"));
+  outcome.explains = reader.boolean("explains");
+  outcome.excess = reader.number("excess");
+  outcome.reasons = reader.texts("reasons");
+  reader.finish();
+  return outcome;
+}
+
+DiagnosisFinding read_diagnosis(JsonObjectReader reader) {
+  DiagnosisFinding finding;
+  finding.step = reader.int32("step");
+  finding.layer_id = reader.int32("layer");
+  finding.comparison = read_enum(reader, "comparison", all_comparisons(), comparison_name);
+  finding.before = read_error_summary(reader.object("before"));
+  const nlohmann::json& explained_by = reader.array("explained_by");
+  for (std::size_t i = 0; i < explained_by.size(); ++i) {
+    finding.explained_by.push_back(
+        read_outcome(reader.element(explained_by, "explained_by", i)));
+  }
+  // Derived from explained_by: whether any explains, whether more than one, and the sentence.
+  for (const char* derived : {"explained", "indistinguishable", "summary"}) reader.skip(derived);
+  finding.same_computation = reader.boolean("same_computation");
+  if (!reader.raw("closest").is_null()) finding.closest = read_outcome(reader.object("closest"));
+  finding.tried = reader.int32("hypotheses_tried");
+  finding.not_applicable = reader.texts("not_applicable");
+  reader.finish();
+  return finding;
+}
+
+StepLayerCoverage read_coverage(JsonObjectReader reader) {
+  StepLayerCoverage site;
+  site.step = reader.int32("step");
+  site.layer_id = reader.int32("layer");
+  site.tokens_read = reader.integer("tokens_read");
+  site.tokens_without_source = reader.integer("tokens_without_source");
+  site.codes_read = reader.integer("codes_read");
+  site.saturated_codes =
+      reader.raw("saturated_codes").is_null() ? -1 : reader.integer("saturated_codes");
+  reader.finish();
+  return site;
+}
+
+// signoff: who signed (null fields as empty), or null for a run that is no sign-off. The digest
+// is skipped: to_json computes it again over what it writes.
+std::optional<SignOff> read_signoff(JsonObjectReader& parent) {
+  if (parent.raw("signoff").is_null()) return std::nullopt;
+  JsonObjectReader reader = parent.object("signoff");
+  auto text_or_empty = [&reader](const std::string& key) {
+    return reader.raw(key).is_null() ? std::string() : reader.text(key);
+  };
+  SignOff signoff;
+  signoff.signed_by = text_or_empty("signed_by");
+  signoff.model = text_or_empty("model");
+  signoff.deployment = text_or_empty("deployment");
+  reader.skip("digest");
+  reader.finish();
+  return signoff;
 }
 
 MergedPart read_merged_part(JsonObjectReader reader) {
@@ -160,6 +237,8 @@ Provenance read_provenance(JsonObjectReader reader) {
   provenance.date_utc = reader.text("date");
   provenance.command_line = reader.text("command_line");
   provenance.kvaudit_version = reader.text("kvaudit_version");
+  provenance.git_revision = reader.text("git_revision");
+  provenance.cpu = reader.text("cpu");
   if (reader.has("merged_from")) {  // merged runs only
     const nlohmann::json& parts = reader.array("merged_from");
     for (std::size_t i = 0; i < parts.size(); ++i) {
@@ -205,7 +284,12 @@ Result<CheckRun> check_run_from_json(const nlohmann::json& report, const std::st
   run.comparisons = read_array<ComparisonResult>(reader, "results", read_result);
   run.integrity = read_array<IntegrityFinding>(reader, "integrity", read_finding);
   run.first_divergence = read_divergence(reader);
+  run.diagnosis = read_array<DiagnosisFinding>(reader, "diagnosis", read_diagnosis);
+  reader.skip("captured_pool_cost");  // captured_pool_cost(run): the results and findings give it
   run.notes = reader.texts("notes");
+  run.coverage = read_array<StepLayerCoverage>(reader, "coverage", read_coverage);
+  reader.skip("unmeasured");  // measurement_gaps(run)
+  run.signoff = read_signoff(reader);
   read_timing(reader.object("timing"), run);
   run.provenance = read_provenance(reader.object("provenance"));
   reader.finish();

@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <map>
 #include <optional>
+#include <set>
+#include <utility>
 
 #include "src/verdict/divergence.hpp"
 
@@ -28,10 +30,17 @@ std::vector<std::string> run_notes(const ShardPart& part) {
   return {notes.begin(), notes.begin() + static_cast<std::ptrdiff_t>(part.shard.run_notes)};
 }
 
+nlohmann::json signoff_json(const std::optional<SignOff>& signoff) {
+  if (!signoff) return nullptr;
+  return {signoff->signed_by, signoff->model, signoff->deployment};
+}
+
 std::vector<SharedProperty> shared_properties(const ShardPart& a, const ShardPart& b) {
   return {
       {"the dump's SHA-256", a.run.dump_sha256, b.run.dump_sha256},
       {"the kvaudit version", a.run.provenance.kvaudit_version, b.run.provenance.kvaudit_version},
+      {"the git revision kvaudit was built from", a.run.provenance.git_revision,
+       b.run.provenance.git_revision},
       {"the backend", a.run.backend, b.run.backend},
       {"the backend's description", a.run.backend_description, b.run.backend_description, false},
       {"the policy", to_json(a.run.policy), to_json(b.run.policy), false},
@@ -42,6 +51,9 @@ std::vector<SharedProperty> shared_properties(const ShardPart& a, const ShardPar
       {"--inject", a.shard.injection, b.shard.injection},
       {"--reciprocal-scale", a.shard.reciprocal_scale, b.shard.reciprocal_scale},
       {"the notes about the whole run", run_notes(a), run_notes(b), false},
+      {"--diagnose", a.run.diagnose_limit, b.run.diagnose_limit},
+      {"the sign-off (--signoff, --signed-by, --model, --deployment)", signoff_json(a.run.signoff),
+       signoff_json(b.run.signoff)},
   };
 }
 
@@ -118,6 +130,18 @@ Status check_part_layers(const NamedPart& named) {
                                                finding.layer_id));
     }
   }
+  for (const DiagnosisFinding& finding : named.part.run.diagnosis) {
+    if (foreign(finding.layer_id)) {
+      return bad_input(named.file, fmt::format("has a diagnosis of layer {}, not one of its layers",
+                                               finding.layer_id));
+    }
+  }
+  for (const StepLayerCoverage& site : named.part.run.coverage) {
+    if (foreign(site.layer_id)) {
+      return bad_input(named.file, fmt::format("has coverage of layer {}, not one of its layers",
+                                               site.layer_id));
+    }
+  }
   return ok_status();
 }
 
@@ -189,8 +213,81 @@ MergedPart merged_part(const NamedPart& named) {
                     provenance.date_utc, provenance.command_line};
 }
 
+// A part's notes about its own layers: after the run's notes, without its diagnosis budget note
+// (the merged run states the budget over all parts).
+std::vector<std::string> layer_notes(const NamedPart& named) {
+  const CheckRun& part = named.part.run;
+  std::set<std::pair<int, int>> sites;
+  for (const DiagnosisFinding& finding : part.diagnosis) sites.insert({finding.step, finding.layer_id});
+  const std::optional<std::string> budget =
+      diagnosis_budget_note(sites.size(), part.diagnosis_failing_sites, part.diagnose_limit);
+  std::vector<std::string> notes;
+  for (std::size_t i = named.part.shard.run_notes; i < part.notes.size(); ++i) {
+    if (!budget || part.notes[i] != *budget) notes.push_back(part.notes[i]);
+  }
+  return notes;
+}
+
+// An exec backend's protocol statistics over the parts: counts and seconds summed, the
+// per-step overhead recomputed; null when no part has them.
+nlohmann::json merged_protocol(const std::vector<NamedPart>& parts) {
+  nlohmann::json merged;
+  for (const NamedPart& named : parts) {
+    const nlohmann::json& part = named.part.run.backend_protocol;
+    if (!part.is_object()) continue;
+    if (merged.is_null()) {
+      merged = part;
+      continue;
+    }
+    for (const auto& [key, value] : part.items()) {
+      if (key == "protocol_version" || !value.is_number() || !merged[key].is_number()) continue;
+      merged[key] = merged[key].get<double>() + value.get<double>();
+    }
+  }
+  if (merged.is_object() && merged.contains("overhead_seconds")) {
+    const double steps = merged.value("steps_with_compute_seconds", 0.0);
+    merged["overhead_per_step_ms"] =
+        steps > 0 ? nlohmann::json(1e3 * merged["overhead_seconds"].get<double>() / steps)
+                  : nlohmann::json(nullptr);
+  }
+  return merged;
+}
+
+// The --diagnose budget over the whole run: the parts' findings (each part kept its own earliest
+// sites) ordered by step, then layer in dump order, and those of the earliest `limit` sites kept,
+// as the unsharded replay keeps them (src/replay/diagnosis.hpp DiagnosisBudget).
+void merge_diagnosis(const std::vector<NamedPart>& parts,
+                     const std::map<int, std::size_t>& positions, CheckRun& run) {
+  for (const NamedPart& named : parts) {
+    const CheckRun& part = named.part.run;
+    run.diagnosis.insert(run.diagnosis.end(), part.diagnosis.begin(), part.diagnosis.end());
+    run.diagnosis_failing_sites += part.diagnosis_failing_sites;
+  }
+  auto site = [&positions](const DiagnosisFinding& finding) {
+    return std::pair<int, std::size_t>(finding.step, positions.at(finding.layer_id));
+  };
+  std::stable_sort(run.diagnosis.begin(), run.diagnosis.end(),
+                   [&site](const DiagnosisFinding& a, const DiagnosisFinding& b) {
+                     return site(a) < site(b);
+                   });
+  std::set<std::pair<int, std::size_t>> kept;
+  std::vector<DiagnosisFinding> findings;
+  for (DiagnosisFinding& finding : run.diagnosis) {
+    const auto where = site(finding);
+    if (!kept.count(where) && kept.size() >= static_cast<std::size_t>(run.diagnose_limit)) break;
+    kept.insert(where);
+    findings.push_back(std::move(finding));
+  }
+  run.diagnosis = std::move(findings);
+  if (const std::optional<std::string> note =
+          diagnosis_budget_note(kept.size(), run.diagnosis_failing_sites, run.diagnose_limit)) {
+    run.notes.push_back(*note);
+  }
+}
+
 // The parts, in shard order, as one run (first divergence not yet set).
-CheckRun concatenate(const std::vector<NamedPart>& parts) {
+CheckRun concatenate(const std::vector<NamedPart>& parts,
+                     const std::map<int, std::size_t>& positions) {
   const ShardPart& first = parts.front().part;
   CheckRun run;
   run.dump_path = first.run.dump_path;
@@ -199,20 +296,25 @@ CheckRun concatenate(const std::vector<NamedPart>& parts) {
   run.backend_description = first.run.backend_description;
   run.policy = first.run.policy;
   run.dump_summary = first.run.dump_summary;
+  run.signoff = first.run.signoff;
+  run.diagnose_limit = first.run.diagnose_limit;
   run.notes = run_notes(first);
   for (const NamedPart& named : parts) {
     const CheckRun& part = named.part.run;
     run.comparisons.insert(run.comparisons.end(), part.comparisons.begin(), part.comparisons.end());
     run.integrity.insert(run.integrity.end(), part.integrity.begin(), part.integrity.end());
-    run.notes.insert(run.notes.end(),
-                     part.notes.begin() + static_cast<std::ptrdiff_t>(named.part.shard.run_notes),
-                     part.notes.end());
+    run.coverage.insert(run.coverage.end(), part.coverage.begin(), part.coverage.end());
+    const std::vector<std::string> notes = layer_notes(named);
+    run.notes.insert(run.notes.end(), notes.begin(), notes.end());
     run.reference_seconds += part.reference_seconds;
     run.reference_rows_heads_tokens += part.reference_rows_heads_tokens;
     run.backend_seconds += part.backend_seconds;
+    run.diagnosis_seconds += part.diagnosis_seconds;
     run.total_seconds += part.total_seconds;
     run.provenance.merged_from.push_back(merged_part(named));
   }
+  merge_diagnosis(parts, positions, run);
+  run.backend_protocol = merged_protocol(parts);
   return run;
 }
 
@@ -260,7 +362,7 @@ Result<CheckRun> merge_parts(std::vector<NamedPart> parts) {
   std::sort(parts.begin(), parts.end(), [](const NamedPart& a, const NamedPart& b) {
     return a.part.shard.spec.index < b.part.shard.spec.index;
   });
-  CheckRun run = concatenate(parts);
+  CheckRun run = concatenate(parts, positions);
   KVAUDIT_TRY(check_layer_order(run, positions));
   run.first_divergence = search_divergence(run.comparisons, positions).first;
   const Provenance here = current_provenance();
@@ -268,6 +370,8 @@ Result<CheckRun> merge_parts(std::vector<NamedPart> parts) {
   run.provenance.date_utc = here.date_utc;
   run.provenance.command_line = here.command_line;
   run.provenance.kvaudit_version = here.kvaudit_version;
+  run.provenance.git_revision = here.git_revision;
+  run.provenance.cpu = here.cpu;
   return run;
 }
 

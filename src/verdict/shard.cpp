@@ -49,6 +49,8 @@ nlohmann::json shard_json(const CheckRun& run, const ShardInfo& shard) {
           {"inject", shard.injection},
           {"reciprocal_scale", shard.reciprocal_scale},
           {"run_notes", shard.run_notes},
+          {"diagnose", run.diagnose_limit},
+          {"diagnosis_failing_sites", run.diagnosis_failing_sites},
           {"divergences", divergences_json(run)}};
 }
 
@@ -85,6 +87,8 @@ ShardInfo read_shard(JsonObjectReader reader, CheckRun& run) {
   shard.injection = reader.text("inject");
   shard.reciprocal_scale = reader.boolean("reciprocal_scale");
   shard.run_notes = reader.count("run_notes");
+  run.diagnose_limit = reader.int32("diagnose");
+  run.diagnosis_failing_sites = reader.count("diagnosis_failing_sites");
   read_divergences(reader, run);
   reader.finish();
   if (shard.spec.count < 1 || shard.spec.index < 0 || shard.spec.index >= shard.spec.count) {

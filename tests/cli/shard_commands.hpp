@@ -57,12 +57,16 @@ inline nlohmann::json read_json(const std::filesystem::path& path) {
   return nlohmann::json::parse(file_text(path));
 }
 
-// A report without what may differ between two runs of the same check: timing, provenance and the
-// dump's path (scripts/same_report.py drops the same keys).
+// A report without what may differ between two runs of the same check: timing, provenance, the
+// dump's path and a sign-off's digest value, which covers the provenance (scripts/same_report.py
+// drops the same keys).
 inline nlohmann::json comparable(nlohmann::json report) {
   report.erase("timing");
   report.erase("provenance");
   if (report.contains("dump")) report["dump"].erase("path");
+  if (report.contains("signoff") && report["signoff"].is_object()) {
+    report["signoff"]["digest"].erase("value");
+  }
   return report;
 }
 

@@ -21,13 +21,17 @@ struct Variant {
 
 // A clean run, one with a note about the whole run (which the merged report holds once), no
 // backend, a write fault (integrity findings, cache error) and a read fault (kernel divergence at
-// a named row and head).
+// a named row and head), a diagnosis limited to one site and a sign-off.
 constexpr Variant kVariants[] = {
     {"cpu-fp8", "--backend cpu-fp8"},
     {"reciprocal", "--backend cpu-fp8 --reciprocal-scale"},
     {"none", "--backend none"},
     {"bf16-writeback", "--backend cpu-fp8 --inject bf16-writeback"},
     {"scale-mismatch", "--backend cpu-fp8 --inject scale-mismatch"},
+    // Every layer fails at step 0: the diagnosis budget (1 site) spans the parts, and its note.
+    {"diagnose-1", "--backend cpu-fp8 --inject scale-mismatch --diagnose 1"},
+    // A sign-off: its fields and digest, coverage and the unmeasured sites.
+    {"signoff", "--backend cpu-fp8 --signoff --signed-by 'A. Reviewer' --model GLM-5"},
 };
 
 std::filesystem::path scratch(const std::string& name) {
@@ -78,6 +82,12 @@ void require_merge_equals_unsharded(const std::string& dump) {
       const nlohmann::json report = read_json(merged_path);
       CHECK(differing_keys(unsharded, report) == std::vector<std::string>{});
       CHECK(report.at("provenance").at("merged_from").size() == static_cast<std::size_t>(count));
+      if (report.at("signoff").is_object()) {  // signed again over the merged report
+        const CommandOutcome verified = run_kvaudit(parts_dir.filename().string() + "-verify",
+                                                    "verify-report '" + merged_path.string() + "'");
+        INFO(verified.out << verified.err);
+        CHECK(verified.status == 0);
+      }
     }
   }
 }

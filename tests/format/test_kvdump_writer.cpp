@@ -2,6 +2,8 @@
 // determinism (identical input, identical bytes), and refusal of inputs the reader would refuse.
 #include <catch2/catch.hpp>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 
 #include "src/format/kvdump.hpp"
 #include "tests/format/kvdump_fixture.hpp"
@@ -279,6 +281,49 @@ TEST_CASE("kvdump writer refuses what the reader would refuse", "[kvdump]") {
     const Status status = writer->close();
     REQUIRE_FALSE(status.ok());
     CHECK(status.error().where == path.string() + ":/steps/S000");
+  }
+}
+
+TEST_CASE("kvdump writer: the file appears only when a complete dump is closed", "[kvdump]") {
+  const SmallDump d = make_small_dump();
+  const auto dir = kvdump_test_dir();
+  const auto path = dir / "atomic.h5";
+  std::filesystem::remove(path);  // from an earlier run
+  const auto others = [&] {
+    std::vector<std::string> names;
+    for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+      if (entry.path() != path) names.push_back(entry.path().filename());
+    }
+    return names;
+  };
+
+  SECTION("abandoned without close: nothing written") {
+    {
+      auto writer = DumpWriter::create(path, d.attrs, d.num_pages);
+      REQUIRE(writer.ok());
+      REQUIRE(writer->write_layer(d.layers[0], d.pools[0], nullptr).ok());
+      CHECK_FALSE(std::filesystem::exists(path));
+    }
+    CHECK_FALSE(std::filesystem::exists(path));
+    CHECK(others().empty());
+  }
+  SECTION("closed incomplete: refused, and an existing file is left as it was") {
+    std::ofstream(path) << "previous";
+    auto writer = DumpWriter::create(path, d.attrs, d.num_pages);
+    REQUIRE(writer.ok());
+    for (std::size_t l = 0; l < d.layers.size(); ++l) {
+      REQUIRE(writer->write_layer(d.layers[l], d.pools[l], nullptr).ok());
+    }
+    REQUIRE(writer->write_step(d.steps[0]).ok());
+    CHECK_FALSE(writer->close().ok());
+    CHECK(testing::read_text(path) == "previous");
+    CHECK(others().empty());
+  }
+  SECTION("closed complete: the dump replaces the old file") {
+    std::ofstream(path) << "previous";
+    REQUIRE(testing::write_small_dump(d, path).ok());
+    CHECK(DumpReader::open(path).ok());
+    CHECK(others().empty());
   }
 }
 

@@ -1,6 +1,8 @@
 // Tests of the synthetic kvdump generator (src/tools/synth.hpp): the request/page plan against
 // hand- computed indices, determinism, calibration (kv_scale = fp32(amax / 448)), saturation, NaN
 // codes in unused slots only, the empty request, and the value model's stated shape.
+#include <stdlib.h>
+
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
@@ -515,6 +517,48 @@ TEST_CASE("kvaudit synth command line writes the dump and refuses bad options wi
   CHECK(run_synth_cli({"--out", out, "--layers", "x"}) == kExitBadInput);
   CHECK(run_synth_cli({"--out", out, "--num-pages", "3"}) == kExitBadInput);
   CHECK_FALSE(std::filesystem::exists(out));
+}
+
+TEST_CASE("synth footprint: the file size it estimates, and specs it refuses before allocating",
+          "[synth]") {
+  SynthSpec spec;  // GLM-5 shapes: H 16, Dc 512, Dr 64; prefix 0/37/300, prefill 16/8/1, 2 decodes
+  spec.with_source = true;
+  const SynthFootprint footprint = estimate_synth_footprint(spec);
+  const auto path = test_tmp_dir("synth") / "footprint.h5";
+  REQUIRE(write_synth_dump(path, spec).ok());
+  // Pools, kv_source, indices and tensors are counted; HDF5's metadata (a few KiB) is not.
+  const double actual = static_cast<double>(std::filesystem::file_size(path));
+  CHECK(footprint.file_bytes <= actual);
+  CHECK(footprint.file_bytes > 0.95 * actual);
+  // 414 pages of one slot (355 needed + 1/8 spare) in 3 steps, up to 25 rows.
+  CHECK(footprint.slots == 414);
+  CHECK(footprint.steps == 3);
+  CHECK(footprint.rows == 25);
+  // One layer: pool 414 x 576 bytes, kv_source as floats and bf16 bits (6 bytes per value).
+  CHECK(footprint.memory_bytes >= 414.0 * 576 * 7);
+
+  REQUIRE(setenv("KVAUDIT_MEMORY_BUDGET", "64K", 1) == 0);
+  const Status refused = check_synth_fits(spec, path);
+  unsetenv("KVAUDIT_MEMORY_BUDGET");
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.error().message().rfind("synth: needs about ", 0) == 0);
+  CHECK_THAT(refused.error().message(), Catch::Matchers::EndsWith("; 64 KiB is available"));
+  const auto refused_write = write_synth_dump(test_tmp_dir("synth") / "refused.h5", [&] {
+    SynthSpec huge = spec;
+    huge.decode_steps = 100000000;
+    return huge;
+  }());
+  REQUIRE_FALSE(refused_write.ok());
+  CHECK_FALSE(std::filesystem::exists(test_tmp_dir("synth") / "refused.h5"));
+  CHECK(check_synth_fits(spec, path).ok());
+}
+
+TEST_CASE("synth refuses a layer count beyond kMaxSynthLayers before allocating it", "[synth]") {
+  CHECK(parse_layer_list("4096").ok());
+  const auto refused = parse_layer_list("100000000");
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.error().message() ==
+        "synth: --layers '100000000': a layer count must be at most 4096");
 }
 
 }  // namespace

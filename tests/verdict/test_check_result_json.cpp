@@ -45,6 +45,14 @@ CheckRun every_kind_of_value() {
   run.provenance.merged_from = {
       {"p0.json", "0/2", "node1", "2026-11-29T09:30:00Z", "kvaudit check --shard 0/2"},
       {"p1.json", "1/2", "node2", "2026-11-29T09:31:00Z", "kvaudit check --shard 1/2"}};
+  // The keys of the sign-off report, the diagnosis and the exec protocol.
+  run.provenance.git_revision = "0123abc";
+  run.provenance.cpu = "2 x Example CPU";
+  run.diagnosis = testing::make_diagnosis();
+  run.diagnosis_seconds = 0.25;
+  run.coverage = {{0, 3, 40, 0, 40 * 576, 2}, {1, 3, 41, 41, 41 * 576, -1}};
+  run.signoff = SignOff{"A. Reviewer", "", "sglang, H200"};
+  run.backend_protocol = {{"protocol_version", 1}, {"steps", 2}, {"overhead_seconds", 0.01}};
   return run;
 }
 
@@ -58,6 +66,12 @@ TEST_CASE("report.json read back: a hand-built run of every kind of value", "[ch
   CHECK(std::isinf(run.comparisons[2].metrics.max_rel));
   CHECK(run.comparisons[2].metrics.first_nonfinite_mismatch.row == 1);
   CHECK(run.integrity[1].carried_from_step == 0);
+  CHECK(run.diagnosis.size() == testing::make_diagnosis().size());
+  CHECK(run.coverage.size() == 2);
+  CHECK(run.coverage[1].saturated_codes == -1);
+  REQUIRE(run.signoff.has_value());
+  CHECK(run.signoff->model.empty());
+  CHECK(run.provenance.cpu == "2 x Example CPU");
   CHECK(run.integrity[1].classification == SlotClass::kBf16Bytes);
   CHECK(run.provenance.merged_from.size() == 2);
   CHECK(run.policy.name == "default");
