@@ -59,37 +59,70 @@ std::string cell(const std::string& text) {
 
 }  // namespace
 
+const char* const kDiagnosisIntroduction =
+    "Each failing kernel or captured comparison (at most --diagnose N steps and layers, the "
+    "earliest) was recomputed under every hypothesis of the catalogue of convention mismatches "
+    "(kvaudit check --list-diagnoses), on the pool its candidate read. A hypothesis explains the "
+    "failure when the candidate passes the comparison's limits against it; errors are quoted "
+    "before -> after (after: the first hypothesis that explains, else the closest).";
+
+std::vector<DiagnosisRow> diagnosis_rows(const CheckRun& run) {
+  std::vector<DiagnosisRow> rows;
+  for (const DiagnosisFinding& finding : run.diagnosis) {
+    rows.push_back({finding.step, finding.layer_id, comparison_name(finding.comparison),
+                    diagnosis_summary(finding), error_change(finding)});
+  }
+  return rows;
+}
+
+std::optional<std::string> captured_pool_cost_text(const CheckRun& run) {
+  const std::optional<CapturedPoolCost> cost = captured_pool_cost(run);
+  if (!cost) return std::nullopt;
+  const std::string since = cost->damaged_since_step >= 0
+                                ? fmt::format(" (damaged from step {})", cost->damaged_since_step)
+                                : "";
+  if (!cost->shows) {
+    return fmt::format(
+        "captured pool cost: zero: the captured pool differs from the replay{} but no reported "
+        "step reads a damaged slot",
+        since);
+  }
+  const ErrorSummary& e = cost->cost;
+  return fmt::format(
+      "captured pool cost first shows at step {} layer {}{}: R8 on the captured pool vs R8 "
+      "rel_l2 {}, lse_max_abs {}, max_abs/ref_max {}",
+      cost->step, cost->layer_id, since, number(e.rel_l2), e.has_lse ? number(e.lse_max_abs) : "-",
+      number(e.max_abs_over_ref_max));
+}
+
 void print_diagnosis(std::ostream& out, const CheckRun& run) {
   if (run.diagnosis.empty()) return;
   out << "diagnosis (convention mismatches tried on failing comparisons; the catalogue: "
          "--list-diagnoses):\n";
-  for (const DiagnosisFinding& finding : run.diagnosis) {
-    fmt::print(out, "  step {} layer {} {}: {}\n    {}\n", finding.step, finding.layer_id,
-               comparison_name(finding.comparison), diagnosis_summary(finding),
-               error_change(finding));
+  for (const DiagnosisRow& row : diagnosis_rows(run)) {
+    fmt::print(out, "  step {} layer {} {}: {}\n    {}\n", row.step, row.layer_id, row.comparison,
+               row.finding, row.error_change);
   }
 }
 
 std::string render_diagnosis_markdown(const CheckRun& run) {
-  if (run.diagnosis.empty()) return "";
+  const std::optional<std::string> pool_cost = captured_pool_cost_text(run);
+  if (run.diagnosis.empty() && !pool_cost) return "";
   fmt::memory_buffer md;
   auto out = std::back_inserter(md);
-  fmt::format_to(out,
-                 "## Diagnosis\n\n"
-                 "Each failing kernel or captured comparison (at most `--diagnose N` steps and "
-                 "layers, the earliest) was recomputed under every hypothesis of the catalogue "
-                 "of convention mismatches (`kvaudit check --list-diagnoses`), on the pool its "
-                 "candidate read. A hypothesis explains the failure when the candidate passes "
-                 "the comparison's limits against it; errors are quoted before -> after (after: "
-                 "the first hypothesis that explains, else the closest).\n\n"
-                 "| step | layer | comparison | finding | error before -> after |\n"
-                 "| ---: | ---: | --- | --- | --- |\n");
-  for (const DiagnosisFinding& finding : run.diagnosis) {
-    fmt::format_to(out, "| {} | {} | {} | {} | {} |\n", finding.step, finding.layer_id,
-                   comparison_name(finding.comparison), cell(diagnosis_summary(finding)),
-                   cell(error_change(finding)));
+  fmt::format_to(out, "## Diagnosis\n\n");
+  if (!run.diagnosis.empty()) {
+    fmt::format_to(out,
+                   "{}\n\n| step | layer | comparison | finding | error before -> after |\n"
+                   "| ---: | ---: | --- | --- | --- |\n",
+                   kDiagnosisIntroduction);
+    for (const DiagnosisRow& row : diagnosis_rows(run)) {
+      fmt::format_to(out, "| {} | {} | {} | {} | {} |\n", row.step, row.layer_id, row.comparison,
+                     cell(row.finding), cell(row.error_change));
+    }
+    fmt::format_to(out, "\n");
   }
-  fmt::format_to(out, "\n");
+  if (pool_cost) fmt::format_to(out, "The server's pool: {}.\n\n", *pool_cost);
   return fmt::to_string(md);
 }
 

@@ -133,24 +133,9 @@ void print_step_summary(std::ostream& out, const CheckRun& run) {
 }
 
 void print_captured_pool_cost(std::ostream& out, const CheckRun& run) {
-  const std::optional<CapturedPoolCost> cost = captured_pool_cost(run);
-  if (!cost) return;
-  const std::string since = cost->damaged_since_step >= 0
-                                ? fmt::format(" (damaged from step {})", cost->damaged_since_step)
-                                : "";
-  if (!cost->shows) {
-    fmt::print(out,
-               "captured pool cost: zero: the captured pool differs from the replay{} but no "
-               "reported step reads a damaged slot\n",
-               since);
-    return;
+  if (const std::optional<std::string> text = captured_pool_cost_text(run)) {
+    fmt::print(out, "{}\n", *text);
   }
-  const ErrorSummary& e = cost->cost;
-  fmt::print(out,
-             "captured pool cost first shows at step {} layer {}{}: R8 on the captured pool vs R8 "
-             "rel_l2 {}, lse_max_abs {}, max_abs/ref_max {}\n",
-             cost->step, cost->layer_id, since, sci(e.rel_l2), e.has_lse ? sci(e.lse_max_abs) : "-",
-             sci(e.max_abs_over_ref_max));
 }
 
 void print_notes(std::ostream& out, const CheckRun& run) {

@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "src/report/diagnosis_report.hpp"
 #include "src/report/report_summary.hpp"
 #include "src/report/svg_chart.hpp"
 #include "src/verdict/signoff.hpp"
@@ -241,13 +242,24 @@ bool is_array_of_objects(const nlohmann::json& value) {
          std::all_of(value.begin(), value.end(), [](const auto& item) { return item.is_object(); });
 }
 
-// The convention-mismatch diagnosis (report.json "diagnosis"), shown when the run has findings;
-// generic so that it shows whatever fields a finding carries.
-void diagnosis_section(Html& html, const nlohmann::json& report) {
-  const auto it = report.find("diagnosis");
-  if (it == report.end() || !is_array_of_objects(*it)) return;
+// The convention-mismatch diagnosis and the server's pool cost (diagnosis_report.hpp), shown when
+// the run has either.
+void diagnosis_section(Html& html, const CheckRun& run) {
+  const std::optional<std::string> pool_cost = captured_pool_cost_text(run);
+  if (run.diagnosis.empty() && !pool_cost) return;
   put(html, "<section id=\"diagnosis\"><h2>Diagnosis</h2>");
-  object_table(html, *it, "diagnosis");
+  if (!run.diagnosis.empty()) {
+    put(html,
+        "<p>{}</p><table><tr><th>step</th><th>layer</th><th>comparison</th><th>finding</th>"
+        "<th>error before &rarr; after</th></tr>",
+        esc(kDiagnosisIntroduction));
+    for (const DiagnosisRow& row : diagnosis_rows(run)) {
+      put(html, "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>", row.step,
+          row.layer_id, esc(row.comparison), esc(row.finding), esc(row.error_change));
+    }
+    put(html, "</table>");
+  }
+  if (pool_cost) put(html, "<p>The server's pool: {}.</p>", esc(*pool_cost));
   put(html, "</section>\n");
 }
 
@@ -615,6 +627,20 @@ void provenance_section(Html& html, const CheckRun& run) {
     put(html, "<tr><th>{}</th><td class=\"mono\">{}</td></tr>", key, esc(value));
   }
   put(html, "</table>");
+  if (!p.merged_from.empty()) {
+    put(html,
+        "<h3>Merged from</h3><p>This run is <code>kvaudit merge</code> of {} parts; timing is "
+        "summed over them.</p><table><tr><th>shard</th><th>part file</th><th>host</th>"
+        "<th>date</th><th>command line</th></tr>",
+        p.merged_from.size());
+    for (const MergedPart& part : p.merged_from) {
+      put(html, "<tr><td>{}</td><td class=\"mono\">{}</td><td>{}</td><td>{}</td>"
+          "<td class=\"mono\">{}</td></tr>",
+          esc(part.shard), esc(part.file), esc(part.host), esc(part.date_utc),
+          esc(part.command_line));
+    }
+    put(html, "</table>");
+  }
   if (run.backend_description.is_object() && !run.backend_description.empty()) {
     put(html, "<h3>Backend description</h3><table>");
     for (const auto& [key, value] : run.backend_description.items()) {
@@ -657,7 +683,7 @@ std::string render_html(const CheckRun& run) {
   signoff_block(html, report);
   summary_section(html, run);
   failures_section(html, run);
-  diagnosis_section(html, report);
+  diagnosis_section(html, run);
   heatmap_section(html, run);
   layer_chart_section(html, run);
   step_chart_section(html, run);

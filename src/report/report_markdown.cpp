@@ -418,6 +418,18 @@ void provenance_section(Markdown& md, const CheckRun& run) {
   append(md, "| backend | {} |\n", cell(backend_machine_text(run)));
   append(md, "| dump SHA-256 | {} |\n\n",
          code(run.dump_sha256.empty() ? "not computed" : run.dump_sha256));
+  if (!provenance.merged_from.empty()) {
+    append(md,
+           "### Merged from\n\nThis run is `kvaudit merge` of {} parts; timing above is summed "
+           "over them.\n\n| shard | part file | host | date | command_line |\n"
+           "| --- | --- | --- | --- | --- |\n",
+           provenance.merged_from.size());
+    for (const MergedPart& part : provenance.merged_from) {
+      append(md, "| {} | {} | {} | {} | {} |\n", part.shard, cell(part.file), cell(part.host),
+             cell(part.date_utc), cell(part.command_line));
+    }
+    append(md, "\n");
+  }
   append(md,
          "Produced by {}; report.json beside this file holds every number above "
          "(docs/report-schema.md).\n",

@@ -7,6 +7,7 @@
 
 #include "kvaudit_test_config.hpp"  // KVAUDIT_BINARY, KVAUDIT_SOURCE_DIR, KVAUDIT_TEST_TMPDIR
 #include "src/report/report.hpp"
+#include "src/report/report_html.hpp"
 #include "tests/verdict/check_run_fixture.hpp"
 
 using kvaudit::CheckRun;
@@ -218,10 +219,50 @@ TEST_CASE("diagnosis: a stdout block after the table and a report.md section aft
                                  "scale-pow2-nearest (indistinguishable on this data"));
   CHECK_THAT(md, Catch::Contains("rel_l2 0.025 -> 0.0017"));
 
+  // report.html: the same rows as a table of words, not the JSON of the findings.
+  const std::string html = kvaudit::render_html(run);
+  const std::size_t html_section = html.find("<section id=\"diagnosis\">");
+  REQUIRE(html_section != std::string::npos);
+  const std::string html_diagnosis =
+      html.substr(html_section, html.find("</section>", html_section) - html_section);
+  CHECK_THAT(html_diagnosis, Catch::Contains("<td>explained by lse-base-2 (candidate lse read as "
+                                             "log2 of the sum)</td>"));
+  CHECK_THAT(html_diagnosis, Catch::Contains("rel_l2 0.025 -&gt; 0.0018"));
+  CHECK(html_diagnosis.find("explained_by") == std::string::npos);
+  CHECK(html_diagnosis.find("hypotheses_tried") == std::string::npos);
+
   // Nothing diagnosed: no block, no section.
   run.diagnosis.clear();
   std::ostringstream clean;
   kvaudit::print_check_table(clean, run);
   CHECK(clean.str().find("diagnosis") == std::string::npos);
   CHECK(kvaudit::render_markdown(run).find("## Diagnosis") == std::string::npos);
+  CHECK(kvaudit::render_html(run).find("<section id=\"diagnosis\">") == std::string::npos);
+}
+
+TEST_CASE("report.md and report.html: the server's pool cost and a merged run's parts",
+          "[report]") {
+  CheckRun run = make_failing_run();
+  // A captured_cache comparison that fails at step 1 layer 3: the captured pool's cost shows.
+  kvaudit::ComparisonResult cost = run.comparisons.front();
+  cost.comparison = kvaudit::Comparison::kCapturedCache;
+  cost.step = 1;
+  cost.layer_id = 3;
+  cost.metrics.rel_l2 = 0.125;
+  cost.judgement.pass = false;
+  cost.sets_exit = false;
+  run.comparisons.push_back(cost);
+  run.provenance.merged_from = {
+      {"p0.json", "0/2", "node1", "2026-11-29T09:30:00Z", "kvaudit check --shard 0/2"},
+      {"p1.json", "1/2", "node2", "2026-11-29T09:31:00Z", "kvaudit check --shard 1/2"}};
+  const std::string md = kvaudit::render_markdown(run);
+  CHECK_THAT(md, Catch::Contains("The server's pool: captured pool cost first shows at step 1 "
+                                 "layer 3"));
+  CHECK_THAT(md, Catch::Contains("rel_l2 0.125"));
+  CHECK_THAT(md, Catch::Contains("### Merged from"));
+  CHECK_THAT(md, Catch::Contains("| 1/2 | p1.json | node2 |"));
+  const std::string html = kvaudit::render_html(run);
+  CHECK_THAT(html, Catch::Contains("The server&#39;s pool: captured pool cost first shows at step "
+                                   "1 layer 3"));
+  CHECK_THAT(html, Catch::Contains("<h3>Merged from</h3>"));
 }
