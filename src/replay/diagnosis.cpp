@@ -80,6 +80,10 @@ constexpr HypothesisInfo kCatalogue[] = {
      "the normaliser l summed unrounded",
      Transform{ScaleRule::kAsIs, ScaleRule::kAsIs, SmScaleRule::kAsIs, PoolRead::kAsStored,
                WeightRounding::kE4m3}},
+    {Hypothesis::kDequantBf16, "dequant-bf16",
+     "each K/V element dequantized in bf16 arithmetic, bf16(code * bf16(kv_scale)), before the "
+     "bf16 MMAs (FlashInfer 0.6's FP8 MLA repack of FP8 tiles to bf16)",
+     Transform{ScaleRule::kOne, ScaleRule::kOne, SmScaleRule::kAsIs, PoolRead::kDequantBf16}},
 };
 
 // s = f * 2^e with f in [0.5, 1): floor(log2 s) = e - 1, and s is a power of two iff f = 0.5.
@@ -133,11 +137,15 @@ float e5m2_decode(std::uint8_t code) {
 }
 
 // One decoded element (column j of slot t) under a PoolRead.
-float decode_element(const KvPool& pool, PoolRead read, std::int64_t slot, int j) {
+float decode_element(const KvPool& pool, PoolRead read, std::int64_t slot, int j, float kv_scale) {
   if (pool.dtype == KvDtype::kBfloat16) return bf16_to_float(pool.bf16_bits(slot, j));
   switch (read) {
     case PoolRead::kAsStored:
       return e4m3_decode(pool.row(slot)[j]);
+    case PoolRead::kDequantBf16:
+      // e4m3 values and bf16(s) have 4 and 8 significant bits: their fp32 product is exact, and
+      // its bf16 rounding is __hmul2's.
+      return bf16_round(e4m3_decode(pool.row(slot)[j]) * bf16_round(kv_scale));
     case PoolRead::kE5m2:
       return e5m2_decode(pool.row(slot)[j]);
     case PoolRead::kBf16Bytes: {
@@ -203,7 +211,11 @@ ResolvedVariant resolve(const Transform& transform, float kv_scale, double sm_sc
 
 std::string describe_variant(const ResolvedVariant& v, const ResolvedVariant& identity) {
   std::vector<std::string> parts;
-  if (v.latent_scale != v.rope_scale) {
+  if (v.read == PoolRead::kDequantBf16) {  // the scale is inside the rows (a = b = 1)
+    parts.push_back(fmt::format("K/V elements bf16(code * {}): kv_scale {} in bf16",
+                                number_text(bf16_round(static_cast<float>(identity.latent_scale))),
+                                number_text(identity.latent_scale)));
+  } else if (v.latent_scale != v.rope_scale) {
     parts.push_back(fmt::format("kv_scale {}: latent part scaled by {}, rope part by {}",
                                 number_text(identity.latent_scale), number_text(v.latent_scale),
                                 number_text(v.rope_scale)));
@@ -229,7 +241,7 @@ std::string describe_variant(const ResolvedVariant& v, const ResolvedVariant& id
 // ---- DecodedRows -------------------------------------------------------------------------------
 
 DecodedRows DecodedRows::decode(const KvPool& pool, PoolRead read,
-                                std::span<const std::int64_t> visible) {
+                                std::span<const std::int64_t> visible, float kv_scale) {
   DecodedRows rows;
   rows.row_width_ = pool.row_width;
   rows.index_.assign(static_cast<std::size_t>(pool.num_slots), -1);
@@ -241,7 +253,9 @@ DecodedRows DecodedRows::decode(const KvPool& pool, PoolRead read,
   for (std::int64_t slot = 0; slot < pool.num_slots; ++slot) {
     if (rows.index_[slot] < 0) continue;
     float* dst = rows.values_.data() + rows.index_[slot] * pool.row_width;
-    for (int j = 0; j < pool.row_width; ++j) dst[j] = decode_element(pool, read, slot, j);
+    for (int j = 0; j < pool.row_width; ++j) {
+      dst[j] = decode_element(pool, read, slot, j, kv_scale);
+    }
   }
   return rows;
 }
@@ -475,7 +489,8 @@ class Diagnoser {
     if (decoded == decoded_.end()) {
       decoded =
           decoded_
-              .emplace(variant.read, DecodedRows::decode(input_.pool, variant.read, input_.visible))
+              .emplace(variant.read, DecodedRows::decode(input_.pool, variant.read, input_.visible,
+                                                         input_.kv_scale))
               .first;
     }
     const TensorShape3 full{input_.shape.rows, input_.shape.heads, input_.attrs.kv_lora_rank};

@@ -54,6 +54,7 @@ enum class Hypothesis : std::uint8_t {
   kReadAsE5m2,
   kReadAsBf16,
   kProbabilitiesE4m3,
+  kDequantBf16,
 };
 
 // How a hypothesis derives a KV multiplier from kv_scale s (all in fp32, as a kernel would).
@@ -76,6 +77,9 @@ enum class PoolRead : std::uint8_t {
   kBf16Bytes,  // the byte buffer addressed as a [S, D] bf16 array, as the fp8-read-as-bf16
                // injection reads it (kernels/mla_attention_cpu.cpp): element j of slot t is the
                // little-endian bf16 at bytes 2 (t D + j), 2 (t D + j) + 1; 0 past the buffer
+  kDequantBf16,  // each element dequantized in bf16 arithmetic: bf16(e4m3(code) * bf16(s)), the
+                 // scale s = kv_scale folded into the row (multipliers a = b = 1); FlashInfer's
+                 // FP8 MLA kernels (0.6.x) repack FP8 tiles to bf16 this way (__hmul2)
 };
 enum class WeightRounding : std::uint8_t { kNone, kE4m3 };  // p_t before P.V
 enum class LseBase : std::uint8_t { kNatural, kTwo };       // how the candidate's lse is read
@@ -127,8 +131,9 @@ std::string describe_variant(const ResolvedVariant& variant, const ResolvedVaria
 // and bf16 value is a float).
 class DecodedRows {
  public:
+  // `kv_scale` is used by kDequantBf16 only (the other reads are unscaled).
   static DecodedRows decode(const KvPool& pool, PoolRead read,
-                            std::span<const std::int64_t> visible);
+                            std::span<const std::int64_t> visible, float kv_scale = 1.0f);
   // nullptr for a slot that was not decoded.
   const float* row(std::int64_t slot) const;
   int row_width() const { return row_width_; }

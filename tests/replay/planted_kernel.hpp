@@ -47,6 +47,7 @@ inline float planted_scale(std::optional<Hypothesis> planted, float s) {
     case Hypothesis::kScaleSquared:
       return s * s;
     case Hypothesis::kScaleNotApplied:
+    case Hypothesis::kDequantBf16:  // the scale is applied per element (planted_element)
       return 1.0f;
     default:
       return s;
@@ -69,9 +70,14 @@ inline float half_high_byte_value(std::uint8_t code) {
   return static_cast<float>((half & 0x8000) ? -magnitude : magnitude);
 }
 
-// Element j of slot `slot` as the planted kernel decodes it, without any scale.
+// Element j of slot `slot` as the planted kernel decodes it, without any scale (but dequant-bf16's:
+// FlashInfer 0.6's repack, bf16 code times the bf16 scale, rounded to bf16 like __hmul2).
 inline float planted_element(std::optional<Hypothesis> planted, const KvPool& pool,
-                             std::int64_t slot, int j) {
+                             std::int64_t slot, int j, float kv_scale) {
+  if (planted == Hypothesis::kDequantBf16) {
+    const float scale = bf16_round(kv_scale);
+    return bf16_round(e4m3_decode(pool.row(slot)[j]) * scale);
+  }
   if (planted == Hypothesis::kReadAsE5m2) return half_high_byte_value(pool.row(slot)[j]);
   if (planted == Hypothesis::kReadAsBf16) {
     // The fp8 buffer addressed as a bf16 [S, D] array (2 bytes per element, little endian).
@@ -122,11 +128,11 @@ inline PlantedOutput planted_attention(const DumpAttributes& attrs, const StepMe
         float dot = 0.0f;
         latent[p].resize(dc);
         for (int c = 0; c < dc; ++c) {
-          latent[p][c] = planted_element(planted, pool, slot, c);
+          latent[p][c] = planted_element(planted, pool, slot, c, kv_scale);
           dot += qn[c] * (a * latent[p][c]);
         }
         for (int c = 0; c < dr; ++c)
-          dot += qp[c] * (b * planted_element(planted, pool, slot, dc + c));
+          dot += qp[c] * (b * planted_element(planted, pool, slot, dc + c, kv_scale));
         scores[p] = dot * score_scale;
         m = std::max(m, scores[p]);
       }
