@@ -86,20 +86,17 @@ def integrity_summary(integrity):
 
 
 def diagnosis_lines(report):
-    """One line per diagnosis finding (any shape: the known keys first, else the JSON)."""
+    """One line per diagnosis finding (docs/report-schema.md "diagnosis"): where, which
+    comparison, and its summary (what explains the failure, or the closest hypothesis)."""
     lines = []
     for finding in report.get("diagnosis", []) or []:
         if not isinstance(finding, dict):
             lines.append(str(finding))
             continue
-        where = " ".join(str(finding[k]) for k in ("where", "step", "layer") if k in finding)
-        what = finding.get("hypothesis") or finding.get("name") or finding.get("verdict") or ""
-        before, after = finding.get("error_before"), finding.get("error_after")
-        text = finding.get("detail") or finding.get("message") or ""
-        parts = [p for p in (where, what, text) if p]
-        if before is not None or after is not None:
-            parts.append(f"error {before} -> {after}")
-        lines.append(": ".join(parts) if parts else json.dumps(finding, sort_keys=True))
+        where = f"step {finding.get('step', '?')} layer {finding.get('layer', '?')}"
+        comparison = finding.get("comparison", "?")
+        summary = finding.get("summary") or json.dumps(finding, sort_keys=True)
+        lines.append(f"{where} {comparison}: {summary}")
     return lines
 
 
@@ -298,7 +295,8 @@ def dump_demands(path):
 
 
 def collect_dumps(options, work):
-    dumps = list(options.dumps) or sorted(glob.glob(os.path.join(REPO, "datasets", "*.h5")))
+    dumps = [] if options.whole_model_only else (
+        list(options.dumps) or sorted(glob.glob(os.path.join(REPO, "datasets", "*.h5"))))
     if not options.no_whole_model:
         name, args = WHOLE_MODEL
         path = os.path.join(work, name)
@@ -327,17 +325,19 @@ def run_all(options):
     for dump in dumps:
         for backend in options.backends:
             table["runs"].append(run_check(options, backend, dump, work))
+            save(table, options.out, quiet=True)  # a table so far survives an interrupted run
     return table
 
 
-def save(table, out):
+def save(table, out, quiet=False):
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out + ".json", "w", encoding="utf-8") as f:
         json.dump(table, f, indent=1, sort_keys=True)
         f.write("\n")
     with open(out + ".md", "w", encoding="utf-8") as f:
         f.write(render_markdown(table))
-    print(f"wrote {out}.md and {out}.json")
+    if not quiet:
+        print(f"wrote {out}.md and {out}.json")
 
 
 def parse_args(argv):
@@ -352,6 +352,8 @@ def parse_args(argv):
                         help="dumps to check (default: datasets/*.h5)")
     parser.add_argument("--no-whole-model", action="store_true",
                         help="skip the 78-layer synthetic dump")
+    parser.add_argument("--whole-model-only", action="store_true",
+                        help="only the 78-layer synthetic dump (e.g. after the shipped ones)")
     parser.add_argument("--backends", nargs="*", default=list(BACKENDS), choices=list(BACKENDS))
     parser.add_argument("--write", default="server", choices=("server", "saturate", "kvdump"),
                         help="the exec adapters' write rule (default server: PyTorch's cast)")

@@ -2,7 +2,7 @@
 
 summarize() on hand-written report.json objects: the worst kernel rel_l2 / lse of the kernel
 comparison only, failing comparisons counted per kind, failing integrity findings grouped by check
-and class with their slot counts, diagnosis findings of any shape as one line each, the adapter's
+and class with their slot counts, diagnosis findings as one line each, the adapter's
 describe found where it is nested. The Markdown shows versions, one row per run (an error run with
 its last line) and the commands. A whole run of main() against a fake kvaudit (a Python script that
 writes a report for the backend it is given and exits 0, 1 or 2) writes the .md and .json, and
@@ -69,9 +69,11 @@ FAILING_REPORT = {
                   finding("nan_written", "nan_code", 2),
                   finding("read_consistency", "", 11),
                   finding("storage", "", 0, passed=True)],
-    "diagnosis": [{"step": 0, "layer": 0, "hypothesis": "kv_scale rounded to a power of two",
-                   "error_before": 0.12, "error_after": 0.0021},
-                  "no hypothesis fits S001 L000"],
+    # The shape of report.json's diagnosis (docs/report-schema.md), shortened to what is read.
+    "diagnosis": [{"step": 0, "layer": 0, "comparison": "kernel",
+                   "summary": "explained by scale-bf16 (kv_scale 0.0029 read as 0.00290)"},
+                  {"step": 1, "layer": 0, "comparison": "kernel",
+                   "summary": "no hypothesis in the catalogue explains this failure (14 tried)"}],
     "timing": {"total_seconds": 3.5},
 }
 
@@ -101,8 +103,9 @@ class SummarizeTests(unittest.TestCase):
             "read_consistency": {"findings": 1, "slots": 11},
             "written_slots [off_by_one_code]": {"findings": 2, "slots": 11}})
         self.assertEqual(row["diagnosis"], [
-            "0 0: kv_scale rounded to a power of two: error 0.12 -> 0.0021",
-            "no hypothesis fits S001 L000"])
+            "step 0 layer 0 kernel: explained by scale-bf16 (kv_scale 0.0029 read as 0.00290)",
+            "step 1 layer 0 kernel: no hypothesis in the catalogue explains this failure "
+            "(14 tried)"])
         self.assertEqual(row["describe"]["flashinfer"], "0.6.18")
         self.assertEqual(row["seconds"], 3.5)
 
@@ -151,7 +154,7 @@ class RenderTests(unittest.TestCase):
         for text in ("| fail |", "| 0.0031 |", "cache ×2, total ×1",
                      "written_slots [off_by_one_code]: 2 findings, 11 slots",
                      "nan_written [nan_code]: 1 findings, 2 slots",
-                     "kv_scale rounded to a power of two: error 0.12 -> 0.0021"):
+                     "step 0 layer 0 kernel: explained by scale-bf16"):
             self.assertIn(text, fa3)
         self.assertIn("| pass | 0.0011 |", self.row("cuda-fp8"))
         self.assertIn("| clean |", self.row("cuda-fp8"))
