@@ -13,6 +13,8 @@
 #   KVAUDIT_CUDA             ON or OFF (default: ON where nvcc is found)
 #   KVAUDIT_FUZZ_MUTATIONS   mutations per dump in the sanitizer fuzz (default: 300)
 #   KVAUDIT_SANITIZER_FUZZ=0 skip the sanitizer build and fuzz
+#   KVAUDIT_WITH_TORCH=1     install PyTorch into the Python venv, so that the exec protocol is
+#                            tested end to end with the torch adapter (CI does; about 3.5 GB)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -29,6 +31,11 @@ phase() {
 
 phase "checking the build dependencies (scripts/setup.sh)"
 bash scripts/setup.sh
+# The Python package's venv (build/python-venv: pip install ./python), where its unittest suite
+# and the exec-backend tests run; torch in it with KVAUDIT_WITH_TORCH=1 (.ci/run sets it), else
+# the torch adapter's cases say by name that they were skipped.
+phase "Python package venv (scripts/setup-python.sh; KVAUDIT_WITH_TORCH=${KVAUDIT_WITH_TORCH:-0})"
+bash scripts/setup-python.sh
 
 # CUDA toolkits install nvcc outside PATH; CMake finds the compiler through PATH or CUDACXX.
 if ! command -v nvcc >/dev/null && [[ -z ${CUDACXX:-} && -x /usr/local/cuda/bin/nvcc ]]; then
