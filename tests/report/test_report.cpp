@@ -262,7 +262,7 @@ TEST_CASE("report.md and report.html: the server's pool cost and a merged run's 
   CHECK_THAT(md, Catch::Contains("### Merged from"));
   CHECK_THAT(md, Catch::Contains("| 1/2 | p1.json | node2 |"));
   const std::string html = kvaudit::render_html(run);
-  CHECK_THAT(html, Catch::Contains("The server&#39;s pool: captured pool cost first shows at step "
+  CHECK_THAT(html, Catch::Contains("The server's pool: captured pool cost first shows at step "
                                    "1 layer 3"));
   CHECK_THAT(html, Catch::Contains("<h3>Merged from</h3>"));
 }
