@@ -162,23 +162,31 @@ json times_json(const bench::LaunchTimes& t) {
 }
 
 json cpu_json(const bench::CpuBenchResult& r) {
-  return {{"accumulation", r.accumulation},
-          {"threads", r.threads},
-          {"batch", r.options.batch},
-          {"context", r.options.context},
-          {"num_heads", r.options.num_heads},
-          {"runs", r.runs},
-          {"seconds", r.seconds},
-          {"units_per_run", r.units_per_run},
-          {"row_head_tokens_per_second", r.units_per_second},
-          {"projection",
-           {{"what", "one decode step of a full GLM-5 dump: layers x batch x context x heads"},
-            {"layers", r.options.project_layers},
-            {"batch", r.options.project_batch},
-            {"context", r.options.project_context},
-            {"num_heads", r.options.project_heads},
-            {"row_head_tokens", r.project_units},
-            {"seconds", r.project_seconds}}}};
+  return {
+      {"accumulation", r.accumulation},
+      {"threads", r.threads},
+      {"batch", r.options.batch},
+      {"context", r.options.context},
+      {"num_heads", r.options.num_heads},
+      {"runs", r.runs},
+      {"seconds", r.seconds},
+      {"units_per_run", r.units_per_run},
+      {"row_head_tokens_per_second", r.units_per_second},
+      {"projection",
+       {{"what", "one decode step of a full GLM-5 dump: layers x batch x context x heads"},
+        {"layers", r.options.project_layers},
+        {"batch", r.options.project_batch},
+        {"context", r.options.project_context},
+        {"num_heads", r.options.project_heads},
+        {"row_head_tokens", r.project_units},
+        {"seconds", r.project_seconds}}},
+      {"plain_binary64",
+       {{"what", "the same step in plain uncompensated binary64 (online softmax), same threads"},
+        {"runs", r.plain_runs},
+        {"seconds", r.plain_seconds},
+        {"row_head_tokens_per_second", r.plain_units_per_second},
+        {"max_out_difference_over_ref_max", r.plain_max_out_difference}}},
+      {"cost_of_exactness", r.cost_of_exactness}};
 }
 
 // --quick: small defaults for every option not given explicitly.
@@ -342,16 +350,23 @@ Status run_cpu_part(const BenchCliOptions& o, json& doc) {
       cpu.runs, cpu.seconds, cpu.units_per_second, cpu.options.project_layers,
       cpu.options.project_batch, cpu.options.project_context, cpu.options.project_heads,
       cpu.project_seconds);
+  fmt::print(
+      "plain binary64 loop (no compensation), same step and threads: {} run(s) in {:.2f} s: {:.3g} "
+      "row*head*tokens/s; the exact reference costs {:.2f}x (its out differs from the plain "
+      "loop's by {:.2g} of max |out|)\n",
+      cpu.plain_runs, cpu.plain_seconds, cpu.plain_units_per_second, cpu.cost_of_exactness,
+      cpu.plain_max_out_difference);
   doc["cpu_reference"] = cpu_json(cpu);
   return ok_status();
 }
 
 // The memory the CPU part allocates: the pool's values as floats plus the permutation and page
-// list (batch x context slots), and per query row its q, out (double) and lse.
+// list (batch x context slots), and per query row its q, out (double) and lse, twice (the
+// reference's and the plain baseline's).
 double cpu_bench_bytes(const bench::CpuBenchOptions& cpu) {
   const double slots = static_cast<double>(cpu.batch) * cpu.context;
   const double rows = static_cast<double>(cpu.batch) * cpu.num_heads;
-  return slots * (576.0 * 4.0 + 8.0) + rows * (576.0 * 4.0 + 512.0 * 8.0 + 8.0);
+  return slots * (576.0 * 4.0 + 8.0) + rows * (576.0 * 4.0 + 2.0 * (512.0 * 8.0 + 8.0));
 }
 
 // Before any work: the JSON file's temporary (its path was validated before parsing ended) and

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <span>
@@ -32,6 +33,80 @@ float random_e4m3_value(std::mt19937_64& rng) {
   const auto code =
       static_cast<std::uint8_t>((r & 0x80u) | (((r >> 8) % 9u) << 3) | (r >> 16 & 7u));
   return e4m3_decode(code);
+}
+
+// The baseline the reference is measured against: attention of one decode step in plain binary64,
+// no compensation, at the reference's level of optimisation (the same x86-64-v3 clones, the same
+// two passes per (row, head): scores, then weights and P.V, 4-lane vector accumulators). Page size
+// 1 (the bench's step): token p of request b is slot kv_indices[kv_indptr[b] + p]. Written here
+// rather than as mla_reference_attention<double>, whose loops keep the reference's structure for
+// a generic Acc: the baseline is the fastest plain loop, so the ratio does not flatter the
+// reference.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define KVAUDIT_BENCH_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define KVAUDIT_BENCH_CLONES
+#endif
+
+KVAUDIT_BENCH_CLONES
+double plain_dot(const double* q, const float* k, int n) {
+  using Double4 = double __attribute__((vector_size(32)));
+  using Float4 = float __attribute__((vector_size(16)));
+  Double4 sum[2] = {};
+  int j = 0;
+  for (; j + 8 <= n; j += 8) {
+    for (int h = 0; h < 2; ++h) {
+      Double4 qv;
+      Float4 kv;
+      std::memcpy(&qv, q + j + 4 * h, sizeof qv);
+      std::memcpy(&kv, k + j + 4 * h, sizeof kv);
+      sum[h] += qv * __builtin_convertvector(kv, Double4);
+    }
+  }
+  double total = 0.0;
+  for (; j < n; ++j) total += q[j] * k[j];
+  const Double4 both = sum[0] + sum[1];
+  return total + (both[0] + both[1]) + (both[2] + both[3]);
+}
+
+KVAUDIT_BENCH_CLONES
+void plain_axpy(double w, const float* v, int n, double* acc) {
+  for (int d = 0; d < n; ++d) acc[d] += w * v[d];
+}
+
+void plain_binary64_attention(const StepMeta& step, int heads, double sm_scale,
+                              std::span<const float> q_nope, std::span<const float> q_pe,
+                              const std::vector<float>& kv, double kv_scale, int threads,
+                              std::span<double> out, std::span<double> lse) {
+  const std::size_t pairs = static_cast<std::size_t>(step.batch_size()) * heads;
+  parallel_for(pairs, threads, [&] {
+    return [&, q = std::vector<double>(kD), acc = std::vector<double>(kDc),
+            scores = std::vector<double>()](std::size_t pair) mutable {
+      const int b = static_cast<int>(pair / heads);
+      std::copy_n(q_nope.data() + pair * kDc, kDc, q.begin());
+      std::copy_n(q_pe.data() + pair * kDr, kDr, q.begin() + kDc);
+      const std::int32_t first = step.kv_indptr[b];
+      const std::int32_t tokens = step.kv_indptr[b + 1] - first;
+      auto row = [&](std::int32_t t) {
+        return kv.data() + static_cast<std::size_t>(step.kv_indices[first + t]) * kD;
+      };
+      scores.resize(static_cast<std::size_t>(tokens));
+      double m = -INFINITY;
+      for (std::int32_t t = 0; t < tokens; ++t) {
+        scores[t] = plain_dot(q.data(), row(t), kD) * (sm_scale * kv_scale);
+        m = std::max(m, scores[t]);
+      }
+      std::fill(acc.begin(), acc.end(), 0.0);
+      double l = 0.0;
+      for (std::int32_t t = 0; t < tokens; ++t) {
+        const double w = std::exp(scores[t] - m);
+        l += w;
+        plain_axpy(w, row(t), kDc, acc.data());
+      }
+      for (int j = 0; j < kDc; ++j) out[pair * kDc + j] = acc[j] * kv_scale / l;
+      lse[pair] = m + std::log(l);
+    };
+  });
 }
 
 }  // namespace
@@ -81,7 +156,7 @@ Result<CpuBenchResult> run_cpu_reference_bench(const CpuBenchOptions& options) {
   std::vector<float> q_nope(q_rows * kDc), q_pe(q_rows * kDr);
   for (float& v : q_nope) v = random_bf16_value(rng);
   for (float& v : q_pe) v = random_bf16_value(rng);
-  const KvRows kv = KvRows::from_values(kv_values, kD, 0.0625);
+  const KvRows kv = KvRows::from_values(kv_values, kD, 0.0625);  // the baseline's kKvScale
   std::vector<double> out(q_rows * kDc), lse(q_rows);
 
   using Clock = std::chrono::steady_clock;
@@ -104,6 +179,26 @@ Result<CpuBenchResult> run_cpu_reference_bench(const CpuBenchOptions& options) {
   result.seconds = elapsed;
   result.units_per_second =
       static_cast<double>(result.units_per_run) * result.runs / std::max(elapsed, 1e-9);
+
+  // The baseline, timed the same way on the same step.
+  constexpr double kKvScale = 0.0625;
+  std::vector<double> plain_out(out.size()), plain_lse(lse.size());
+  const Clock::time_point plain_start = Clock::now();
+  do {
+    plain_binary64_attention(step, options.num_heads, attrs.sm_scale, q_nope, q_pe, kv_values,
+                             kKvScale, result.threads, plain_out, plain_lse);
+    ++result.plain_runs;
+    result.plain_seconds = std::chrono::duration<double>(Clock::now() - plain_start).count();
+  } while (result.plain_seconds < options.min_seconds);
+  result.plain_units_per_second = static_cast<double>(result.units_per_run) * result.plain_runs /
+                                  std::max(result.plain_seconds, 1e-9);
+  result.cost_of_exactness = result.plain_units_per_second / result.units_per_second;
+  double reference_max = 0.0, difference = 0.0;
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    reference_max = std::max(reference_max, std::abs(out[i]));
+    difference = std::max(difference, std::abs(plain_out[i] - out[i]));
+  }
+  result.plain_max_out_difference = difference / std::max(reference_max, 1e-300);
   result.project_units = static_cast<double>(options.project_layers) * options.project_batch *
                          options.project_context * options.project_heads;
   result.project_seconds = result.project_units / result.units_per_second;

@@ -7,7 +7,9 @@
 //   q_nope : [batch, num_heads, 512]   q_pe : [batch, num_heads, 64]   kv : [batch * context, 576]
 // Work unit: one (query row, head, visible token), i.e. 1,088 multiply-adds in double-double.
 // The reference is run repeatedly until `min_seconds` of wall time have passed (at least once);
-// rate = units / wall seconds. The projection scales that rate to one decode step of a dump
+// rate = units / wall seconds. Then, in the same run and on the same inputs, the baseline: a plain,
+// uncompensated binary64 loop (scores, max, exp, sum and P.V in double, one pass per (row, head),
+// the same threads), timed the same way; exactness's cost is the ratio of the two rates. The projection scales that rate to one decode step of a dump
 // with `project_layers` layers of `project_batch` requests x `project_context` tokens x
 // `project_heads` heads: layers * batch * context * heads units.
 #pragma once
@@ -43,6 +45,12 @@ struct CpuBenchResult {
   double units_per_second = 0;
   double project_units = 0;
   double project_seconds = 0;
+  // The plain binary64 baseline on the same step and threads.
+  int plain_runs = 0;
+  double plain_seconds = 0;
+  double plain_units_per_second = 0;
+  double plain_max_out_difference = 0;  // |plain - reference| / max |reference| over out
+  double cost_of_exactness = 0;         // plain rate / reference rate
 };
 
 // Errors: sizes < 1 (bad input), or whatever the reference reports.

@@ -210,6 +210,13 @@ TEST_CASE("bench CPU reference throughput counts row*head*tokens and projects a 
   CHECK(result->units_per_second > 0);
   CHECK(result->project_units == 78.0 * 64 * 4096 * 16);
   CHECK(result->project_seconds == Approx(result->project_units / result->units_per_second));
+  // The plain binary64 baseline computes the same attention (its error is binary64's, ~1e-15 of
+  // the output's scale; a wrong softmax or scale would be O(1)) and is timed in the same run.
+  CHECK(result->plain_runs >= 1);
+  CHECK(result->plain_units_per_second > 0);
+  CHECK(result->plain_max_out_difference < 1e-12);
+  CHECK(result->cost_of_exactness ==
+        Approx(result->plain_units_per_second / result->units_per_second));
 
   options.context = 0;
   const auto bad = kvaudit::bench::run_cpu_reference_bench(options);
@@ -266,6 +273,9 @@ TEST_CASE("kvaudit bench --cpu-only reports a positive reference rate in text an
   CHECK(cpu.at("row_head_tokens_per_second").get<double>() > 0);
   CHECK(cpu.at("projection").at("layers").get<int>() == 78);
   CHECK(cpu.at("projection").at("seconds").get<double>() > 0);
+  CHECK(cpu.at("plain_binary64").at("row_head_tokens_per_second").get<double>() > 0);
+  CHECK(cpu.at("cost_of_exactness").get<double>() > 0);
+  CHECK(out.text.find("the exact reference costs") != std::string::npos);
   CHECK_FALSE(doc.contains("cases"));
 }
 
