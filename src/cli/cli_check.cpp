@@ -433,9 +433,10 @@ void add_input_options(CLI::App& cmd, CheckOptions& options) {
 void add_output_options(CLI::App& cmd, CheckOptions& options) {
   add_output_path(cmd, "--json", options.json_file, OutputKind::kFile,
                   "Write report.json to this file");
-  add_output_path(cmd, "--report", options.report_dir, OutputKind::kDirectory,
-                  "Write a report directory (report.json, report.md, report.html; created with its parents, "
-                  "an existing one keeps its other files)");
+  add_output_path(
+      cmd, "--report", options.report_dir, OutputKind::kDirectory,
+      "Write a report directory (report.json, report.md, report.html; created with its parents, "
+      "an existing one keeps its other files)");
   add_output_path(cmd, "--save-outputs", options.save_outputs, OutputKind::kFile,
                   "Write the reference and backend outputs per step and layer to this HDF5 file "
                   "(/steps/S###/L###/{reference_out, reference_lse, reference_source_out, "
@@ -456,12 +457,13 @@ void add_output_options(CLI::App& cmd, CheckOptions& options) {
                "that multiply by a reciprocal scale, instead of kvdump-v1's x / kv_scale: in the "
                "reference replay (so captured pools are judged by it) and in the backend. It "
                "differs in the last bit of rare codes; the report notes it");
-  add_integer_option(cmd, "--diagnose", options.diagnose, 0, 1000000,
-                     "When a kernel or captured comparison fails, try the catalogue of convention "
-                     "mismatches (lse base, kv_scale forms, softmax scale, FP8 variant, P rounding; "
-                     "--list-diagnoses) on the pool its candidate read and name the ones that bring "
-                     "the error to a clean kernel's level; at most N failing (step, layer)s, the "
-                     "earliest first (0: off)")
+  add_integer_option(
+      cmd, "--diagnose", options.diagnose, 0, 1000000,
+      "When a kernel or captured comparison fails, try the catalogue of convention "
+      "mismatches (lse base, kv_scale forms, softmax scale, FP8 variant, P rounding; "
+      "--list-diagnoses) on the pool its candidate read and name the ones that bring "
+      "the error to a clean kernel's level; at most N failing (step, layer)s, the "
+      "earliest first (0: off)")
       ->capture_default_str();
   cmd.add_flag("--list-diagnoses", options.list_diagnoses,
                "List the diagnosis catalogue, one line each with what it models");

@@ -487,11 +487,10 @@ class Diagnoser {
   Status compute_reference(const ResolvedVariant& variant) {
     auto decoded = decoded_.find(variant.read);
     if (decoded == decoded_.end()) {
-      decoded =
-          decoded_
-              .emplace(variant.read, DecodedRows::decode(input_.pool, variant.read, input_.visible,
-                                                         input_.kv_scale))
-              .first;
+      decoded = decoded_
+                    .emplace(variant.read, DecodedRows::decode(input_.pool, variant.read,
+                                                               input_.visible, input_.kv_scale))
+                    .first;
     }
     const TensorShape3 full{input_.shape.rows, input_.shape.heads, input_.attrs.kv_lora_rank};
     out_.assign(full.size(), 0.0);

@@ -177,7 +177,7 @@ struct StepResults {
   // The backend's pool as it left it, kept only when it changed the storage (the replay then goes
   // on with the reference pool, and observers must still see what the backend wrote).
   std::optional<KvPool> changed_storage_pool;
-  std::vector<double> server_out;          // R8s: the server's pool, where it differs from R8's
+  std::vector<double> server_out;  // R8s: the server's pool, where it differs from R8's
   std::vector<double> server_lse;
   bool server_tracked = false;  // a captured pool of the layer has differed from the replay
   bool server_differs = false;

@@ -20,10 +20,10 @@
 #include <utility>
 #include <vector>
 
+#include "src/report/diagnosis_report.hpp"
 #include "src/report/report_html.hpp"
 #include "src/report/report_summary.hpp"
 #include "src/verdict/signoff.hpp"
-#include "src/report/diagnosis_report.hpp"
 
 namespace kvaudit {
 namespace {

@@ -634,7 +634,8 @@ void provenance_section(Html& html, const CheckRun& run) {
         "<th>date</th><th>command line</th></tr>",
         p.merged_from.size());
     for (const MergedPart& part : p.merged_from) {
-      put(html, "<tr><td>{}</td><td class=\"mono\">{}</td><td>{}</td><td>{}</td>"
+      put(html,
+          "<tr><td>{}</td><td class=\"mono\">{}</td><td>{}</td><td>{}</td>"
           "<td class=\"mono\">{}</td></tr>",
           esc(part.shard), esc(part.file), esc(part.host), esc(part.date_utc),
           esc(part.command_line));

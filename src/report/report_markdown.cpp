@@ -13,8 +13,8 @@
 #include <utility>
 #include <vector>
 
-#include "src/report/report.hpp"
 #include "src/report/diagnosis_report.hpp"
+#include "src/report/report.hpp"
 #include "src/report/report_summary.hpp"
 #include "src/verdict/signoff.hpp"
 

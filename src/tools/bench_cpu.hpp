@@ -9,9 +9,10 @@
 // The reference is run repeatedly until `min_seconds` of wall time have passed (at least once);
 // rate = units / wall seconds. Then, in the same run and on the same inputs, the baseline: a plain,
 // uncompensated binary64 loop (scores, max, exp, sum and P.V in double, one pass per (row, head),
-// the same threads), timed the same way; exactness's cost is the ratio of the two rates. The projection scales that rate to one decode step of a dump
-// with `project_layers` layers of `project_batch` requests x `project_context` tokens x
-// `project_heads` heads: layers * batch * context * heads units.
+// the same threads), timed the same way; exactness's cost is the ratio of the two rates. The
+// projection scales that rate to one decode step of a dump with `project_layers` layers of
+// `project_batch` requests x `project_context` tokens x `project_heads` heads: layers * batch *
+// context * heads units.
 #pragma once
 
 #include <cstdint>

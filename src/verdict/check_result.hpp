@@ -193,8 +193,8 @@ struct Provenance {
   std::string date_utc;      // ISO-8601, "2026-11-29T09:30:00Z"
   std::string command_line;  // as typed, arguments shell-quoted where needed
   std::string kvaudit_version;
-  std::string git_revision;  // src/core/build_info.hpp
-  std::string cpu;           // the host's CPU model and count
+  std::string git_revision;             // src/core/build_info.hpp
+  std::string cpu;                      // the host's CPU model and count
   std::vector<MergedPart> merged_from;  // kvaudit merge: its parts in shard order; else empty
 };
 

@@ -177,8 +177,7 @@ DiagnosisFinding read_diagnosis(JsonObjectReader reader) {
   finding.before = read_error_summary(reader.object("before"));
   const nlohmann::json& explained_by = reader.array("explained_by");
   for (std::size_t i = 0; i < explained_by.size(); ++i) {
-    finding.explained_by.push_back(
-        read_outcome(reader.element(explained_by, "explained_by", i)));
+    finding.explained_by.push_back(read_outcome(reader.element(explained_by, "explained_by", i)));
   }
   // Derived from explained_by: whether any explains, whether more than one, and the sentence.
   for (const char* derived : {"explained", "indistinguishable", "summary"}) reader.skip(derived);

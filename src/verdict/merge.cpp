@@ -218,7 +218,8 @@ MergedPart merged_part(const NamedPart& named) {
 std::vector<std::string> layer_notes(const NamedPart& named) {
   const CheckRun& part = named.part.run;
   std::set<std::pair<int, int>> sites;
-  for (const DiagnosisFinding& finding : part.diagnosis) sites.insert({finding.step, finding.layer_id});
+  for (const DiagnosisFinding& finding : part.diagnosis)
+    sites.insert({finding.step, finding.layer_id});
   const std::optional<std::string> budget =
       diagnosis_budget_note(sites.size(), part.diagnosis_failing_sites, part.diagnose_limit);
   std::vector<std::string> notes;
@@ -266,10 +267,9 @@ void merge_diagnosis(const std::vector<NamedPart>& parts,
   auto site = [&positions](const DiagnosisFinding& finding) {
     return std::pair<int, std::size_t>(finding.step, positions.at(finding.layer_id));
   };
-  std::stable_sort(run.diagnosis.begin(), run.diagnosis.end(),
-                   [&site](const DiagnosisFinding& a, const DiagnosisFinding& b) {
-                     return site(a) < site(b);
-                   });
+  std::stable_sort(
+      run.diagnosis.begin(), run.diagnosis.end(),
+      [&site](const DiagnosisFinding& a, const DiagnosisFinding& b) { return site(a) < site(b); });
   std::set<std::pair<int, std::size_t>> kept;
   std::vector<DiagnosisFinding> findings;
   for (DiagnosisFinding& finding : run.diagnosis) {
