@@ -138,6 +138,7 @@ Result<ShardPart> replay_shard(const DumpReader& reader, Backend* backend, Repla
   shard.reciprocal_scale = options.reciprocal_scale;
   shard.run_notes = begin_run(reader, backend, options).notes.size();
   if (shard.layers.empty()) return ShardPart{begin_run(reader, backend, options), shard};
+  options.certification_layer_ids = shard.selected_layers;  // the whole check's sites
   options.layer_ids = shard.layers;
   KVAUDIT_ASSIGN_OR_RETURN(CheckRun run, replay_dump(reader, backend, options));
   return ShardPart{std::move(run), std::move(shard)};

@@ -93,6 +93,7 @@ struct CheckOptions {
   bool list_diagnoses = false;
   bool reciprocal_scale = false;
   int diagnose = kDefaultDiagnoseLimit;
+  int certify = kDefaultCertificationSamples;
 };
 
 // --list-injections: one line each, with the check meant to catch it.
@@ -192,6 +193,7 @@ Result<ReplayOptions> replay_options(const CheckOptions& options, const DumpLayo
   replay.threads = options.threads;
   replay.reciprocal_scale = options.reciprocal_scale;
   replay.diagnose = options.diagnose;
+  replay.certify = options.certify;
   replay.progress = options.progress || isatty(STDERR_FILENO) != 0;
   return replay;
 }
@@ -467,6 +469,13 @@ void add_output_options(CLI::App& cmd, CheckOptions& options) {
       ->capture_default_str();
   cmd.add_flag("--list-diagnoses", options.list_diagnoses,
                "List the diagnosis catalogue, one line each with what it models");
+  add_integer_option(
+      cmd, "--certify", options.certify, 0, 1000,
+      "Certify the exact reference on this run's data: at N sample (step, layer, row, head) "
+      "sites, fixed by the dump's shape, recompute R8 in 50 decimal digits and require the "
+      "reference within 1e-15 (relative on out, absolute on lse; above it: exit 3); the largest "
+      "deviation goes into the report (0: off)")
+      ->capture_default_str();
   add_integer_option(cmd, "--threads", options.threads, 0, kMaxThreads,
                      "Threads for the reference and CPU backends (0: every core)")
       ->capture_default_str();

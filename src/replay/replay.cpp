@@ -144,6 +144,7 @@ struct ReplayContext {
   RunJudge& judge;
   Progress& progress;
   DiagnosisBudget& diagnosis;
+  const CertificationPlan& certification;
   std::size_t num_layers = 0;    // selected
   std::set<int> reported_steps;  // empty: every step
 
@@ -212,6 +213,7 @@ class LayerReplay {
   StepInput step_input(std::size_t step_index, const StepLayerTensors& tensors) const;
   StepLayerWrites write_reference(const StepInput& step);
   Status compute_references(const StepInput& step, StepResults& results);
+  Status certify(const StepInput& step, const StepResults& results);
   void record_coverage(const StepInput& step);
   Status run_backend(const StepInput& step, const StepLayerWrites& writes, StepResults& results);
   Status reference_on_read_pool(const StepInput& step, StepResults& results);
@@ -352,6 +354,21 @@ Status LayerReplay::compute_references(const StepInput& step, StepResults& resul
   }
   context_.run.reference_seconds += seconds_since(start);
   record_coverage(step);
+  return certify(step, results);
+}
+
+// 2b. Certification of R8 at a planned site: one (row, head) again in 50 digits.
+Status LayerReplay::certify(const StepInput& step, const StepResults& results) {
+  const auto site = context_.certification.find({static_cast<int>(step.index), layer_.layer_id});
+  if (site == context_.certification.end()) return ok_status();
+  const auto start = Clock::now();
+  KVAUDIT_ASSIGN_OR_RETURN(
+      CertificationSample sample,
+      certify_site(attrs_, step.meta, step.tensors, reference_pool_, layer_.kv_scale,
+                   results.r8_out, results.r8_lse, static_cast<int>(step.index), layer_.layer_id,
+                   site->second));
+  context_.run.certification.push_back(sample);
+  context_.run.certification_seconds += seconds_since(start);
   return ok_status();
 }
 
@@ -616,6 +633,23 @@ std::vector<std::size_t> selected_layers(const DumpLayout& layout, const ReplayO
   return indices;
 }
 
+// The certification sites of this run: over certification_layer_ids (or the replayed layers) and
+// the reported steps.
+CertificationPlan certification_plan(const DumpLayout& layout, const ReplayOptions& options,
+                                     const std::vector<std::size_t>& layers) {
+  std::vector<int> layer_ids = options.certification_layer_ids;
+  if (layer_ids.empty()) {
+    for (const std::size_t li : layers) layer_ids.push_back(layout.layers[li].layer_id);
+  }
+  std::vector<int> steps = options.step_indices;
+  if (steps.empty()) {
+    for (std::size_t s = 0; s < layout.steps.size(); ++s) steps.push_back(static_cast<int>(s));
+  }
+  std::sort(steps.begin(), steps.end());
+  steps.erase(std::unique(steps.begin(), steps.end()), steps.end());
+  return plan_certification(layout, layer_ids, steps, options.certify);
+}
+
 }  // namespace
 
 CheckRun begin_run(const DumpReader& reader, const Backend* backend, const ReplayOptions& options) {
@@ -691,15 +725,13 @@ Result<CheckRun> replay_dump(const DumpReader& reader, Backend* backend,
   Progress progress(options.progress);
   DiagnosisBudget diagnosis(options.diagnose);
   const std::vector<std::size_t> layers = selected_layers(reader.layout(), options);
-  ReplayContext context{reader,
-                        options,
-                        backend,
-                        run,
-                        judge,
-                        progress,
-                        diagnosis,
-                        layers.size(),
-                        std::set<int>(options.step_indices.begin(), options.step_indices.end())};
+  const CertificationPlan certification = certification_plan(reader.layout(), options, layers);
+  ReplayContext context{
+      reader,        options,
+      backend,       run,
+      judge,         progress,
+      diagnosis,     certification,
+      layers.size(), std::set<int>(options.step_indices.begin(), options.step_indices.end())};
   for (std::size_t order = 0; order < layers.size(); ++order) {
     LayerReplay layer(context, layers[order], order);
     KVAUDIT_TRY(layer.load_state());

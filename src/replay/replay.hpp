@@ -47,6 +47,7 @@
 #include "src/backend/backend.hpp"
 #include "src/core/result.hpp"
 #include "src/format/kvdump.hpp"
+#include "src/replay/certification.hpp"
 #include "src/replay/diagnosis.hpp"
 #include "src/verdict/check_result.hpp"
 #include "src/verdict/metrics.hpp"
@@ -84,6 +85,11 @@ struct ReplayOptions {
   bool reciprocal_scale = false;
   // At most this many failing (step, layer)s are diagnosed (the earliest); 0: no diagnosis.
   int diagnose = kDefaultDiagnoseLimit;
+  // Sites where the reference is certified against 50 digits (src/replay/certification.hpp); 0:
+  // none. Drawn from `certification_layer_ids` (empty: the replayed layers), so that the shards
+  // of one check certify the sites the whole check would.
+  int certify = kDefaultCertificationSamples;
+  std::vector<int> certification_layer_ids;
 };
 
 // Checks that every requested layer id and step index exists (bad input naming it otherwise).

@@ -397,11 +397,42 @@ void timing_section(Markdown& md, const CheckRun& run) {
   if (run.diagnosis_seconds > 0) {
     append(md, "| diagnosis | {} s |\n", short_number(run.diagnosis_seconds));
   }
+  if (!run.certification.empty()) {
+    append(md, "| reference certification (50 digits) | {} s |\n",
+           short_number(run.certification_seconds));
+  }
   if (const nlohmann::json& protocol = run.backend_protocol; protocol.is_object()) {
     append(md, "| of which protocol overhead (exec backend) | {} s over {} steps |\n",
            short_number(protocol.value("overhead_seconds", 0.0)), protocol.value("steps", 0));
   }
   append(md, "| total | {} s |\n\n", short_number(run.total_seconds));
+}
+
+// The reference's certification on this run (src/replay/certification.hpp).
+void certification_section(Markdown& md, const CheckRun& run) {
+  append(md, "## Appendix: reference certification\n\n");
+  if (run.certification.empty()) {
+    append(md, "Not certified on this run (`--certify 0`, or no step with query rows).\n\n");
+    return;
+  }
+  double out_max = 0.0, lse_max = 0.0;
+  for (const CertificationSample& s : run.certification) {
+    out_max = std::max(out_max, s.out_relative);
+    lse_max = std::max(lse_max, s.lse_absolute);
+  }
+  append(md,
+         "At {} sample sites R8 of one (row, head) was recomputed in 50 decimal digits (Boost "
+         "cpp_bin_float_50): the reference deviates by at most {} (out, relative to the row's "
+         "largest |out|) and {} (lse, absolute); the bound is {}.\n\n"
+         "| step | layer | row | head | out relative | lse absolute |\n"
+         "| ---: | ---: | ---: | ---: | ---: | ---: |\n",
+         run.certification.size(), short_number(out_max), short_number(lse_max),
+         short_number(kReferenceBound));
+  for (const CertificationSample& s : run.certification) {
+    append(md, "| {} | {} | {} | {} | {} | {} |\n", s.step, s.layer_id, s.row, s.head,
+           short_number(s.out_relative), short_number(s.lse_absolute));
+  }
+  append(md, "\n");
 }
 
 void provenance_section(Markdown& md, const CheckRun& run) {
@@ -513,6 +544,7 @@ std::string render_markdown(const CheckRun& run) {
   dump_section(md, run);
   backend_section(md, run);
   timing_section(md, run);
+  certification_section(md, run);
   provenance_section(md, run);
   return fmt::to_string(md);
 }

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <ctime>
@@ -482,8 +483,32 @@ nlohmann::json timing_json(const CheckRun& run) {
           {"reference_throughput_rows_heads_tokens_per_s", throughput},
           {"backend_seconds", json_number(run.backend_seconds)},
           {"diagnosis_seconds", json_number(run.diagnosis_seconds)},
+          {"certification_seconds", json_number(run.certification_seconds)},
           {"total_seconds", json_number(run.total_seconds)},
           {"backend_protocol", run.backend_protocol}};
+}
+
+// The reference's certification: the bound, each sample, and the largest deviations (derived).
+nlohmann::json certification_json(const std::vector<CertificationSample>& samples) {
+  nlohmann::json items = nlohmann::json::array();
+  double out_max = 0.0, lse_max = 0.0;
+  for (const CertificationSample& s : samples) {
+    items.push_back({{"step", s.step},
+                     {"layer", s.layer_id},
+                     {"row", s.row},
+                     {"head", s.head},
+                     {"out_relative", json_number(s.out_relative)},
+                     {"lse_absolute", json_number(s.lse_absolute)}});
+    out_max = std::max(out_max, s.out_relative);
+    lse_max = std::max(lse_max, s.lse_absolute);
+  }
+  return {{"method",
+           "R8 of one (row, head) per sample site recomputed in 50 decimal digits (Boost "
+           "cpp_bin_float_50) and compared with the run's reference"},
+          {"bound", json_number(kReferenceBound)},
+          {"samples", std::move(items)},
+          {"max_out_relative", json_number(out_max)},
+          {"max_lse_absolute", json_number(lse_max)}};
 }
 
 nlohmann::json merged_part_json(const MergedPart& part) {
@@ -578,6 +603,7 @@ nlohmann::json to_json(const CheckRun& run) {
   j["first_divergence"] = divergence_json(run.first_divergence);
   j["diagnosis"] = array_json(run.diagnosis, diagnosis_json);
   j["captured_pool_cost"] = captured_pool_cost_json(captured_pool_cost(run));
+  j["certification"] = certification_json(run.certification);
   j["notes"] = run.notes;
   j["coverage"] = array_json(run.coverage, coverage_json);
   j["unmeasured"] = array_json(measurement_gaps(run), gap_json);

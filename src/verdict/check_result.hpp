@@ -210,6 +210,20 @@ bool is_complete(const Provenance& provenance);
 // KVAUDIT_VERSION, or "unknown" in a build without it (report.json's "version").
 const char* kvaudit_version();
 
+// One site of the per-run certification of the exact reference (src/replay/certification.hpp):
+// R8 of one (row, head) recomputed in 50 digits, and how far the run's reference was from it.
+struct CertificationSample {
+  int step = 0;
+  int layer_id = 0;
+  int row = 0;
+  int head = 0;
+  double out_relative = 0.0;  // max_j |out - out50| / max_j |out50| (0 where both are all zero)
+  double lse_absolute = 0.0;  // |lse - lse50|
+};
+// The bound the reference promises (references/mla_reference.hpp), relative on out and absolute
+// on lse; a sample above it is an internal error.
+inline constexpr double kReferenceBound = 1e-15;
+
 struct CheckRun {
   std::string dump_path;
   std::string dump_sha256;
@@ -226,7 +240,8 @@ struct CheckRun {
   double reference_seconds = 0.0;
   double reference_rows_heads_tokens = 0.0;  // work done, for throughput
   double backend_seconds = 0.0;
-  double diagnosis_seconds = 0.0;  // the diagnosis of failing comparisons
+  double diagnosis_seconds = 0.0;      // the diagnosis of failing comparisons
+  double certification_seconds = 0.0;  // the 50-digit recomputations
   double total_seconds = 0.0;
   // An exec backend's protocol overhead (Backend::protocol_statistics); null for in-process ones.
   nlohmann::json backend_protocol;
@@ -234,6 +249,8 @@ struct CheckRun {
   // Diagnoses of failing kernel and captured comparisons, by step then layer in dump order
   // (src/replay/diagnosis.hpp; at most --diagnose N (step, layer)s, the earliest).
   std::vector<DiagnosisFinding> diagnosis;
+  // The reference's certification on this run's data, in replay order.
+  std::vector<CertificationSample> certification;
   // The diagnosis budget: --diagnose N, and how many (step, layer)s had a failing kernel or
   // captured comparison (diagnosed or not). Not in report.json (its note says them); a shard part
   // records them so that kvaudit merge can apply the budget to the whole run.

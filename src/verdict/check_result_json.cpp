@@ -141,6 +141,7 @@ void read_timing(JsonObjectReader reader, CheckRun& run) {
   reader.skip("reference_throughput_rows_heads_tokens_per_s");  // the ratio of the two above
   run.backend_seconds = reader.number("backend_seconds");
   run.diagnosis_seconds = reader.number("diagnosis_seconds");
+  run.certification_seconds = reader.number("certification_seconds");
   run.total_seconds = reader.number("total_seconds");
   run.backend_protocol = reader.raw("backend_protocol");  // the exec backend's own statistics
   reader.finish();
@@ -187,6 +188,32 @@ DiagnosisFinding read_diagnosis(JsonObjectReader reader) {
   finding.not_applicable = reader.texts("not_applicable");
   reader.finish();
   return finding;
+}
+
+CertificationSample read_certification_sample(JsonObjectReader reader) {
+  CertificationSample sample;
+  sample.step = reader.int32("step");
+  sample.layer_id = reader.int32("layer");
+  sample.row = reader.int32("row");
+  sample.head = reader.int32("head");
+  sample.out_relative = reader.number("out_relative");
+  sample.lse_absolute = reader.number("lse_absolute");
+  reader.finish();
+  return sample;
+}
+
+std::vector<CertificationSample> read_certification(JsonObjectReader reader) {
+  // method and bound are this kvaudit's constants; the maxima derive from the samples.
+  for (const char* derived : {"method", "bound", "max_out_relative", "max_lse_absolute"}) {
+    reader.skip(derived);
+  }
+  std::vector<CertificationSample> samples;
+  const nlohmann::json& items = reader.array("samples");
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    samples.push_back(read_certification_sample(reader.element(items, "samples", i)));
+  }
+  reader.finish();
+  return samples;
 }
 
 StepLayerCoverage read_coverage(JsonObjectReader reader) {
@@ -285,6 +312,7 @@ Result<CheckRun> check_run_from_json(const nlohmann::json& report, const std::st
   run.first_divergence = read_divergence(reader);
   run.diagnosis = read_array<DiagnosisFinding>(reader, "diagnosis", read_diagnosis);
   reader.skip("captured_pool_cost");  // captured_pool_cost(run): the results and findings give it
+  run.certification = read_certification(reader.object("certification"));
   run.notes = reader.texts("notes");
   run.coverage = read_array<StepLayerCoverage>(reader, "coverage", read_coverage);
   reader.skip("unmeasured");  // measurement_gaps(run)

@@ -304,12 +304,15 @@ CheckRun concatenate(const std::vector<NamedPart>& parts,
     run.comparisons.insert(run.comparisons.end(), part.comparisons.begin(), part.comparisons.end());
     run.integrity.insert(run.integrity.end(), part.integrity.begin(), part.integrity.end());
     run.coverage.insert(run.coverage.end(), part.coverage.begin(), part.coverage.end());
+    run.certification.insert(run.certification.end(), part.certification.begin(),
+                             part.certification.end());
     const std::vector<std::string> notes = layer_notes(named);
     run.notes.insert(run.notes.end(), notes.begin(), notes.end());
     run.reference_seconds += part.reference_seconds;
     run.reference_rows_heads_tokens += part.reference_rows_heads_tokens;
     run.backend_seconds += part.backend_seconds;
     run.diagnosis_seconds += part.diagnosis_seconds;
+    run.certification_seconds += part.certification_seconds;
     run.total_seconds += part.total_seconds;
     run.provenance.merged_from.push_back(merged_part(named));
   }

@@ -1,0 +1,124 @@
+// Per-run certification of the exact reference (see certification.hpp). Phases per site: the
+// one-row, one-head problem (a copy of the step holding only that row's request, its pages up to
+// the row's position, one head), R8 of it in 50 digits, the deviation from the run's reference.
+#include "src/replay/certification.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "references/mla_reference.hpp"
+
+namespace kvaudit {
+namespace {
+
+// splitmix64: a fixed, well-mixed hash of (step, layer id) (Steele, Lea, Flood 2014).
+std::uint64_t site_hash(int step, int layer_id) {
+  std::uint64_t z = (static_cast<std::uint64_t>(static_cast<std::uint32_t>(step)) << 32) |
+                    static_cast<std::uint32_t>(layer_id);
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// Row `row` of `step` alone: its request's pages up to the row's position, one query row.
+StepMeta single_row_step(const StepMeta& step, int row, int page_size) {
+  const int request = step.request_of_row(row);
+  const std::int64_t visible = step.position_of_row(row, page_size) + 1;
+  const auto pages = static_cast<std::int32_t>((visible + page_size - 1) / page_size);
+  StepMeta single;
+  single.group = step.group;
+  single.kind = step.kind;
+  single.qo_indptr = {0, 1};
+  single.kv_indptr = {0, pages};
+  const auto first = step.kv_indices.begin() + step.kv_indptr[request];
+  single.kv_indices.assign(first, first + pages);
+  single.kv_last_page_len = {static_cast<std::int32_t>(visible - (pages - 1) * page_size)};
+  single.new_kv_slots = {static_cast<std::int32_t>(single.slot_of(0, visible - 1, page_size))};
+  return single;
+}
+
+// max_j |a_j - b_j| / max_j |b_j|: 0 where both are equal (NaNs included), infinity where one is
+// NaN and the other not, or where b is all zero and a is not.
+double relative_deviation(std::span<const double> a, std::span<const double> b) {
+  double scale = 0.0;
+  double largest = 0.0;
+  for (std::size_t j = 0; j < a.size(); ++j) {
+    if (std::isnan(a[j]) != std::isnan(b[j])) return std::numeric_limits<double>::infinity();
+    if (std::isnan(a[j])) continue;
+    scale = std::max(scale, std::abs(b[j]));
+    largest = std::max(largest, std::abs(a[j] - b[j]));
+  }
+  if (largest == 0.0) return 0.0;
+  return scale > 0.0 ? largest / scale : std::numeric_limits<double>::infinity();
+}
+
+double absolute_deviation(double a, double b) {
+  if (std::isnan(a) || std::isnan(b)) {
+    return std::isnan(a) == std::isnan(b) ? 0.0 : std::numeric_limits<double>::infinity();
+  }
+  if (a == b) return 0.0;  // equal infinities included
+  return std::abs(a - b);
+}
+
+}  // namespace
+
+CertificationPlan plan_certification(const DumpLayout& layout, const std::vector<int>& layer_ids,
+                                     const std::vector<int>& steps, int samples) {
+  std::vector<std::pair<std::uint64_t, std::pair<int, int>>> candidates;
+  for (const int step : steps) {
+    if (layout.steps[static_cast<std::size_t>(step)].num_rows() == 0) continue;
+    for (const int layer_id : layer_ids) {
+      candidates.push_back({site_hash(step, layer_id), {step, layer_id}});
+    }
+  }
+  const std::size_t kept = std::min<std::size_t>(candidates.size(), std::max(samples, 0));
+  std::partial_sort(candidates.begin(), candidates.begin() + static_cast<std::ptrdiff_t>(kept),
+                    candidates.end());
+  CertificationPlan plan;
+  for (std::size_t i = 0; i < kept; ++i) {
+    const auto& [hash, site] = candidates[i];
+    const StepMeta& step = layout.steps[static_cast<std::size_t>(site.first)];
+    plan[site] = CertificationSite{static_cast<int>((hash >> 32) % step.num_rows()),
+                                   static_cast<int>((hash & 0xFFFFFFFFu) % layout.attrs.num_heads)};
+  }
+  return plan;
+}
+
+Result<CertificationSample> certify_site(const DumpAttributes& attrs, const StepMeta& step,
+                                         const StepLayerTensors& tensors, const KvPool& pool,
+                                         float kv_scale, std::span<const double> out,
+                                         std::span<const double> lse, int step_index, int layer_id,
+                                         const CertificationSite& site) {
+  const int dc = attrs.kv_lora_rank;
+  const int dr = attrs.qk_rope_head_dim;
+  const std::size_t pair = static_cast<std::size_t>(site.row) * attrs.num_heads + site.head;
+  DumpAttributes one_head = attrs;
+  one_head.num_heads = 1;
+  const StepMeta single = single_row_step(step, site.row, attrs.page_size);
+  const std::vector<std::int64_t> visible = visible_slots(single, attrs.page_size);
+  const KvRows rows = KvRows::from_pool_slots(pool, kv_scale, visible);
+  std::vector<double> out50(static_cast<std::size_t>(dc));
+  std::vector<double> lse50(1);
+  const std::span<const float> q_nope(tensors.q_nope);
+  const std::span<const float> q_pe(tensors.q_pe);
+  KVAUDIT_TRY(mla_reference_attention<Float50>(one_head, single, q_nope.subspan(pair * dc, dc),
+                                               q_pe.subspan(pair * dr, dr), rows, out50, lse50, 1));
+  CertificationSample sample{step_index, layer_id, site.row, site.head};
+  sample.out_relative = relative_deviation(out.subspan(pair * dc, dc), out50);
+  sample.lse_absolute = absolute_deviation(lse[pair], lse50[0]);
+  if (!(sample.out_relative <= kReferenceBound) || !(sample.lse_absolute <= kReferenceBound)) {
+    return internal_error(
+        fmt::format("reference certification, step {} layer {} row {} head {}", step_index,
+                    layer_id, site.row, site.head),
+        fmt::format("the exact reference deviates from its 50-digit recomputation by {:.3g} "
+                    "(out, relative) and {:.3g} (lse, absolute), above the bound {:.0e}",
+                    sample.out_relative, sample.lse_absolute, kReferenceBound));
+  }
+  return sample;
+}
+
+}  // namespace kvaudit
