@@ -16,90 +16,12 @@
 #include <cstring>
 #include <thread>
 
+#include "src/core/signal_cleanup.hpp"
+
 extern char** environ;
 
 namespace kvaudit::exec {
 namespace {
-
-// ---- signal-time cleanup ----------------------------------------------------------------------
-// Fixed tables the handler reads without allocating: enrolled process groups and directories with
-// the file names kvaudit knows in them. A slot is filled first and marked used last.
-
-constexpr int kCleanupSlots = 8;
-constexpr int kMaxFiles = 48;
-constexpr std::size_t kMaxNameBytes = 128;
-constexpr int kCleanupSignals[] = {SIGINT, SIGTERM, SIGHUP};
-
-struct DirectorySlot {
-  volatile sig_atomic_t used = 0;
-  char path[PATH_MAX] = {};
-  char files[kMaxFiles][kMaxNameBytes] = {};
-  volatile sig_atomic_t file_count = 0;
-};
-
-struct GroupSlot {
-  volatile sig_atomic_t used = 0;
-  volatile pid_t group = 0;
-};
-
-DirectorySlot g_directories[kCleanupSlots];
-GroupSlot g_groups[kCleanupSlots];
-struct sigaction g_previous[std::size(kCleanupSignals)];
-bool g_handlers_installed = false;
-
-// Async-signal-safe: kill, unlink, rmdir, sigaction, raise and plain stores only.
-extern "C" void cleanup_on_signal(int signal_number) {
-  for (GroupSlot& slot : g_groups) {
-    if (slot.used) kill(-slot.group, SIGTERM);
-  }
-  for (DirectorySlot& slot : g_directories) {
-    if (!slot.used) continue;
-    for (int f = 0; f < slot.file_count; ++f) {
-      char path[PATH_MAX + kMaxNameBytes + 2];
-      std::size_t n = 0;
-      for (const char* c = slot.path; *c != '\0'; ++c) path[n++] = *c;
-      path[n++] = '/';
-      for (const char* c = slot.files[f]; *c != '\0'; ++c) path[n++] = *c;
-      path[n] = '\0';
-      unlink(path);
-    }
-    rmdir(slot.path);
-  }
-  for (std::size_t i = 0; i < std::size(kCleanupSignals); ++i) {
-    if (kCleanupSignals[i] == signal_number) sigaction(signal_number, &g_previous[i], nullptr);
-  }
-  raise(signal_number);
-}
-
-// Installs the handler for each signal whose disposition is the default one (an ignored SIGHUP,
-// under nohup, stays ignored).
-void install_handlers() {
-  if (g_handlers_installed) return;
-  g_handlers_installed = true;
-  for (std::size_t i = 0; i < std::size(kCleanupSignals); ++i) {
-    sigaction(kCleanupSignals[i], nullptr, &g_previous[i]);
-    if (g_previous[i].sa_handler != SIG_DFL) continue;
-    struct sigaction action {};
-    action.sa_handler = cleanup_on_signal;
-    sigemptyset(&action.sa_mask);
-    sigaction(kCleanupSignals[i], &action, nullptr);
-  }
-}
-
-int enroll_group(pid_t group) {
-  install_handlers();
-  for (int i = 0; i < kCleanupSlots; ++i) {
-    if (g_groups[i].used) continue;
-    g_groups[i].group = group;
-    g_groups[i].used = 1;
-    return i;
-  }
-  return -1;
-}
-
-void withdraw_group(int handle) {
-  if (handle >= 0 && handle < kCleanupSlots) g_groups[handle].used = 0;
-}
 
 // ---- pipes --------------------------------------------------------------------------------------
 
@@ -205,7 +127,7 @@ Result<ChildProcess> ChildProcess::start(const std::string& command) {
   child.stdout_fd_ = from_child[0];
   ::fcntl(child.stdin_fd_, F_SETFL, ::fcntl(child.stdin_fd_, F_GETFL) | O_NONBLOCK);
   ::fcntl(child.stdout_fd_, F_SETFL, ::fcntl(child.stdout_fd_, F_GETFL) | O_NONBLOCK);
-  child.cleanup_slot_ = enroll_group(child.pid_);
+  child.cleanup_slot_ = signal_cleanup::enroll_group(child.pid_);
   return child;
 }
 
@@ -290,7 +212,7 @@ bool ChildProcess::reap(bool block) {
   if (done == pid_) {
     reaped_ = true;
     wait_status_ = status;
-    withdraw_group(cleanup_slot_);
+    signal_cleanup::withdraw_group(cleanup_slot_);
     cleanup_slot_ = -1;
   } else if (done < 0 && errno == ECHILD) {
     reaped_ = true;  // nothing left to wait for
@@ -320,7 +242,7 @@ void ChildProcess::stop(std::chrono::milliseconds grace) {
       reap(true);
     }
   }
-  withdraw_group(cleanup_slot_);
+  signal_cleanup::withdraw_group(cleanup_slot_);
   cleanup_slot_ = -1;
   pid_ = -1;
 }
@@ -339,37 +261,6 @@ std::string ChildProcess::exit_description(std::chrono::milliseconds wait) {
 std::optional<int> ChildProcess::exit_status() const {
   if (!reaped_ || !WIFEXITED(wait_status_)) return std::nullopt;
   return WEXITSTATUS(wait_status_);
-}
-
-int enroll_directory(const std::filesystem::path& directory) {
-  install_handlers();
-  const std::string path = directory.string();
-  if (path.size() >= PATH_MAX) return -1;
-  for (int i = 0; i < kCleanupSlots; ++i) {
-    DirectorySlot& slot = g_directories[i];
-    if (slot.used) continue;
-    std::memcpy(slot.path, path.c_str(), path.size() + 1);
-    slot.file_count = 0;
-    slot.used = 1;
-    return i;
-  }
-  return -1;
-}
-
-void note_file(int handle, std::string_view name) {
-  if (handle < 0 || handle >= kCleanupSlots || name.size() >= kMaxNameBytes) return;
-  DirectorySlot& slot = g_directories[handle];
-  for (int f = 0; f < slot.file_count; ++f) {
-    if (name == slot.files[f]) return;
-  }
-  if (slot.file_count >= kMaxFiles) return;
-  std::memcpy(slot.files[slot.file_count], name.data(), name.size());
-  slot.files[slot.file_count][name.size()] = '\0';
-  slot.file_count = slot.file_count + 1;  // the name is complete before the handler may read it
-}
-
-void withdraw_directory(int handle) {
-  if (handle >= 0 && handle < kCleanupSlots) g_directories[handle].used = 0;
 }
 
 }  // namespace kvaudit::exec

@@ -4,11 +4,11 @@
 // and kvaudit's standard error passed through. Lines go in and come out with a deadline; the
 // program is ended with SIGTERM, then SIGKILL after a grace period.
 //
-// While a program or a session directory is alive it is enrolled for signal-time cleanup: on
-// SIGINT, SIGTERM or SIGHUP kvaudit sends the program's group SIGTERM, removes the files it knows
-// in the session directory and the directory, then dies of the signal as it would have. (A
-// program's own extra files in the directory stay behind then; on every ordinary exit, error or
-// not, the whole directory is removed.)
+// While a program or a session directory is alive it is enrolled for signal-time cleanup
+// (src/core/signal_cleanup.hpp): on SIGINT, SIGTERM or SIGHUP kvaudit sends the program's group
+// SIGTERM, removes the files it knows in the session directory and the directory, then dies of
+// the signal as it would have. (A program's own extra files in the directory stay behind then; on
+// every ordinary exit, error or not, the whole directory is removed.)
 #pragma once
 
 #include <sys/types.h>
@@ -75,12 +75,5 @@ class ChildProcess {
   int cleanup_slot_ = -1;
   std::string buffer_;  // bytes read past the last complete line
 };
-
-// Signal-time cleanup of session directories (see the header comment). enroll_directory returns a
-// handle (-1 when the fixed table is full: that directory is then only removed on ordinary
-// exits); note_file records a file name in it that the handler should unlink.
-int enroll_directory(const std::filesystem::path& directory);
-void note_file(int handle, std::string_view name);
-void withdraw_directory(int handle);
 
 }  // namespace kvaudit::exec

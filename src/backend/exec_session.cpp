@@ -11,6 +11,7 @@
 #include <system_error>
 
 #include "src/backend/exec_protocol.hpp"
+#include "src/core/signal_cleanup.hpp"
 
 namespace kvaudit::exec {
 namespace {
@@ -118,7 +119,7 @@ Result<std::unique_ptr<ExecSession>> ExecSession::start(std::string label, std::
   std::unique_ptr<ExecSession> session(
       new ExecSession(std::move(label), std::move(command), timeout));
   KVAUDIT_ASSIGN_OR_RETURN(session->directory_, make_session_directory());
-  session->cleanup_handle_ = enroll_directory(session->directory_);
+  session->cleanup_handle_ = signal_cleanup::enroll_directory(session->directory_);
   Result<ChildProcess> process = ChildProcess::start(session->command_);
   if (!process) return Error{session->label_, process.error().what, process.error().kind};
   session->process_.emplace(std::move(*process));
@@ -131,11 +132,11 @@ ExecSession::~ExecSession() {
     std::error_code ignored;
     std::filesystem::remove_all(directory_, ignored);
   }
-  withdraw_directory(cleanup_handle_);
+  signal_cleanup::withdraw_directory(cleanup_handle_);
 }
 
 void ExecSession::note_program_file(std::string_view name) const {
-  note_file(cleanup_handle_, name);
+  signal_cleanup::note_file(cleanup_handle_, name);
 }
 
 Result<HelloReply> ExecSession::hello(std::string_view name, const nlohmann::json& model,

@@ -279,6 +279,7 @@ Result<CheckOutputs> open_outputs(const CheckOptions& options) {
   if (!options.report_dir.empty()) {
     KVAUDIT_ASSIGN_OR_RETURN(AtomicOutputDirectory report,
                              AtomicOutputDirectory::create(options.report_dir, "--report"));
+    for (const char* name : kReportFiles) report.note_file(name);
     outputs.report.emplace(std::move(report));
   }
   if (!options.save_outputs.empty()) {

@@ -57,6 +57,7 @@ Status write_outputs(const MergeOptions& options, const CheckRun& run) {
   if (!options.report_dir.empty()) {
     KVAUDIT_ASSIGN_OR_RETURN(AtomicOutputDirectory dir,
                              AtomicOutputDirectory::create(options.report_dir, "--report"));
+    for (const char* name : kReportFiles) dir.note_file(name);
     report.emplace(std::move(dir));
     KVAUDIT_TRY(write_report_dir(report->staging_path(), run));
   }

@@ -20,6 +20,8 @@
 #include <utility>
 #include <vector>
 
+#include "src/core/signal_cleanup.hpp"
+
 namespace kvaudit {
 namespace {
 
@@ -200,13 +202,15 @@ Status validate_output_path(const fs::path& path, OutputKind kind, std::string_v
 AtomicOutputFile::AtomicOutputFile(fs::path path, fs::path temp, std::string option)
     : path_(std::move(path)), temp_(std::move(temp)), option_(std::move(option)) {
   pending_ = temp_ != path_;
+  if (pending_) cleanup_ = signal_cleanup::enroll_file(temp_);
 }
 
 AtomicOutputFile::AtomicOutputFile(AtomicOutputFile&& other) noexcept
     : path_(std::move(other.path_)),
       temp_(std::move(other.temp_)),
       option_(std::move(other.option_)),
-      pending_(std::exchange(other.pending_, false)) {}
+      pending_(std::exchange(other.pending_, false)),
+      cleanup_(std::exchange(other.cleanup_, -1)) {}
 
 AtomicOutputFile& AtomicOutputFile::operator=(AtomicOutputFile&& other) noexcept {
   if (this != &other) {
@@ -215,6 +219,7 @@ AtomicOutputFile& AtomicOutputFile::operator=(AtomicOutputFile&& other) noexcept
     temp_ = std::move(other.temp_);
     option_ = std::move(other.option_);
     pending_ = std::exchange(other.pending_, false);
+    cleanup_ = std::exchange(other.cleanup_, -1);
   }
   return *this;
 }
@@ -225,6 +230,7 @@ void AtomicOutputFile::discard() noexcept {
   if (!pending_) return;
   std::error_code ignored;
   fs::remove(temp_, ignored);
+  signal_cleanup::withdraw_file(std::exchange(cleanup_, -1));
   pending_ = false;
 }
 
@@ -256,6 +262,7 @@ Status AtomicOutputFile::commit() {
     discard();
     return bad_input(where_of(path_, option_), fmt::format("cannot write: {}", errno_text(error)));
   }
+  signal_cleanup::withdraw_file(std::exchange(cleanup_, -1));
   pending_ = false;
   return ok_status();
 }
@@ -266,13 +273,15 @@ AtomicOutputDirectory::AtomicOutputDirectory(fs::path path, fs::path staging, st
     : path_(std::move(path)),
       staging_(std::move(staging)),
       option_(std::move(option)),
-      pending_(true) {}
+      pending_(true),
+      cleanup_(signal_cleanup::enroll_directory(staging_)) {}
 
 AtomicOutputDirectory::AtomicOutputDirectory(AtomicOutputDirectory&& other) noexcept
     : path_(std::move(other.path_)),
       staging_(std::move(other.staging_)),
       option_(std::move(other.option_)),
-      pending_(std::exchange(other.pending_, false)) {}
+      pending_(std::exchange(other.pending_, false)),
+      cleanup_(std::exchange(other.cleanup_, -1)) {}
 
 AtomicOutputDirectory& AtomicOutputDirectory::operator=(AtomicOutputDirectory&& other) noexcept {
   if (this != &other) {
@@ -281,16 +290,22 @@ AtomicOutputDirectory& AtomicOutputDirectory::operator=(AtomicOutputDirectory&& 
     staging_ = std::move(other.staging_);
     option_ = std::move(other.option_);
     pending_ = std::exchange(other.pending_, false);
+    cleanup_ = std::exchange(other.cleanup_, -1);
   }
   return *this;
 }
 
 AtomicOutputDirectory::~AtomicOutputDirectory() { discard(); }
 
+void AtomicOutputDirectory::note_file(std::string_view name) const {
+  signal_cleanup::note_file(cleanup_, name);
+}
+
 void AtomicOutputDirectory::discard() noexcept {
   if (!pending_) return;
   std::error_code ignored;
   fs::remove_all(staging_, ignored);
+  signal_cleanup::withdraw_directory(std::exchange(cleanup_, -1));
   pending_ = false;
 }
 

@@ -67,6 +67,7 @@ class AtomicOutputFile {
   std::filesystem::path temp_;
   std::string option_;
   bool pending_ = false;  // a temporary exists and is ours to rename or remove
+  int cleanup_ = -1;      // its signal-time cleanup (src/core/signal_cleanup.hpp)
 };
 
 // One output directory: files are written into staging_path(), then commit() moves them into
@@ -83,6 +84,9 @@ class AtomicOutputDirectory {
 
   const std::filesystem::path& path() const { return path_; }
   const std::filesystem::path& staging_path() const { return staging_; }
+  // A file name the command will write into staging_path(): removed with the staging directory
+  // if a signal ends kvaudit before commit() (src/core/signal_cleanup.hpp).
+  void note_file(std::string_view name) const;
   // A missing path() becomes the staging directory by one rename; an existing one receives each
   // staged file by rename (replacing its namesake). The staging directory is then gone.
   Status commit();
@@ -96,6 +100,7 @@ class AtomicOutputDirectory {
   std::filesystem::path staging_;
   std::string option_;
   bool pending_ = false;
+  int cleanup_ = -1;  // the staging directory's signal-time cleanup
 };
 
 }  // namespace kvaudit

@@ -190,20 +190,20 @@ Status write_report_dir(const std::filesystem::path& dir, const CheckRun& run) {
   if (error) {
     return bad_input(dir.string(), "cannot create the report directory: " + error.message());
   }
-  const std::filesystem::path json_path = dir / "report.json";
+  const std::filesystem::path json_path = dir / kReportFiles[0];
   {
     std::ofstream out(json_path);
     // Strings from the dump (model, producer) may not be UTF-8: replace bad bytes, don't throw.
     out << to_json(run).dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
     if (!out) return bad_input(json_path.string(), "cannot write the report");
   }
-  const std::filesystem::path md_path = dir / "report.md";
+  const std::filesystem::path md_path = dir / kReportFiles[1];
   {
     std::ofstream out(md_path);
     out << render_markdown(run);
     if (!out) return bad_input(md_path.string(), "cannot write the report");
   }
-  const std::filesystem::path html_path = dir / "report.html";
+  const std::filesystem::path html_path = dir / kReportFiles[2];
   {
     std::ofstream out(html_path);
     out << render_html(run);

@@ -3,6 +3,7 @@
 // Markdown) and report.html (one self-contained page with charts, src/report/report_html.hpp).
 #pragma once
 
+#include <array>
 #include <filesystem>
 #include <iosfwd>
 #include <string>
@@ -50,5 +51,8 @@ std::string render_markdown(const CheckRun& run);
 // Creates `dir` (and parents) and writes report.json (to_json(run), pretty-printed), report.md and
 // report.html, all with the same provenance (empty fields filled once, from this process).
 Status write_report_dir(const std::filesystem::path& dir, const CheckRun& run);
+// The files write_report_dir writes (for a staging directory's signal-time cleanup).
+inline constexpr std::array<const char*, 3> kReportFiles = {"report.json", "report.md",
+                                                            "report.html"};
 
 }  // namespace kvaudit

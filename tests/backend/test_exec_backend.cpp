@@ -182,15 +182,22 @@ TEST_CASE("exec backend: a program that does not reply is ended after KVAUDIT_BA
   CHECK(exchange_empty(dir));
 }
 
-TEST_CASE("exec backend: SIGTERM to kvaudit ends the program and removes the session directory",
-          "[exec][backend]") {
+TEST_CASE(
+    "exec backend: SIGTERM to kvaudit ends the program and removes the session directory and "
+    "the outputs' temporaries",
+    "[exec][backend]") {
   const auto dir = case_dir("fake_signal");
   std::filesystem::create_directories(dir / "exchange");
+  std::filesystem::create_directories(dir / "out");
   const auto pidfile = dir / "fake.pid";
-  // kvaudit in the background; once the fake sleeps at step 1, SIGTERM to kvaudit alone.
+  // kvaudit in the background, writing three outputs (each under a temporary name until the
+  // check ends: src/core/output_file.hpp); once the fake sleeps at step 1, SIGTERM to kvaudit.
+  const std::string outputs = " --json " + quoted(dir / "out" / "r.json") + " --report " +
+                              quoted(dir / "out" / "report") + " --save-outputs " +
+                              quoted(dir / "out" / "outputs.h5");
   const std::string script =
       "KVAUDIT_EXCHANGE_DIR=" + quoted(dir / "exchange") + " " + kvaudit() + " check " +
-      quoted(shipped_dump("glm5_page1")) + " --backend exec:fake --backend-command " +
+      quoted(shipped_dump("glm5_page1")) + outputs + " --backend exec:fake --backend-command " +
       shell_word(fake_command("sleep", "--pidfile " + pidfile.string())) + " > " +
       quoted(dir / "kvaudit.log") + " 2>&1 & k=$!; for i in $(seq 300); do [ -s " +
       quoted(pidfile) + " ] && break; sleep 0.1; done; kill -TERM $k; wait $k; echo status=$?";
@@ -207,6 +214,12 @@ TEST_CASE("exec backend: SIGTERM to kvaudit ends the program and removes the ses
   }
   CHECK(gone);
   CHECK(exchange_empty(dir));
+  // No output appeared, and no temporary (file or staging directory) was left behind.
+  std::vector<std::string> left;
+  for (const auto& entry : std::filesystem::directory_iterator(dir / "out")) {
+    left.push_back(entry.path().filename().string());
+  }
+  CHECK(left == std::vector<std::string>{});
 }
 
 TEST_CASE("exec backend: the command line refuses what does not fit an exec backend",
