@@ -6,6 +6,7 @@
 #
 #   bash scripts/make-example-reports.sh [--kvaudit PATH] [--backend NAME] [--out DIR]
 #                                        [--signed-by NAME] [--deployment TEXT]
+#                                        [--backend-command CMD]   # for --backend exec:NAME
 #   bash scripts/make-example-reports.sh --png-only DIR    # render DIR/*/report.html again
 #
 # Defaults: build/kvaudit, cpu-fp8, reports/example. On the GPU machine, for example:
@@ -24,10 +25,12 @@ out=reports/example
 signed_by="kvaudit example (not a real sign-off)"
 deployment=""
 png_only=""
+backend_command=""
 while (($# > 0)); do
   case "$1" in
     --kvaudit) kvaudit=$2; shift 2 ;;
     --backend) backend=$2; shift 2 ;;
+    --backend-command) backend_command=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     --signed-by) signed_by=$2; shift 2 ;;
     --deployment) deployment=$2; shift 2 ;;
@@ -82,7 +85,10 @@ for dump in datasets/*.h5; do
   name=$(basename "$dump" .h5)
   rm -rf "${out:?}/$name"
   status=0
-  "$kvaudit" check "$dump" --backend "$backend" --signoff --signed-by "$signed_by" \
+  exec_options=()
+  [[ -n $backend_command ]] && exec_options=(--backend-command "$backend_command")
+  "$kvaudit" check "$dump" --backend "$backend" "${exec_options[@]}" --signoff \
+    --signed-by "$signed_by" \
     --model "$(model_of "$dump")" \
     --deployment "$deployment" --report "$out/$name" >"$out/$name.stdout" 2>&1 || status=$?
   if ((status > 1)); then

@@ -628,17 +628,13 @@ void provenance_section(Html& html, const CheckRun& run) {
   }
   put(html, "</table>");
   if (!run.certification.empty()) {
-    double out_max = 0.0, lse_max = 0.0;
-    for (const CertificationSample& s : run.certification) {
-      out_max = std::max(out_max, s.out_relative);
-      lse_max = std::max(lse_max, s.lse_absolute);
-    }
+    const CertificationMaxima maxima = certification_maxima(run.certification);
     put(html,
         "<p>Reference certified on this run: at {} sample sites R8 of one (row, head) recomputed "
         "in 50 digits; largest deviation {} (out, relative) and {} (lse, absolute), bound "
         "{}.</p>",
-        run.certification.size(), esc(short_number(out_max)), esc(short_number(lse_max)),
-        esc(short_number(kReferenceBound)));
+        run.certification.size(), esc(short_number(maxima.out_relative)),
+        esc(short_number(maxima.lse_absolute)), esc(short_number(kReferenceBound)));
   }
   if (!p.merged_from.empty()) {
     put(html,

@@ -415,19 +415,15 @@ void certification_section(Markdown& md, const CheckRun& run) {
     append(md, "Not certified on this run (`--certify 0`, or no step with query rows).\n\n");
     return;
   }
-  double out_max = 0.0, lse_max = 0.0;
-  for (const CertificationSample& s : run.certification) {
-    out_max = std::max(out_max, s.out_relative);
-    lse_max = std::max(lse_max, s.lse_absolute);
-  }
+  const CertificationMaxima maxima = certification_maxima(run.certification);
   append(md,
          "At {} sample sites R8 of one (row, head) was recomputed in 50 decimal digits (Boost "
          "cpp_bin_float_50): the reference deviates by at most {} (out, relative to the row's "
          "largest |out|) and {} (lse, absolute); the bound is {}.\n\n"
          "| step | layer | row | head | out relative | lse absolute |\n"
          "| ---: | ---: | ---: | ---: | ---: | ---: |\n",
-         run.certification.size(), short_number(out_max), short_number(lse_max),
-         short_number(kReferenceBound));
+         run.certification.size(), short_number(maxima.out_relative),
+         short_number(maxima.lse_absolute), short_number(kReferenceBound));
   for (const CertificationSample& s : run.certification) {
     append(md, "| {} | {} | {} | {} | {} | {} |\n", s.step, s.layer_id, s.row, s.head,
            short_number(s.out_relative), short_number(s.lse_absolute));

@@ -8,6 +8,7 @@
 #include <set>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 namespace kvaudit {
 
@@ -73,9 +74,19 @@ std::string backend_machine_text(const CheckRun& run) {
     return threads.empty() ? fmt::format("{} on the CPU", backend_text(run))
                            : fmt::format("{} on the CPU ({} threads)", backend_text(run), threads);
   }
-  return fmt::format("{} on {} (compute capability {}, driver {}, CUDA runtime {})",
-                     backend_text(run), device, text("compute_capability"), text("driver_version"),
-                     text("runtime_version"));
+  // What the description names, in this order; built-in CUDA backends say driver_version and
+  // runtime_version, exec adapters driver and their libraries' versions.
+  std::vector<std::string> parts;
+  auto add = [&](const char* label, std::string value) {
+    if (!value.empty()) parts.push_back(fmt::format("{} {}", label, value));
+  };
+  add("compute capability", text("compute_capability"));
+  add("driver", text("driver_version").empty() ? text("driver") : text("driver_version"));
+  add("CUDA runtime", text("runtime_version"));
+  add("torch", text("torch"));
+  add("flashinfer", text("flashinfer"));
+  if (parts.empty()) return fmt::format("{} on {}", backend_text(run), device);
+  return fmt::format("{} on {} ({})", backend_text(run), device, fmt::join(parts, ", "));
 }
 
 std::string pool_text(PoolState state, std::int64_t slots, const char* unit) {

@@ -90,7 +90,9 @@ std::string result_text(const ComparisonResult& result);
 // The run's backend, "none" when empty.
 const char* backend_text(const CheckRun& run);
 // Where the backend ran, from its description: "cuda-fp8 on NVIDIA H200 (compute capability 9.0,
-// driver 12080, CUDA runtime 12060)" or "cpu-fp8 on the CPU (2 threads)".
+// driver 12080, CUDA runtime 12060)", "exec:flashinfer-fp8 on NVIDIA H200 (compute capability
+// 9.0, driver 580.159.04, torch 2.11.0+cu130, flashinfer 0.6.18)" (only what it names) or
+// "cpu-fp8 on the CPU (2 threads)".
 std::string backend_machine_text(const CheckRun& run);
 // "-" / "intact" / "damaged" / "damaged (12 slots)".
 std::string pool_text(PoolState state, std::int64_t slots, const char* unit);

@@ -314,6 +314,15 @@ std::string diagnosis_summary(const DiagnosisFinding& finding) {
       fmt::join(each, ", "));
 }
 
+CertificationMaxima certification_maxima(const std::vector<CertificationSample>& samples) {
+  CertificationMaxima maxima;
+  for (const CertificationSample& s : samples) {
+    maxima.out_relative = std::max(maxima.out_relative, s.out_relative);
+    maxima.lse_absolute = std::max(maxima.lse_absolute, s.lse_absolute);
+  }
+  return maxima;
+}
+
 std::optional<std::string> diagnosis_budget_note(std::size_t diagnosed_sites,
                                                  std::size_t failing_sites, int limit) {
   if (limit <= 0 || diagnosed_sites >= failing_sites) return std::nullopt;
@@ -491,7 +500,6 @@ nlohmann::json timing_json(const CheckRun& run) {
 // The reference's certification: the bound, each sample, and the largest deviations (derived).
 nlohmann::json certification_json(const std::vector<CertificationSample>& samples) {
   nlohmann::json items = nlohmann::json::array();
-  double out_max = 0.0, lse_max = 0.0;
   for (const CertificationSample& s : samples) {
     items.push_back({{"step", s.step},
                      {"layer", s.layer_id},
@@ -499,16 +507,15 @@ nlohmann::json certification_json(const std::vector<CertificationSample>& sample
                      {"head", s.head},
                      {"out_relative", json_number(s.out_relative)},
                      {"lse_absolute", json_number(s.lse_absolute)}});
-    out_max = std::max(out_max, s.out_relative);
-    lse_max = std::max(lse_max, s.lse_absolute);
   }
+  const CertificationMaxima maxima = certification_maxima(samples);
   return {{"method",
            "R8 of one (row, head) per sample site recomputed in 50 decimal digits (Boost "
            "cpp_bin_float_50) and compared with the run's reference"},
           {"bound", json_number(kReferenceBound)},
           {"samples", std::move(items)},
-          {"max_out_relative", json_number(out_max)},
-          {"max_lse_absolute", json_number(lse_max)}};
+          {"max_out_relative", json_number(maxima.out_relative)},
+          {"max_lse_absolute", json_number(maxima.lse_absolute)}};
 }
 
 nlohmann::json merged_part_json(const MergedPart& part) {

@@ -223,6 +223,12 @@ struct CertificationSample {
 // The bound the reference promises (references/mla_reference.hpp), relative on out and absolute
 // on lse; a sample above it is an internal error.
 inline constexpr double kReferenceBound = 1e-15;
+// The largest deviations over a run's samples (0 for none).
+struct CertificationMaxima {
+  double out_relative = 0.0;
+  double lse_absolute = 0.0;
+};
+CertificationMaxima certification_maxima(const std::vector<CertificationSample>& samples);
 
 struct CheckRun {
   std::string dump_path;

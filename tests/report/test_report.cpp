@@ -8,6 +8,7 @@
 #include "kvaudit_test_config.hpp"  // KVAUDIT_BINARY, KVAUDIT_SOURCE_DIR, KVAUDIT_TEST_TMPDIR
 #include "src/report/report.hpp"
 #include "src/report/report_html.hpp"
+#include "src/report/report_summary.hpp"
 #include "tests/verdict/check_run_fixture.hpp"
 
 using kvaudit::CheckRun;
@@ -265,4 +266,20 @@ TEST_CASE("report.md and report.html: the server's pool cost and a merged run's 
   CHECK_THAT(html, Catch::Contains("The server's pool: captured pool cost first shows at step "
                                    "1 layer 3"));
   CHECK_THAT(html, Catch::Contains("<h3>Merged from</h3>"));
+}
+
+TEST_CASE("where the backend ran: only what its description names", "[report]") {
+  CheckRun run = make_failing_run();
+  run.backend = "exec:flashinfer-fp8";
+  // An exec adapter's description (the keys of python -m kvdump.backends' hello).
+  run.backend_description = {{"device", "NVIDIA H200"},
+                             {"compute_capability", "9.0"},
+                             {"driver", "580.159.04"},
+                             {"torch", "2.11.0+cu130"},
+                             {"flashinfer", "0.6.18"}};
+  CHECK(kvaudit::backend_machine_text(run) ==
+        "exec:flashinfer-fp8 on NVIDIA H200 (compute capability 9.0, driver 580.159.04, torch "
+        "2.11.0+cu130, flashinfer 0.6.18)");
+  run.backend_description = {{"device", "NVIDIA H200"}};
+  CHECK(kvaudit::backend_machine_text(run) == "exec:flashinfer-fp8 on NVIDIA H200");
 }
