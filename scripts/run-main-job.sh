@@ -4,7 +4,7 @@
 # report directory (report.json, report.md, report.html). It builds only what it runs: the `kvaudit` target,
 # without the tests, and the CUDA backends only where a GPU is present (`nvidia-smi -L` lists one;
 # then for that GPU's architecture alone) or where asked (KVAUDIT_CUDA=ON). Each phase prints one
-# line with the time elapsed since the start. 2 to 5 minutes from a fresh clone on 2 cores
+# line with the time elapsed since the start. About 4 minutes from a fresh clone on 2 cores
 # without a GPU (README "The two commands"); a second run only rebuilds what changed.
 #   KVAUDIT_BUILD_DIR  build directory (default: build)
 #   KVAUDIT_JOBS       parallel compile jobs (default: nproc)
