@@ -7,9 +7,8 @@
 //                                      new_kv: the bf16 quotient double-rounds, exit 1, integrity
 //                                      written_slots [off_by_one_code]
 //   --fault round-toward-zero          exit 1, integrity written_slots [off_by_one_code]
-//   --fault lse-base2                  exit 1, a failing kernel comparison whose reasons name lse;
-//                                      where report.json has a "diagnosis" array, a finding that
-//                                      names the lse base (kRequireDiagnosis makes it required)
+//   --fault lse-base2                  exit 1, a failing kernel comparison whose reasons name lse,
+//                                      and the diagnosis explains it by lse-base-2
 // Also the package's unittest suite under the same interpreter, so that its torch tests run.
 //
 // The interpreter: $KVAUDIT_PYTHON, else build/python-venv/bin/python (scripts/setup-python.sh;
@@ -32,9 +31,9 @@
 
 namespace {
 
-// Set once kvaudit's diagnosis of convention mismatches exists: then report.json must hold a
-// "diagnosis" array for a failing run.
-constexpr bool kRequireDiagnosis = false;
+// kvaudit's diagnosis of convention mismatches exists (src/replay/diagnosis.hpp): report.json
+// must hold a "diagnosis" array for a failing run.
+constexpr bool kRequireDiagnosis = true;
 
 // tests/python/test_exec_adapters.cpp -> the repository root (CMake compiles with full paths).
 std::filesystem::path source_root() {
@@ -156,13 +155,13 @@ bool has_failing_comparison(const nlohmann::json& report, const std::string& com
   return false;
 }
 
-// Whether some entry of report.json's "diagnosis" array names the lse's base.
+// Whether some kernel finding of report.json's "diagnosis" array is explained by lse-base-2, the
+// catalogue's name for an lse returned as log2 of the softmax sum.
 bool diagnosis_names_lse_base(const nlohmann::json& diagnosis) {
   for (const auto& finding : diagnosis) {
-    const std::string text = finding.dump();
-    if (text.find("lse") != std::string::npos &&
-        (text.find("base") != std::string::npos || text.find("log2") != std::string::npos)) {
-      return true;
+    if (finding.value("comparison", "") != "kernel") continue;
+    for (const auto& outcome : finding.value("explained_by", nlohmann::json::array())) {
+      if (outcome.value("hypothesis", "") == "lse-base-2") return true;
     }
   }
   return false;
