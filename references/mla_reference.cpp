@@ -14,6 +14,7 @@
 #include <limits>
 #include <string>
 
+#include "src/core/cpu_clones.hpp"
 #include "src/core/parallel_for.hpp"
 
 namespace kvaudit {
@@ -186,21 +187,16 @@ class NaiveKernel {
   std::vector<Acc> acc_;
 };
 
-// The hot functions are compiled twice on x86-64 Linux (GCC function multi-versioning: the loader
-// picks the x86-64-v3 clone, AVX2 + FMA, where the CPU has it) and once elsewhere. Contraction
-// into FMAs there is harmless: the products in the loops are exact, double_double.hpp's
-// algorithms stay error-free under it, and the inexact products (e.lo * c and the like, 2^-106
-// relative) may only round differently between clones, far below the final rounding to double.
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#define KVAUDIT_REFERENCE_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define KVAUDIT_REFERENCE_CLONES
-#endif
+// The hot functions are compiled twice on x86-64 Linux (KVAUDIT_CPU_CLONES,
+// src/core/cpu_clones.hpp: the x86-64-v3 clone, AVX2 + FMA, where the CPU has it). Contraction into
+// FMAs there is harmless: the products in the loops are exact, double_double.hpp's algorithms stay
+// error-free under it, and the inexact products (e.lo * c and the like, 2^-106 relative) may only
+// round differently between clones, far below the final rounding to double.
 
 // sum_j q_j v_j with each product exact in binary64 (float * float) and the sum compensated:
 // kLanes independent TwoSum accumulators (their error terms summed in plain double: error
 // <= n u^2 sum_j |q_j v_j|, u = 2^-53), combined in double-double.
-KVAUDIT_REFERENCE_CLONES
+KVAUDIT_CPU_CLONES
 dd::DoubleDouble compensated_dot(const double* q, const float* v, int n) {
   // Two 4-lane vectors of accumulators (GCC/Clang vector extensions: AVX registers in the x86-64-v3
   // clone, SSE pairs otherwise). Lane k holds the elements j = k mod 8.
@@ -242,7 +238,7 @@ dd::DoubleDouble compensated_dot(const double* q, const float* v, int n) {
 // acc += e * v over v's first n elements (e double-double, v floats), acc as (hi, lo) arrays.
 // e.hi = h1 + h2 with <= 26 and <= 27 significant bits: h1 * c and h2 * c are exact (c is a
 // float), and are added with TwoSum; e.lo * c is 2^-53 smaller, so its rounding is below 2^-106.
-KVAUDIT_REFERENCE_CLONES
+KVAUDIT_CPU_CLONES
 void accumulate_weighted_row(dd::DoubleDouble e, const float* v, int n, double* acc_hi,
                              double* acc_lo) {
   double h1, h2;
@@ -265,7 +261,7 @@ void accumulate_weighted_row(dd::DoubleDouble e, const float* v, int n, double* 
 
 // exp in double-double (references/double_double.hpp), cloned so that its two_prod calls become
 // fused multiply-add instructions where the CPU has them.
-KVAUDIT_REFERENCE_CLONES
+KVAUDIT_CPU_CLONES
 dd::DoubleDouble weight_exp(dd::DoubleDouble x) { return dd::exp(x); }
 
 // The default: double-double with exact products (see mla_reference.hpp).

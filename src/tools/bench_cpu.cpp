@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "references/mla_reference.hpp"
+#include "src/core/cpu_clones.hpp"
 #include "src/core/fp8_e4m3.hpp"
 #include "src/core/parallel_for.hpp"
 #include "src/format/kvdump.hpp"
@@ -42,13 +43,8 @@ float random_e4m3_value(std::mt19937_64& rng) {
 // rather than as mla_reference_attention<double>, whose loops keep the reference's structure for
 // a generic Acc: the baseline is the fastest plain loop, so the ratio does not flatter the
 // reference.
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#define KVAUDIT_BENCH_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define KVAUDIT_BENCH_CLONES
-#endif
 
-KVAUDIT_BENCH_CLONES
+KVAUDIT_CPU_CLONES
 double plain_dot(const double* q, const float* k, int n) {
   using Double4 = double __attribute__((vector_size(32)));
   using Float4 = float __attribute__((vector_size(16)));
@@ -69,7 +65,7 @@ double plain_dot(const double* q, const float* k, int n) {
   return total + (both[0] + both[1]) + (both[2] + both[3]);
 }
 
-KVAUDIT_BENCH_CLONES
+KVAUDIT_CPU_CLONES
 void plain_axpy(double w, const float* v, int n, double* acc) {
   for (int d = 0; d < n; ++d) acc[d] += w * v[d];
 }

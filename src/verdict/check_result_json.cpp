@@ -15,6 +15,18 @@
 namespace kvaudit {
 namespace {
 
+// The array `key` of `parent`, each element read by `read` (one reader per element, so errors
+// name the element's pointer).
+template <typename T, typename Read>
+std::vector<T> read_array(JsonObjectReader& parent, const std::string& key, Read read) {
+  std::vector<T> items;
+  const nlohmann::json& array = parent.array(key);
+  for (std::size_t i = 0; i < array.size(); ++i) {
+    items.push_back(read(parent.element(array, key, i)));
+  }
+  return items;
+}
+
 // Every value of the enums report.json names (their name functions are in check_result.hpp;
 // comparisons: all_comparisons() in policy.hpp).
 constexpr std::array kIntegrityChecks = {
@@ -176,10 +188,7 @@ DiagnosisFinding read_diagnosis(JsonObjectReader reader) {
   finding.layer_id = reader.int32("layer");
   finding.comparison = read_enum(reader, "comparison", all_comparisons(), comparison_name);
   finding.before = read_error_summary(reader.object("before"));
-  const nlohmann::json& explained_by = reader.array("explained_by");
-  for (std::size_t i = 0; i < explained_by.size(); ++i) {
-    finding.explained_by.push_back(read_outcome(reader.element(explained_by, "explained_by", i)));
-  }
+  finding.explained_by = read_array<HypothesisOutcome>(reader, "explained_by", read_outcome);
   // Derived from explained_by: whether any explains, whether more than one, and the sentence.
   for (const char* derived : {"explained", "indistinguishable", "summary"}) reader.skip(derived);
   finding.same_computation = reader.boolean("same_computation");
@@ -207,11 +216,8 @@ std::vector<CertificationSample> read_certification(JsonObjectReader reader) {
   for (const char* derived : {"method", "bound", "max_out_relative", "max_lse_absolute"}) {
     reader.skip(derived);
   }
-  std::vector<CertificationSample> samples;
-  const nlohmann::json& items = reader.array("samples");
-  for (std::size_t i = 0; i < items.size(); ++i) {
-    samples.push_back(read_certification_sample(reader.element(items, "samples", i)));
-  }
+  std::vector<CertificationSample> samples =
+      read_array<CertificationSample>(reader, "samples", read_certification_sample);
   reader.finish();
   return samples;
 }
@@ -266,10 +272,7 @@ Provenance read_provenance(JsonObjectReader reader) {
   provenance.git_revision = reader.text("git_revision");
   provenance.cpu = reader.text("cpu");
   if (reader.has("merged_from")) {  // merged runs only
-    const nlohmann::json& parts = reader.array("merged_from");
-    for (std::size_t i = 0; i < parts.size(); ++i) {
-      provenance.merged_from.push_back(read_merged_part(reader.element(parts, "merged_from", i)));
-    }
+    provenance.merged_from = read_array<MergedPart>(reader, "merged_from", read_merged_part);
   }
   reader.finish();
   return provenance;
@@ -281,16 +284,6 @@ void read_dump(JsonObjectReader reader, CheckRun& run) {
   run.dump_sha256 = reader.text("sha256");
   run.dump_summary = reader.raw("summary");
   reader.finish();
-}
-
-template <typename T, typename Read>
-std::vector<T> read_array(JsonObjectReader& parent, const std::string& key, Read read) {
-  std::vector<T> items;
-  const nlohmann::json& array = parent.array(key);
-  for (std::size_t i = 0; i < array.size(); ++i) {
-    items.push_back(read(parent.element(array, key, i)));
-  }
-  return items;
 }
 
 }  // namespace
