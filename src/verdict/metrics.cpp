@@ -14,16 +14,25 @@
 // kernel limits sit near 2^-13, and clean kernels near 2^-18, where 1 - ratio would keep only
 // ~35 of binary64's 53 bits. bf16 ULP distances round both values to bf16 in one step (a double
 // -> float -> bf16 path would round twice).
+//
+// Work: counts, maxima and their first locations run in parallel over blocks of (row, head) pairs,
+// merged in block order; the three sums run as one pass in order. So the result is bit-for-bit
+// that of a single pass in (row, head, dim) order, on any number of threads (a prefill step of
+// 4,096 rows x 16 heads x 512 is 33.5M elements per comparison).
 #include "src/verdict/metrics.hpp"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "src/core/fp8_e4m3.hpp"
+#include "src/core/parallel_for.hpp"
 
 namespace kvaudit {
 namespace {
@@ -56,13 +65,22 @@ ElementLocation location(int row, int head, int dim, double reference, double ca
 
 double round_to_bf16(double x) {
   if (!std::isfinite(x) || x == 0.0) return x;
-  // bf16 keeps 8 significand bits: the binade [2^(e-1), 2^e) has quantum 2^(e-8). Below the
-  // smallest normal 2^-126 the quantum stays that of the subnormals, 2^-133.
-  int exponent = 0;
-  (void)std::frexp(std::fabs(x), &exponent);  // |x| = m * 2^exponent, m in [0.5, 1)
-  const int quantum_exponent = std::max(exponent - 8, -133);
-  const double multiple = std::nearbyint(std::ldexp(x, -quantum_exponent));  // ties to even
-  const double rounded = std::ldexp(multiple, quantum_exponent);
+  // bf16 keeps 8 significand bits: the binade [2^e, 2^(e+1)) has quantum 2^(e-7). Below the
+  // smallest normal 2^-126 the quantum stays that of the subnormals, 2^-133. Bit operations, not
+  // frexp/ldexp: this runs for every compared element (measured: most of a comparison's time).
+  double rounded;
+  if (std::fabs(x) < 0x1p-126) {
+    rounded = std::nearbyint(x * 0x1p133) * 0x1p-133;  // both scalings exact; ties to even
+  } else {
+    // Round away the low 45 of the double's 52 stored significand bits, to nearest, ties to even;
+    // a carry moves into the exponent, as it should.
+    constexpr int kDropped = 52 - 7;
+    auto bits = std::bit_cast<std::uint64_t>(x);
+    const std::uint64_t kept_lsb = (bits >> kDropped) & 1;
+    bits += (std::uint64_t{1} << (kDropped - 1)) - 1 + kept_lsb;
+    bits &= ~((std::uint64_t{1} << kDropped) - 1);
+    rounded = std::bit_cast<double>(bits);
+  }
   // Largest finite bf16 is 0x7F7F = (2 - 2^-7) * 2^127; anything rounding beyond it is inf.
   constexpr double kBf16MaxFinite = 0x1.fep+127;
   if (std::fabs(rounded) > kBf16MaxFinite) {
@@ -130,9 +148,6 @@ class MetricsAccumulator {
     }
     have_finite_ = true;
     m_.reference_max_abs = std::max(m_.reference_max_abs, magnitude);
-    sum_diff_sq_ += (a - b) * (a - b);
-    sum_ref_sq_ += a * a;
-    sum_both_sq_ += a * a + b * b;
   }
 
   void add_lse(double a, double b, int row, int head) {
@@ -144,30 +159,76 @@ class MetricsAccumulator {
     have_finite_lse_ = true;
   }
 
-  // The norms from the sums.
-  void finish() {
-    if (m_.finite_elements > 0) {
-      m_.rms = std::sqrt(sum_diff_sq_ / static_cast<double>(m_.finite_elements));
+  // Folds in the state of the elements that come after this accumulator's, so that the result is
+  // that of one pass over both in order: counts add, the first mismatch and the first position of
+  // each maximum are kept (a later block's maximum replaces only a strictly smaller one).
+  void merge(const MetricsAccumulator& later) {
+    const ComparisonMetrics& b = later.m_;
+    m_.reference_nonfinite += b.reference_nonfinite;
+    m_.candidate_nonfinite += b.candidate_nonfinite;
+    m_.nonfinite_mismatches += b.nonfinite_mismatches;
+    if (!have_mismatch_ && later.have_mismatch_) {
+      m_.first_nonfinite_mismatch = b.first_nonfinite_mismatch;
+      have_mismatch_ = true;
     }
-    // ||a - b|| / ||a|| with ||a|| = 0: 0 if b is also 0, else infinitely wrong.
-    if (sum_ref_sq_ > 0.0) {
-      m_.rel_l2 = std::sqrt(sum_diff_sq_) / std::sqrt(sum_ref_sq_);
-    } else if (sum_diff_sq_ > 0.0) {
-      m_.rel_l2 = std::numeric_limits<double>::infinity();
+    m_.finite_elements += b.finite_elements;
+    if (later.have_finite_) {
+      if (!have_finite_ || b.max_abs > m_.max_abs) {
+        m_.max_abs = b.max_abs;
+        m_.max_abs_at = b.max_abs_at;
+      }
+      if (!have_finite_ || b.max_rel > m_.max_rel) {
+        m_.max_rel = b.max_rel;
+        m_.max_rel_at = b.max_rel_at;
+      }
+      if (!have_finite_ || b.max_ulp_bf16 > m_.max_ulp_bf16) {
+        m_.max_ulp_bf16 = b.max_ulp_bf16;
+        m_.max_ulp_at = b.max_ulp_at;
+      }
+      m_.reference_max_abs = std::max(m_.reference_max_abs, b.reference_max_abs);
+      have_finite_ = true;
     }
-    if (sum_both_sq_ > 0.0) m_.cos_diff = sum_diff_sq_ / sum_both_sq_;
+    if (later.have_finite_lse_ && (!have_finite_lse_ || b.lse_max_abs > m_.lse_max_abs)) {
+      m_.lse_max_abs = b.lse_max_abs;
+      m_.lse_max_abs_at = b.lse_max_abs_at;
+      have_finite_lse_ = true;
+    }
   }
 
  private:
   ComparisonMetrics& m_;
   double rel_floor_;
-  double sum_diff_sq_ = 0.0;
-  double sum_ref_sq_ = 0.0;
-  double sum_both_sq_ = 0.0;  // sum a^2 + b^2
   bool have_mismatch_ = false;
   bool have_finite_ = false;
   bool have_finite_lse_ = false;
 };
+
+// The binary64 sums the norms come from, over the elements where both are finite, in (row, head,
+// dim) order: their rounding depends on the order, so they are one pass (cheap: three fused
+// multiply-adds per element), while everything else runs in parallel blocks.
+void add_norms(std::span<const double> reference_out, std::span<const double> candidate_out,
+               ComparisonMetrics& m) {
+  double sum_diff_sq = 0.0;
+  double sum_ref_sq = 0.0;
+  double sum_both_sq = 0.0;  // sum a^2 + b^2
+  for (std::size_t i = 0; i < reference_out.size(); ++i) {
+    const double a = reference_out[i];
+    const double b = candidate_out[i];
+    if (!std::isfinite(a) || !std::isfinite(b)) continue;
+    sum_diff_sq += (a - b) * (a - b);
+    sum_ref_sq += a * a;
+    sum_both_sq += a * a + b * b;
+  }
+  if (m.finite_elements > 0)
+    m.rms = std::sqrt(sum_diff_sq / static_cast<double>(m.finite_elements));
+  // ||a - b|| / ||a|| with ||a|| = 0: 0 if b is also 0, else infinitely wrong.
+  if (sum_ref_sq > 0.0) {
+    m.rel_l2 = std::sqrt(sum_diff_sq) / std::sqrt(sum_ref_sq);
+  } else if (sum_diff_sq > 0.0) {
+    m.rel_l2 = std::numeric_limits<double>::infinity();
+  }
+  if (sum_both_sq > 0.0) m.cos_diff = sum_diff_sq / sum_both_sq;
+}
 
 }  // namespace
 
@@ -190,23 +251,37 @@ ComparisonMetrics compare_outputs(TensorShape3 shape, std::span<const double> re
   m.elements = shape.size();
   m.rel_floor = rel_floor;
   m.has_lse = has_lse;
-  MetricsAccumulator accumulator(m, rel_floor);
-  for (int row = 0; row < shape.rows; ++row) {
-    for (int head = 0; head < shape.heads; ++head) {
-      const std::size_t index = static_cast<std::size_t>(row) * shape.heads + head;
-      for (int dim = 0; dim < shape.dims; ++dim) {
-        const double a = reference_out[index * shape.dims + dim];
-        const double b = candidate_out[index * shape.dims + dim];
-        if (accumulator.both_finite(a, b, row, head, dim))
-          accumulator.add_out(a, b, row, head, dim);
+  // Maxima and counts per block of (row, head) pairs, in parallel, then merged in block order.
+  constexpr std::size_t kPairsPerBlock = 256;
+  const std::size_t pairs = static_cast<std::size_t>(shape.rows) * shape.heads;
+  const std::size_t blocks = (pairs + kPairsPerBlock - 1) / kPairsPerBlock;
+  std::vector<ComparisonMetrics> block_metrics(blocks, m);
+  std::vector<MetricsAccumulator> block_state;
+  block_state.reserve(blocks);
+  for (ComparisonMetrics& block : block_metrics) block_state.emplace_back(block, rel_floor);
+  parallel_for(blocks, 0, [&] {
+    return [&](std::size_t block) {
+      MetricsAccumulator& accumulator = block_state[block];
+      const std::size_t end = std::min(pairs, (block + 1) * kPairsPerBlock);
+      for (std::size_t index = block * kPairsPerBlock; index < end; ++index) {
+        const int row = static_cast<int>(index / shape.heads);
+        const int head = static_cast<int>(index % shape.heads);
+        for (int dim = 0; dim < shape.dims; ++dim) {
+          const double a = reference_out[index * shape.dims + dim];
+          const double b = candidate_out[index * shape.dims + dim];
+          if (accumulator.both_finite(a, b, row, head, dim))
+            accumulator.add_out(a, b, row, head, dim);
+        }
+        if (!has_lse) continue;
+        const double a = reference_lse[index];
+        const double b = candidate_lse[index];
+        if (accumulator.both_finite(a, b, row, head, -1)) accumulator.add_lse(a, b, row, head);
       }
-      if (!has_lse) continue;
-      const double a = reference_lse[index];
-      const double b = candidate_lse[index];
-      if (accumulator.both_finite(a, b, row, head, -1)) accumulator.add_lse(a, b, row, head);
-    }
-  }
-  accumulator.finish();
+    };
+  });
+  MetricsAccumulator total(m, rel_floor);
+  for (const MetricsAccumulator& block : block_state) total.merge(block);
+  add_norms(reference_out, candidate_out, m);
   return m;
 }
 
