@@ -14,6 +14,7 @@
 #include <limits>
 #include <string>
 
+#include "references/mla_reference_cuda.hpp"
 #include "src/core/cpu_clones.hpp"
 #include "src/core/parallel_for.hpp"
 
@@ -98,38 +99,7 @@ std::vector<std::int64_t> visible_slots(const StepMeta& step, int page_size) {
 
 namespace {
 
-// Everything a (row, head) pair reads, resolved once per call.
-struct Problem {
-  int num_heads = 0;
-  int dc = 0;  // kv_lora_rank
-  int dr = 0;  // qk_rope_head_dim
-  double sm_scale = 0.0;
-  double scale = 1.0;  // kv multiplier
-  std::span<const float> q_nope;
-  std::span<const float> q_pe;
-  std::span<double> out;
-  std::span<double> lse;
-  std::vector<int> request_of_row;
-  std::vector<std::int64_t> visible_of_row;           // pos + 1
-  std::vector<std::vector<const float*>> token_rows;  // per request: row of each position
-  int max_visible = 0;
-
-  int width() const { return dc + dr; }
-  const float* q_nope_of(int row, int head) const {
-    return q_nope.data() + (static_cast<std::size_t>(row) * num_heads + head) * dc;
-  }
-  const float* q_pe_of(int row, int head) const {
-    return q_pe.data() + (static_cast<std::size_t>(row) * num_heads + head) * dr;
-  }
-  double* out_of(int row, int head) const {
-    return out.data() + (static_cast<std::size_t>(row) * num_heads + head) * dc;
-  }
-  void write_nan(int row, int head) const {
-    const double nan = std::numeric_limits<double>::quiet_NaN();
-    std::fill_n(out_of(row, head), dc, nan);
-    lse[static_cast<std::size_t>(row) * num_heads + head] = nan;
-  }
-};
+using Problem = ReferenceProblem;
 
 // The formulas evaluated as written, in Acc (a multiprecision type, or double).
 template <class Acc>
@@ -238,9 +208,10 @@ dd::DoubleDouble compensated_dot(const double* q, const float* v, int n) {
 // acc += e * v over v's first n elements (e double-double, v floats), acc as (hi, lo) arrays.
 // e.hi = h1 + h2 with <= 26 and <= 27 significant bits: h1 * c and h2 * c are exact (c is a
 // float), and are added with TwoSum; e.lo * c is 2^-53 smaller, so its rounding is below 2^-106.
+// The form for CPUs without fused multiply-add (17 operations per element).
 KVAUDIT_CPU_CLONES
-void accumulate_weighted_row(dd::DoubleDouble e, const float* v, int n, double* acc_hi,
-                             double* acc_lo) {
+void accumulate_weighted_row_split(dd::DoubleDouble e, const float* v, int n, double* acc_hi,
+                                   double* acc_lo) {
   double h1, h2;
   dd::split_truncate(e.hi, h1, h2);
   const double el = e.lo;
@@ -257,6 +228,39 @@ void accumulate_weighted_row(dd::DoubleDouble e, const float* v, int n, double* 
     acc_hi[d] = s2;
     acc_lo[d] += (e1 + e2) + el * c;
   }
+}
+
+#if defined(KVAUDIT_HAVE_CPU_V3_TARGET)
+// The same sum where fused multiply-add is an instruction (10 operations per element): the
+// product e.hi * c is p + p_error exactly (TwoProd: p = fma(e.hi, c, 0), the product rounded
+// once, p_error = fma(e.hi, c, -p)), p is added with TwoSum and p_error + e.lo * c go to the low
+// word, as in the GPU reference. p is made by an fma call rather than `e.hi * c` so that the
+// compiler cannot contract it into the TwoSum's additions (that would change what the TwoSum's
+// error term means); every other product here is exact or lands in the low word.
+KVAUDIT_CPU_V3_TARGET
+void accumulate_weighted_row_fma(dd::DoubleDouble e, const float* v, int n, double* acc_hi,
+                                 double* acc_lo) {
+  const double h = e.hi;
+  const double el = e.lo;
+  for (int d = 0; d < n; ++d) {
+    const double c = v[d];
+    const double p = __builtin_fma(h, c, 0.0);
+    const double p_error = __builtin_fma(h, c, -p);
+    const double s = acc_hi[d] + p;
+    const double bb = s - acc_hi[d];
+    const double err = (acc_hi[d] - (s - bb)) + (p - bb);
+    acc_hi[d] = s;
+    acc_lo[d] += err + __builtin_fma(el, c, p_error);
+  }
+}
+#endif
+
+void accumulate_weighted_row(dd::DoubleDouble e, const float* v, int n, double* acc_hi,
+                             double* acc_lo) {
+#if defined(KVAUDIT_HAVE_CPU_V3_TARGET)
+  if (kvaudit_cpu_has_v3()) return accumulate_weighted_row_fma(e, v, n, acc_hi, acc_lo);
+#endif
+  accumulate_weighted_row_split(e, v, n, acc_hi, acc_lo);
 }
 
 // exp in double-double (references/double_double.hpp), cloned so that its two_prod calls become
@@ -389,6 +393,30 @@ std::int64_t resolve_query_rows(const StepMeta& step, int page_size, Problem* pr
 
 }  // namespace
 
+namespace {
+
+// The problem of one call, checked and resolved; returns the work in row*head*token units.
+Result<std::int64_t> resolve_problem(const DumpAttributes& attrs, const StepMeta& step,
+                                     std::span<const float> q_nope, std::span<const float> q_pe,
+                                     const KvRows& kv, std::span<double> out, std::span<double> lse,
+                                     const std::string& where, Problem* problem) {
+  KVAUDIT_TRY(check_step_indices(step, attrs.page_size, kv.num_slots()));
+  problem->num_heads = attrs.num_heads;
+  problem->dc = attrs.kv_lora_rank;
+  problem->dr = attrs.qk_rope_head_dim;
+  problem->sm_scale = attrs.sm_scale;
+  problem->scale = kv.scale();
+  problem->q_nope = q_nope;
+  problem->q_pe = q_pe;
+  problem->out = out;
+  problem->lse = lse;
+  KVAUDIT_TRY(check_reference_sizes(attrs, step, *problem, kv, where));
+  KVAUDIT_TRY(resolve_token_rows(step, attrs.page_size, kv, where, problem));
+  return resolve_query_rows(step, attrs.page_size, problem);
+}
+
+}  // namespace
+
 template <class Acc>
 Result<std::int64_t> mla_reference_attention(const DumpAttributes& attrs, const StepMeta& step,
                                              std::span<const float> q_nope,
@@ -396,21 +424,9 @@ Result<std::int64_t> mla_reference_attention(const DumpAttributes& attrs, const 
                                              std::span<double> out, std::span<double> lse,
                                              int threads) {
   const std::string where = "reference step " + step.group;
-  KVAUDIT_TRY(check_step_indices(step, attrs.page_size, kv.num_slots()));
   Problem problem;
-  problem.num_heads = attrs.num_heads;
-  problem.dc = attrs.kv_lora_rank;
-  problem.dr = attrs.qk_rope_head_dim;
-  problem.sm_scale = attrs.sm_scale;
-  problem.scale = kv.scale();
-  problem.q_nope = q_nope;
-  problem.q_pe = q_pe;
-  problem.out = out;
-  problem.lse = lse;
-  KVAUDIT_TRY(check_reference_sizes(attrs, step, problem, kv, where));
-  KVAUDIT_TRY(resolve_token_rows(step, attrs.page_size, kv, where, &problem));
-  const std::int64_t work = resolve_query_rows(step, attrs.page_size, &problem);
-
+  KVAUDIT_ASSIGN_OR_RETURN(const std::int64_t work, resolve_problem(attrs, step, q_nope, q_pe, kv,
+                                                                    out, lse, where, &problem));
   // One kernel (with its scratch) per thread; pair = row * H + head.
   const std::size_t heads = static_cast<std::size_t>(attrs.num_heads);
   parallel_for(static_cast<std::size_t>(step.num_rows()) * heads, threads, [&] {
@@ -420,6 +436,39 @@ Result<std::int64_t> mla_reference_attention(const DumpAttributes& attrs, const 
     };
   });
   return work;
+}
+
+std::string_view reference_device_name(ReferenceDevice device) {
+  return device == ReferenceDevice::kCuda ? "cuda" : "cpu";
+}
+
+bool reference_device_built(ReferenceDevice device) {
+#if defined(KVAUDIT_HAVE_CUDA)
+  (void)device;
+  return true;
+#else
+  return device == ReferenceDevice::kCpu;
+#endif
+}
+
+Result<std::int64_t> exact_reference_attention(ReferenceDevice device, const DumpAttributes& attrs,
+                                               const StepMeta& step, std::span<const float> q_nope,
+                                               std::span<const float> q_pe, const KvRows& kv,
+                                               std::span<double> out, std::span<double> lse,
+                                               int threads) {
+  if (device == ReferenceDevice::kCpu) {
+    return mla_reference_attention(attrs, step, q_nope, q_pe, kv, out, lse, threads);
+  }
+  const std::string where = "GPU reference step " + step.group;
+#if defined(KVAUDIT_HAVE_CUDA)
+  Problem problem;
+  KVAUDIT_ASSIGN_OR_RETURN(const std::int64_t work, resolve_problem(attrs, step, q_nope, q_pe, kv,
+                                                                    out, lse, where, &problem));
+  KVAUDIT_TRY(mla_reference_attention_cuda(problem, where));
+  return work;
+#else
+  return unsupported(where, "this kvaudit was built without CUDA (KVAUDIT_CUDA=OFF)");
+#endif
 }
 
 #define KVAUDIT_INSTANTIATE_REFERENCE(Acc)                                                    \

@@ -41,6 +41,8 @@
 #include <vector>
 
 #include "references/double_double.hpp"
+#include "references/reference_device.hpp"
+#include "references/reference_problem.hpp"
 #include "src/core/result.hpp"
 #include "src/format/kvdump.hpp"
 #include "src/format/step_indices.hpp"
@@ -109,5 +111,14 @@ extern template Result<std::int64_t> mla_reference_attention<Float50>(
 extern template Result<std::int64_t> mla_reference_attention<Float100>(
     const DumpAttributes&, const StepMeta&, std::span<const float>, std::span<const float>,
     const KvRows&, std::span<double>, std::span<double>, int);
+
+// mla_reference_attention<dd::DoubleDouble> on `device` (threads: the CPU's; unused on the GPU).
+// On the GPU: an unsupported-input error where this build has no CUDA, an internal error where
+// the device fails.
+Result<std::int64_t> exact_reference_attention(ReferenceDevice device, const DumpAttributes& attrs,
+                                               const StepMeta& step, std::span<const float> q_nope,
+                                               std::span<const float> q_pe, const KvRows& kv,
+                                               std::span<double> out, std::span<double> lse,
+                                               int threads = 0);
 
 }  // namespace kvaudit

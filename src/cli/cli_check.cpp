@@ -10,6 +10,7 @@
 
 #include <filesystem>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -21,6 +22,7 @@
 #include "src/cli/backend_registry.hpp"
 #include "src/cli/check_shard.hpp"
 #include "src/cli/cli.hpp"
+#include "src/core/cuda_device.hpp"
 #include "src/core/memory_budget.hpp"
 #include "src/core/output_file.hpp"
 #include "src/core/sha256.hpp"
@@ -87,6 +89,7 @@ struct CheckOptions {
   std::string emit_repro;
   std::string shard;  // --shard I/N or auto/N (src/cli/check_shard.hpp)
   int threads = 0;
+  ReferenceDevice reference = ReferenceDevice::kCpu;
   bool verbose = false;
   bool progress = false;
   bool list_injections = false;
@@ -179,6 +182,19 @@ Result<Policy> check_policy(const CheckOptions& options) {
   return policy;
 }
 
+// --reference cuda needs a build with CUDA and a usable device; said before any work (exit 2).
+Status check_reference_device(ReferenceDevice device) {
+  if (device == ReferenceDevice::kCpu) return ok_status();
+  if (!reference_device_built(device)) {
+    return bad_input("--reference cuda",
+                     "this kvaudit was built without CUDA (KVAUDIT_CUDA=OFF): rebuild with "
+                     "-DKVAUDIT_CUDA=ON, or use --reference cpu");
+  }
+  const CudaDeviceInfo info = cuda_device_info();
+  if (!info.present) return bad_input("--reference cuda", info.reason);
+  return ok_status();
+}
+
 // Layers, steps (checked against the dump), policy and the replay's own options.
 Result<ReplayOptions> replay_options(const CheckOptions& options, const DumpLayout& layout) {
   ReplayOptions replay;
@@ -191,6 +207,8 @@ Result<ReplayOptions> replay_options(const CheckOptions& options, const DumpLayo
   KVAUDIT_TRY(check_selection(layout, replay));
   KVAUDIT_ASSIGN_OR_RETURN(replay.policy, check_policy(options));
   replay.threads = options.threads;
+  KVAUDIT_TRY(check_reference_device(options.reference));
+  replay.reference = options.reference;
   replay.reciprocal_scale = options.reciprocal_scale;
   replay.diagnose = options.diagnose;
   replay.certify = options.certify;
@@ -477,6 +495,15 @@ void add_output_options(CLI::App& cmd, CheckOptions& options) {
       "reference within 1e-15 (relative on out, absolute on lse; above it: exit 3); the largest "
       "deviation goes into the report (0: off)")
       ->capture_default_str();
+  cmd.add_option("--reference", options.reference,
+                 "Where the exact reference runs: cpu (the default), or cuda: the same "
+                 "double-double algorithms as GPU kernels, with the same bound (1e-15), for dumps "
+                 "whose prefill steps would take the CPU hours. --certify recomputes its sample "
+                 "sites on the CPU either way. cuda needs a build with CUDA and a GPU (exit 2 "
+                 "otherwise, with the reason)")
+      ->transform(CLI::CheckedTransformer(std::map<std::string, ReferenceDevice>{
+          {"cpu", ReferenceDevice::kCpu}, {"cuda", ReferenceDevice::kCuda}}))
+      ->default_str("cpu");
   add_integer_option(cmd, "--threads", options.threads, 0, kMaxThreads,
                      "Threads for the reference and CPU backends (0: every core)")
       ->capture_default_str();

@@ -7,6 +7,14 @@
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
 #define KVAUDIT_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+// A function compiled for x86-64-v3 only, for callers that choose it themselves at run time
+// (kvaudit_cpu_has_v3()) because its default form is a different algorithm, not just other code.
+#define KVAUDIT_HAVE_CPU_V3_TARGET 1
+#define KVAUDIT_CPU_V3_TARGET __attribute__((target("arch=x86-64-v3")))
+inline bool kvaudit_cpu_has_v3() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+}
 #else
 #define KVAUDIT_CPU_CLONES
 #endif

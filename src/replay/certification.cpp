@@ -88,37 +88,88 @@ CertificationPlan plan_certification(const DumpLayout& layout, const std::vector
   return plan;
 }
 
-Result<CertificationSample> certify_site(const DumpAttributes& attrs, const StepMeta& step,
-                                         const StepLayerTensors& tensors, const KvPool& pool,
-                                         float kv_scale, std::span<const double> out,
-                                         std::span<const double> lse, int step_index, int layer_id,
-                                         const CertificationSite& site) {
+namespace {
+
+// Row `row` of `step` alone, its visible slots renumbered 0..n-1 (page size 1), so that a job holds
+// only the rows it reads.
+StepMeta compact_single_row_step(const StepMeta& step, int row, int page_size,
+                                 std::vector<std::int64_t>& slots) {
+  const StepMeta single = single_row_step(step, row, page_size);
+  const std::int64_t visible = step.position_of_row(row, page_size) + 1;
+  slots.resize(static_cast<std::size_t>(visible));
+  for (std::int64_t p = 0; p < visible; ++p) slots[p] = single.slot_of(0, p, page_size);
+  StepMeta compact;
+  compact.group = step.group;
+  compact.kind = step.kind;
+  compact.qo_indptr = {0, 1};
+  compact.kv_indptr = {0, static_cast<std::int32_t>(visible)};
+  compact.kv_indices.resize(static_cast<std::size_t>(visible));
+  for (std::int64_t p = 0; p < visible; ++p) compact.kv_indices[p] = static_cast<std::int32_t>(p);
+  compact.kv_last_page_len = {1};
+  compact.new_kv_slots = {static_cast<std::int32_t>(visible - 1)};
+  return compact;
+}
+
+}  // namespace
+
+CertificationJob prepare_certification(const DumpAttributes& attrs, const StepMeta& step,
+                                       const StepLayerTensors& tensors, const KvPool& pool,
+                                       float kv_scale, std::span<const double> out,
+                                       std::span<const double> lse, int step_index, int layer_id,
+                                       const CertificationSite& site) {
   const int dc = attrs.kv_lora_rank;
   const int dr = attrs.qk_rope_head_dim;
   const std::size_t pair = static_cast<std::size_t>(site.row) * attrs.num_heads + site.head;
-  DumpAttributes one_head = attrs;
-  one_head.num_heads = 1;
-  const StepMeta single = single_row_step(step, site.row, attrs.page_size);
-  const std::vector<std::int64_t> visible = visible_slots(single, attrs.page_size);
-  const KvRows rows = KvRows::from_pool_slots(pool, kv_scale, visible);
-  std::vector<double> out50(static_cast<std::size_t>(dc));
+  CertificationJob job;
+  job.attrs = attrs;
+  job.attrs.num_heads = 1;
+  job.attrs.page_size = 1;
+  std::vector<std::int64_t> slots;
+  job.step = compact_single_row_step(step, site.row, attrs.page_size, slots);
+  const KvRows rows = KvRows::from_pool_slots(pool, kv_scale, slots);
+  const int width = attrs.row_width();
+  job.kv_values.resize(slots.size() * static_cast<std::size_t>(width));
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    std::copy_n(rows.row(slots[i]), width, job.kv_values.begin() + i * width);
+  }
+  job.kv_scale = kv_scale;
+  const auto q_nope = tensors.q_nope.begin() + pair * dc;
+  const auto q_pe = tensors.q_pe.begin() + pair * dr;
+  job.q_nope.assign(q_nope, q_nope + dc);
+  job.q_pe.assign(q_pe, q_pe + dr);
+  job.out.assign(out.begin() + pair * dc, out.begin() + (pair + 1) * dc);
+  job.lse = lse[pair];
+  job.sample = CertificationSample{step_index, layer_id, site.row, site.head};
+  return job;
+}
+
+Result<CertificationSample> run_certification(const CertificationJob& job) {
+  const KvRows rows = KvRows::from_values(job.kv_values, job.attrs.row_width(), job.kv_scale);
+  std::vector<double> out50(job.out.size());
   std::vector<double> lse50(1);
-  const std::span<const float> q_nope(tensors.q_nope);
-  const std::span<const float> q_pe(tensors.q_pe);
-  KVAUDIT_TRY(mla_reference_attention<Float50>(one_head, single, q_nope.subspan(pair * dc, dc),
-                                               q_pe.subspan(pair * dr, dr), rows, out50, lse50, 1));
-  CertificationSample sample{step_index, layer_id, site.row, site.head};
-  sample.out_relative = relative_deviation(out.subspan(pair * dc, dc), out50);
-  sample.lse_absolute = absolute_deviation(lse[pair], lse50[0]);
+  KVAUDIT_TRY(mla_reference_attention<Float50>(job.attrs, job.step, job.q_nope, job.q_pe, rows,
+                                               out50, lse50, 1));
+  CertificationSample sample = job.sample;
+  sample.out_relative = relative_deviation(job.out, out50);
+  sample.lse_absolute = absolute_deviation(job.lse, lse50[0]);
   if (!(sample.out_relative <= kReferenceBound) || !(sample.lse_absolute <= kReferenceBound)) {
     return internal_error(
-        fmt::format("reference certification, step {} layer {} row {} head {}", step_index,
-                    layer_id, site.row, site.head),
+        fmt::format("reference certification, step {} layer {} row {} head {}", sample.step,
+                    sample.layer_id, sample.row, sample.head),
         fmt::format("the exact reference deviates from its 50-digit recomputation by {:.3g} "
                     "(out, relative) and {:.3g} (lse, absolute), above the bound {:.0e}",
                     sample.out_relative, sample.lse_absolute, kReferenceBound));
   }
   return sample;
+}
+
+Result<CertificationSample> certify_site(const DumpAttributes& attrs, const StepMeta& step,
+                                         const StepLayerTensors& tensors, const KvPool& pool,
+                                         float kv_scale, std::span<const double> out,
+                                         std::span<const double> lse, int step_index, int layer_id,
+                                         const CertificationSite& site) {
+  return run_certification(prepare_certification(attrs, step, tensors, pool, kv_scale, out, lse,
+                                                 step_index, layer_id, site));
 }
 
 }  // namespace kvaudit

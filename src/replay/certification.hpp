@@ -42,9 +42,34 @@ using CertificationPlan = std::map<std::pair<int, int>, CertificationSite>;
 CertificationPlan plan_certification(const DumpLayout& layout, const std::vector<int>& layer_ids,
                                      const std::vector<int>& steps, int samples);
 
-// R8 of (site.row, site.head) of `step` recomputed in 50 digits on `pool` (dequantized with
-// kv_scale), against the run's reference `out` [Nq, H, Dc] and `lse` [Nq, H]. Returns the
-// deviation found; an internal error when it exceeds the bound.
+// One site's recomputation, holding copies of everything it reads (the one row's visible KV rows,
+// its q, the run's out and lse there), so that it can run on another thread while the replay goes
+// on and changes the pool (`kvaudit check` runs them beside the replay).
+struct CertificationJob {
+  DumpAttributes attrs;  // one head
+  StepMeta step;         // the one row's request, one query row
+  std::vector<float> q_nope;
+  std::vector<float> q_pe;
+  std::vector<float> kv_values;  // the visible rows, compacted; slots renumbered 0..n-1
+  double kv_scale = 1.0;
+  std::vector<double> out;  // the run's reference at the site: [Dc]
+  double lse = 0.0;
+  CertificationSample sample;  // the site (deviations filled by run_certification)
+};
+
+// The job for (site.row, site.head) of `step` on `pool` (dequantized with kv_scale), against the
+// run's reference `out` [Nq, H, Dc] and `lse` [Nq, H].
+CertificationJob prepare_certification(const DumpAttributes& attrs, const StepMeta& step,
+                                       const StepLayerTensors& tensors, const KvPool& pool,
+                                       float kv_scale, std::span<const double> out,
+                                       std::span<const double> lse, int step_index, int layer_id,
+                                       const CertificationSite& site);
+
+// R8 of the job's site recomputed in 50 digits. Returns the deviation found; an internal error
+// when it exceeds the bound.
+Result<CertificationSample> run_certification(const CertificationJob& job);
+
+// prepare_certification, then run_certification.
 Result<CertificationSample> certify_site(const DumpAttributes& attrs, const StepMeta& step,
                                          const StepLayerTensors& tensors, const KvPool& pool,
                                          float kv_scale, std::span<const double> out,

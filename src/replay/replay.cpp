@@ -13,7 +13,9 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <future>
 #include <set>
+#include <thread>
 #include <unordered_map>
 
 #include "references/mla_reference.hpp"
@@ -95,11 +97,11 @@ class SourceRows {
   // uses, renumbered 0..P'-1 in a copy of the step, so memory follows the step.
   Result<std::int64_t> attention(const DumpAttributes& attrs, const StepMeta& step,
                                  const StepLayerTensors& tensors, std::span<double> out,
-                                 std::span<double> lse, int threads) const {
+                                 std::span<double> lse, ReferenceDevice device, int threads) const {
     if (!dense_.empty()) {
       const KvRows rows = KvRows::from_values(dense_, width_, 1.0);
-      return mla_reference_attention(attrs, step, tensors.q_nope, tensors.q_pe, rows, out, lse,
-                                     threads);
+      return exact_reference_attention(device, attrs, step, tensors.q_nope, tensors.q_pe, rows, out,
+                                       lse, threads);
     }
     const int page = attrs.page_size;
     std::vector<std::int32_t> pages(step.kv_indices.begin(), step.kv_indices.end());
@@ -124,8 +126,8 @@ class SourceRows {
       }
     }
     const KvRows rows = KvRows::from_values(values, width_, 1.0);
-    return mla_reference_attention(attrs, compact, tensors.q_nope, tensors.q_pe, rows, out, lse,
-                                   threads);
+    return exact_reference_attention(device, attrs, compact, tensors.q_nope, tensors.q_pe, rows,
+                                     out, lse, threads);
   }
 
  private:
@@ -133,6 +135,53 @@ class SourceRows {
   std::vector<char> known_;
   std::vector<float> dense_;
   std::unordered_map<std::int64_t, std::vector<float>> sparse_;
+};
+
+// The certification recomputations, run on their own threads beside the replay (a 50-digit
+// recomputation of one long row takes seconds; the replay need not wait for it), at most
+// `max_in_flight` at once; results are collected in the order the jobs were planned.
+class CertificationQueue {
+ public:
+  explicit CertificationQueue(std::size_t max_in_flight)
+      : max_in_flight_(std::max<std::size_t>(max_in_flight, 1)) {}
+
+  Status submit(CertificationJob job) {
+    if (pending_.size() - collected_ >= max_in_flight_) KVAUDIT_TRY(collect_one());
+    pending_.push_back(std::async(std::launch::async, [job = std::move(job)] {
+      const auto start = Clock::now();
+      Result<CertificationSample> sample = run_certification(job);
+      return TimedSample{std::move(sample), seconds_since(start)};
+    }));
+    return ok_status();
+  }
+
+  // Waits for every job; the samples in planned order, their time summed into the run.
+  Status finish(CheckRun& run) {
+    while (collected_ < pending_.size()) KVAUDIT_TRY(collect_one());
+    run.certification.insert(run.certification.end(), samples_.begin(), samples_.end());
+    run.certification_seconds += seconds_;
+    return ok_status();
+  }
+
+ private:
+  struct TimedSample {
+    Result<CertificationSample> sample;
+    double seconds = 0.0;
+  };
+
+  Status collect_one() {
+    TimedSample done = pending_[collected_++].get();
+    seconds_ += done.seconds;
+    if (!done.sample.ok()) return done.sample.error();
+    samples_.push_back(*done.sample);
+    return ok_status();
+  }
+
+  std::size_t max_in_flight_;
+  std::vector<std::future<TimedSample>> pending_;
+  std::size_t collected_ = 0;
+  std::vector<CertificationSample> samples_;
+  double seconds_ = 0.0;
 };
 
 // What the replay of every layer shares.
@@ -147,6 +196,7 @@ struct ReplayContext {
   const CertificationPlan& certification;
   std::size_t num_layers = 0;    // selected
   std::set<int> reported_steps;  // empty: every step
+  CertificationQueue* certification_queue = nullptr;
 
   bool is_reported(std::size_t step) const {
     return reported_steps.empty() || reported_steps.count(static_cast<int>(step)) != 0;
@@ -253,7 +303,9 @@ class LayerReplay {
 
 Status LayerReplay::load_state() {
   const DumpReader& reader = context_.reader;
+  const auto start = Clock::now();
   KVAUDIT_ASSIGN_OR_RETURN(reference_pool_, reader.read_pool(layer_index_));
+  context_.run.read_seconds += seconds_since(start);
   backend_pool_ = reference_pool_;
   reference_nan_codes_.scan(reference_pool_);
   if (!layer_.has_source) return ok_status();
@@ -270,8 +322,10 @@ Status LayerReplay::load_state() {
 Status LayerReplay::replay_step(std::size_t step_index) {
   const std::size_t num_steps = context_.reader.layout().steps.size();
   context_.progress.update(order_, context_.num_layers, step_index, num_steps);
+  const auto read_start = Clock::now();
   KVAUDIT_ASSIGN_OR_RETURN(const StepLayerTensors tensors,
                            context_.reader.read_step_layer(step_index, layer_index_));
+  context_.run.read_seconds += seconds_since(read_start);
   const StepInput step = step_input(step_index, tensors);
   const StepLayerWrites writes = write_reference(step);
   StepResults results;
@@ -289,7 +343,9 @@ Status LayerReplay::replay_step(std::size_t step_index) {
           reference_nan_codes_.report(writes, reference_pool_.num_slots, step.visible)) {
     context_.run.integrity.push_back(std::move(*nan_codes));
   }
+  const auto judge_start = Clock::now();
   KVAUDIT_TRY(compare(step, results));
+  context_.run.judge_seconds += seconds_since(judge_start);
   return observe(step, results);
 }
 
@@ -331,10 +387,10 @@ Status LayerReplay::reference_on_pool(const KvPool& pool, const StepInput& step,
   out.assign(step.shape.size(), 0.0);
   lse.assign(static_cast<std::size_t>(step.shape.rows) * step.shape.heads, 0.0);
   const KvRows dequantized = KvRows::from_pool_slots(pool, layer_.kv_scale, step.visible);
-  KVAUDIT_ASSIGN_OR_RETURN(
-      const std::int64_t work,
-      mla_reference_attention(attrs_, step.meta, step.tensors.q_nope, step.tensors.q_pe,
-                              dequantized, out, lse, context_.options.threads));
+  KVAUDIT_ASSIGN_OR_RETURN(const std::int64_t work,
+                           exact_reference_attention(
+                               context_.options.reference, attrs_, step.meta, step.tensors.q_nope,
+                               step.tensors.q_pe, dequantized, out, lse, context_.options.threads));
   context_.run.reference_rows_heads_tokens += static_cast<double>(work);
   return ok_status();
 }
@@ -346,9 +402,10 @@ Status LayerReplay::compute_references(const StepInput& step, StepResults& resul
   if (source_.covers(step.visible)) {
     results.rs_out.assign(step.shape.size(), 0.0);
     results.rs_lse.assign(results.r8_lse.size(), 0.0);
-    KVAUDIT_ASSIGN_OR_RETURN(const std::int64_t work,
-                             source_.attention(attrs_, step.meta, step.tensors, results.rs_out,
-                                               results.rs_lse, context_.options.threads));
+    KVAUDIT_ASSIGN_OR_RETURN(
+        const std::int64_t work,
+        source_.attention(attrs_, step.meta, step.tensors, results.rs_out, results.rs_lse,
+                          context_.options.reference, context_.options.threads));
     context_.run.reference_rows_heads_tokens += static_cast<double>(work);
     results.has_source_reference = true;
   }
@@ -357,19 +414,14 @@ Status LayerReplay::compute_references(const StepInput& step, StepResults& resul
   return certify(step, results);
 }
 
-// 2b. Certification of R8 at a planned site: one (row, head) again in 50 digits.
+// 2b. Certification of R8 at a planned site: one (row, head) again in 50 digits, on its own thread
+// (the job copies what it reads).
 Status LayerReplay::certify(const StepInput& step, const StepResults& results) {
   const auto site = context_.certification.find({static_cast<int>(step.index), layer_.layer_id});
   if (site == context_.certification.end()) return ok_status();
-  const auto start = Clock::now();
-  KVAUDIT_ASSIGN_OR_RETURN(
-      CertificationSample sample,
-      certify_site(attrs_, step.meta, step.tensors, reference_pool_, layer_.kv_scale,
-                   results.r8_out, results.r8_lse, static_cast<int>(step.index), layer_.layer_id,
-                   site->second));
-  context_.run.certification.push_back(sample);
-  context_.run.certification_seconds += seconds_since(start);
-  return ok_status();
+  return context_.certification_queue->submit(prepare_certification(
+      attrs_, step.meta, step.tensors, reference_pool_, layer_.kv_scale, results.r8_out,
+      results.r8_lse, static_cast<int>(step.index), layer_.layer_id, site->second));
 }
 
 // What the step read: tokens, those without a source value, saturated codes among them (in the
@@ -660,6 +712,7 @@ CheckRun begin_run(const DumpReader& reader, const Backend* backend, const Repla
   run.policy = options.policy;
   run.dump_summary = summarize_dump(reader.layout());
   run.diagnose_limit = options.diagnose;
+  run.reference_device = std::string(reference_device_name(options.reference));
   if (options.reciprocal_scale) {
     run.notes.push_back(
         "--reciprocal-scale: pools were written (and captured pools judged) with "
@@ -732,6 +785,8 @@ Result<CheckRun> replay_dump(const DumpReader& reader, Backend* backend,
       judge,         progress,
       diagnosis,     certification,
       layers.size(), std::set<int>(options.step_indices.begin(), options.step_indices.end())};
+  CertificationQueue certification_queue(std::max(1u, std::thread::hardware_concurrency() / 4));
+  context.certification_queue = &certification_queue;
   for (std::size_t order = 0; order < layers.size(); ++order) {
     LayerReplay layer(context, layers[order], order);
     KVAUDIT_TRY(layer.load_state());
@@ -740,6 +795,7 @@ Result<CheckRun> replay_dump(const DumpReader& reader, Backend* backend,
     }
     layer.note_unmeasured_steps();
   }
+  KVAUDIT_TRY(certification_queue.finish(run));
   if (backend != nullptr) run.backend_protocol = backend->protocol_statistics();
   run.diagnosis = diagnosis.findings();
   run.diagnose_limit = diagnosis.limit();

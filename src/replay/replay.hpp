@@ -44,6 +44,7 @@
 #include <string>
 #include <vector>
 
+#include "references/reference_device.hpp"
 #include "src/backend/backend.hpp"
 #include "src/core/result.hpp"
 #include "src/format/kvdump.hpp"
@@ -77,7 +78,9 @@ struct ReplayOptions {
   std::vector<int> layer_ids;     // empty: every layer of the dump
   std::vector<int> step_indices;  // reported steps; empty: every step
   Policy policy;
-  int threads = 0;             // reference threads; 0: every core
+  int threads = 0;  // reference threads; 0: every core
+  // Where the exact reference runs (--reference); certification stays on the CPU either way.
+  ReferenceDevice reference = ReferenceDevice::kCpu;
   bool progress = false;       // "layer 1/3 step 2/4" lines on stderr
   StepLayerObserver observer;  // called for every reported (step, layer)
   // The reference writes with the named reciprocal convention (x * fp32(1 / kv_scale)) instead

@@ -153,9 +153,11 @@ void print_timing(std::ostream& out, const CheckRun& run) {
   const std::string diagnosis =
       run.diagnosis_seconds > 0.0 ? fmt::format(", diagnosis {:.4g} s", run.diagnosis_seconds) : "";
   fmt::print(out,
-             "timing: reference {:.4g} s, backend {:.4g} s{}, total {:.4g} s\n"
+             "timing: reference ({}) {:.4g} s, backend {:.4g} s, reading the dump {:.4g} s, "
+             "comparisons {:.4g} s{}, total {:.4g} s\n"
              "reference throughput: {:.4g} rows*heads*tokens/s ({:.4g} in all)\n",
-             run.reference_seconds, run.backend_seconds, diagnosis, run.total_seconds, throughput,
+             run.reference_device, run.reference_seconds, run.backend_seconds, run.read_seconds,
+             run.judge_seconds, diagnosis, run.total_seconds, throughput,
              run.reference_rows_heads_tokens);
   if (const nlohmann::json& protocol = run.backend_protocol; protocol.is_object()) {
     fmt::print(out,

@@ -660,10 +660,10 @@ void provenance_section(Html& html, const CheckRun& run) {
   }
   policy_table(html, run.policy);
   put(html,
-      "<p class=\"small muted\">Timing: reference {} s, backend {} s, total {} s. report.json "
-      "beside this page holds every number (docs/report-schema.md).</p></section>\n",
-      short_number(run.reference_seconds), short_number(run.backend_seconds),
-      short_number(run.total_seconds));
+      "<p class=\"small muted\">Timing: reference ({}) {} s, backend {} s, total {} s. "
+      "report.json beside this page holds every number (docs/report-schema.md).</p></section>\n",
+      esc(run.reference_device), short_number(run.reference_seconds),
+      short_number(run.backend_seconds), short_number(run.total_seconds));
 }
 
 void notes_section(Html& html, const CheckRun& run) {

@@ -388,7 +388,8 @@ void notes_section(Markdown& md, const CheckRun& run) {
 
 void timing_section(Markdown& md, const CheckRun& run) {
   append(md, "## Appendix: timing\n\n| quantity | value |\n| --- | --- |\n");
-  append(md, "| reference (CPU, high precision) | {} s |\n", short_number(run.reference_seconds));
+  append(md, "| reference (exact, on the {}) | {} s |\n",
+         run.reference_device == "cuda" ? "GPU" : "CPU", short_number(run.reference_seconds));
   if (run.reference_seconds > 0) {
     append(md, "| reference throughput | {} rows x heads x tokens / s |\n",
            short_number(run.reference_rows_heads_tokens / run.reference_seconds));

@@ -487,10 +487,13 @@ nlohmann::json timing_json(const CheckRun& run) {
       run.reference_seconds > 0.0
           ? json_number(run.reference_rows_heads_tokens / run.reference_seconds)
           : nlohmann::json(nullptr);
-  return {{"reference_seconds", json_number(run.reference_seconds)},
+  return {{"reference_device", run.reference_device},
+          {"reference_seconds", json_number(run.reference_seconds)},
           {"reference_rows_heads_tokens", json_number(run.reference_rows_heads_tokens)},
           {"reference_throughput_rows_heads_tokens_per_s", throughput},
           {"backend_seconds", json_number(run.backend_seconds)},
+          {"read_seconds", json_number(run.read_seconds)},
+          {"judge_seconds", json_number(run.judge_seconds)},
           {"diagnosis_seconds", json_number(run.diagnosis_seconds)},
           {"certification_seconds", json_number(run.certification_seconds)},
           {"total_seconds", json_number(run.total_seconds)},

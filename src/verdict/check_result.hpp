@@ -243,11 +243,14 @@ struct CheckRun {
   std::vector<std::string> notes;  // what the run could not do, or did differently, and why
   std::vector<StepLayerCoverage> coverage;  // one per reported (step, layer), in replay order
   std::optional<SignOff> signoff;           // --signoff runs
+  std::string reference_device = "cpu";     // where the exact reference ran: "cpu" or "cuda"
   double reference_seconds = 0.0;
   double reference_rows_heads_tokens = 0.0;  // work done, for throughput
   double backend_seconds = 0.0;
+  double read_seconds = 0.0;           // reading pools and step tensors from the dump
+  double judge_seconds = 0.0;          // comparisons: metrics, verdicts, diagnosis
   double diagnosis_seconds = 0.0;      // the diagnosis of failing comparisons
-  double certification_seconds = 0.0;  // the 50-digit recomputations
+  double certification_seconds = 0.0;  // the 50-digit recomputations (their own threads' time)
   double total_seconds = 0.0;
   // An exec backend's protocol overhead (Backend::protocol_statistics); null for in-process ones.
   nlohmann::json backend_protocol;

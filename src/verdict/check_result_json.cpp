@@ -148,10 +148,15 @@ std::optional<Divergence> read_divergence(JsonObjectReader& parent) {
 }
 
 void read_timing(JsonObjectReader reader, CheckRun& run) {
+  // Absent from reports written before --reference existed: those ran on the CPU.
+  run.reference_device = reader.has("reference_device") ? reader.text("reference_device") : "cpu";
   run.reference_seconds = reader.number("reference_seconds");
   run.reference_rows_heads_tokens = reader.number("reference_rows_heads_tokens");
   reader.skip("reference_throughput_rows_heads_tokens_per_s");  // the ratio of the two above
   run.backend_seconds = reader.number("backend_seconds");
+  // Absent from reports written before these were measured.
+  run.read_seconds = reader.has("read_seconds") ? reader.number("read_seconds") : 0.0;
+  run.judge_seconds = reader.has("judge_seconds") ? reader.number("judge_seconds") : 0.0;
   run.diagnosis_seconds = reader.number("diagnosis_seconds");
   run.certification_seconds = reader.number("certification_seconds");
   run.total_seconds = reader.number("total_seconds");

@@ -298,6 +298,7 @@ CheckRun concatenate(const std::vector<NamedPart>& parts,
   run.dump_summary = first.run.dump_summary;
   run.signoff = first.run.signoff;
   run.diagnose_limit = first.run.diagnose_limit;
+  run.reference_device = first.run.reference_device;
   run.notes = run_notes(first);
   for (const NamedPart& named : parts) {
     const CheckRun& part = named.part.run;
@@ -308,9 +309,12 @@ CheckRun concatenate(const std::vector<NamedPart>& parts,
                              part.certification.end());
     const std::vector<std::string> notes = layer_notes(named);
     run.notes.insert(run.notes.end(), notes.begin(), notes.end());
+    if (part.reference_device != run.reference_device) run.reference_device = "mixed";
     run.reference_seconds += part.reference_seconds;
     run.reference_rows_heads_tokens += part.reference_rows_heads_tokens;
     run.backend_seconds += part.backend_seconds;
+    run.read_seconds += part.read_seconds;
+    run.judge_seconds += part.judge_seconds;
     run.diagnosis_seconds += part.diagnosis_seconds;
     run.certification_seconds += part.certification_seconds;
     run.total_seconds += part.total_seconds;

@@ -288,4 +288,37 @@ TEST_CASE("kvaudit check: bad input exits 2 with one line on stderr", "[cli][che
   }
 }
 
+TEST_CASE(
+    "kvaudit check --reference cuda: the GPU reference where a GPU is, else exit 2 saying why",
+    "[cli][check]") {
+  const TinyDump dump = make_tiny_dump(two_layer_spec());
+  const std::string file = write_dump(dump, "cli_reference_cuda");
+  const auto json_cpu = test_tmp_path("cli_reference_cpu.json");
+  const auto json_cuda = test_tmp_path("cli_reference_cuda.json");
+  const CudaDeviceInfo device = cuda_device_info();
+  const CommandResult cuda =
+      run_check("cli_reference_cuda",
+                file + " --reference cuda --certify 8 --json '" + json_cuda.string() + "'");
+  INFO(cuda.out << cuda.err);
+  if (!device.present) {
+    CHECK(cuda.status == 2);
+    CHECK_THAT(cuda.err, Catch::Contains("--reference cuda"));
+    CHECK(cuda.out.find("verdict") == std::string::npos);  // refused before any work
+    CHECK_FALSE(std::filesystem::exists(json_cuda));
+    return;
+  }
+  REQUIRE(cuda.status == 0);
+  const CommandResult cpu =
+      run_check("cli_reference_cpu", file + " --certify 8 --json '" + json_cpu.string() + "'");
+  REQUIRE(cpu.status == 0);
+  const nlohmann::json on_gpu = nlohmann::json::parse(read_text(json_cuda));
+  const nlohmann::json on_cpu = nlohmann::json::parse(read_text(json_cpu));
+  CHECK(on_gpu.at("timing").at("reference_device") == "cuda");
+  CHECK(on_cpu.at("timing").at("reference_device") == "cpu");
+  // The CPU certified the GPU reference at 8 sites; the verdicts and results agree.
+  CHECK(on_gpu.at("certification").at("samples").size() == 8);
+  CHECK(on_gpu.at("verdict") == on_cpu.at("verdict"));
+  CHECK(on_gpu.at("comparisons").size() == on_cpu.at("comparisons").size());
+}
+
 }  // namespace kvaudit

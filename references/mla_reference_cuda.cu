@@ -1,0 +1,577 @@
+// The exact MLA reference on the GPU (mla_reference_cuda.hpp). Same formulas and error analysis as
+// the CPU reference (mla_reference.hpp); only the order of the exact-to-2^-100 partial sums and the
+// way products are made error-free differ, so both give the double nearest the truth up to ~1e-25
+// relative and agree to within an ulp or two of the final rounding.
+//
+// Per call, the query rows are cut into segments (rows of one request, at most a score buffer's
+// worth), batched, and each batch runs three kernels. With a query vector qv = (row, head) of a
+// segment, T its request's tokens and V(qv) = visible_of_row[row] (causal: V <= T):
+//   1. scores   S[qv, t] = dd(q[qv] . k_t) * (sm_scale * scale)   for t < V(qv)  (64 x 64 tiles)
+//      Every product is a float times a float, exact in binary64 (24 + 24 bits); the sum over
+//      the Dc + Dr channels is TwoSum-compensated (hi, lo), as compensated_dot on the CPU:
+//      error <= n u^2 sum_j |q_j k_j|, u = 2^-53.
+//   2. weights  m = max_t S.hi,  E[qv, t] = exp_dd(S - m),  l = sum_t E (double-double),
+//               lse = log_dd(l) + m;  a NaN score makes the pair NaN (out and lse), as on the CPU.
+//   3. values   acc[qv, d] = sum_t E[qv, t] v_t[d]     (d < Dc)               (64 x 64 tiles)
+//      Each product E.hi * v is made error-free with a fused multiply-add (TwoProd), added with
+//      TwoSum; E.lo * v (2^-53 smaller) goes to the low word. out = scale * acc / l.
+// Tiles: 256 threads, 16 x 16, each holding a 4 x 4 register block (query vectors ty + 16 i,
+// columns tx + 16 k), the reduction axis staged through shared memory 16 deep. Tiles a causal
+// mask hides entirely are never launched; inside a tile, masked tokens are skipped, never read
+// (a NaN in a token a row does not see must not reach it).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "references/double_double.hpp"
+#include "references/mla_reference_cuda.hpp"
+
+namespace kvaudit {
+namespace {
+
+constexpr int kTile = 64;      // query vectors x (tokens or latent dims) per tile
+constexpr int kDepth = 16;     // reduction elements staged in shared memory per pass
+constexpr int kThreads = 256;  // 16 x 16 threads, 4 x 4 outputs each
+constexpr int kPerThread = 4;
+
+// A run of query rows of one request; its scores are [num_qv, num_tokens] from score_offset.
+struct Segment {
+  long long score_offset = 0;
+  long long kv_offset = 0;  // the request's token 0 in the gathered KV rows
+  int first_row = 0;        // global query row
+  int num_qv = 0;           // rows x heads
+  int num_tokens = 0;       // the request's tokens
+};
+
+// One tile of kernels 1 and 3: query vectors qv0 .. qv0 + 63 of a segment; columns x0 .. x0 + 63
+// (tokens in 1, latent dims in 3); `limit` = the largest V(qv) among the tile's query vectors.
+struct Tile {
+  int segment = 0;
+  int qv0 = 0;
+  int x0 = 0;
+  int limit = 0;
+};
+
+struct DeviceArgs {
+  const float* q_nope = nullptr;  // [Nq, H, Dc]
+  const float* q_pe = nullptr;    // [Nq, H, Dr]
+  const float* kv = nullptr;      // gathered rows [sum T, Dc + Dr]
+  const int* visible_of_row = nullptr;
+  const int* segment_of_row = nullptr;  // within the batch; -1: not in it
+  const Segment* segments = nullptr;
+  double* s_hi = nullptr;  // scores, then weights
+  double* s_lo = nullptr;
+  double* l_hi = nullptr;  // [Nq * H]
+  double* l_lo = nullptr;
+  unsigned char* is_nan = nullptr;  // [Nq * H]
+  double* out = nullptr;            // [Nq, H, Dc]
+  double* lse = nullptr;            // [Nq, H]
+  int heads = 0;
+  int dc = 0;
+  int dr = 0;
+  double factor_hi = 0.0;  // sm_scale * scale as a double-double (exact: a TwoProd)
+  double factor_lo = 0.0;
+  double scale = 1.0;
+};
+
+// TwoSum of acc and an exact addend p, the rounding error added to lo.
+__device__ __forceinline__ void accumulate_exact(double& hi, double& lo, double p) {
+  const double s = __dadd_rn(hi, p);
+  const double bb = __dsub_rn(s, hi);
+  lo = __dadd_rn(lo, __dadd_rn(__dsub_rn(hi, __dsub_rn(s, bb)), __dsub_rn(p, bb)));
+  hi = s;
+}
+
+__device__ __forceinline__ int visible_of_qv(const DeviceArgs& a, const Segment& seg, int qv) {
+  return a.visible_of_row[seg.first_row + qv / a.heads];
+}
+
+// Element j of query vector qv of the segment ([q_nope | q_pe]); 0 past the width.
+__device__ __forceinline__ double query_element(const DeviceArgs& a, const Segment& seg, int qv,
+                                                int j) {
+  const long long pair = static_cast<long long>(seg.first_row) * a.heads + qv;
+  if (j < a.dc) return a.q_nope[pair * a.dc + j];
+  if (j < a.dc + a.dr) return a.q_pe[pair * a.dr + (j - a.dc)];
+  return 0.0;
+}
+
+// ---- 1. scores -------------------------------------------------------------------------------
+
+__global__ void __launch_bounds__(kThreads) scores_kernel(DeviceArgs a, const Tile* tiles) {
+  __shared__ double q_tile[kDepth][kTile + 1];  // + 1: the channel-fastest stores hit
+  __shared__ float k_tile[kDepth][kTile + 1];   // distinct banks
+  const Tile tile = tiles[blockIdx.x];
+  const Segment seg = a.segments[tile.segment];
+  const int width = a.dc + a.dr;
+  const int tx = threadIdx.x % 16;
+  const int ty = threadIdx.x / 16;
+  double hi[kPerThread][kPerThread] = {};
+  double lo[kPerThread][kPerThread] = {};
+  for (int j0 = 0; j0 < width; j0 += kDepth) {
+    // Stage q[qv0 .. +63][j0 .. +15] and k[x0 .. +63][j0 .. +15], channel-fastest (coalesced).
+    for (int e = threadIdx.x; e < kDepth * kTile; e += kThreads) {
+      const int j = e % kDepth;
+      const int r = e / kDepth;
+      const int qv = tile.qv0 + r;
+      q_tile[j][r] = qv < seg.num_qv ? query_element(a, seg, qv, j0 + j) : 0.0;
+      const int t = tile.x0 + r;
+      k_tile[j][r] = (t < seg.num_tokens && j0 + j < width)
+                         ? a.kv[(seg.kv_offset + t) * width + j0 + j]
+                         : 0.0f;
+    }
+    __syncthreads();
+#pragma unroll 4
+    for (int j = 0; j < kDepth; ++j) {
+      double q[kPerThread];
+      double k[kPerThread];
+#pragma unroll
+      for (int i = 0; i < kPerThread; ++i) q[i] = q_tile[j][ty + 16 * i];
+#pragma unroll
+      for (int c = 0; c < kPerThread; ++c) k[c] = k_tile[j][tx + 16 * c];
+#pragma unroll
+      for (int i = 0; i < kPerThread; ++i) {
+#pragma unroll
+        for (int c = 0; c < kPerThread; ++c) {
+          accumulate_exact(hi[i][c], lo[i][c], __dmul_rn(q[i], k[c]));  // exact product
+        }
+      }
+    }
+    __syncthreads();
+  }
+  const dd::DoubleDouble factor{a.factor_hi, a.factor_lo};
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int qv = tile.qv0 + ty + 16 * i;
+    if (qv >= seg.num_qv) continue;
+    const int visible = visible_of_qv(a, seg, qv);
+#pragma unroll
+    for (int c = 0; c < kPerThread; ++c) {
+      const int t = tile.x0 + tx + 16 * c;
+      if (t >= visible) continue;
+      const dd::DoubleDouble s = dd::mul(dd::two_sum(hi[i][c], lo[i][c]), factor);
+      const long long at = seg.score_offset + static_cast<long long>(qv) * seg.num_tokens + t;
+      a.s_hi[at] = s.hi;
+      a.s_lo[at] = s.lo;
+    }
+  }
+}
+
+// ---- 2. weights ------------------------------------------------------------------------------
+
+__device__ dd::DoubleDouble block_sum(dd::DoubleDouble x, dd::DoubleDouble* shared) {
+  shared[threadIdx.x] = x;
+  __syncthreads();
+  for (int stride = kThreads / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) {
+      shared[threadIdx.x] = dd::add(shared[threadIdx.x], shared[threadIdx.x + stride]);
+    }
+    __syncthreads();
+  }
+  return shared[0];
+}
+
+// One block per query vector (pair = row * H + head) of the batch.
+__global__ void __launch_bounds__(kThreads) weights_kernel(DeviceArgs a, int first_pair) {
+  __shared__ dd::DoubleDouble partial[kThreads];
+  __shared__ double row_max;
+  __shared__ int any_nan;
+  const long long pair = first_pair + static_cast<long long>(blockIdx.x);
+  const int row = static_cast<int>(pair / a.heads);
+  const int segment = a.segment_of_row[row];
+  if (segment < 0) return;
+  const Segment seg = a.segments[segment];
+  const int qv = static_cast<int>(pair - static_cast<long long>(seg.first_row) * a.heads);
+  const int visible = a.visible_of_row[row];
+  double* s_hi = a.s_hi + seg.score_offset + static_cast<long long>(qv) * seg.num_tokens;
+  double* s_lo = a.s_lo + seg.score_offset + static_cast<long long>(qv) * seg.num_tokens;
+
+  if (threadIdx.x == 0) {
+    row_max = -INFINITY;
+    any_nan = 0;
+  }
+  __syncthreads();
+  double m = -INFINITY;
+  bool nan = false;
+  for (int t = threadIdx.x; t < visible; t += kThreads) {
+    nan = nan || isnan(s_hi[t]);
+    m = fmax(m, s_hi[t]);
+  }
+  if (nan) atomicExch(&any_nan, 1);
+  // Every thread's maximum into one (fmax ignores NaN, which is handled by any_nan).
+  partial[threadIdx.x] = {m, 0.0};
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double best = -INFINITY;
+    for (int i = 0; i < kThreads; ++i) best = fmax(best, partial[i].hi);
+    row_max = best;
+  }
+  __syncthreads();
+  if (any_nan) {
+    if (threadIdx.x == 0) {
+      a.is_nan[pair] = 1;
+      a.lse[pair] = NAN;
+    }
+    return;
+  }
+  m = row_max;
+  dd::DoubleDouble l{0.0, 0.0};
+  for (int t = threadIdx.x; t < visible; t += kThreads) {
+    const dd::DoubleDouble e = dd::exp(dd::add(dd::DoubleDouble{s_hi[t], s_lo[t]}, -m));
+    s_hi[t] = e.hi;
+    s_lo[t] = e.lo;
+    l = dd::add(l, e);
+  }
+  __syncthreads();  // partial[] was read above
+  l = block_sum(l, partial);
+  if (threadIdx.x == 0) {
+    a.is_nan[pair] = 0;
+    a.l_hi[pair] = l.hi;
+    a.l_lo[pair] = l.lo;
+    a.lse[pair] = dd::to_double(dd::add(dd::log(l), m));
+  }
+}
+
+// ---- 3. values -------------------------------------------------------------------------------
+
+__global__ void __launch_bounds__(kThreads) values_kernel(DeviceArgs a, const Tile* tiles) {
+  __shared__ double w_hi[kDepth][kTile + 1];
+  __shared__ double w_lo[kDepth][kTile + 1];
+  __shared__ float v_tile[kDepth][kTile];
+  const Tile tile = tiles[blockIdx.x];
+  const Segment seg = a.segments[tile.segment];
+  const int width = a.dc + a.dr;
+  const int tx = threadIdx.x % 16;
+  const int ty = threadIdx.x / 16;
+  int visible[kPerThread];
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int qv = tile.qv0 + ty + 16 * i;
+    visible[i] = qv < seg.num_qv ? visible_of_qv(a, seg, qv) : 0;
+  }
+  double hi[kPerThread][kPerThread] = {};
+  double lo[kPerThread][kPerThread] = {};
+  for (int t0 = 0; t0 < tile.limit; t0 += kDepth) {
+    // Stage E[qv0 .. +63][t0 .. +15] (token-fastest) and v[t0 .. +15][x0 .. +63] (dim-fastest).
+    for (int e = threadIdx.x; e < kDepth * kTile; e += kThreads) {
+      const int t = e % kDepth;
+      const int r = e / kDepth;
+      const int qv = tile.qv0 + r;
+      double whi = 0.0;
+      double wlo = 0.0;
+      if (qv < seg.num_qv && t0 + t < visible_of_qv(a, seg, qv)) {
+        const long long at =
+            seg.score_offset + static_cast<long long>(qv) * seg.num_tokens + t0 + t;
+        whi = a.s_hi[at];
+        wlo = a.s_lo[at];
+      }
+      w_hi[t][r] = whi;
+      w_lo[t][r] = wlo;
+      const int d = e % kTile;
+      const int tt = e / kTile;
+      v_tile[tt][d] = (t0 + tt < seg.num_tokens && tile.x0 + d < a.dc)
+                          ? a.kv[(seg.kv_offset + t0 + tt) * width + tile.x0 + d]
+                          : 0.0f;
+    }
+    __syncthreads();
+    for (int t = 0; t < kDepth; ++t) {
+      double v[kPerThread];
+#pragma unroll
+      for (int c = 0; c < kPerThread; ++c) v[c] = v_tile[t][tx + 16 * c];
+#pragma unroll
+      for (int i = 0; i < kPerThread; ++i) {
+        if (t0 + t >= visible[i]) continue;  // masked: never read (it may hold a NaN)
+        const double whi = w_hi[t][ty + 16 * i];
+        const double wlo = w_lo[t][ty + 16 * i];
+#pragma unroll
+        for (int c = 0; c < kPerThread; ++c) {
+          const double p = __dmul_rn(whi, v[c]);
+          const double p_error = __fma_rn(whi, v[c], -p);  // TwoProd: p + p_error == whi * v
+          accumulate_exact(hi[i][c], lo[i][c], p);
+          lo[i][c] = __dadd_rn(lo[i][c], __fma_rn(wlo, v[c], p_error));
+        }
+      }
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int qv = tile.qv0 + ty + 16 * i;
+    if (qv >= seg.num_qv) continue;
+    const long long pair = static_cast<long long>(seg.first_row) * a.heads + qv;
+    const bool nan = a.is_nan[pair] != 0;
+    const dd::DoubleDouble l{a.l_hi[pair], a.l_lo[pair]};
+#pragma unroll
+    for (int c = 0; c < kPerThread; ++c) {
+      const int d = tile.x0 + tx + 16 * c;
+      if (d >= a.dc) continue;
+      a.out[pair * a.dc + d] =
+          nan ? NAN : dd::to_double(dd::mul(dd::div(dd::two_sum(hi[i][c], lo[i][c]), l), a.scale));
+    }
+  }
+}
+
+// ---- host ------------------------------------------------------------------------------------
+
+Status cuda_check(cudaError_t status, const std::string& where, const char* what) {
+  if (status == cudaSuccess) return ok_status();
+  return internal_error(where,
+                        std::string("GPU reference: ") + what + ": " + cudaGetErrorString(status));
+}
+
+// Device allocations that only grow, kept between calls (a check calls once per step and layer).
+class DeviceArena {
+ public:
+  template <typename T>
+  Result<T*> get(int slot, std::size_t count, const std::string& where) {
+    if (buffers_.size() <= static_cast<std::size_t>(slot)) buffers_.resize(slot + 1);
+    Buffer& b = buffers_[slot];
+    const std::size_t bytes = std::max<std::size_t>(count * sizeof(T), 16);
+    if (bytes > b.bytes) {
+      cudaFree(b.data);
+      b = {};
+      KVAUDIT_TRY(cuda_check(cudaMalloc(&b.data, bytes), where, "cudaMalloc"));
+      b.bytes = bytes;
+    }
+    return static_cast<T*>(b.data);
+  }
+
+ private:
+  struct Buffer {
+    void* data = nullptr;
+    std::size_t bytes = 0;
+  };
+  std::vector<Buffer> buffers_;
+};
+
+enum ArenaSlot : int {
+  kQNope,
+  kQPe,
+  kKv,
+  kVisible,
+  kSegmentOfRow,
+  kSegments,
+  kScoreTiles,
+  kValueTiles,
+  kScoreHi,
+  kScoreLo,
+  kSumHi,
+  kSumLo,
+  kIsNan,
+  kOut,
+  kLse,
+};
+
+// The score buffers hold at most this many elements per batch (2 x 8 bytes each: 4 GiB).
+constexpr long long kMaxScoreElements = 1ll << 28;
+
+struct Batch {
+  std::vector<Segment> segments;
+  long long score_elements = 0;
+  int first_row = 0;
+  int end_row = 0;
+};
+
+// Segments: each request's rows, cut so that one segment's scores fit the buffer; consecutive
+// segments grouped into batches under the same bound.
+std::vector<Batch> plan_batches(const ReferenceProblem& p,
+                                const std::vector<long long>& kv_offset) {
+  std::vector<Batch> batches;
+  Batch batch;
+  const auto flush = [&] {
+    if (!batch.segments.empty()) batches.push_back(std::move(batch));
+    batch = Batch{};
+  };
+  int row = 0;
+  while (row < p.num_rows()) {
+    const int request = p.request_of_row[row];
+    const long long tokens = static_cast<long long>(p.token_rows[request].size());
+    const long long per_row = std::max<long long>(tokens * p.num_heads, 1);
+    int end = row;
+    while (end < p.num_rows() && p.request_of_row[end] == request &&
+           (end - row + 1) * per_row <= kMaxScoreElements) {
+      ++end;
+    }
+    end = std::max(end, row + 1);
+    const long long elements = (end - row) * per_row;
+    if (batch.score_elements + elements > kMaxScoreElements) flush();
+    if (batch.segments.empty()) batch.first_row = row;
+    batch.segments.push_back(Segment{batch.score_elements, kv_offset[request], row,
+                                     (end - row) * p.num_heads, static_cast<int>(tokens)});
+    batch.score_elements += elements;
+    batch.end_row = end;
+    row = end;
+  }
+  flush();
+  return batches;
+}
+
+// The largest V(qv) over query vectors qv0 .. qv0 + 63 of a segment.
+int tile_limit(const ReferenceProblem& p, const Segment& seg, int qv0) {
+  const int last_qv = std::min(qv0 + kTile, seg.num_qv) - 1;
+  std::int64_t limit = 0;
+  for (int row = seg.first_row + qv0 / p.num_heads; row <= seg.first_row + last_qv / p.num_heads;
+       ++row) {
+    limit = std::max(limit, p.visible_of_row[row]);
+  }
+  return static_cast<int>(limit);
+}
+
+void plan_tiles(const ReferenceProblem& p, const Batch& batch, std::vector<Tile>& score_tiles,
+                std::vector<Tile>& value_tiles) {
+  score_tiles.clear();
+  value_tiles.clear();
+  for (int s = 0; s < static_cast<int>(batch.segments.size()); ++s) {
+    const Segment& seg = batch.segments[s];
+    for (int qv0 = 0; qv0 < seg.num_qv; qv0 += kTile) {
+      const int limit = tile_limit(p, seg, qv0);
+      for (int t0 = 0; t0 < limit; t0 += kTile) score_tiles.push_back({s, qv0, t0, limit});
+      for (int d0 = 0; d0 < p.dc; d0 += kTile) value_tiles.push_back({s, qv0, d0, limit});
+    }
+  }
+}
+
+template <typename T>
+Status upload(T* device, const T* host, std::size_t count, const std::string& where) {
+  if (count == 0) return ok_status();
+  return cuda_check(cudaMemcpy(device, host, count * sizeof(T), cudaMemcpyHostToDevice), where,
+                    "cudaMemcpy to the device");
+}
+
+// The KV rows each request reads, gathered in token order: [sum_b T_b, Dc + Dr].
+std::vector<float> gather_kv(const ReferenceProblem& p, std::vector<long long>& kv_offset) {
+  const int width = p.width();
+  long long total = 0;
+  kv_offset.assign(p.token_rows.size(), 0);
+  for (std::size_t b = 0; b < p.token_rows.size(); ++b) {
+    kv_offset[b] = total;
+    total += static_cast<long long>(p.token_rows[b].size());
+  }
+  std::vector<float> kv(static_cast<std::size_t>(total) * width);
+  for (std::size_t b = 0; b < p.token_rows.size(); ++b) {
+    float* dst = kv.data() + kv_offset[b] * width;
+    for (const float* row : p.token_rows[b]) {
+      std::copy(row, row + width, dst);
+      dst += width;
+    }
+  }
+  return kv;
+}
+
+class GpuReference {
+ public:
+  Status run(const ReferenceProblem& p, const std::string& where);
+
+ private:
+  Status upload_inputs(const ReferenceProblem& p, const std::string& where);
+  Status run_batch(const ReferenceProblem& p, const Batch& batch, const std::string& where);
+
+  DeviceArena arena_;
+  DeviceArgs args_;
+  int* segment_of_row_ = nullptr;  // args_.segment_of_row, writable
+  std::vector<long long> kv_offset_;
+  std::vector<Tile> score_tiles_;
+  std::vector<Tile> value_tiles_;
+};
+
+Status GpuReference::upload_inputs(const ReferenceProblem& p, const std::string& where) {
+  const std::size_t pairs = static_cast<std::size_t>(p.num_rows()) * p.num_heads;
+  const std::vector<float> kv = gather_kv(p, kv_offset_);
+  std::vector<int> visible(p.visible_of_row.begin(), p.visible_of_row.end());
+  KVAUDIT_ASSIGN_OR_RETURN(float* q_nope, arena_.get<float>(kQNope, p.q_nope.size(), where));
+  KVAUDIT_ASSIGN_OR_RETURN(float* q_pe, arena_.get<float>(kQPe, p.q_pe.size(), where));
+  KVAUDIT_ASSIGN_OR_RETURN(float* kv_device, arena_.get<float>(kKv, kv.size(), where));
+  KVAUDIT_ASSIGN_OR_RETURN(int* visible_device, arena_.get<int>(kVisible, visible.size(), where));
+  KVAUDIT_TRY(upload(q_nope, p.q_nope.data(), p.q_nope.size(), where));
+  KVAUDIT_TRY(upload(q_pe, p.q_pe.data(), p.q_pe.size(), where));
+  KVAUDIT_TRY(upload(kv_device, kv.data(), kv.size(), where));
+  KVAUDIT_TRY(upload(visible_device, visible.data(), visible.size(), where));
+  args_ = DeviceArgs{};
+  args_.q_nope = q_nope;
+  args_.q_pe = q_pe;
+  args_.kv = kv_device;
+  args_.visible_of_row = visible_device;
+  KVAUDIT_ASSIGN_OR_RETURN(segment_of_row_,
+                           arena_.get<int>(kSegmentOfRow, p.visible_of_row.size(), where));
+  args_.segment_of_row = segment_of_row_;
+  KVAUDIT_ASSIGN_OR_RETURN(args_.l_hi, arena_.get<double>(kSumHi, pairs, where));
+  KVAUDIT_ASSIGN_OR_RETURN(args_.l_lo, arena_.get<double>(kSumLo, pairs, where));
+  KVAUDIT_ASSIGN_OR_RETURN(args_.is_nan, arena_.get<unsigned char>(kIsNan, pairs, where));
+  KVAUDIT_ASSIGN_OR_RETURN(args_.out, arena_.get<double>(kOut, p.out.size(), where));
+  KVAUDIT_ASSIGN_OR_RETURN(args_.lse, arena_.get<double>(kLse, p.lse.size(), where));
+  args_.heads = p.num_heads;
+  args_.dc = p.dc;
+  args_.dr = p.dr;
+  const dd::DoubleDouble factor = dd::two_prod(p.sm_scale, p.scale);
+  args_.factor_hi = factor.hi;
+  args_.factor_lo = factor.lo;
+  args_.scale = p.scale;
+  return ok_status();
+}
+
+Status GpuReference::run_batch(const ReferenceProblem& p, const Batch& batch,
+                               const std::string& where) {
+  std::vector<int> segment_of_row(p.visible_of_row.size(), -1);
+  for (int s = 0; s < static_cast<int>(batch.segments.size()); ++s) {
+    const Segment& seg = batch.segments[s];
+    for (int r = 0; r < seg.num_qv / p.num_heads; ++r) segment_of_row[seg.first_row + r] = s;
+  }
+  plan_tiles(p, batch, score_tiles_, value_tiles_);
+  KVAUDIT_ASSIGN_OR_RETURN(Segment * segments,
+                           arena_.get<Segment>(kSegments, batch.segments.size(), where));
+  KVAUDIT_ASSIGN_OR_RETURN(Tile * score_tiles,
+                           arena_.get<Tile>(kScoreTiles, score_tiles_.size(), where));
+  KVAUDIT_ASSIGN_OR_RETURN(Tile * value_tiles,
+                           arena_.get<Tile>(kValueTiles, value_tiles_.size(), where));
+  KVAUDIT_ASSIGN_OR_RETURN(args_.s_hi, arena_.get<double>(kScoreHi, batch.score_elements, where));
+  KVAUDIT_ASSIGN_OR_RETURN(args_.s_lo, arena_.get<double>(kScoreLo, batch.score_elements, where));
+  KVAUDIT_TRY(upload(segment_of_row_, segment_of_row.data(), segment_of_row.size(), where));
+  KVAUDIT_TRY(upload(segments, batch.segments.data(), batch.segments.size(), where));
+  KVAUDIT_TRY(upload(score_tiles, score_tiles_.data(), score_tiles_.size(), where));
+  KVAUDIT_TRY(upload(value_tiles, value_tiles_.data(), value_tiles_.size(), where));
+  args_.segments = segments;
+
+  const int pairs = (batch.end_row - batch.first_row) * p.num_heads;
+  if (!score_tiles_.empty()) {
+    scores_kernel<<<static_cast<unsigned>(score_tiles_.size()), kThreads>>>(args_, score_tiles);
+  }
+  if (pairs > 0) {
+    weights_kernel<<<static_cast<unsigned>(pairs), kThreads>>>(args_,
+                                                               batch.first_row * p.num_heads);
+  }
+  if (!value_tiles_.empty()) {
+    values_kernel<<<static_cast<unsigned>(value_tiles_.size()), kThreads>>>(args_, value_tiles);
+  }
+  KVAUDIT_TRY(cuda_check(cudaGetLastError(), where, "kernel launch"));
+  return cuda_check(cudaDeviceSynchronize(), where, "kernels");
+}
+
+Status GpuReference::run(const ReferenceProblem& p, const std::string& where) {
+  if (p.num_rows() == 0 || p.num_heads == 0) return ok_status();
+  KVAUDIT_TRY(upload_inputs(p, where));
+  for (const Batch& batch : plan_batches(p, kv_offset_)) KVAUDIT_TRY(run_batch(p, batch, where));
+  KVAUDIT_TRY(cuda_check(
+      cudaMemcpy(p.out.data(), args_.out, p.out.size() * sizeof(double), cudaMemcpyDeviceToHost),
+      where, "cudaMemcpy of out"));
+  return cuda_check(
+      cudaMemcpy(p.lse.data(), args_.lse, p.lse.size() * sizeof(double), cudaMemcpyDeviceToHost),
+      where, "cudaMemcpy of lse");
+}
+
+}  // namespace
+
+Status mla_reference_attention_cuda(const ReferenceProblem& problem, const std::string& where) {
+  // One GPU reference per process, its buffers kept between calls; calls are serialized. Never
+  // destroyed: freeing device memory from a static destructor races the CUDA runtime's own
+  // teardown at exit, and the process's end releases it anyway.
+  static std::mutex mutex;
+  static GpuReference* const reference = new GpuReference;
+  const std::lock_guard<std::mutex> lock(mutex);
+  return reference->run(problem, where);
+}
+
+}  // namespace kvaudit

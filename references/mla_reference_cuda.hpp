@@ -1,0 +1,19 @@
+// The exact MLA reference on a CUDA GPU (`kvaudit check --reference cuda`): the math, shapes and
+// bound of mla_reference.hpp (<= 1e-15 relative on out, <= 1e-15 absolute on lse), evaluated by
+// the kernels of mla_reference_cuda.cu with the double-double algorithms of double_double.hpp.
+// Compiled only where KVAUDIT_HAVE_CUDA is defined; callers go through exact_reference_attention
+// (mla_reference.hpp), which says why where it is not.
+#pragma once
+
+#include <string>
+
+#include "references/reference_problem.hpp"
+#include "src/core/result.hpp"
+
+namespace kvaudit {
+
+// Writes problem.out and problem.lse. An error when the device fails (no device, out of memory, a
+// launch that fails): internal, named by `where`.
+Status mla_reference_attention_cuda(const ReferenceProblem& problem, const std::string& where);
+
+}  // namespace kvaudit

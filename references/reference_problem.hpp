@@ -1,0 +1,53 @@
+// One call of the exact MLA reference, resolved for whichever device evaluates it (the CPU loops
+// in mla_reference.cpp, the GPU kernels in mla_reference_cuda.cu). Math and shapes:
+// mla_reference.hpp. This header has no Boost and no CUDA, so both compilers read it.
+//
+// For query row i (request b = request_of_row[i], visible tokens t = 0 .. visible_of_row[i] - 1)
+// and head h:   q = [q_nope[i,h,:], q_pe[i,h,:]]   (width Dc + Dr)
+//               k_t = token_rows[b][t]            (width Dc + Dr; v_t = its first Dc values)
+//               s_t = sm_scale * scale * (q . k_t),  out[i,h,:] = scale * sum_t softmax(s)_t v_t.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <span>
+#include <vector>
+
+namespace kvaudit {
+
+struct ReferenceProblem {
+  int num_heads = 0;
+  int dc = 0;  // kv_lora_rank
+  int dr = 0;  // qk_rope_head_dim
+  double sm_scale = 0.0;
+  double scale = 1.0;             // the KV multiplier (kv_scale), kept apart from the float values
+  std::span<const float> q_nope;  // [Nq, H, Dc]
+  std::span<const float> q_pe;    // [Nq, H, Dr]
+  std::span<double> out;          // [Nq, H, Dc]
+  std::span<double> lse;          // [Nq, H]
+  std::vector<int> request_of_row;                    // [Nq]
+  std::vector<std::int64_t> visible_of_row;           // [Nq]: position + 1
+  std::vector<std::vector<const float*>> token_rows;  // per request: KV row of each position
+  std::int64_t max_visible = 0;
+
+  int width() const { return dc + dr; }
+  int num_rows() const { return static_cast<int>(request_of_row.size()); }
+  const float* q_nope_of(int row, int head) const {
+    return q_nope.data() + (static_cast<std::size_t>(row) * num_heads + head) * dc;
+  }
+  const float* q_pe_of(int row, int head) const {
+    return q_pe.data() + (static_cast<std::size_t>(row) * num_heads + head) * dr;
+  }
+  double* out_of(int row, int head) const {
+    return out.data() + (static_cast<std::size_t>(row) * num_heads + head) * dc;
+  }
+  void write_nan(int row, int head) const {
+    const double nan = std::numeric_limits<double>::quiet_NaN();
+    std::fill_n(out_of(row, head), dc, nan);
+    lse[static_cast<std::size_t>(row) * num_heads + head] = nan;
+  }
+};
+
+}  // namespace kvaudit

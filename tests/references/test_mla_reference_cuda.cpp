@@ -1,0 +1,187 @@
+// The GPU reference (`--reference cuda`, references/mla_reference_cuda.hpp) against the CPU
+// reference, which stays the truth, and against Boost at 50 digits.
+//
+// Both references promise the double nearest the exact value up to ~1e-25 relative, so they may
+// differ by the final rounding only, and only where the truth lies within ~1e-25 of a midpoint
+// between doubles: the checks are the promised bound (out: 1e-15 relative to the largest |out| of
+// its (row, head); lse: 1e-15 absolute, or one unit in the last place where |lse| >= 8 and a
+// double's spacing is coarser than that), NaN exactly where the CPU has NaN, and at least 99.9% of
+// the elements bit-identical (an ulp-level loss anywhere, e.g. a product fused into an addition by
+// the compiler, changes about a third of them). The
+// shapes cover what the GPU kernels tile: widths that are not multiples of the 64-wide tiles or the
+// 16-deep stages, many heads, causal prefill rows straddling a tile, paged requests, NaN codes in
+// visible tokens and in tokens only later rows see.
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "references/mla_reference.hpp"
+#include "tests/gpu_skip.hpp"
+#include "tests/references/mla_test_case.hpp"
+
+namespace kvaudit {
+namespace {
+
+using testing::make_mla_case;
+using testing::MlaCase;
+using testing::MlaCaseSpec;
+using testing::RequestShape;
+
+struct Outputs {
+  std::vector<double> out;
+  std::vector<double> lse;
+};
+
+Outputs run_on(ReferenceDevice device, const MlaCase& c, const KvRows& kv) {
+  const std::size_t pairs = static_cast<std::size_t>(c.step.num_rows()) * c.attrs.num_heads;
+  Outputs r{std::vector<double>(pairs * c.attrs.kv_lora_rank, -12345.0),
+            std::vector<double>(pairs, -12345.0)};
+  const auto work = exact_reference_attention(device, c.attrs, c.step, c.tensors.q_nope,
+                                              c.tensors.q_pe, kv, r.out, r.lse, 2);
+  INFO((work.ok() ? std::string() : work.error().message()));
+  REQUIRE(work.ok());
+  return r;
+}
+
+// Per (row, head): max_d |gpu - cpu| / max_d |cpu|, and |gpu lse - cpu lse|; NaN must match.
+struct Agreement {
+  double out_relative = 0.0;
+  double lse_excess = 0.0;  // max |gpu lse - cpu lse| / max(1e-15, spacing at the lse)
+  int nan_pairs = 0;
+  std::size_t elements = 0;
+  std::size_t identical = 0;
+  double identical_fraction() const {
+    return elements == 0 ? 1.0 : static_cast<double>(identical) / static_cast<double>(elements);
+  }
+};
+
+Agreement compare(const Outputs& gpu, const Outputs& cpu, int dc) {
+  Agreement a;
+  for (std::size_t pair = 0; pair < cpu.lse.size(); ++pair) {
+    const bool nan = std::isnan(cpu.lse[pair]);
+    REQUIRE(std::isnan(gpu.lse[pair]) == nan);
+    double largest = 0.0;
+    double deviation = 0.0;
+    for (int d = 0; d < dc; ++d) {
+      const double x = cpu.out[pair * dc + d];
+      const double y = gpu.out[pair * dc + d];
+      REQUIRE(std::isnan(x) == std::isnan(y));
+      ++a.elements;
+      if (x == y || (std::isnan(x) && std::isnan(y))) ++a.identical;
+      if (std::isnan(x)) continue;
+      largest = std::max(largest, std::abs(x));
+      deviation = std::max(deviation, std::abs(x - y));
+    }
+    if (nan) {
+      ++a.nan_pairs;
+      continue;
+    }
+    if (deviation > 0.0) a.out_relative = std::max(a.out_relative, deviation / largest);
+    const double lse = cpu.lse[pair];
+    const double spacing = std::nextafter(std::abs(lse), INFINITY) - std::abs(lse);
+    a.lse_excess = std::max(a.lse_excess, std::abs(gpu.lse[pair] - lse) / std::max(1e-15, spacing));
+  }
+  return a;
+}
+
+MlaCaseSpec spec_of(StepKind kind, int heads, int dc, int dr, int page,
+                    std::vector<RequestShape> requests, std::uint32_t seed) {
+  MlaCaseSpec spec;
+  spec.kind = kind;
+  spec.heads = heads;
+  spec.dc = dc;
+  spec.dr = dr;
+  spec.page_size = page;
+  spec.requests = std::move(requests);
+  spec.kv_scale = 0.37f;
+  spec.sm_scale = 0.0721687836487032;
+  spec.seed = seed;
+  return spec;
+}
+
+}  // namespace
+
+TEST_CASE("GPU reference equals the CPU reference within 1e-15 on every shape it tiles",
+          "[gpu][reference]") {
+  KVAUDIT_REQUIRE_GPU();
+  const std::vector<MlaCaseSpec> specs = {
+      // decode, MLA width, 16 heads, page 64, contexts not multiples of the tiles
+      spec_of(StepKind::kDecode, 16, 512, 64, 64, {{300, 1}, {1, 1}, {129, 1}, {64, 1}}, 1),
+      // prefill: causal rows straddling 64-wide tiles, three heads, odd widths
+      spec_of(StepKind::kPrefill, 3, 40, 9, 1, {{150, 70}, {33, 33}, {5, 2}}, 2),
+      // many heads, one long request, widths below one stage
+      spec_of(StepKind::kPrefill, 128, 12, 3, 16, {{200, 5}}, 3),
+      // a request with no rows, one with a single row
+      spec_of(StepKind::kPrefill, 2, 64, 64, 4, {{30, 0}, {17, 1}, {90, 20}}, 4),
+  };
+  for (const MlaCaseSpec& spec : specs) {
+    const MlaCase c = make_mla_case(spec);
+    INFO(c.name());
+    const KvPool pool = c.written_pool();
+    const KvRows kv = KvRows::from_pool(pool, c.layer.kv_scale);
+    const Agreement a = compare(run_on(ReferenceDevice::kCuda, c, kv),
+                                run_on(ReferenceDevice::kCpu, c, kv), spec.dc);
+    CHECK(a.nan_pairs == 0);
+    CHECK(a.out_relative <= 1e-15);
+    CHECK(a.lse_excess <= 1.0);
+    CHECK(a.identical_fraction() >= 0.999);
+  }
+}
+
+TEST_CASE("GPU reference agrees with 50 digits at full MLA width", "[gpu][reference]") {
+  KVAUDIT_REQUIRE_GPU();
+  const MlaCase c =
+      make_mla_case(spec_of(StepKind::kPrefill, 4, 512, 64, 8, {{260, 67}, {40, 3}}, 11));
+  const KvPool pool = c.written_pool();
+  const KvRows kv = KvRows::from_pool(pool, c.layer.kv_scale);
+  const Outputs gpu = run_on(ReferenceDevice::kCuda, c, kv);
+  Outputs exact{std::vector<double>(gpu.out.size()), std::vector<double>(gpu.lse.size())};
+  REQUIRE(mla_reference_attention<Float50>(c.attrs, c.step, c.tensors.q_nope, c.tensors.q_pe, kv,
+                                           exact.out, exact.lse, 2)
+              .ok());
+  const Agreement a = compare(gpu, exact, c.attrs.kv_lora_rank);
+  CHECK(a.out_relative <= 1e-15);
+  CHECK(a.lse_excess <= 1.0);
+  CHECK(a.identical_fraction() >= 0.999);
+}
+
+TEST_CASE("GPU reference: NaN where a row sees a NaN code, nowhere else", "[gpu][reference]") {
+  KVAUDIT_REQUIRE_GPU();
+  // One prefill request of 100 tokens, 80 new rows: put a NaN code into the latent part of token
+  // 50. Rows at positions >= 50 see it (NaN); rows before it must not (it is in their future).
+  MlaCase c = make_mla_case(spec_of(StepKind::kPrefill, 2, 96, 16, 1, {{100, 80}}, 5));
+  KvPool pool = c.written_pool();
+  const std::int64_t slot = c.step.slot_of(0, 50, 1);
+  pool.row(slot)[7] = kE4m3NanCode;
+  const KvRows kv = KvRows::from_pool(pool, c.layer.kv_scale);
+  const Outputs gpu = run_on(ReferenceDevice::kCuda, c, kv);
+  const Outputs cpu = run_on(ReferenceDevice::kCpu, c, kv);
+  const Agreement a = compare(gpu, cpu, c.attrs.kv_lora_rank);
+  // Rows are positions 20..99; those at 50..99 (50 rows x 2 heads) are NaN.
+  CHECK(a.nan_pairs == 50 * 2);
+  for (int row = 0; row < 30; ++row) CHECK_FALSE(std::isnan(gpu.lse[row * 2]));
+  CHECK(a.out_relative <= 1e-15);
+  CHECK(a.lse_excess <= 1.0);
+  CHECK(a.identical_fraction() >= 0.999);
+}
+
+TEST_CASE("GPU reference is unavailable in a build without CUDA, with the reason", "[reference]") {
+  if (reference_device_built(ReferenceDevice::kCuda)) {
+    CHECK(reference_device_name(ReferenceDevice::kCuda) == "cuda");
+    return;  // the [gpu] cases above cover a CUDA build
+  }
+  const MlaCase c = make_mla_case(MlaCaseSpec{});
+  const KvPool pool = c.written_pool();
+  const KvRows kv = KvRows::from_pool(pool, c.layer.kv_scale);
+  std::vector<double> out(static_cast<std::size_t>(c.step.num_rows()) * c.attrs.num_heads *
+                          c.attrs.kv_lora_rank);
+  std::vector<double> lse(static_cast<std::size_t>(c.step.num_rows()) * c.attrs.num_heads);
+  const auto work = exact_reference_attention(ReferenceDevice::kCuda, c.attrs, c.step,
+                                              c.tensors.q_nope, c.tensors.q_pe, kv, out, lse);
+  REQUIRE_FALSE(work.ok());
+  CHECK(work.error().kind == ErrorKind::kUnsupported);
+  CHECK_THAT(work.error().what, Catch::Contains("without CUDA"));
+}
+
+}  // namespace kvaudit
