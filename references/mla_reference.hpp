@@ -26,9 +26,10 @@
 //       error is ~1e-25 or less relative to sum_t w_t |c_t| on out and absolute on lse, and the
 //       result is the double nearest the truth up to that: target relative <= 1e-15 on out,
 //       absolute <= 1e-15 on lse (beyond the final rounding to double), checked against Boost
-//       cpp_bin_float at 50 and 100 digits. Throughput at D = 576, 16 heads (measured 2026-11-29 on
-//       the GPU machine's 16-core Xeon): 7.4e5 rows*heads*tokens per second on one thread, 1.07e7
-//       on 16 (x86-64-v3 clones of the hot loops where the CPU has AVX2 + FMA).
+//       cpp_bin_float at 50 and 100 digits. Throughput at D = 576, 16 heads (`kvaudit bench
+//       --cpu-only` on the GPU machine's 16-core Xeon, 2026-12-01): 1.02e7 rows*heads*tokens per
+//       second on 16 threads, 2.3x slower than a plain binary64 loop over the same step
+//       (x86-64-v3 clones of the hot loops where the CPU has AVX2 + FMA).
 //   Float50 / Float100 (boost::multiprecision::cpp_bin_float_50/_100) — the same formulas
 //       evaluated naively in the multiprecision type; slow; they check the default.
 //   double — the same naive formulas in binary64; its error (~|s| * 2^-53 in the scores) is
