@@ -10,7 +10,6 @@
 
 #include <filesystem>
 #include <iostream>
-#include <map>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -89,7 +88,7 @@ struct CheckOptions {
   std::string emit_repro;
   std::string shard;  // --shard I/N or auto/N (src/cli/check_shard.hpp)
   int threads = 0;
-  ReferenceDevice reference = ReferenceDevice::kCpu;
+  std::string reference = "cpu";  // --reference: cpu or cuda (checked by CLI11)
   bool verbose = false;
   bool progress = false;
   bool list_injections = false;
@@ -207,8 +206,8 @@ Result<ReplayOptions> replay_options(const CheckOptions& options, const DumpLayo
   KVAUDIT_TRY(check_selection(layout, replay));
   KVAUDIT_ASSIGN_OR_RETURN(replay.policy, check_policy(options));
   replay.threads = options.threads;
-  KVAUDIT_TRY(check_reference_device(options.reference));
-  replay.reference = options.reference;
+  replay.reference = options.reference == "cuda" ? ReferenceDevice::kCuda : ReferenceDevice::kCpu;
+  KVAUDIT_TRY(check_reference_device(replay.reference));
   replay.reciprocal_scale = options.reciprocal_scale;
   replay.diagnose = options.diagnose;
   replay.certify = options.certify;
@@ -501,9 +500,8 @@ void add_output_options(CLI::App& cmd, CheckOptions& options) {
                  "whose prefill steps would take the CPU hours. --certify recomputes its sample "
                  "sites on the CPU either way. cuda needs a build with CUDA and a GPU (exit 2 "
                  "otherwise, with the reason)")
-      ->transform(CLI::CheckedTransformer(std::map<std::string, ReferenceDevice>{
-          {"cpu", ReferenceDevice::kCpu}, {"cuda", ReferenceDevice::kCuda}}))
-      ->default_str("cpu");
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
   add_integer_option(cmd, "--threads", options.threads, 0, kMaxThreads,
                      "Threads for the reference and CPU backends (0: every core)")
       ->capture_default_str();

@@ -295,6 +295,9 @@ TEST_CASE(
   const std::string file = write_dump(dump, "cli_reference_cuda");
   const auto json_cpu = test_tmp_path("cli_reference_cpu.json");
   const auto json_cuda = test_tmp_path("cli_reference_cuda.json");
+  const CommandResult unknown = run_check("cli_reference_unknown", file + " --reference gpu");
+  CHECK(unknown.status == 2);
+  CHECK_THAT(unknown.err, Catch::Contains("--reference: gpu not in {cpu,cuda}"));
   const CudaDeviceInfo device = cuda_device_info();
   const CommandResult cuda =
       run_check("cli_reference_cuda",
