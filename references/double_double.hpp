@@ -120,14 +120,6 @@ KVAUDIT_DD_HD inline DoubleDouble mul(DoubleDouble a, DoubleDouble b) {
   return fast_two_sum(p.hi, p.lo + (a.hi * b.lo + a.lo * b.hi));
 }
 
-KVAUDIT_DD_HD inline DoubleDouble div(DoubleDouble a, double b) {
-  const double q1 = a.hi / b;
-  const DoubleDouble p = two_prod(q1, b);
-  const DoubleDouble r = two_sum(a.hi, -p.hi);
-  const double q2 = ((r.hi + (r.lo - p.lo)) + a.lo) / b;
-  return fast_two_sum(q1, q2);
-}
-
 KVAUDIT_DD_HD inline DoubleDouble div(DoubleDouble a, DoubleDouble b) {
   const double q1 = a.hi / b.hi;
   DoubleDouble r = add(a, neg(mul(b, q1)));

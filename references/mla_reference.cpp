@@ -208,8 +208,8 @@ dd::DoubleDouble compensated_dot(const double* q, const float* v, int n) {
 // acc += e * v over v's first n elements (e double-double, v floats), acc as (hi, lo) arrays.
 // e.hi = h1 + h2 with <= 26 and <= 27 significant bits: h1 * c and h2 * c are exact (c is a
 // float), and are added with TwoSum; e.lo * c is 2^-53 smaller, so its rounding is below 2^-106.
-// The form for CPUs without fused multiply-add (17 operations per element).
-KVAUDIT_CPU_CLONES
+// The form for CPUs without fused multiply-add (17 operations per element); where the x86-64-v3
+// clone would apply, accumulate_weighted_row takes the fma form instead, so it has no clones.
 void accumulate_weighted_row_split(dd::DoubleDouble e, const float* v, int n, double* acc_hi,
                                    double* acc_lo) {
   double h1, h2;

@@ -1,6 +1,6 @@
 // Per-run certification of the exact reference (see certification.hpp). Phases per site: the
-// one-row, one-head problem (a copy of the step holding only that row's request, its pages up to
-// the row's position, one head), R8 of it in 50 digits, the deviation from the run's reference.
+// one-row, one-head problem (prepare: the row's visible KV rows copied and renumbered 0..n-1, its
+// q, the run's out and lse there), R8 of it in 50 digits, the deviation from the run's reference.
 #include "src/replay/certification.hpp"
 
 #include <fmt/format.h>
@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 
 #include "references/mla_reference.hpp"
 
@@ -22,23 +23,6 @@ std::uint64_t site_hash(int step, int layer_id) {
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   return z ^ (z >> 31);
-}
-
-// Row `row` of `step` alone: its request's pages up to the row's position, one query row.
-StepMeta single_row_step(const StepMeta& step, int row, int page_size) {
-  const int request = step.request_of_row(row);
-  const std::int64_t visible = step.position_of_row(row, page_size) + 1;
-  const auto pages = static_cast<std::int32_t>((visible + page_size - 1) / page_size);
-  StepMeta single;
-  single.group = step.group;
-  single.kind = step.kind;
-  single.qo_indptr = {0, 1};
-  single.kv_indptr = {0, pages};
-  const auto first = step.kv_indices.begin() + step.kv_indptr[request];
-  single.kv_indices.assign(first, first + pages);
-  single.kv_last_page_len = {static_cast<std::int32_t>(visible - (pages - 1) * page_size)};
-  single.new_kv_slots = {static_cast<std::int32_t>(single.slot_of(0, visible - 1, page_size))};
-  return single;
 }
 
 // max_j |a_j - b_j| / max_j |b_j|: 0 where both are equal (NaNs included), infinity where one is
@@ -90,23 +74,23 @@ CertificationPlan plan_certification(const DumpLayout& layout, const std::vector
 
 namespace {
 
-// Row `row` of `step` alone, its visible slots renumbered 0..n-1 (page size 1), so that a job holds
-// only the rows it reads.
+// Row `row` of `step` alone, over the slots it sees (filled in `slots`, in position order)
+// renumbered 0..n-1 with page size 1, so that a job holds only the rows it reads.
 StepMeta compact_single_row_step(const StepMeta& step, int row, int page_size,
                                  std::vector<std::int64_t>& slots) {
-  const StepMeta single = single_row_step(step, row, page_size);
-  const std::int64_t visible = step.position_of_row(row, page_size) + 1;
+  const int request = step.request_of_row(row);
+  const auto visible = static_cast<std::int32_t>(step.position_of_row(row, page_size) + 1);
   slots.resize(static_cast<std::size_t>(visible));
-  for (std::int64_t p = 0; p < visible; ++p) slots[p] = single.slot_of(0, p, page_size);
+  for (std::int32_t p = 0; p < visible; ++p) slots[p] = step.slot_of(request, p, page_size);
   StepMeta compact;
   compact.group = step.group;
   compact.kind = step.kind;
   compact.qo_indptr = {0, 1};
-  compact.kv_indptr = {0, static_cast<std::int32_t>(visible)};
+  compact.kv_indptr = {0, visible};
   compact.kv_indices.resize(static_cast<std::size_t>(visible));
-  for (std::int64_t p = 0; p < visible; ++p) compact.kv_indices[p] = static_cast<std::int32_t>(p);
+  std::iota(compact.kv_indices.begin(), compact.kv_indices.end(), 0);
   compact.kv_last_page_len = {1};
-  compact.new_kv_slots = {static_cast<std::int32_t>(visible - 1)};
+  compact.new_kv_slots = {visible - 1};
   return compact;
 }
 
