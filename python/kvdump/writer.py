@@ -1,4 +1,5 @@
-"""Writer of kvdump v1 files (docs/kvdump-v1.md): what a server captures for `kvaudit` to replay.
+"""Writer of kvdump v1 and v1.1 files (docs/kvdump-v1.md): what a server captures for `kvaudit`
+to replay.
 
 Shapes (H = num_heads, Dc = kv_lora_rank, Dr = qk_rope_head_dim, D = Dc + Dr, Nq = query rows of
 a step, B = requests of a step):
@@ -8,6 +9,17 @@ a step, B = requests of a step):
   qo_indptr, kv_indptr : [B+1]   kv_last_page_len : [B]   kv_indices : [nnz_pages]
   new_kv_slots : [Nq]
 
+v1.1 (kvdump-v1.md "Version 1.1"; the root then carries format_minor_version = 1):
+  kv_scale_kind "per_token_group" (G = Dc / kv_scale_group_size scales per slot):
+    split layout        : kv_cache [num_pages, page_size, Dc] e4m3fn codes,
+                          kv_rope [num_pages, page_size, Dr] (kv_rope_dtype),
+                          kv_scales [num_pages, page_size, G] float32, or e8m0 codes (uint8)
+                          (kv_cache_after, kv_rope_after, kv_scales_after likewise: all or none)
+    flashmla_fp8 layout : kv_cache [num_pages, page_size, Dc + 4G + 2Dr] uint8, each slot
+                          Dc codes, G little-endian float32 scales, Dr little-endian bf16
+  topk_indices : [Nq, K] int32, per step and layer (sparse attention): token positions of the
+                 row's request, -1 padding; a file that has one carries format_minor_version = 1.
+
 Every object is validated before it is written; a violation raises ValueError whose message starts
 with the HDF5 path of the object, e.g. "/steps/S001/L000/q_nope: shape (4, 16, 512) != (4, 8, 512)".
 
@@ -16,7 +28,10 @@ unless a torch tensor is passed):
   bfloat16 tensors : uint16 raw bits, stored as is; float32, rounded to bf16 bits (nearest-even,
                      exact for values that are widened bf16); torch.bfloat16 / ml_dtypes bfloat16.
   float8 pool      : uint8 raw e4m3fn codes; torch.float8_e4m3fn / ml_dtypes float8_e4m3fn.
-                     Floats are refused: quantize them with kvdump.quantize_e4m3 first.
+                     Floats are refused: quantize them with kvdump.quantize_e4m3 first (v1.1:
+                     kvdump.quantize_rows, and kvdump.pack_flashmla_fp8 for the packed layout).
+  float32 scales   : float32 (kv_scales with kv_scale_format float32 or power_of_two).
+  e8m0 scales      : uint8 codes; torch.float8_e8m0fnu / ml_dtypes float8_e8m0fnu.
   lse              : float32.
   index arrays     : any integer type whose values fit int32.
 Groups are named by the model's layer id (L005 for layer 5) and by step order (S000, S001, ...).
@@ -37,10 +52,12 @@ import weakref
 
 import numpy as np
 
-from .codec import bf16_bits_from_float32
+from .codec import ROPE_DTYPES, SCALE_FORMATS, bf16_bits_from_float32
 
 KV_DTYPES = ("float8_e4m3fn", "bfloat16")
 STEP_KINDS = ("prefill", "decode")
+KV_SCALE_KINDS = ("per_tensor", "per_token_group")
+KV_CACHE_LAYOUTS = ("split", "flashmla_fp8")
 
 
 def _fail(path, what):
@@ -75,6 +92,15 @@ def to_numpy(x, path):
     return arr
 
 
+def _float8_name(x):
+    """The float8 dtype name of a torch tensor or numpy (ml_dtypes) array ("float8_e8m0fnu"),
+    or None for any other type."""
+    dtype = getattr(x, "dtype", None)
+    name = str(dtype) if hasattr(x, "detach") else getattr(dtype, "name", "")
+    name = name.removeprefix("torch.")
+    return name if name.startswith("float8") else None
+
+
 def _check_shape(arr, expected, path):
     if tuple(arr.shape) != tuple(expected):
         _fail(path, f"shape {tuple(arr.shape)} != {tuple(expected)}")
@@ -101,6 +127,58 @@ def _pool_storage(x, kv_dtype, shape, path):
         _fail(path, f"dtype {arr.dtype} is not float8_e4m3fn codes (uint8); "
                     "quantize values with kvdump.quantize_e4m3 first")
     return arr.astype("<u1", copy=False), "float8_e4m3fn"
+
+
+def _codes_storage(x, shape, path, hint):
+    """(uint8 e4m3fn codes, "float8_e4m3fn") of a float8 tensor given as codes."""
+    arr = to_numpy(x, path)
+    _check_shape(arr, shape, path)
+    if arr.dtype != np.uint8:
+        _fail(path, f"dtype {arr.dtype} is not float8_e4m3fn codes (uint8); {hint}")
+    return arr.astype("<u1", copy=False), "float8_e4m3fn"
+
+
+def _rope_storage(x, rope_dtype, shape, path):
+    """v1.1 RoPE part: bf16 bits ("bfloat16") or e4m3fn codes of x / kv_scale ("float8_e4m3fn")."""
+    if rope_dtype == "bfloat16":
+        return _bf16_storage(x, shape, path)
+    return _codes_storage(x, shape, path, "quantize values with kvdump.quantize_rows first")
+
+
+def _scales_storage(x, scale_format, shape, path):
+    """v1.1 group scales: float32 values (float32, power_of_two) or e8m0 codes (uint8, stored
+    with dtype "float8_e8m0fnu"). Values are not checked: slots without a token hold anything."""
+    name = _float8_name(x)
+    if scale_format != "e8m0":
+        arr = to_numpy(x, path)
+        _check_shape(arr, shape, path)
+        if arr.dtype != np.float32:
+            _fail(path, f"dtype {arr.dtype} is not float32 (kv_scale_format {scale_format})")
+        return arr.astype("<f4", copy=False), "float32"
+    if name is not None and name != "float8_e8m0fnu":
+        _fail(path, f"dtype {name} is not float8_e8m0fnu (kv_scale_format e8m0)")
+    if name is None:
+        arr = to_numpy(x, path)
+    elif hasattr(x, "detach"):
+        import torch  # the caller's tensor proves torch is there
+
+        arr = x.detach().cpu().contiguous().view(torch.uint8).numpy()
+    else:
+        arr = np.asarray(x).view(np.uint8)
+    _check_shape(arr, shape, path)
+    if arr.dtype != np.uint8:
+        _fail(path, f"dtype {arr.dtype} is not e8m0 scale codes (uint8) (kv_scale_format e8m0)")
+    return arr.astype("<u1", copy=False), "float8_e8m0fnu"
+
+
+def _packed_storage(x, shape, path):
+    """(uint8 bytes, "flashmla_fp8") of a pool in FlashMLA's packed FP8 slot form."""
+    arr = to_numpy(x, path)
+    _check_shape(arr, shape, path)
+    if arr.dtype != np.uint8:
+        _fail(path, f"dtype {arr.dtype} is not flashmla_fp8 slot bytes (uint8); build them with "
+                    "kvdump.pack_flashmla_fp8")
+    return arr.astype("<u1", copy=False), "flashmla_fp8"
 
 
 def _int32_vector(x, path):
@@ -177,14 +255,13 @@ def _check_step_arrays(path, kind, num_pages, page_size, qo_indptr, kv_indptr, k
                                       "entry of qo_indptr)")
     # kvdump-v1 Semantics: kv_len(b) tokens after the writes; row j of request b sits at position
     # kv_len(b) - n_q(b) + j, which must exist (every row sees at least its own token).
-    kv_len = np.where(pages > 0, (pages - 1) * page_size + last, 0)
+    kv_len = _kv_lengths(kv_indptr, kv_last_page_len, page_size)
     short = np.flatnonzero(rows > kv_len)
     if short.size:
         b = int(short[0])
         _fail(f"{path}/kv_indptr", f"request {b} has {rows[b]} query rows but kv_len {kv_len[b]}; "
                                    "each row's own token must be in its pages")
-    request = np.repeat(np.arange(batch), rows)
-    position = kv_len[request] - rows[request] + (np.arange(num_rows) - qo_indptr[request])
+    request, position = _row_positions(qo_indptr, kv_indptr, kv_last_page_len, page_size)
     page = kv_indices[kv_indptr[request] + position // page_size].astype(np.int64)
     expected = page * page_size + position % page_size
     wrong = np.flatnonzero(new_kv_slots != expected)
@@ -203,6 +280,63 @@ def _check_step_arrays(path, kind, num_pages, page_size, qo_indptr, kv_indptr, k
                                       "would race")
 
 
+def _kv_lengths(kv_indptr, kv_last_page_len, page_size):
+    """kv_len(b) = (pages(b) - 1) * P + kv_last_page_len[b] tokens after the writes, 0 without
+    pages (kvdump-v1 "Requests, tokens and slots"); int64 [B]."""
+    pages = np.diff(kv_indptr).astype(np.int64)
+    last = kv_last_page_len.astype(np.int64)
+    return np.where(pages > 0, (pages - 1) * page_size + last, 0)
+
+
+def _row_positions(qo_indptr, kv_indptr, kv_last_page_len, page_size):
+    """(request [Nq], position [Nq]) of every query row, int64: row j of request b sits at token
+    position kv_len(b) - n_q(b) + j (kvdump-v1 "Causal positions") and sees positions 0..that."""
+    rows = np.diff(qo_indptr).astype(np.int64)
+    kv_len = _kv_lengths(kv_indptr, kv_last_page_len, page_size)
+    request = np.repeat(np.arange(rows.size), rows)
+    position = kv_len[request] - rows[request] + (np.arange(int(rows.sum())) - qo_indptr[request])
+    return request, position
+
+
+def _topk_storage(x, positions, path):
+    """int32 [Nq, K] topk_indices (kvdump-v1.md "Sparse attention"), checked against the rows'
+    token positions: K >= 1; every entry -1 (padding) or in 0..pos(i); no position twice in a
+    row; at least one position per row."""
+    arr = to_numpy(x, path)
+    num_rows = positions.size
+    if arr.ndim != 2:
+        _fail(path, f"shape {tuple(arr.shape)} is not two-dimensional [Nq, K]")
+    if arr.shape[0] != num_rows:
+        _fail(path, f"shape {tuple(arr.shape)} has {arr.shape[0]} rows, not Nq = {num_rows}")
+    if arr.shape[1] < 1:
+        _fail(path, f"shape {tuple(arr.shape)}: K = 0, but every row lists at least one position")
+    if arr.dtype.kind not in "iu":
+        _fail(path, f"dtype {arr.dtype} is not an integer type")
+    if arr.size and (int(arr.min()) < -(2**31) or int(arr.max()) >= 2**31):
+        _fail(path, "values do not fit int32")
+    topk = arr.astype(np.int64)
+    position = positions.astype(np.int64)[:, None]
+    outside = (topk != -1) & ((topk < 0) | (topk > position))
+    if outside.any():
+        i, k = (int(v) for v in np.argwhere(outside)[0])
+        _fail(path, f"row {i} (token position {position[i, 0]}): entry {k} = {topk[i, k]} is "
+                    f"neither -1 nor a position in 0..{position[i, 0]} (causal)")
+    listed = np.sort(np.where(topk == -1, np.int64(-1), topk), axis=1)
+    twice = (listed[:, 1:] == listed[:, :-1]) & (listed[:, 1:] != -1)
+    if twice.any():
+        i, k = (int(v) for v in np.argwhere(twice)[0])
+        value = listed[i, k + 1]
+        first, second = (int(e) for e in np.flatnonzero(topk[i] == value)[:2])
+        _fail(path, f"row {i} (token position {position[i, 0]}) lists position {value} twice "
+                    f"(entries {first} and {second})")
+    empty = np.flatnonzero(np.all(topk == -1, axis=1))
+    if empty.size:
+        i = int(empty[0])
+        _fail(path, f"row {i} (token position {position[i, 0]}) lists no position (every entry "
+                    "is -1); a row attends to at least one token")
+    return arr.astype("<i4")
+
+
 def _umask():
     mask = os.umask(0o022)
     os.umask(mask)
@@ -214,6 +348,47 @@ def _remove_quietly(path):
         os.remove(path)
     except FileNotFoundError:
         pass
+
+
+def _grouping_options(kv_dtype, kv_lora_rank, kv_scale_kind, group_size, scale_format,
+                      rope_dtype, layout):
+    """The v1.1 root attributes of a per_token_group file, by name, in file order ({} for
+    per_tensor, which takes none of the options); raises ValueError naming "/"."""
+    options = (("kv_scale_group_size", group_size), ("kv_scale_format", scale_format),
+               ("kv_rope_dtype", rope_dtype), ("kv_cache_layout", layout))
+    if kv_scale_kind not in KV_SCALE_KINDS:
+        _fail("/", f'kv_scale_kind "{kv_scale_kind}" is not one of {", ".join(KV_SCALE_KINDS)}')
+    if kv_scale_kind == "per_tensor":
+        for name, value in options:
+            if value is not None:
+                _fail("/", f'{name} = {value!r} is a per_token_group option, but kv_scale_kind '
+                           'is "per_tensor"')
+        return {}
+    if kv_dtype != "float8_e4m3fn":
+        _fail("/", f'kv_scale_kind "per_token_group" needs kv_dtype "float8_e4m3fn", not '
+                   f'"{kv_dtype}"')
+    if (isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral)
+            or group_size < 1):
+        _fail("/", f"kv_scale_group_size = {group_size!r} is not a positive integer "
+                   '(kv_scale_kind "per_token_group" needs it)')
+    if kv_lora_rank % group_size:
+        _fail("/", f"kv_scale_group_size = {group_size} does not divide kv_lora_rank = "
+                   f"{kv_lora_rank}")
+    if scale_format not in SCALE_FORMATS:
+        _fail("/", f'kv_scale_format {scale_format!r} is not one of {", ".join(SCALE_FORMATS)}')
+    if rope_dtype not in ROPE_DTYPES:
+        _fail("/", f'kv_rope_dtype {rope_dtype!r} is not one of {", ".join(ROPE_DTYPES)}')
+    layout = "split" if layout is None else layout
+    if layout not in KV_CACHE_LAYOUTS:
+        _fail("/", f'kv_cache_layout {layout!r} is not one of {", ".join(KV_CACHE_LAYOUTS)}')
+    if layout == "flashmla_fp8" and scale_format == "e8m0":
+        _fail("/", 'kv_cache_layout "flashmla_fp8" stores float32 scales: kv_scale_format must be '
+                   '"float32" or "power_of_two", not "e8m0"')
+    if layout == "flashmla_fp8" and rope_dtype != "bfloat16":
+        _fail("/", 'kv_cache_layout "flashmla_fp8" stores a bf16 RoPE part: kv_rope_dtype must be '
+                   f'"bfloat16", not "{rope_dtype}"')
+    return {"kv_scale_group_size": int(group_size), "kv_scale_format": scale_format,
+            "kv_rope_dtype": rope_dtype, "kv_cache_layout": layout}
 
 
 class KvDumpWriter:
@@ -230,6 +405,15 @@ class KvDumpWriter:
     Tensors are written as they are added, so a long capture does not accumulate in memory.
     Closing checks that every step holds every layer.
 
+    kvdump v1.1 (docs/kvdump-v1.md "Version 1.1"): kv_scale_kind="per_token_group" with
+    kv_scale_group_size (channels per scale, dividing Dc), kv_scale_format ("float32",
+    "power_of_two" or "e8m0"), kv_rope_dtype ("bfloat16" or "float8_e4m3fn") and
+    kv_cache_layout ("split", the default, or "flashmla_fp8") writes pools with per-slot group
+    scales; the root then carries format_minor_version = 1 and those attributes. Pools of the
+    split layout are given as kv_cache (latent codes), kv_rope and kv_scales; the packed layout
+    as kv_cache alone. Build them from float rows with kvdump.quantize_rows (and
+    kvdump.pack_flashmla_fp8). The per_tensor default writes the same v1 file as before.
+
     The file appears at `path` only when close() succeeds (written under a temporary name in the
     same folder until then; deleted after an exception). incremental=True writes `path` directly
     instead, for a capture that must leave a readable file when it stops early: call flush() after
@@ -238,7 +422,8 @@ class KvDumpWriter:
 
     def __init__(self, path, *, model, producer, num_heads, kv_lora_rank, qk_rope_head_dim,
                  sm_scale, page_size, kv_dtype="float8_e4m3fn", compression=None,
-                 incremental=False):
+                 incremental=False, kv_scale_kind="per_tensor", kv_scale_group_size=None,
+                 kv_scale_format=None, kv_rope_dtype=None, kv_cache_layout=None):
         for name, value in (("num_heads", num_heads), ("kv_lora_rank", kv_lora_rank),
                             ("qk_rope_head_dim", qk_rope_head_dim), ("page_size", page_size)):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
@@ -250,11 +435,21 @@ class KvDumpWriter:
         for name, value in (("model", model), ("producer", producer)):
             if not isinstance(value, str):
                 _fail("/", f"{name} = {value!r} is not a string")
+        grouping = _grouping_options(kv_dtype, int(kv_lora_rank), kv_scale_kind,
+                                     kv_scale_group_size, kv_scale_format, kv_rope_dtype,
+                                     kv_cache_layout)
         self.num_heads = int(num_heads)
         self.kv_lora_rank = int(kv_lora_rank)
         self.qk_rope_head_dim = int(qk_rope_head_dim)
         self.page_size = int(page_size)
         self.kv_dtype = kv_dtype
+        self.kv_scale_kind = kv_scale_kind
+        # v1.1 per_token_group only (None with per_tensor).
+        self.kv_scale_group_size = grouping.get("kv_scale_group_size")
+        self.kv_scale_format = grouping.get("kv_scale_format")
+        self.kv_rope_dtype = grouping.get("kv_rope_dtype")
+        self.kv_cache_layout = grouping.get("kv_cache_layout")
+        self.format_minor_version = 1 if grouping else 0
         self.num_pages = None  # set by the first layer's pool
         self._compression = compression
         self._layers = {}  # layer_id -> group name
@@ -278,6 +473,8 @@ class KvDumpWriter:
         attrs = self._file.attrs
         attrs["format"] = "kvdump"
         attrs["format_version"] = np.int32(1)
+        if grouping:
+            attrs["format_minor_version"] = np.int32(1)
         attrs["model"] = model
         attrs["producer"] = producer
         attrs["num_heads"] = np.int32(num_heads)
@@ -286,7 +483,9 @@ class KvDumpWriter:
         attrs["sm_scale"] = np.float64(sm_scale)
         attrs["page_size"] = np.int32(page_size)
         attrs["kv_dtype"] = kv_dtype
-        attrs["kv_scale_kind"] = "per_tensor"
+        attrs["kv_scale_kind"] = kv_scale_kind
+        for name, value in grouping.items():
+            attrs[name] = np.int32(value) if name == "kv_scale_group_size" else value
         # Both groups at once: a dump without steps is valid (kvaudit requires /steps to exist).
         self._file.create_group("layers")
         self._file.create_group("steps")
@@ -326,8 +525,65 @@ class KvDumpWriter:
     def row_width(self):
         return self.kv_lora_rank + self.qk_rope_head_dim
 
-    def _pool_shape(self):
-        return (self.num_pages, self.page_size, self.row_width)
+    @property
+    def per_token_group(self):
+        return self.kv_scale_kind == "per_token_group"
+
+    @property
+    def num_scale_groups(self):
+        """G = Dc / kv_scale_group_size (0 with per_tensor)."""
+        return self.kv_lora_rank // self.kv_scale_group_size if self.per_token_group else 0
+
+    @property
+    def kv_cache_width(self):
+        """The last dimension of kv_cache: D (per_tensor), Dc (split), Dc + 4G + 2Dr (packed)."""
+        if not self.per_token_group:
+            return self.row_width
+        if self.kv_cache_layout == "split":
+            return self.kv_lora_rank
+        return self.kv_lora_rank + 4 * self.num_scale_groups + 2 * self.qk_rope_head_dim
+
+    def _pool_shape(self, width=None):
+        return (self.num_pages, self.page_size, self.kv_cache_width if width is None else width)
+
+    def _pool_tensors(self, path, suffix, kv_cache, kv_rope, kv_scales):
+        """{name: (array, dtype attribute)} of a pool (suffix "" for /layers, "_after" for a
+        step's capture) in the file's form, checked against the first layer's num_pages."""
+        names = {part: f"{part}{suffix}" for part in ("kv_cache", "kv_rope", "kv_scales")}
+        cache_path = f"{path}/{names['kv_cache']}"
+        if not self.per_token_group:
+            for part, value in (("kv_rope", kv_rope), ("kv_scales", kv_scales)):
+                if value is not None:
+                    _fail(f"{path}/{names[part]}", 'is a v1.1 per_token_group dataset, but '
+                          'kv_scale_kind is "per_tensor"')
+            return {names["kv_cache"]: _pool_storage(kv_cache, self.kv_dtype, self._pool_shape(),
+                                                     cache_path)}
+        if self.kv_cache_layout == "flashmla_fp8":
+            for part, value in (("kv_rope", kv_rope), ("kv_scales", kv_scales)):
+                if value is not None:
+                    _fail(f"{path}/{names[part]}", "is absent in the flashmla_fp8 layout (the "
+                          f"packed {names['kv_cache']} holds the scales and the RoPE part)")
+            return {names["kv_cache"]: _packed_storage(kv_cache, self._pool_shape(), cache_path)}
+        for part, value in (("kv_rope", kv_rope), ("kv_scales", kv_scales)):
+            if value is None:
+                _fail(f"{path}/{names[part]}", f"missing: the split layout stores "
+                      f"{names['kv_cache']}, {names['kv_rope']} and {names['kv_scales']} together")
+        return {
+            names["kv_cache"]: _codes_storage(kv_cache, self._pool_shape(), cache_path,
+                                              "quantize values with kvdump.quantize_rows first"),
+            names["kv_rope"]: _rope_storage(kv_rope, self.kv_rope_dtype,
+                                            self._pool_shape(self.qk_rope_head_dim),
+                                            f"{path}/{names['kv_rope']}"),
+            names["kv_scales"]: _scales_storage(kv_scales, self.kv_scale_format,
+                                                self._pool_shape(self.num_scale_groups),
+                                                f"{path}/{names['kv_scales']}"),
+        }
+
+    def _use_minor_version(self):
+        """Marks the file as using a v1.1 feature (format_minor_version = 1), once."""
+        if self.format_minor_version < 1:
+            self._file.attrs["format_minor_version"] = np.int32(1)
+            self.format_minor_version = 1
 
     def _require_open(self, path):
         if self._file is None:
@@ -340,11 +596,18 @@ class KvDumpWriter:
         if dtype_attr:
             dataset.attrs["dtype"] = dtype_attr
 
-    def add_layer(self, layer_id, kv_scale, kv_cache, kv_source=None):
+    def add_layer(self, layer_id, kv_scale, kv_cache, kv_source=None, kv_rope=None,
+                  kv_scales=None):
         """Adds /layers/L###: the pool of layer `layer_id` before step 0.
 
         kv_cache: [num_pages, page_size, D] e4m3fn codes (uint8), or bf16 for a bfloat16 pool.
-        kv_source: optional, same shape, bfloat16: the values the pool was quantized from.
+        kv_source: optional, [num_pages, page_size, D], bfloat16: the values the pool was
+        quantized from.
+        per_token_group (v1.1), split layout: kv_cache [num_pages, page_size, Dc] latent e4m3fn
+        codes, kv_rope [num_pages, page_size, Dr] (bf16, or e4m3fn codes with kv_rope_dtype
+        "float8_e4m3fn"), kv_scales [num_pages, page_size, G] (float32, or uint8 e8m0 codes).
+        Packed layout: kv_cache [num_pages, page_size, Dc + 4G + 2Dr] uint8 slot bytes, no
+        kv_rope or kv_scales. kv_scale multiplies an e4m3 RoPE part and must be 1 with a bf16 one.
         """
         if isinstance(layer_id, bool) or not isinstance(layer_id, numbers.Integral) or layer_id < 0:
             _fail("/layers", f"layer_id = {layer_id!r} is not a non-negative integer")
@@ -359,26 +622,30 @@ class KvDumpWriter:
             _fail(path, f"kv_scale = {float(kv_scale)} is not finite and > 0 (as float32)")
         if self.kv_dtype == "bfloat16" and scale != 1:
             _fail(path, f"kv_scale = {float(kv_scale)} must be 1 for a bfloat16 pool")
+        if self.kv_rope_dtype == "bfloat16" and scale != 1:
+            _fail(path, f"kv_scale = {float(kv_scale)} must be 1 with a bfloat16 RoPE part "
+                        "(kv_rope_dtype; it multiplies an e4m3 RoPE part only)")
         pool = to_numpy(kv_cache, f"{path}/kv_cache")
-        if self.num_pages is None:
-            if pool.ndim != 3 or pool.shape[1:] != (self.page_size, self.row_width):
+        first = self.num_pages is None
+        if first:
+            if pool.ndim != 3 or pool.shape[1:] != (self.page_size, self.kv_cache_width):
                 _fail(f"{path}/kv_cache", f"shape {tuple(pool.shape)} is not (num_pages, "
-                                          f"{self.page_size}, {self.row_width})")
-            num_pages = pool.shape[0]
-        else:
-            num_pages = self.num_pages
-        shape = (num_pages, self.page_size, self.row_width)
-        pool_bits, pool_dtype = _pool_storage(pool, self.kv_dtype, shape, f"{path}/kv_cache")
-        source = None
-        if kv_source is not None:
-            source = _bf16_storage(kv_source, shape, f"{path}/kv_source")
-        self.num_pages = num_pages
+                                          f"{self.page_size}, {self.kv_cache_width})")
+            self.num_pages = pool.shape[0]
+        try:
+            tensors = self._pool_tensors(path, "", pool, kv_rope, kv_scales)
+            if kv_source is not None:
+                tensors["kv_source"] = _bf16_storage(kv_source, self._pool_shape(self.row_width),
+                                                     f"{path}/kv_source")
+        except ValueError:
+            if first:
+                self.num_pages = None
+            raise
         group = self._file["layers"].create_group(path.rsplit("/", 1)[1])
         group.attrs["layer_id"] = np.int32(layer_id)
         group.attrs["kv_scale"] = scale
-        self._write(group, "kv_cache", pool_bits, pool_dtype)
-        if source is not None:
-            self._write(group, "kv_source", *source)
+        for name, (arr, dtype_attr) in tensors.items():
+            self._write(group, name, arr, dtype_attr)
         self._layers[int(layer_id)] = group.name.rsplit("/", 1)[1]
 
     def add_step(self, kind, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, new_kv_slots):
@@ -398,7 +665,9 @@ class KvDumpWriter:
         group.attrs["kind"] = kind
         for name, arr in arrays.items():
             self._write(group, name, arr, None)
-        step = StepWriter(self, group, path, int(arrays["qo_indptr"][-1]))
+        _, positions = _row_positions(arrays["qo_indptr"], arrays["kv_indptr"],
+                                      arrays["kv_last_page_len"], self.page_size)
+        step = StepWriter(self, group, path, int(arrays["qo_indptr"][-1]), positions)
         self._steps.append(step)
         return step
 
@@ -433,19 +702,27 @@ class KvDumpWriter:
 class StepWriter:
     """One step of a KvDumpWriter; add each layer's tensors with add_layer."""
 
-    def __init__(self, writer, group, path, num_rows):
+    def __init__(self, writer, group, path, num_rows, positions):
         self._writer = writer
         self._group = group
         self.path = path
         self.num_rows = num_rows  # Nq
+        # Token position of every query row [Nq] (kvdump-v1 "Causal positions").
+        self.positions = positions
         self.layers = set()
 
-    def add_layer(self, layer_id, q_nope, q_pe, new_kv, out=None, lse=None, kv_cache_after=None):
+    def add_layer(self, layer_id, q_nope, q_pe, new_kv, out=None, lse=None, kv_cache_after=None,
+                  kv_rope_after=None, kv_scales_after=None, topk_indices=None):
         """Adds /steps/S###/L###.
 
         q_nope [Nq, H, Dc], q_pe [Nq, H, Dr], new_kv [Nq, D]: bfloat16 (new_kv before quantization).
         out [Nq, H, Dc] bfloat16, lse [Nq, H] float32 (natural log): the production kernel's
-        outputs, optional. kv_cache_after: the pool after the step, same type as kv_cache.
+        outputs, optional. kv_cache_after: the pool after the step, same type as kv_cache; in
+        the v1.1 split layout with kv_rope_after and kv_scales_after (all three or none), shaped
+        like the layer's kv_cache, kv_rope and kv_scales.
+        topk_indices [Nq, K] (v1.1 sparse attention, optional): the token positions of its
+        request that row i attends to, -1 padding; each row lists at least one position, none
+        twice, none past its own position. Writing it marks the file format_minor_version = 1.
         """
         w = self._writer
         path = f"{self.path}/L{layer_id:03d}"
@@ -469,8 +746,18 @@ class StepWriter:
                 _fail(f"{path}/lse", f"dtype {arr.dtype} is not float32")
             tensors["lse"] = (arr.astype("<f4", copy=False), "float32")
         if kv_cache_after is not None:
-            tensors["kv_cache_after"] = _pool_storage(kv_cache_after, w.kv_dtype, w._pool_shape(),
-                                                      f"{path}/kv_cache_after")
+            tensors.update(w._pool_tensors(path, "_after", kv_cache_after, kv_rope_after,
+                                           kv_scales_after))
+        else:
+            for name, value in (("kv_rope_after", kv_rope_after),
+                                ("kv_scales_after", kv_scales_after)):
+                if value is not None:
+                    _fail(f"{path}/{name}", "given without kv_cache_after (the pool after the "
+                                            "step is all its datasets or none)")
+        if topk_indices is not None:
+            tensors["topk_indices"] = (_topk_storage(topk_indices, self.positions,
+                                                     f"{path}/topk_indices"), None)
+            w._use_minor_version()
         group = self._group.create_group(path.rsplit("/", 1)[1])
         for name, (arr, dtype_attr) in tensors.items():
             w._write(group, name, arr, dtype_attr)

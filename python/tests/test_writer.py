@@ -11,6 +11,11 @@ Step S001 (decode): request 0 pages [2, 5], last 3 -> kv_len 7, row at position 
   request 1 page [0], last 2 -> kv_len 2, row at position 1 -> slot 1.
 (Slots worked out by hand from the format's Semantics.)
 
+kvdump v1.1 (docs/kvdump-v1.md "Version 1.1"): the same steps with per_token_group pools, groups of
+4 latent channels (G = 2), split (kv_cache [6, 4, 8], kv_rope [6, 4, 4], kv_scales [6, 4, 2]) or
+packed flashmla_fp8 (kv_cache [6, 4, 8 + 4*2 + 2*4 = 24]); the group quantizer on hand-computed
+cases; topk_indices checked against the rows' token positions (S000: 3, 4, 5 and 0; S001: 6, 1).
+
 Run: /usr/bin/python3 -m unittest discover -s python/tests
 """
 
@@ -432,6 +437,504 @@ class OutputFileTest(WriterTestCase):
         with self.writer() as dump:
             dump.add_layer(0, 1.0, self.pool())
         self.assert_refused("/", dump.flush)
+
+
+
+# --- kvdump v1.1 ----------------------------------------------------------------------------------
+
+GROUP = 4  # latent channels per scale: G = DC / GROUP = 2 scales per slot
+G = DC // GROUP
+PACKED = DC + 4 * G + 2 * DR  # flashmla_fp8 slot bytes: 8 codes, 2 float32 scales, 4 bf16
+
+
+def float32_of_bits(bits):
+    return np.array([bits], dtype=np.uint32).view(np.float32)[0]
+
+
+def grouped_pool(seed, scale_format="float32", rope_dtype="bfloat16", kv_scale=1.0):
+    """(codes [PAGES, PAGE, DC], rope [PAGES, PAGE, DR], scales [PAGES, PAGE, G], rows [S, D])
+    of random rows quantized with the v1.1 rule."""
+    rows = np.random.default_rng(seed).standard_normal((PAGES * PAGE, D)).astype(np.float32)
+    rows[1, :GROUP] = 0  # one all-zero group: scale 1
+    codes, rope, scales = kvdump.quantize_rows(rows, DC, GROUP, scale_format, rope_dtype, kv_scale)
+    return (codes.reshape(PAGES, PAGE, DC), rope.reshape(PAGES, PAGE, DR),
+            scales.reshape(PAGES, PAGE, G), rows)
+
+
+class V11WriterTestCase(WriterTestCase):
+    def grouped_writer(self, **overrides):
+        options = dict(kv_scale_kind="per_token_group", kv_scale_group_size=GROUP,
+                       kv_scale_format="float32", kv_rope_dtype="bfloat16")
+        return self.writer(**{**options, **overrides})
+
+    def assert_dataset(self, dataset, dtype, shape, dtype_attr):
+        self.assertEqual(dataset.dtype, np.dtype(dtype), dataset.name)
+        self.assertEqual(dataset.shape, shape, dataset.name)
+        self.assertEqual(dataset.attrs.get("dtype"), dtype_attr, dataset.name)
+
+
+class V11RoundTripTest(V11WriterTestCase):
+    def check_root(self, f, scale_format, rope_dtype, layout):
+        self.assertEqual(f.attrs["format_version"], 1)
+        self.assertEqual(f.attrs.get_id("format_minor_version").dtype, np.dtype("<i4"))
+        self.assertEqual(f.attrs["format_minor_version"], 1)
+        self.assertEqual(f.attrs["kv_scale_kind"], "per_token_group")
+        self.assertEqual(f.attrs.get_id("kv_scale_group_size").dtype.kind, "i")
+        self.assertEqual(f.attrs["kv_scale_group_size"], GROUP)
+        self.assertEqual(f.attrs["kv_scale_format"], scale_format)
+        self.assertEqual(f.attrs["kv_rope_dtype"], rope_dtype)
+        self.assertEqual(f.attrs["kv_cache_layout"], layout)
+        self.assertEqual(f.attrs["kv_dtype"], "float8_e4m3fn")
+
+    def test_split_bf16_rope_float32_scales(self):
+        codes, rope, scales, rows = grouped_pool(0)
+        after = grouped_pool(1)
+        source = kvdump.bf16_bits_from_float32(rows).reshape(PAGES, PAGE, D)
+        with self.grouped_writer() as dump:
+            dump.add_layer(0, 1.0, codes, kv_rope=rope, kv_scales=scales, kv_source=source)
+            step = dump.add_step(**DECODE)
+            step.add_layer(0, **step_tensors(2, seed=2), kv_cache_after=after[0],
+                           kv_rope_after=after[1], kv_scales_after=after[2])
+        with h5py.File(self.path, "r") as f:
+            self.check_root(f, "float32", "bfloat16", "split")
+            layer = f["layers/L000"]
+            self.assertEqual(sorted(layer), ["kv_cache", "kv_rope", "kv_scales", "kv_source"])
+            self.assertEqual(layer.attrs["kv_scale"], 1.0)
+            self.assert_dataset(layer["kv_cache"], "<u1", (PAGES, PAGE, DC), "float8_e4m3fn")
+            self.assert_dataset(layer["kv_rope"], "<u2", (PAGES, PAGE, DR), "bfloat16")
+            self.assert_dataset(layer["kv_scales"], "<f4", (PAGES, PAGE, G), "float32")
+            self.assert_dataset(layer["kv_source"], "<u2", (PAGES, PAGE, D), "bfloat16")
+            np.testing.assert_array_equal(layer["kv_cache"][()], codes)
+            np.testing.assert_array_equal(layer["kv_rope"][()], rope)
+            np.testing.assert_array_equal(layer["kv_scales"][()], scales)
+            self.assertEqual(layer["kv_scales"][0, 1, 0], 1.0)  # the all-zero group
+            l0 = f["steps/S000/L000"]
+            self.assertEqual(sorted(l0), ["kv_cache_after", "kv_rope_after", "kv_scales_after",
+                                          "new_kv", "q_nope", "q_pe"])
+            self.assert_dataset(l0["kv_cache_after"], "<u1", (PAGES, PAGE, DC), "float8_e4m3fn")
+            self.assert_dataset(l0["kv_rope_after"], "<u2", (PAGES, PAGE, DR), "bfloat16")
+            self.assert_dataset(l0["kv_scales_after"], "<f4", (PAGES, PAGE, G), "float32")
+            np.testing.assert_array_equal(l0["kv_scales_after"][()], after[2])
+
+    def test_split_e4m3_rope_e8m0_scales(self):
+        codes, rope, scales, _ = grouped_pool(3, "e8m0", "float8_e4m3fn", kv_scale=0.5)
+        with self.grouped_writer(kv_scale_format="e8m0", kv_rope_dtype="float8_e4m3fn") as dump:
+            dump.add_layer(0, 0.5, codes, kv_rope=rope, kv_scales=scales)
+            dump.add_step(**DECODE).add_layer(0, **step_tensors(2, seed=2), kv_cache_after=codes,
+                                              kv_rope_after=rope, kv_scales_after=scales)
+        with h5py.File(self.path, "r") as f:
+            self.check_root(f, "e8m0", "float8_e4m3fn", "split")
+            layer = f["layers/L000"]
+            self.assertEqual(layer.attrs["kv_scale"], 0.5)
+            self.assert_dataset(layer["kv_rope"], "<u1", (PAGES, PAGE, DR), "float8_e4m3fn")
+            self.assert_dataset(layer["kv_scales"], "<u1", (PAGES, PAGE, G), "float8_e8m0fnu")
+            np.testing.assert_array_equal(layer["kv_rope"][()], rope)
+            np.testing.assert_array_equal(layer["kv_scales"][()], scales)
+            self.assertEqual(layer["kv_scales"][0, 1, 0], 127)  # the all-zero group: 2^0
+            l0 = f["steps/S000/L000"]
+            self.assert_dataset(l0["kv_scales_after"], "<u1", (PAGES, PAGE, G), "float8_e8m0fnu")
+            self.assert_dataset(l0["kv_rope_after"], "<u1", (PAGES, PAGE, DR), "float8_e4m3fn")
+
+    def test_flashmla_fp8_packed(self):
+        codes, rope, scales, _ = grouped_pool(4, "power_of_two")
+        packed = kvdump.pack_flashmla_fp8(codes, rope, scales)
+        self.assertEqual(packed.shape, (PAGES, PAGE, PACKED))
+        self.assertEqual(kvdump.flashmla_fp8_width(DC, DR, GROUP), PACKED)
+        with self.grouped_writer(kv_scale_format="power_of_two",
+                                 kv_cache_layout="flashmla_fp8") as dump:
+            dump.add_layer(0, 1.0, packed)
+            dump.add_layer(77, 1.0, packed)
+            step = dump.add_step(**PREFILL)
+            step.add_layer(0, **step_tensors(4, seed=5), kv_cache_after=packed)
+            step.add_layer(77, **step_tensors(4, seed=6))
+        with h5py.File(self.path, "r") as f:
+            self.check_root(f, "power_of_two", "bfloat16", "flashmla_fp8")
+            layer = f["layers/L000"]
+            self.assertEqual(sorted(layer), ["kv_cache"])
+            self.assert_dataset(layer["kv_cache"], "<u1", (PAGES, PAGE, PACKED), "flashmla_fp8")
+            np.testing.assert_array_equal(layer["kv_cache"][()], packed)
+            after = f["steps/S000/L000/kv_cache_after"]
+            self.assert_dataset(after, "<u1", (PAGES, PAGE, PACKED), "flashmla_fp8")
+            self.assertNotIn("kv_rope_after", f["steps/S000/L000"])
+            stored = layer["kv_cache"][()]
+        parts = kvdump.unpack_flashmla_fp8(stored, DC, GROUP)
+        for part, original in zip(parts, (codes, rope, scales)):
+            self.assertEqual(part.dtype, original.dtype)
+            np.testing.assert_array_equal(part, original)
+
+    def test_plain_v1_file_has_no_minor_version(self):
+        with self.writer() as dump:
+            dump.add_layer(0, 1.0, self.pool())
+            dump.add_step(**DECODE).add_layer(0, **step_tensors(2, seed=0))
+        with h5py.File(self.path, "r") as f:
+            for name in ("format_minor_version", "kv_scale_group_size", "kv_scale_format",
+                         "kv_rope_dtype", "kv_cache_layout"):
+                self.assertNotIn(name, f.attrs)
+            self.assertEqual(f.attrs["kv_scale_kind"], "per_tensor")
+
+    def test_topk_indices_mark_the_file_1_1(self):
+        # S000 rows sit at positions 3, 4, 5 (request 0) and 0 (request 2); S001 at 6 and 1.
+        topk = np.array([[3, -1, 0], [-1, 4, 2], [5, 0, -1], [-1, -1, 0]], dtype=np.int64)
+        with self.writer() as dump:
+            dump.add_layer(0, 1.0, self.pool())
+            dump.add_layer(77, 1.0, self.pool())
+            step = dump.add_step(**PREFILL)
+            step.add_layer(0, **step_tensors(4, seed=1), topk_indices=topk)
+            step.add_layer(77, **step_tensors(4, seed=1))  # dense for this layer
+            step = dump.add_step(**DECODE)
+            step.add_layer(0, **step_tensors(2, seed=2), topk_indices=[[6], [1]])
+            step.add_layer(77, **step_tensors(2, seed=2), topk_indices=[[0, 6], [-1, 0]])
+        with h5py.File(self.path, "r") as f:
+            self.assertEqual(f.attrs["format_minor_version"], 1)
+            self.assertEqual(f.attrs["kv_scale_kind"], "per_tensor")
+            self.assertNotIn("kv_scale_group_size", f.attrs)
+            stored = f["steps/S000/L000/topk_indices"]
+            self.assertEqual((stored.dtype, stored.shape), (np.dtype("<i4"), (4, 3)))
+            self.assertNotIn("dtype", stored.attrs)
+            np.testing.assert_array_equal(stored[()], topk)
+            self.assertNotIn("topk_indices", f["steps/S000/L077"])
+            self.assertEqual(f["steps/S001/L077/topk_indices"].shape, (2, 2))
+
+    def test_e8m0_scales_from_torch_by_duck_typing(self):
+        # A stand-in for a torch.float8_e8m0fnu tensor: viewed as uint8, never converted.
+        class Dtype:
+            def __init__(self, name):
+                self.name = name
+
+            def __str__(self):
+                return "torch." + self.name
+
+        fake_torch = types.ModuleType("torch")
+        fake_torch.uint8 = Dtype("uint8")
+
+        class Tensor:
+            def __init__(self, array, dtype):
+                self.array, self.dtype = array, Dtype(dtype)
+
+            def detach(self):
+                return self
+
+            def cpu(self):
+                return self
+
+            def contiguous(self):
+                return self
+
+            def view(self, dtype):
+                assert dtype is fake_torch.uint8, dtype
+                return Tensor(self.array.view(np.uint8), "uint8")
+
+            def numpy(self):
+                assert self.dtype.name == "uint8", self.dtype
+                return self.array
+
+        codes, rope, scales, _ = grouped_pool(7, "e8m0")
+        with mock.patch.dict(sys.modules, {"torch": fake_torch}):
+            with self.grouped_writer(kv_scale_format="e8m0") as dump:
+                self.assert_refused("/layers/L000/kv_scales", dump.add_layer, 0, 1.0, codes,
+                                    kv_rope=rope, kv_scales=Tensor(scales, "float8_e4m3fn"))
+                dump.add_layer(0, 1.0, codes, kv_rope=rope,
+                               kv_scales=Tensor(scales, "float8_e8m0fnu"))
+        with h5py.File(self.path, "r") as f:
+            np.testing.assert_array_equal(f["layers/L000/kv_scales"][()], scales)
+
+
+class GroupQuantizerTest(unittest.TestCase):
+    """The v1.1 write rule (kvdump-v1.md "The write rule with per_token_group") on cases worked
+    out by hand. Groups of 4: scale = amax / 448 (float32), the next power of two, or its e8m0
+    byte (exponent + 127); codes e4m3_rne_satfinite(x / scale)."""
+
+    def quantize(self, values, scale_format, reciprocal=False):
+        return kvdump.quantize_groups(np.array(values, dtype=np.float32), GROUP, scale_format,
+                                      reciprocal)
+
+    def test_amax_three_times_448(self):
+        # Group 0: amax 1344 = 448 * 3. float32: scale 3, codes of 448, 1/3, -2/3, 0:
+        #   448 = 0x7E; 1/3 -> 0.34375 = 1.375 * 2^-2 (E 5, M 3) = 0x2B; -2/3 -> -0.6875 = 0xB3.
+        # power_of_two: 1344 / 448 = 3 -> 4; 336 -> 320 (tie 10.5 quanta of 32 -> 10) = 0x7A;
+        #   0.25 = 0x28; -0.5 = 0xB0. e8m0: the same 4 = 2^2, code 129.
+        # Group 1 is all zeros: scale 1 (e8m0 code 127) and zero codes.
+        row = [448 * 3, 1, -2, 0, 0, 0, 0, 0]
+        codes, scales = self.quantize(row, "float32")
+        self.assertEqual(scales.dtype, np.float32)
+        self.assertEqual(scales.tolist(), [3.0, 1.0])
+        self.assertEqual(codes.tolist(), [0x7E, 0x2B, 0xB3, 0, 0, 0, 0, 0])
+        codes, scales = self.quantize(row, "power_of_two")
+        self.assertEqual(scales.tolist(), [4.0, 1.0])
+        self.assertEqual(codes.tolist(), [0x7A, 0x28, 0xB0, 0, 0, 0, 0, 0])
+        codes_e8m0, scales = self.quantize(row, "e8m0")
+        self.assertEqual(scales.dtype, np.uint8)
+        self.assertEqual(scales.tolist(), [129, 127])
+        self.assertEqual(codes_e8m0.tolist(), codes.tolist())
+        self.assertEqual(kvdump.decode_e8m0(scales).tolist(), [4.0, 1.0])
+
+    def test_all_zero_group(self):
+        for scale_format, one in (("float32", 1.0), ("power_of_two", 1.0), ("e8m0", 127)):
+            codes, scales = self.quantize(np.zeros((3, 8)), scale_format)
+            self.assertEqual(codes.shape, (3, 8))
+            self.assertFalse(codes.any(), scale_format)
+            self.assertEqual(scales.shape, (3, G))
+            self.assertTrue(np.all(scales == one), scale_format)
+
+    def test_saturation_and_non_finite(self):
+        # Non-finite elements take no part in amax (448, scale 1): +-inf saturates to +-448,
+        # NaN gives 0x7F. A group with no finite element is "all zero": scale 1.
+        codes, scales = self.quantize([np.inf, 448, -np.inf, np.nan,
+                                       np.nan, np.inf, 0, 0], "float32")
+        self.assertEqual(scales.tolist(), [1.0, 1.0])
+        self.assertEqual(codes.tolist(), [0x7E, 0x7E, 0xFE, 0x7F, 0x7F, 0x7E, 0, 0])
+        # An e4m3 RoPE part follows v1's rule with kv_scale: 1000 / 2 = 500 saturates to 448;
+        # -928 / 2 = -464 ties down to -448; 3 / 2 = 1.5 = 0x3C.
+        rows = np.zeros((1, DC + 3), dtype=np.float32)
+        rows[0, DC:] = [1000, -928, 3]
+        _, rope, _ = kvdump.quantize_rows(rows, DC, GROUP, "float32", "float8_e4m3fn", 2.0)
+        self.assertEqual(rope.tolist(), [[0x7E, 0xFE, 0x3C]])
+
+    def test_float32_scale_is_one_division(self):
+        # amax 1: scale = fp32(1 / 448) (0x3B124925), and 1 / scale = 447.99997... rounds to 448.
+        codes, scales = self.quantize([1, 0.5, 0, 0], "float32")
+        self.assertEqual(scales[0], np.float32(1) / np.float32(448))
+        self.assertEqual(int(scales[0:1].view(np.uint32)[0]), 0x3B124925)
+        self.assertEqual(codes.tolist(), [0x7E, kvdump.quantize_e4m3(
+            np.float32([0.5]), scales[0])[0], 0, 0])
+
+    def test_reciprocal_differs_from_division(self):
+        # amax 5: scale s = fp32(5 / 448) (0x3C36DB6E). x = 0x39700001: x / s is exactly
+        # 0.020508..13 before rounding; the binary32 division rounds it to 0.0205078125, the
+        # midpoint of codes 0x0A (1.25 * 2^-6) and 0x0B (1.375 * 2^-6), which ties to even 0x0A.
+        # x * fp32(1 / s) rounds to just above the midpoint: 0x0B.
+        x = float32_of_bits(0x39700001)
+        scale = np.float32(5) / np.float32(448)
+        self.assertEqual(int(np.array([scale]).view(np.uint32)[0]), 0x3C36DB6E)
+        self.assertEqual(x / scale, np.float32(0.0205078125))
+        self.assertGreater(x * (np.float32(1) / scale), np.float32(0.0205078125))
+        codes, scales = self.quantize([5, x, 0, 0], "float32")
+        self.assertEqual(scales[0], scale)
+        self.assertEqual(codes.tolist(), [0x7E, 0x0A, 0, 0])
+        codes, _ = self.quantize([5, x, 0, 0], "float32", reciprocal=True)
+        self.assertEqual(codes.tolist(), [0x7E, 0x0B, 0, 0])
+
+    def test_power_of_two_is_exact(self):
+        # The smallest 2^k >= amax / 448, checked with exact rationals around every boundary
+        # amax = 448 * 2^k (and the float32 extremes); e8m0 clamps k to -127..127.
+        from fractions import Fraction
+
+        boundaries = np.array([448.0 * 2.0**k for k in range(-140, 119, 7)], dtype=np.float32)
+        amax = np.concatenate([boundaries, np.nextafter(boundaries, np.float32(0)),
+                               np.nextafter(boundaries, np.float32(np.inf)),
+                               np.float32([449, 447, 1, 3.4028235e38, 2.0**-149, 2.0**-126])])
+        rows = np.zeros((amax.size, GROUP), dtype=np.float32)
+        rows[:, 1] = -amax
+        scales = kvdump.group_scales(rows, GROUP, "power_of_two")[:, 0]
+        codes = kvdump.group_scales(rows, GROUP, "e8m0")[:, 0]
+        for a, scale, code in zip(amax, scales, codes):
+            exact = Fraction(float(a)) / 448
+            k = 0
+            while Fraction(2) ** k < exact:
+                k += 1
+            while Fraction(2) ** (k - 1) >= exact:
+                k -= 1
+            self.assertEqual(Fraction(float(scale)), Fraction(2) ** max(k, -149), float(a))
+            self.assertEqual(int(code), min(max(k, -127), 127) + 127, float(a))
+            self.assertLessEqual(Fraction(float(a)) / Fraction(float(scale)), 448)  # no saturation
+
+    def test_decode_e8m0(self):
+        values = kvdump.decode_e8m0(np.array([0, 126, 127, 129, 254, 255], dtype=np.uint8))
+        self.assertEqual(values.dtype, np.float32)
+        self.assertEqual(values[:5].tolist(), [2.0**-127, 0.5, 1.0, 4.0, 2.0**127])
+        self.assertTrue(np.isnan(values[5]))
+
+    def test_quantize_rows(self):
+        rows = np.random.default_rng(8).standard_normal((5, D)).astype(np.float32)
+        codes, rope, scales = kvdump.quantize_rows(rows, DC, GROUP)
+        self.assertEqual((codes.dtype, codes.shape), (np.uint8, (5, DC)))
+        self.assertEqual((rope.dtype, rope.shape), (np.uint16, (5, DR)))
+        self.assertEqual((scales.dtype, scales.shape), (np.float32, (5, G)))
+        np.testing.assert_array_equal(rope, kvdump.bf16_bits_from_float32(rows[:, DC:]))
+        # Each latent element: v1's rule with its group's scale in place of kv_scale.
+        for n in range(5):
+            for g in range(G):
+                part = rows[n, g * GROUP:(g + 1) * GROUP]
+                self.assertEqual(scales[n, g], np.max(np.abs(part)) / np.float32(448))
+                np.testing.assert_array_equal(codes[n, g * GROUP:(g + 1) * GROUP],
+                                              kvdump.quantize_e4m3(part, scales[n, g]))
+        _, rope_e4m3, _ = kvdump.quantize_rows(rows, DC, GROUP, "e8m0", "float8_e4m3fn", 0.25)
+        np.testing.assert_array_equal(rope_e4m3, kvdump.quantize_e4m3(rows[:, DC:], 0.25))
+
+    def test_quantizer_refusals(self):
+        rows = np.zeros((2, D), dtype=np.float32)
+        cases = [
+            ((rows.astype(np.float64), DC, GROUP), "values must be float32"),
+            ((rows, DC, 3), "group_size 3 does not divide the latent width 8"),
+            ((rows, DC, 0), "group_size = 0 is not a positive integer"),
+            ((rows, DC, GROUP, "e5m2"), 'scale_format "e5m2" is not one of'),
+            ((rows, DC, GROUP, "float32", "float16"), 'rope_dtype "float16" is not one of'),
+            ((rows, DC, GROUP, "float32", "bfloat16", 2.0), "must be 1 with a bfloat16 RoPE"),
+            ((rows, DC, GROUP, "float32", "float8_e4m3fn", 0.0), "is not finite and > 0"),
+            ((rows, D + 1, GROUP), "kv_lora_rank = 13 is not in 1..12"),
+            ((rows[0], DC, GROUP), "rows must be [N, D]"),
+        ]
+        for args, message in cases:
+            with self.assertRaisesRegex(ValueError, "^quantize_rows: .*" + re.escape(message)):
+                kvdump.quantize_rows(*args)
+
+
+class FlashMlaPackingTest(unittest.TestCase):
+    def test_packed_bytes_are_the_split_parts_concatenated(self):
+        rows = np.random.default_rng(9).standard_normal((6, D)).astype(np.float32)
+        codes, rope, scales = kvdump.quantize_rows(rows, DC, GROUP, "power_of_two")
+        packed = kvdump.pack_flashmla_fp8(codes, rope, scales)
+        self.assertEqual((packed.dtype, packed.shape), (np.uint8, (6, PACKED)))
+        for n in range(6):
+            expected = (codes[n].tobytes() + scales[n].astype("<f4").tobytes()
+                        + rope[n].astype("<u2").tobytes())
+            self.assertEqual(packed[n].tobytes(), expected)
+
+    def test_one_slot_by_hand(self):
+        # Codes 0x7E, 0x01, ...; scales 3.0 (0x40400000) and 0.5 (0x3F000000) little-endian;
+        # RoPE bf16 1.0 (0x3F80) and -2.0 (0xC000) little-endian.
+        codes = np.array([0x7E, 1, 2, 3, 4, 5, 6, 7], dtype=np.uint8)
+        scales = np.array([3.0, 0.5], dtype=np.float32)
+        rope = np.array([0x3F80, 0xC000, 0, 1], dtype=np.uint16)
+        packed = kvdump.pack_flashmla_fp8(codes, rope, scales)
+        self.assertEqual(packed.tobytes(), bytes([0x7E, 1, 2, 3, 4, 5, 6, 7,
+                                                  0, 0, 0x40, 0x40, 0, 0, 0, 0x3F,
+                                                  0x80, 0x3F, 0, 0xC0, 0, 0, 1, 0]))
+        back = kvdump.unpack_flashmla_fp8(packed, DC, GROUP)
+        self.assertEqual([part.tolist() for part in back],
+                         [codes.tolist(), rope.tolist(), [3.0, 0.5]])
+
+    def test_flashmla_width_656(self):
+        self.assertEqual(kvdump.flashmla_fp8_width(512, 64, 128), 656)
+        rows = np.random.default_rng(10).standard_normal((3, 576)).astype(np.float32)
+        parts = kvdump.quantize_rows(rows, 512, 128, "power_of_two")
+        packed = kvdump.pack_flashmla_fp8(*parts)
+        self.assertEqual(packed.shape, (3, 656))
+        for part, original in zip(kvdump.unpack_flashmla_fp8(packed, 512, 128), parts):
+            np.testing.assert_array_equal(part, original)
+
+    def test_packing_refusals(self):
+        codes = np.zeros((2, DC), np.uint8)
+        scales = np.ones((2, G), np.float32)
+        rope = np.zeros((2, DR), np.uint16)
+        with self.assertRaisesRegex(ValueError, "^pack_flashmla_fp8: scales must be float32"):
+            kvdump.pack_flashmla_fp8(codes, rope, scales.view(np.uint8)[:, :G])
+        with self.assertRaisesRegex(ValueError, "^pack_flashmla_fp8: rope_bits must be uint16"):
+            kvdump.pack_flashmla_fp8(codes, rope.astype(np.float32), scales)
+        with self.assertRaisesRegex(ValueError, "^pack_flashmla_fp8: scales shape"):
+            kvdump.pack_flashmla_fp8(codes, rope, scales[:1])
+        with self.assertRaisesRegex(ValueError, "^unpack_flashmla_fp8: width 23 is not"):
+            kvdump.unpack_flashmla_fp8(np.zeros((2, PACKED - 1), np.uint8), DC, GROUP)
+
+
+class V11RefusalTest(V11WriterTestCase):
+    def test_root_options(self):
+        cases = [
+            (dict(kv_scale_group_size=None), "kv_scale_group_size = None is not a positive"),
+            (dict(kv_scale_group_size=3), "kv_scale_group_size = 3 does not divide kv_lora_rank"),
+            (dict(kv_scale_format="ue8m0"), "kv_scale_format 'ue8m0' is not one of"),
+            (dict(kv_scale_format=None), "kv_scale_format None is not one of"),
+            (dict(kv_rope_dtype="float16"), "kv_rope_dtype 'float16' is not one of"),
+            (dict(kv_cache_layout="flashmla"), "kv_cache_layout 'flashmla' is not one of"),
+            (dict(kv_cache_layout="flashmla_fp8", kv_scale_format="e8m0"),
+             'must be "float32" or "power_of_two", not "e8m0"'),
+            (dict(kv_cache_layout="flashmla_fp8", kv_rope_dtype="float8_e4m3fn"),
+             'kv_rope_dtype must be "bfloat16"'),
+            (dict(kv_dtype="bfloat16"), 'needs kv_dtype "float8_e4m3fn", not "bfloat16"'),
+            (dict(kv_scale_kind="per_block"), 'kv_scale_kind "per_block" is not one of'),
+        ]
+        for overrides, message in cases:
+            with self.assertRaisesRegex(ValueError, "^/: .*" + re.escape(message)):
+                self.grouped_writer(**overrides)
+        with self.assertRaisesRegex(ValueError, "^/: kv_scale_group_size = 4 is a per_token_group "
+                                                "option"):
+            self.writer(kv_scale_group_size=4)
+        self.assertFalse(os.path.exists(self.path))
+
+    def test_layer_rules(self):
+        codes, rope, scales, _ = grouped_pool(0)
+        with self.grouped_writer() as dump:
+            self.assert_refused("/layers/L000/kv_rope", dump.add_layer, 0, 1.0, codes,
+                                kv_scales=scales)
+            self.assert_refused("/layers/L000/kv_scales", dump.add_layer, 0, 1.0, codes,
+                                kv_rope=rope)
+            self.assert_refused("/layers/L000/kv_cache", dump.add_layer, 0, 1.0,
+                                np.zeros((PAGES, PAGE, D), np.uint8), kv_rope=rope,
+                                kv_scales=scales)
+            self.assert_refused("/layers/L000/kv_scales", dump.add_layer, 0, 1.0, codes,
+                                kv_rope=rope, kv_scales=scales.astype(np.float64))
+            self.assert_refused("/layers/L000/kv_scales", dump.add_layer, 0, 1.0, codes,
+                                kv_rope=rope, kv_scales=scales[:, :, :1])
+            self.assert_refused("/layers/L000/kv_rope", dump.add_layer, 0, 1.0, codes,
+                                kv_rope=rope.astype(np.uint8), kv_scales=scales)
+            self.assert_refused("/layers/L000", dump.add_layer, 0, 2.0, codes, kv_rope=rope,
+                                kv_scales=scales)
+            dump.add_layer(0, 1.0, codes, kv_rope=rope, kv_scales=scales)  # the refusals left
+            with self.assertRaisesRegex(ValueError, re.escape(  # num_pages unset until now
+                    "/layers/L001/kv_cache: shape (5, 4, 8) != (6, 4, 8)")):
+                dump.add_layer(1, 1.0, codes[:5], kv_rope=rope[:5], kv_scales=scales[:5])
+        with self.grouped_writer(kv_scale_format="e8m0") as dump:
+            self.assert_refused("/layers/L000/kv_scales", dump.add_layer, 0, 1.0, codes,
+                                kv_rope=rope, kv_scales=scales)  # float32 for e8m0 codes
+        with self.grouped_writer(kv_cache_layout="flashmla_fp8") as dump:
+            packed = kvdump.pack_flashmla_fp8(codes, rope, scales)
+            self.assert_refused("/layers/L000/kv_rope", dump.add_layer, 0, 1.0, packed,
+                                kv_rope=rope)
+            self.assert_refused("/layers/L000/kv_cache", dump.add_layer, 0, 1.0,
+                                packed.view(np.int8))
+            self.assert_refused("/layers/L000/kv_cache", dump.add_layer, 0, 1.0, codes)
+        with self.writer() as dump:
+            self.assert_refused("/layers/L000/kv_scales", dump.add_layer, 0, 1.0, self.pool(),
+                                kv_scales=scales)
+
+    def test_step_pool_after_all_or_none(self):
+        codes, rope, scales, _ = grouped_pool(0)
+        with self.grouped_writer() as dump:
+            dump.add_layer(0, 1.0, codes, kv_rope=rope, kv_scales=scales)
+            step = dump.add_step(**DECODE)
+            tensors = step_tensors(2, seed=1)
+            self.assert_refused("/steps/S000/L000/kv_scales_after", step.add_layer, 0, **tensors,
+                                kv_cache_after=codes, kv_rope_after=rope)
+            self.assert_refused("/steps/S000/L000/kv_rope_after", step.add_layer, 0, **tensors,
+                                kv_rope_after=rope)
+            self.assert_refused("/steps/S000/L000/kv_cache_after", step.add_layer, 0, **tensors,
+                                kv_cache_after=codes[..., :DC - 1], kv_rope_after=rope,
+                                kv_scales_after=scales)
+            step.add_layer(0, **tensors)
+
+    def check_topk(self, message, topk, step=PREFILL):
+        """The refusal of `topk` for layer 0 of S000, whose message is exactly `message`."""
+        with self.writer() as dump:
+            dump.add_layer(0, 1.0, self.pool())
+            added = dump.add_step(**step)
+            tensors = step_tensors(added.num_rows, seed=0)
+            with self.assertRaisesRegex(ValueError, "^" + re.escape(
+                    "/steps/S000/L000/topk_indices: " + message) + "$"):
+                added.add_layer(0, **tensors, topk_indices=topk)
+            added.add_layer(0, **tensors)
+        with h5py.File(self.path, "r") as f:  # a refused topk_indices leaves a plain v1 file
+            self.assertNotIn("format_minor_version", f.attrs)
+
+    def test_topk_rules(self):
+        # S000 rows sit at token positions 3, 4, 5 and 0.
+        good = [[3, -1], [4, 0], [5, 1], [0, -1]]
+        self.check_topk("row 0 (token position 3): entry 1 = 4 is neither -1 nor a position in "
+                        "0..3 (causal)", [[3, 4], [4, 0], [5, 1], [0, -1]])
+        self.check_topk("row 3 (token position 0): entry 0 = -2 is neither -1 nor a position in "
+                        "0..0 (causal)", [[3, -1], [4, 0], [5, 1], [-2, 0]])
+        self.check_topk("row 2 (token position 5) lists position 5 twice (entries 0 and 2)",
+                        [[3, -1, -1], [4, 0, -1], [5, 1, 5], [0, -1, -1]])
+        self.check_topk("row 1 (token position 4) lists no position (every entry is -1); a row "
+                        "attends to at least one token", [[3, -1], [-1, -1], [5, 1], [0, -1]])
+        self.check_topk("shape (4, 0): K = 0, but every row lists at least one position",
+                        np.zeros((4, 0), np.int32))
+        self.check_topk("shape (3, 2) has 3 rows, not Nq = 4", good[:3])
+        self.check_topk("shape (8,) is not two-dimensional [Nq, K]", np.ravel(good))
+        self.check_topk("dtype float32 is not an integer type", np.array(good, np.float32))
+        self.check_topk("values do not fit int32", np.array([[3, 2**31]] + good[1:]))
+        # S001 (decode) rows at positions 6 and 1: position 2 is past row 1's.
+        self.check_topk("row 1 (token position 1): entry 0 = 2 is neither -1 nor a position in "
+                        "0..1 (causal)", [[6, 0], [2, 1]], step=DECODE)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-// kvdump v1 (docs/kvdump-v1.md): the data model, a validating reader and a writer.
+// kvdump v1 and v1.1 (docs/kvdump-v1.md): the data model, a validating reader and a writer.
 //
 // Shapes (H = num_heads, Dc = kv_lora_rank, Dr = qk_rope_head_dim, D = Dc + Dr, Nq = rows of a
 // step, S = num_pages * page_size slots):
@@ -7,6 +7,10 @@
 //   out    : [Nq, H, Dc]   lse  : [Nq, H]
 // bfloat16 tensors are held as float (exact widening); a float32 dataset is accepted in their
 // place. Pools are held as raw storage bytes so that integrity checks see exactly what is stored.
+// v1.1 (per_token_group scales, G = Dc / group_size): a slot's bytes are FlashMLA's order,
+//   [Dc e4m3 latent codes][G scales: fp32 little-endian, or e8m0 bytes][Dr RoPE: bf16 or e4m3],
+// whichever layout the file used (split datasets or the packed flashmla_fp8 slot), so every
+// bytewise check covers the scales too. topk_indices : [Nq, K] token positions, -1 padding.
 //
 // The reader (kvdump_reader.cpp) validates every rule of the format's Errors section when it opens
 // a file (kvdump_validator.hpp: root attributes, every object's presence, type and shape;
@@ -29,9 +33,16 @@ namespace kvaudit {
 
 enum class KvDtype : std::uint8_t { kFloat8E4m3fn, kBfloat16 };
 enum class StepKind : std::uint8_t { kPrefill, kDecode };
+// v1.1: how a per_token_group scale is stored (and chosen by the write rule).
+enum class GroupScaleFormat : std::uint8_t { kFloat32, kPowerOfTwo, kE8m0 };
+// v1.1: how a per_token_group pool is laid out in the file (the memory form is one, see above).
+enum class PoolLayout : std::uint8_t { kSplit, kFlashMlaFp8 };
 
 const char* kv_dtype_name(KvDtype dtype);   // "float8_e4m3fn" | "bfloat16"
 const char* step_kind_name(StepKind kind);  // "prefill" | "decode"
+const char* group_scale_format_name(
+    GroupScaleFormat format);                     // "float32" | "power_of_two" | "e8m0"
+const char* pool_layout_name(PoolLayout layout);  // "split" | "flashmla_fp8"
 
 struct DumpAttributes {
   std::string model;
@@ -42,9 +53,19 @@ struct DumpAttributes {
   double sm_scale = 0.0;
   int page_size = 1;
   KvDtype kv_dtype = KvDtype::kFloat8E4m3fn;
-  std::string kv_scale_kind = "per_tensor";
+  std::string kv_scale_kind = "per_tensor";  // or "per_token_group" (v1.1)
+  // v1.1 (format_minor_version 1); meaningful with kv_scale_kind "per_token_group" only.
+  int format_minor_version = 0;
+  int kv_scale_group_size = 0;  // channels of the latent per scale; 0 with per_tensor
+  GroupScaleFormat kv_scale_format = GroupScaleFormat::kFloat32;
+  KvDtype kv_rope_dtype = KvDtype::kFloat8E4m3fn;
+  PoolLayout kv_cache_layout = PoolLayout::kSplit;
 
   int row_width() const { return kv_lora_rank + qk_rope_head_dim; }  // D
+  bool per_token_group() const { return kv_scale_group_size > 0; }
+  int num_scale_groups() const {  // G
+    return per_token_group() ? kv_lora_rank / kv_scale_group_size : 0;
+  }
 };
 
 struct LayerMeta {
@@ -62,10 +83,14 @@ struct StepMeta {
   std::vector<std::int32_t> kv_indices;        // [nnz_pages]
   std::vector<std::int32_t> kv_last_page_len;  // [B]
   std::vector<std::int32_t> new_kv_slots;      // [Nq]
+  // A step built for attention only (sparse_attention_step): its rows write nothing, so the
+  // new_kv_slots rules are not applied to it.
+  bool attention_only = false;
   // Optional captures, per layer index (same order as DumpLayout::layers).
   std::vector<bool> has_out;
   std::vector<bool> has_lse;
   std::vector<bool> has_kv_cache_after;
+  std::vector<int> topk;  // K of the layer's topk_indices (v1.1), 0: dense
 
   int batch_size() const { return static_cast<int>(kv_last_page_len.size()); }
   int num_rows() const { return qo_indptr.empty() ? 0 : qo_indptr.back(); }
@@ -82,6 +107,7 @@ struct StepMeta {
 
 struct DumpLayout {
   int format_version = 1;
+  int format_minor_version = 0;  // 1: v1.1
   DumpAttributes attrs;
   std::int64_t num_pages = 0;
   std::vector<LayerMeta> layers;  // in /layers order (by name)
@@ -92,27 +118,56 @@ struct DumpLayout {
 };
 
 // A pool of S slots of D elements, as stored: one e4m3 code per element, or two little-endian
-// bytes of bf16 bits per element.
+// bytes of bf16 bits per element. A per_token_group pool (group_size > 0, v1.1) stores each slot
+// as [latent_width e4m3 codes][G scales][row_width - latent_width RoPE elements of rope_dtype].
 struct KvPool {
   KvDtype dtype = KvDtype::kFloat8E4m3fn;
   std::int64_t num_slots = 0;
   int row_width = 0;
   std::vector<std::uint8_t> bytes;
+  // per_token_group only (group_size 0: the whole row is `dtype`, one scale per tensor).
+  int group_size = 0;
+  int latent_width = 0;  // Dc
+  GroupScaleFormat scale_format = GroupScaleFormat::kFloat32;
+  KvDtype rope_dtype = KvDtype::kFloat8E4m3fn;
 
   static KvPool zeros(KvDtype dtype, std::int64_t num_slots, int row_width);
+  // An all-zero-bytes pool in the dump's form (per_tensor or per_token_group).
+  static KvPool zeros_for(const DumpAttributes& attrs, std::int64_t num_slots);
+  bool grouped() const { return group_size > 0; }
+  int num_groups() const { return grouped() ? latent_width / group_size : 0; }
+  int scale_bytes() const { return scale_format == GroupScaleFormat::kE8m0 ? 1 : 4; }
+  int rope_width() const { return row_width - latent_width; }
+  // Byte offsets inside a grouped slot.
+  std::size_t scales_offset() const { return static_cast<std::size_t>(latent_width); }
+  std::size_t rope_offset() const {
+    return scales_offset() + static_cast<std::size_t>(num_groups()) * scale_bytes();
+  }
   int bytes_per_element() const { return dtype == KvDtype::kBfloat16 ? 2 : 1; }
   std::size_t row_bytes() const {
+    if (grouped()) {
+      return rope_offset() +
+             static_cast<std::size_t>(rope_width()) * (rope_dtype == KvDtype::kBfloat16 ? 2 : 1);
+    }
     return static_cast<std::size_t>(row_width) * bytes_per_element();
   }
   std::uint8_t* row(std::int64_t slot) { return bytes.data() + slot * row_bytes(); }
   const std::uint8_t* row(std::int64_t slot) const { return bytes.data() + slot * row_bytes(); }
-  // Decoded element, before the kv_scale multiplier (e4m3 value or bf16 value).
+  // Decoded element, before any scale (e4m3 value or bf16 value); in a grouped pool, latent
+  // elements are the codes' values (without their group's scale) and RoPE elements likewise.
   float element(std::int64_t slot, int col) const;
+  // A grouped pool's scale of group g of a slot, decoded (e8m0: 2^(code - 127), 0xFF NaN).
+  float group_scale(std::int64_t slot, int group) const;
+  void set_group_scale(std::int64_t slot, int group, float scale);  // e8m0: scale a power of 2
+  // The real value the format defines for element (slot, col), exactly: code * group scale or
+  // code * kv_scale (e4m3; a product of 4 and 24 significant bits, exact in double), bf16 value.
+  double dequantized(std::int64_t slot, int col, float kv_scale) const;
   std::uint16_t bf16_bits(std::int64_t slot, int col) const;
   void set_bf16_bits(std::int64_t slot, int col, std::uint16_t bits);
   // kvdump write rule for one slot: fp8 pool -> kvdump_quantize(v, kv_scale) (or, with
   // reciprocal_scale, the named option kvdump_quantize_reciprocal: v * fp32(1 / kv_scale));
-  // bf16 pool -> bits of v (v must be a bf16 value).
+  // bf16 pool -> bits of v (v must be a bf16 value); grouped pool -> the v1.1 rule
+  // (write_grouped_row in src/format/group_scales.hpp).
   void write_row(std::int64_t slot, const float* values, float kv_scale,
                  bool reciprocal_scale = false);
 };
@@ -124,6 +179,11 @@ struct StepLayerTensors {
   std::optional<std::vector<float>> out;  // [Nq, H, Dc], captured
   std::optional<std::vector<float>> lse;  // [Nq, H], captured, natural log
   std::optional<KvPool> kv_cache_after;   // captured pool after the step
+  // v1.1 sparse attention: [Nq, topk] token positions of the row's request, -1 padding (validated
+  // when read: causal, distinct, at least one per row). Empty: dense (every visible token).
+  std::vector<std::int32_t> topk_indices;
+  int topk = 0;
+  bool sparse() const { return topk > 0; }
 };
 
 class DumpReader {

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "src/format/group_scales.hpp"
 #include "src/format/kvdump.hpp"
 
 namespace kvaudit {
@@ -14,6 +15,22 @@ const char* kv_dtype_name(KvDtype dtype) {
 
 const char* step_kind_name(StepKind kind) {
   return kind == StepKind::kDecode ? "decode" : "prefill";
+}
+
+const char* group_scale_format_name(GroupScaleFormat format) {
+  switch (format) {
+    case GroupScaleFormat::kPowerOfTwo:
+      return "power_of_two";
+    case GroupScaleFormat::kE8m0:
+      return "e8m0";
+    case GroupScaleFormat::kFloat32:
+      break;
+  }
+  return "float32";
+}
+
+const char* pool_layout_name(PoolLayout layout) {
+  return layout == PoolLayout::kFlashMlaFp8 ? "flashmla_fp8" : "split";
 }
 
 std::string layer_group_name(int layer_id) { return fmt::format("L{:03d}", layer_id); }
@@ -59,25 +76,62 @@ KvPool KvPool::zeros(KvDtype dtype, std::int64_t num_slots, int row_width) {
   return pool;
 }
 
+KvPool KvPool::zeros_for(const DumpAttributes& attrs, std::int64_t num_slots) {
+  KvPool pool;
+  pool.dtype = attrs.kv_dtype;
+  pool.num_slots = num_slots;
+  pool.row_width = attrs.row_width();
+  if (attrs.per_token_group()) {
+    pool.group_size = attrs.kv_scale_group_size;
+    pool.latent_width = attrs.kv_lora_rank;
+    pool.scale_format = attrs.kv_scale_format;
+    pool.rope_dtype = attrs.kv_rope_dtype;
+  }
+  pool.bytes.assign(static_cast<std::size_t>(num_slots) * pool.row_bytes(), 0);
+  return pool;
+}
+
+// Byte offset of column col's element in a slot (grouped: the RoPE part follows the scales).
+static std::size_t element_offset(const KvPool& pool, int col) {
+  if (!pool.grouped()) return static_cast<std::size_t>(col) * pool.bytes_per_element();
+  if (col < pool.latent_width) return static_cast<std::size_t>(col);
+  const int rope_bytes = pool.rope_dtype == KvDtype::kBfloat16 ? 2 : 1;
+  return pool.rope_offset() + static_cast<std::size_t>(col - pool.latent_width) * rope_bytes;
+}
+
+static bool element_is_bf16(const KvPool& pool, int col) {
+  if (!pool.grouped()) return pool.dtype == KvDtype::kBfloat16;
+  return col >= pool.latent_width && pool.rope_dtype == KvDtype::kBfloat16;
+}
+
 std::uint16_t KvPool::bf16_bits(std::int64_t slot, int col) const {
-  const std::uint8_t* p = row(slot) + 2 * col;
+  const std::uint8_t* p = row(slot) + element_offset(*this, col);
   return static_cast<std::uint16_t>(p[0] | (p[1] << 8));
 }
 
 void KvPool::set_bf16_bits(std::int64_t slot, int col, std::uint16_t bits) {
-  std::uint8_t* p = row(slot) + 2 * col;
+  std::uint8_t* p = row(slot) + element_offset(*this, col);
   p[0] = static_cast<std::uint8_t>(bits & 0xFF);
   p[1] = static_cast<std::uint8_t>(bits >> 8);
 }
 
 float KvPool::element(std::int64_t slot, int col) const {
-  if (dtype == KvDtype::kBfloat16) return bf16_to_float(bf16_bits(slot, col));
-  return e4m3_decode(row(slot)[col]);
+  if (element_is_bf16(*this, col)) return bf16_to_float(bf16_bits(slot, col));
+  return e4m3_decode(row(slot)[element_offset(*this, col)]);
+}
+
+double KvPool::dequantized(std::int64_t slot, int col, float kv_scale) const {
+  const double value = element(slot, col);
+  if (element_is_bf16(*this, col)) return value;
+  if (grouped() && col < latent_width) return value * group_scale(slot, col / group_size);
+  return value * kv_scale;
 }
 
 void KvPool::write_row(std::int64_t slot, const float* values, float kv_scale,
                        bool reciprocal_scale) {
-  if (dtype == KvDtype::kBfloat16) {
+  if (grouped()) {
+    write_grouped_row(*this, slot, values, kv_scale, reciprocal_scale);
+  } else if (dtype == KvDtype::kBfloat16) {
     for (int c = 0; c < row_width; ++c) set_bf16_bits(slot, c, bf16_from_float(values[c]));
   } else if (reciprocal_scale) {
     std::uint8_t* dst = row(slot);

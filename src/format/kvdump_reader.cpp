@@ -21,8 +21,12 @@
 #include <fmt/format.h>
 #include <hdf5.h>
 
+#include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 #include <new>
 #include <string>
 #include <system_error>
@@ -33,6 +37,7 @@
 #include "src/format/hdf5_objects.hpp"
 #include "src/format/kvdump.hpp"
 #include "src/format/kvdump_validator.hpp"
+#include "src/format/step_indices.hpp"
 
 namespace kvaudit {
 
@@ -185,8 +190,95 @@ Result<std::vector<std::uint16_t>> read_bf16_pool_bits(const BulkSource& source,
   return bits;
 }
 
+// The bytes of one pool part: e4m3 codes / e8m0 codes / packed bytes as stored, bf16 as
+// little-endian bits, float32 scales as little-endian bits; `elements` = slots * part width.
+Result<std::vector<std::uint8_t>> read_part_bytes(const BulkSource& source, const std::string& path,
+                                                  PoolPartType type, std::size_t elements) {
+  std::vector<std::uint8_t> bytes;
+  switch (type) {
+    case PoolPartType::kE4m3:
+    case PoolPartType::kScalesE8m0:
+    case PoolPartType::kFlashMlaPacked:
+      KVAUDIT_TRY(read_all(source, path, H5T_NATIVE_UINT8, elements, &bytes));
+      return bytes;
+    case PoolPartType::kBf16: {
+      KVAUDIT_ASSIGN_OR_RETURN(const std::vector<std::uint16_t> bits,
+                               read_bf16_pool_bits(source, path, elements));
+      bytes.resize(2 * elements);
+      std::memcpy(bytes.data(), bits.data(), bytes.size());  // little-endian hosts only (below)
+      return bytes;
+    }
+    case PoolPartType::kScalesF32: {
+      std::vector<float> scales;
+      KVAUDIT_TRY(read_all(source, path, H5T_NATIVE_FLOAT, elements, &scales));
+      bytes.resize(4 * elements);
+      std::memcpy(bytes.data(), scales.data(), bytes.size());
+      return bytes;
+    }
+  }
+  return bytes;
+}
+
+// A per_token_group pool: the parts' bytes interleaved into the memory form, per slot
+// [latent codes][scales][RoPE] (src/format/kvdump.hpp); the packed layout is that form already.
+Result<KvPool> read_grouped_pool(const BulkSource& source, const std::string& group_path,
+                                 const std::string& pool_name, const DumpLayout& layout) {
+  static_assert(std::endian::native == std::endian::little, "pool bytes are little-endian");
+  KvPool pool = KvPool::zeros_for(layout.attrs, 0);
+  pool.num_slots = layout.num_slots();
+  const std::size_t slots = static_cast<std::size_t>(pool.num_slots);
+  const std::size_t row_bytes = pool.row_bytes();
+  const std::vector<PoolPart> parts = pool_parts(layout.attrs, pool_name);
+  if (parts.size() == 1) {  // flashmla_fp8
+    KVAUDIT_ASSIGN_OR_RETURN(pool.bytes, read_part_bytes(source, group_path + parts[0].name,
+                                                         parts[0].type, slots * row_bytes));
+    return pool;
+  }
+  try {
+    pool.bytes.assign(slots * row_bytes, 0);
+  } catch (const std::bad_alloc&) {
+    return internal_error(source.where(group_path + pool_name), "out of memory");
+  }
+  const std::size_t offsets[] = {0, pool.rope_offset(), pool.scales_offset()};
+  for (std::size_t i = 0; i < parts.size(); ++i) {
+    KVAUDIT_ASSIGN_OR_RETURN(const std::vector<std::uint8_t> bytes,
+                             read_part_bytes(source, group_path + parts[i].name, parts[i].type,
+                                             slots * static_cast<std::size_t>(parts[i].width)));
+    const std::size_t part_row = bytes.size() / std::max<std::size_t>(slots, 1);
+    for (std::size_t s = 0; s < slots; ++s) {
+      std::memcpy(pool.bytes.data() + s * row_bytes + offsets[i], bytes.data() + s * part_row,
+                  part_row);
+    }
+  }
+  return pool;
+}
+
+// topk_indices [Nq, K] of a (step, layer), checked by the v1.1 rules.
+Result<std::vector<std::int32_t>> read_topk_indices(const BulkSource& source,
+                                                    const std::string& path, const StepMeta& step,
+                                                    int page_size, int k) {
+  std::vector<std::int64_t> wide;
+  const std::size_t count = static_cast<std::size_t>(step.num_rows()) * k;
+  KVAUDIT_TRY(read_all(source, path, H5T_NATIVE_INT64, count, &wide));
+  std::vector<std::int32_t> topk(count);
+  for (std::size_t i = 0; i < count; ++i) {
+    if (wide[i] < -1 || wide[i] > std::numeric_limits<std::int32_t>::max()) {
+      return bad_input(
+          source.where(path),
+          fmt::format("[{}, {}] = {} is neither -1 nor a token position", i / k, i % k, wide[i]));
+    }
+    topk[i] = static_cast<std::int32_t>(wide[i]);
+  }
+  KVAUDIT_TRY(check_topk_indices(step, page_size, topk, k, source.where(path)));
+  return topk;
+}
+
 Result<KvPool> read_pool_dataset(const BulkSource& source, const std::string& path,
                                  const DumpLayout& layout) {
+  if (layout.attrs.per_token_group()) {
+    const std::size_t slash = path.rfind('/');
+    return read_grouped_pool(source, path.substr(0, slash + 1), path.substr(slash + 1), layout);
+  }
   KvPool pool;
   pool.dtype = layout.attrs.kv_dtype;
   pool.num_slots = layout.num_slots();
@@ -268,6 +360,12 @@ Result<StepLayerTensors> DumpReader::read_step_layer(std::size_t step_index,
   if (step.has_kv_cache_after[layer_index]) {
     KVAUDIT_ASSIGN_OR_RETURN(tensors.kv_cache_after,
                              read_pool_dataset(source, base + "kv_cache_after", layout));
+  }
+  if (layer_index < step.topk.size() && step.topk[layer_index] > 0) {
+    tensors.topk = step.topk[layer_index];
+    KVAUDIT_ASSIGN_OR_RETURN(
+        tensors.topk_indices,
+        read_topk_indices(source, base + "topk_indices", step, a.page_size, tensors.topk));
   }
   return tensors;
 }

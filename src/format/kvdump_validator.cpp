@@ -100,6 +100,34 @@ Status expect_pool_type(const ObjectReader& r, const DatasetDesc& desc, KvDtype 
                                       desc.type_text, dtype_suffix(desc)));
 }
 
+Status expect_float32(const ObjectReader& r, const DatasetDesc& desc);
+
+// A u8 dataset whose dtype attribute must be `wanted`.
+Status expect_u8_dtype(const ObjectReader& r, const DatasetDesc& desc, const char* wanted) {
+  if (desc.element == ElementClass::kU8 && desc.dtype && *desc.dtype == wanted) {
+    return ok_status();
+  }
+  if (desc.element == ElementClass::kU8 && !desc.dtype) return missing_dtype(r, desc, wanted);
+  return r.bad(desc.path, fmt::format("element type {}{}; expected u8 with dtype=\"{}\"",
+                                      desc.type_text, dtype_suffix(desc), wanted));
+}
+
+Status expect_pool_part_type(const ObjectReader& r, const DatasetDesc& desc, const PoolPart& part) {
+  switch (part.type) {
+    case PoolPartType::kE4m3:
+      return expect_pool_type(r, desc, KvDtype::kFloat8E4m3fn);
+    case PoolPartType::kBf16:
+      return expect_pool_type(r, desc, KvDtype::kBfloat16);
+    case PoolPartType::kScalesF32:
+      return expect_float32(r, desc);
+    case PoolPartType::kScalesE8m0:
+      return expect_u8_dtype(r, desc, "float8_e8m0fnu");
+    case PoolPartType::kFlashMlaPacked:
+      return expect_u8_dtype(r, desc, "flashmla_fp8");
+  }
+  return ok_status();
+}
+
 Status expect_float32(const ObjectReader& r, const DatasetDesc& desc) {
   if (desc.element == ElementClass::kFloat32 && (!desc.dtype || *desc.dtype == kDtypeF32)) {
     return ok_status();
@@ -259,6 +287,71 @@ Status check_format(const ObjectReader& r, hid_t root) {
   return ok_status();
 }
 
+// format_minor_version: absent = 0 (v1), 1 = v1.1.
+Result<int> read_minor_version(const ObjectReader& r, hid_t root) {
+  if (H5Aexists(root, "format_minor_version") <= 0) return 0;
+  KVAUDIT_ASSIGN_OR_RETURN(const std::int64_t minor, r.read_int(root, "/", "format_minor_version"));
+  if (minor < 0 || minor > 1) {
+    return r.unsupported_at("/", fmt::format("format_minor_version {} is unknown; this reader "
+                                             "reads 1.0 and 1.1",
+                                             minor));
+  }
+  return static_cast<int>(minor);
+}
+
+Status needs_v1_1(const ObjectReader& r, const DumpAttributes& attrs, const std::string& path,
+                  const std::string& what) {
+  if (attrs.format_minor_version >= 1) return ok_status();
+  return r.bad(path, what + " is kvdump v1.1: the root needs format_minor_version = 1");
+}
+
+Result<GroupScaleFormat> parse_scale_format(const ObjectReader& r, const std::string& text) {
+  if (text == "float32") return GroupScaleFormat::kFloat32;
+  if (text == "power_of_two") return GroupScaleFormat::kPowerOfTwo;
+  if (text == "e8m0") return GroupScaleFormat::kE8m0;
+  return r.unsupported_at("/", fmt::format("kv_scale_format \"{}\" is unknown; expected float32, "
+                                           "power_of_two or e8m0",
+                                           text));
+}
+
+// kv_scale_group_size, kv_scale_format, kv_rope_dtype and kv_cache_layout of a per_token_group
+// dump (v1.1).
+Status read_group_scale_attributes(const ObjectReader& r, hid_t root, DumpAttributes* attrs) {
+  KVAUDIT_TRY(needs_v1_1(r, *attrs, "/", "kv_scale_kind \"per_token_group\""));
+  if (attrs->kv_dtype != KvDtype::kFloat8E4m3fn) {
+    return r.bad("/", "kv_scale_kind per_token_group needs kv_dtype float8_e4m3fn");
+  }
+  KVAUDIT_ASSIGN_OR_RETURN(attrs->kv_scale_group_size,
+                           r.read_int_in(root, "/", "kv_scale_group_size", 1, attrs->kv_lora_rank));
+  if (attrs->kv_lora_rank % attrs->kv_scale_group_size != 0) {
+    return r.bad("/", fmt::format("kv_scale_group_size {} does not divide kv_lora_rank {}",
+                                  attrs->kv_scale_group_size, attrs->kv_lora_rank));
+  }
+  KVAUDIT_ASSIGN_OR_RETURN(const std::string format, r.read_string(root, "/", "kv_scale_format"));
+  KVAUDIT_ASSIGN_OR_RETURN(attrs->kv_scale_format, parse_scale_format(r, format));
+  KVAUDIT_ASSIGN_OR_RETURN(const std::string rope, r.read_string(root, "/", "kv_rope_dtype"));
+  KVAUDIT_ASSIGN_OR_RETURN(attrs->kv_rope_dtype, parse_kv_dtype(r, rope));
+  if (H5Aexists(root, "kv_cache_layout") > 0) {
+    KVAUDIT_ASSIGN_OR_RETURN(const std::string layout, r.read_string(root, "/", "kv_cache_layout"));
+    if (layout == "flashmla_fp8") {
+      attrs->kv_cache_layout = PoolLayout::kFlashMlaFp8;
+    } else if (layout != "split") {
+      return r.unsupported_at("/", fmt::format("kv_cache_layout \"{}\" is unknown; expected "
+                                               "split or flashmla_fp8",
+                                               layout));
+    }
+  }
+  if (attrs->kv_cache_layout == PoolLayout::kFlashMlaFp8 &&
+      (attrs->kv_scale_format == GroupScaleFormat::kE8m0 ||
+       attrs->kv_rope_dtype != KvDtype::kBfloat16)) {
+    return r.bad("/",
+                 "kv_cache_layout flashmla_fp8 holds float32 scales and a bfloat16 RoPE "
+                 "part: it needs kv_scale_format float32 or power_of_two and kv_rope_dtype "
+                 "bfloat16");
+  }
+  return ok_status();
+}
+
 Result<DumpAttributes> read_root_attributes(const ObjectReader& r, hid_t root) {
   KVAUDIT_TRY(check_format(r, root));
   DumpAttributes attrs;
@@ -274,10 +367,13 @@ Result<DumpAttributes> read_root_attributes(const ObjectReader& r, hid_t root) {
   KVAUDIT_ASSIGN_OR_RETURN(attrs.page_size, r.read_int_in(root, "/", "page_size", 1, kMaxDim));
   KVAUDIT_ASSIGN_OR_RETURN(const std::string kv_dtype, r.read_string(root, "/", "kv_dtype"));
   KVAUDIT_ASSIGN_OR_RETURN(attrs.kv_dtype, parse_kv_dtype(r, kv_dtype));
+  KVAUDIT_ASSIGN_OR_RETURN(attrs.format_minor_version, read_minor_version(r, root));
   KVAUDIT_ASSIGN_OR_RETURN(attrs.kv_scale_kind, r.read_string(root, "/", "kv_scale_kind"));
-  if (attrs.kv_scale_kind != "per_tensor") {
-    return r.unsupported_at("/", fmt::format("kv_scale_kind \"{}\" is unknown; version 1 has "
-                                             "per_tensor only",
+  if (attrs.kv_scale_kind == "per_token_group") {
+    KVAUDIT_TRY(read_group_scale_attributes(r, root, &attrs));
+  } else if (attrs.kv_scale_kind != "per_tensor") {
+    return r.unsupported_at("/", fmt::format("kv_scale_kind \"{}\" is unknown; expected "
+                                             "per_tensor or per_token_group (v1.1)",
                                              attrs.kv_scale_kind));
   }
   return attrs;
@@ -288,7 +384,7 @@ Result<DumpAttributes> read_root_attributes(const ObjectReader& r, hid_t root) {
 // layer_id, and kv_scale: finite and positive in float32 (the write rule divides by
 // fp32(kv_scale)), exactly 1 for a bfloat16 pool.
 Status read_layer_attributes(const ObjectReader& r, hid_t group, const std::string& path,
-                             KvDtype kv_dtype, LayerMeta* meta) {
+                             const DumpAttributes& attrs, LayerMeta* meta) {
   KVAUDIT_ASSIGN_OR_RETURN(meta->layer_id, r.read_int_in(group, path, "layer_id", 0,
                                                          std::numeric_limits<std::int32_t>::max()));
   KVAUDIT_ASSIGN_OR_RETURN(const double scale, r.read_float(group, path, "kv_scale"));
@@ -299,9 +395,14 @@ Status read_layer_attributes(const ObjectReader& r, hid_t group, const std::stri
   if (!(kv_scale > 0.0f)) {
     return r.bad(path, fmt::format("attribute kv_scale = {:f} is not positive", scale));
   }
-  if (kv_dtype == KvDtype::kBfloat16 && kv_scale != 1.0f) {
+  if (attrs.kv_dtype == KvDtype::kBfloat16 && kv_scale != 1.0f) {
     return r.bad(path, fmt::format("attribute kv_scale = {:f} but a bfloat16 pool requires "
                                    "kv_scale = 1",
+                                   scale));
+  }
+  if (attrs.per_token_group() && attrs.kv_rope_dtype == KvDtype::kBfloat16 && kv_scale != 1.0f) {
+    return r.bad(path, fmt::format("attribute kv_scale = {:f} but a bfloat16 RoPE part requires "
+                                   "kv_scale = 1 (it scales an e4m3 RoPE part only)",
                                    scale));
   }
   meta->kv_scale = kv_scale;
@@ -313,13 +414,15 @@ Status read_layer_attributes(const ObjectReader& r, hid_t group, const std::stri
 Result<std::int64_t> check_layer_pool(const ObjectReader& r, hid_t group, const std::string& path,
                                       const DumpAttributes& attrs, std::int64_t num_pages) {
   KVAUDIT_ASSIGN_OR_RETURN(const DatasetDesc cache, r.describe(group, path, "kv_cache"));
-  KVAUDIT_TRY(expect_pool_type(r, cache, attrs.kv_dtype));
+  const PoolPart latent = pool_parts(attrs, "kv_cache").front();
+  KVAUDIT_TRY(expect_pool_part_type(r, cache, latent));
   const auto& dims = cache.dims;
   if (dims.size() != 3 || dims[1] != static_cast<hsize_t>(attrs.page_size) ||
-      dims[2] != static_cast<hsize_t>(attrs.row_width())) {
-    return r.bad(cache.path, fmt::format("shape {} disagrees with [num_pages, page_size, "
-                                         "kv_lora_rank + qk_rope_head_dim] = [num_pages, {}, {}]",
-                                         shape_text(dims), attrs.page_size, attrs.row_width()));
+      dims[2] != static_cast<hsize_t>(latent.width)) {
+    return r.bad(cache.path,
+                 fmt::format("shape {} disagrees with [num_pages, page_size, {}] = "
+                             "[num_pages, {}, {}]",
+                             shape_text(dims), latent.meaning, attrs.page_size, latent.width));
   }
   if (num_pages >= 0) {
     if (static_cast<std::int64_t>(dims[0]) == num_pages) return num_pages;
@@ -339,6 +442,28 @@ std::vector<hsize_t> pool_shape(const DumpAttributes& attrs, std::int64_t num_pa
           static_cast<hsize_t>(attrs.row_width())};
 }
 
+// The parts of a stored pool (kv_cache, or kv_cache_after with suffix "_after"): v1 and the packed
+// layout have one dataset, the v1.1 split layout three.
+std::vector<hsize_t> part_shape(const DumpAttributes& attrs, std::int64_t num_pages,
+                                const PoolPart& part) {
+  return {static_cast<hsize_t>(num_pages), static_cast<hsize_t>(attrs.page_size),
+          static_cast<hsize_t>(part.width)};
+}
+
+// Every part after the first (kv_rope, kv_scales) of a split per_token_group pool.
+Status check_pool_companions(const ObjectReader& r, hid_t group, const std::string& path,
+                             const DumpAttributes& attrs, std::int64_t num_pages,
+                             const std::string& pool_name) {
+  const std::vector<PoolPart> parts = pool_parts(attrs, pool_name);
+  for (std::size_t i = 1; i < parts.size(); ++i) {
+    KVAUDIT_ASSIGN_OR_RETURN(const DatasetDesc desc, r.describe(group, path, parts[i].name));
+    KVAUDIT_TRY(expect_pool_part_type(r, desc, parts[i]));
+    KVAUDIT_TRY(expect_shape(r, desc, part_shape(attrs, num_pages, parts[i]),
+                             std::string("[num_pages, page_size, ") + parts[i].meaning + "]"));
+  }
+  return ok_status();
+}
+
 // /layers/<name>. `num_pages` is -1 for the first layer, which sets it.
 Result<LayerMeta> validate_layer(const ObjectReader& r, hid_t layers, const std::string& name,
                                  const DumpAttributes& attrs, std::int64_t* num_pages) {
@@ -347,8 +472,9 @@ Result<LayerMeta> validate_layer(const ObjectReader& r, hid_t layers, const std:
   if (!group) return r.bad(path, with_hdf5_reason("cannot open"));
   LayerMeta meta;
   meta.group = name;
-  KVAUDIT_TRY(read_layer_attributes(r, group.get(), path, attrs.kv_dtype, &meta));
+  KVAUDIT_TRY(read_layer_attributes(r, group.get(), path, attrs, &meta));
   KVAUDIT_ASSIGN_OR_RETURN(*num_pages, check_layer_pool(r, group.get(), path, attrs, *num_pages));
+  KVAUDIT_TRY(check_pool_companions(r, group.get(), path, attrs, *num_pages, "kv_cache"));
   const TensorRule source{"kv_source", TensorType::kBfloat16, pool_shape(attrs, *num_pages),
                           "kv_cache's shape"};
   KVAUDIT_ASSIGN_OR_RETURN(meta.has_source,
@@ -385,7 +511,28 @@ struct Captures {
   bool out = false;
   bool lse = false;
   bool kv_cache_after = false;
+  int topk = 0;  // K of topk_indices [Nq, K]; 0 without
 };
+
+// topk_indices (v1.1): an integer dataset [Nq, K], K >= 1; its values are checked when read
+// (check_topk_indices).
+Result<int> check_topk_dataset(const ObjectReader& r, hid_t group, const std::string& path,
+                               const DumpAttributes& attrs, hsize_t rows) {
+  KVAUDIT_ASSIGN_OR_RETURN(const bool present, r.has_link(group, path, "topk_indices"));
+  if (!present) return 0;
+  KVAUDIT_ASSIGN_OR_RETURN(const DatasetDesc desc, r.describe(group, path, "topk_indices"));
+  KVAUDIT_TRY(needs_v1_1(r, attrs, desc.path, "topk_indices"));
+  if (desc.element != ElementClass::kOtherInteger) {
+    return r.bad(desc.path, fmt::format("element type {}{}; expected int32 token positions",
+                                        desc.type_text, dtype_suffix(desc)));
+  }
+  if (desc.dims.size() != 2 || desc.dims[0] != rows || desc.dims[1] < 1 ||
+      desc.dims[1] > static_cast<hsize_t>(kMaxDim)) {
+    return r.bad(desc.path, fmt::format("shape {} disagrees with [Nq, K] = [{}, K >= 1]",
+                                        shape_text(desc.dims), rows));
+  }
+  return static_cast<int>(desc.dims[1]);
+}
 
 // /steps/S###/L###: the required tensors, then the captures that are present.
 Result<Captures> validate_step_layer(const ObjectReader& r, hid_t step_group,
@@ -410,13 +557,19 @@ Result<Captures> validate_step_layer(const ObjectReader& r, hid_t step_group,
   for (const TensorRule& rule : required) KVAUDIT_TRY(check_tensor(r, g, path, rule, a.kv_dtype));
   const TensorRule out{"out", kBfloat16, {nq, heads, dc}, "[Nq, num_heads, kv_lora_rank]"};
   const TensorRule lse{"lse", kFloat32, {nq, heads}, "[Nq, num_heads]"};
-  const TensorRule after{"kv_cache_after", kPool, pool_shape(a, layout.num_pages),
-                         "[num_pages, page_size, kv_lora_rank + qk_rope_head_dim]"};
   Captures captures;
   KVAUDIT_ASSIGN_OR_RETURN(captures.out, check_optional_tensor(r, g, path, out, a.kv_dtype));
   KVAUDIT_ASSIGN_OR_RETURN(captures.lse, check_optional_tensor(r, g, path, lse, a.kv_dtype));
-  KVAUDIT_ASSIGN_OR_RETURN(captures.kv_cache_after,
-                           check_optional_tensor(r, g, path, after, a.kv_dtype));
+  KVAUDIT_ASSIGN_OR_RETURN(captures.kv_cache_after, r.has_link(g, path, "kv_cache_after"));
+  if (captures.kv_cache_after) {
+    const PoolPart latent = pool_parts(a, "kv_cache_after").front();
+    KVAUDIT_ASSIGN_OR_RETURN(const DatasetDesc desc, r.describe(g, path, "kv_cache_after"));
+    KVAUDIT_TRY(expect_pool_part_type(r, desc, latent));
+    KVAUDIT_TRY(expect_shape(r, desc, part_shape(a, layout.num_pages, latent),
+                             std::string("[num_pages, page_size, ") + latent.meaning + "]"));
+    KVAUDIT_TRY(check_pool_companions(r, g, path, a, layout.num_pages, "kv_cache_after"));
+  }
+  KVAUDIT_ASSIGN_OR_RETURN(captures.topk, check_topk_dataset(r, g, path, a, nq));
   return captures;
 }
 
@@ -476,6 +629,7 @@ Result<StepMeta> validate_step(const ObjectReader& r, hid_t steps, const std::st
     step.has_out.push_back(captures.out);
     step.has_lse.push_back(captures.lse);
     step.has_kv_cache_after.push_back(captures.kv_cache_after);
+    step.topk.push_back(captures.topk);
   }
   return step;
 }
@@ -508,6 +662,32 @@ Status validate_steps(const ObjectReader& r, hid_t root, DumpLayout* layout) {
 
 }  // namespace
 
+// v1: kv_cache [.., D] of kv_dtype. v1.1 split: kv_cache [.., Dc] e4m3, kv_rope [.., Dr],
+// kv_scales [.., G]. flashmla_fp8: kv_cache [.., Dc + 4 G + 2 Dr] bytes. `pool_name` is
+// "kv_cache" or "kv_cache_after"; the companions get the same suffix.
+std::vector<PoolPart> pool_parts(const DumpAttributes& attrs, const std::string& pool_name) {
+  if (!attrs.per_token_group()) {
+    const PoolPartType type =
+        attrs.kv_dtype == KvDtype::kBfloat16 ? PoolPartType::kBf16 : PoolPartType::kE4m3;
+    return {{pool_name, type, attrs.row_width(), "kv_lora_rank + qk_rope_head_dim"}};
+  }
+  const int groups = attrs.num_scale_groups();
+  if (attrs.kv_cache_layout == PoolLayout::kFlashMlaFp8) {
+    return {{pool_name, PoolPartType::kFlashMlaPacked,
+             attrs.kv_lora_rank + 4 * groups + 2 * attrs.qk_rope_head_dim,
+             "kv_lora_rank + 4 * groups + 2 * qk_rope_head_dim bytes"}};
+  }
+  const std::string suffix = pool_name == "kv_cache_after" ? "_after" : "";
+  const PoolPartType rope =
+      attrs.kv_rope_dtype == KvDtype::kBfloat16 ? PoolPartType::kBf16 : PoolPartType::kE4m3;
+  const PoolPartType scales = attrs.kv_scale_format == GroupScaleFormat::kE8m0
+                                  ? PoolPartType::kScalesE8m0
+                                  : PoolPartType::kScalesF32;
+  return {{pool_name, PoolPartType::kE4m3, attrs.kv_lora_rank, "kv_lora_rank"},
+          {"kv_rope" + suffix, rope, attrs.qk_rope_head_dim, "qk_rope_head_dim"},
+          {"kv_scales" + suffix, scales, groups, "kv_lora_rank / kv_scale_group_size"}};
+}
+
 Result<DumpLayout> validate_dump_layout(hid_t file, const std::string& file_text) {
   const ObjectReader r(file_text);
   h5::Group root(H5Gopen2(file, "/", H5P_DEFAULT));
@@ -515,6 +695,7 @@ Result<DumpLayout> validate_dump_layout(hid_t file, const std::string& file_text
   DumpLayout layout;
   KVAUDIT_ASSIGN_OR_RETURN(layout.attrs, read_root_attributes(r, root.get()));
   layout.format_version = 1;
+  layout.format_minor_version = layout.attrs.format_minor_version;
   KVAUDIT_TRY(validate_layers(r, root.get(), &layout));
   KVAUDIT_TRY(validate_steps(r, root.get(), &layout));
   return layout;

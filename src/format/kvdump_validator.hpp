@@ -10,6 +10,8 @@
 //              other; per (step, layer) q_nope [Nq, H, Dc], q_pe [Nq, H, Dr], new_kv [Nq, D]
 //              bfloat16, and the optional captures out [Nq, H, Dc] bfloat16, lse [Nq, H] float32,
 //              kv_cache_after in the pool type and shape.
+// v1.1 adds format_minor_version, the per_token_group attributes and pool datasets (split or
+// packed), and topk_indices [Nq, K] (shape here; values when read, check_topk_indices).
 // (H = num_heads, Dc = kv_lora_rank, Dr = qk_rope_head_dim, D = Dc + Dr, Nq = rows of the step.)
 // Only attributes, dataspaces and the small index datasets are read. Every error is one Error
 // naming "file:/hdf5/path" and what is wrong there.
@@ -18,11 +20,27 @@
 #include <hdf5.h>
 
 #include <string>
+#include <vector>
 
 #include "src/core/result.hpp"
 #include "src/format/kvdump.hpp"
 
 namespace kvaudit {
+
+// One dataset of a stored pool: its name, what its elements are and its last dimension.
+enum class PoolPartType { kE4m3, kBf16, kScalesF32, kScalesE8m0, kFlashMlaPacked };
+struct PoolPart {
+  std::string name;
+  PoolPartType type;
+  int width;
+  const char* meaning;  // of the last dimension, for messages
+};
+
+// The datasets a pool is stored in. v1: kv_cache [.., D] of kv_dtype. v1.1 split: kv_cache
+// [.., Dc] e4m3, kv_rope [.., Dr] of kv_rope_dtype, kv_scales [.., G]. flashmla_fp8: kv_cache
+// [.., Dc + 4 G + 2 Dr] bytes. `pool_name` is "kv_cache" or "kv_cache_after"; the companions of
+// kv_cache_after are kv_rope_after and kv_scales_after.
+std::vector<PoolPart> pool_parts(const DumpAttributes& attrs, const std::string& pool_name);
 
 // Validates the open HDF5 file `file`, named `file_text` in errors, and returns its layout.
 Result<DumpLayout> validate_dump_layout(hid_t file, const std::string& file_text);

@@ -1,4 +1,4 @@
-// kvdump v1 writer (docs/kvdump-v1.md).
+// kvdump v1 and v1.1 writer (docs/kvdump-v1.md).
 //
 // Shapes (H = num_heads, Dc = kv_lora_rank, Dr = qk_rope_head_dim, D = Dc + Dr, Nq = rows):
 //   /layers/L###/kv_cache, kv_source, /steps/S###/L###/kv_cache_after : [num_pages, page_size, D]
@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <set>
 #include <string>
@@ -33,6 +34,7 @@
 #include "src/core/hdf5_handles.hpp"
 #include "src/core/output_file.hpp"
 #include "src/format/kvdump.hpp"
+#include "src/format/kvdump_validator.hpp"
 #include "src/format/step_indices.hpp"
 
 namespace kvaudit {
@@ -171,6 +173,48 @@ struct DumpWriter::Impl {
             static_cast<hsize_t>(attrs.row_width())};
   }
 
+  // A per_token_group pool in the file's layout: its memory form is the packed slot already;
+  // the split layout takes each part's bytes out of every slot.
+  Status write_grouped_pool(hid_t parent, const std::string& parent_path, const char* name,
+                            const KvPool& pool) const {
+    const std::vector<PoolPart> parts = pool_parts(attrs, name);
+    const std::size_t slots = static_cast<std::size_t>(pool.num_slots);
+    const std::size_t row_bytes = pool.row_bytes();
+    const std::size_t offsets[] = {0, pool.rope_offset(), pool.scales_offset()};
+    for (std::size_t i = 0; i < parts.size(); ++i) {
+      const PoolPart& part = parts[i];
+      std::vector<hsize_t> dims = pool_dims();
+      dims[2] = static_cast<hsize_t>(part.width);
+      const std::size_t part_row = parts.size() == 1 ? row_bytes
+                                   : i == 0          ? static_cast<std::size_t>(part.width)
+                                   : i == 1          ? row_bytes - pool.rope_offset()
+                                                     : pool.rope_offset() - pool.scales_offset();
+      std::vector<std::uint8_t> bytes(slots * part_row);
+      for (std::size_t s = 0; s < slots; ++s) {
+        std::memcpy(bytes.data() + s * part_row, pool.bytes.data() + s * row_bytes + offsets[i],
+                    part_row);
+      }
+      switch (part.type) {
+        case PoolPartType::kBf16:
+          KVAUDIT_TRY(write_dataset(parent, parent_path, part.name.c_str(), dims, H5T_STD_U16LE,
+                                    H5T_STD_U16LE, bytes.data(), "bfloat16"));
+          break;
+        case PoolPartType::kScalesF32:
+          KVAUDIT_TRY(write_dataset(parent, parent_path, part.name.c_str(), dims, H5T_IEEE_F32LE,
+                                    H5T_IEEE_F32LE, bytes.data(), nullptr));
+          break;
+        default: {
+          const char* dtype = part.type == PoolPartType::kE4m3         ? "float8_e4m3fn"
+                              : part.type == PoolPartType::kScalesE8m0 ? "float8_e8m0fnu"
+                                                                       : "flashmla_fp8";
+          KVAUDIT_TRY(write_dataset(parent, parent_path, part.name.c_str(), dims, H5T_STD_U8LE,
+                                    H5T_NATIVE_UINT8, bytes.data(), dtype));
+        }
+      }
+    }
+    return ok_status();
+  }
+
   Status write_pool(hid_t parent, const std::string& parent_path, const char* name,
                     const KvPool& pool) const {
     const std::string path = parent_path + "/" + name;
@@ -183,6 +227,7 @@ struct DumpWriter::Impl {
       return misuse(path, fmt::format("pool of {} slots x {} does not match {}", pool.num_slots,
                                       pool.row_width, shape_text(pool_dims())));
     }
+    if (pool.grouped()) return write_grouped_pool(parent, parent_path, name, pool);
     if (pool.dtype == KvDtype::kFloat8E4m3fn) {
       return write_dataset(parent, parent_path, name, pool_dims(), H5T_STD_U8LE, H5T_NATIVE_UINT8,
                            pool.bytes.data(), "float8_e4m3fn");
@@ -212,9 +257,26 @@ Status check_create_arguments(const std::string& file_text, const DumpAttributes
                           "invalid shape: num_heads, kv_lora_rank and page_size must be >= 1, "
                           "qk_rope_head_dim and num_pages >= 0");
   }
-  if (attrs.kv_scale_kind != "per_tensor") {
-    return internal_error(
-        file_text, fmt::format("kv_scale_kind \"{}\" is not v1's per_tensor", attrs.kv_scale_kind));
+  const bool grouped = attrs.kv_scale_kind == "per_token_group";
+  if (!grouped && attrs.kv_scale_kind != "per_tensor") {
+    return internal_error(file_text, fmt::format("kv_scale_kind \"{}\" is neither per_tensor nor "
+                                                 "per_token_group",
+                                                 attrs.kv_scale_kind));
+  }
+  if (grouped != attrs.per_token_group() ||
+      (grouped && (attrs.kv_lora_rank % attrs.kv_scale_group_size != 0 ||
+                   attrs.kv_dtype != KvDtype::kFloat8E4m3fn || attrs.format_minor_version < 1))) {
+    return internal_error(file_text,
+                          "per_token_group needs kv_scale_group_size dividing "
+                          "kv_lora_rank, kv_dtype float8_e4m3fn and "
+                          "format_minor_version 1");
+  }
+  if (grouped && attrs.kv_cache_layout == PoolLayout::kFlashMlaFp8 &&
+      (attrs.kv_scale_format == GroupScaleFormat::kE8m0 ||
+       attrs.kv_rope_dtype != KvDtype::kBfloat16)) {
+    return internal_error(file_text,
+                          "flashmla_fp8 needs float32 or power_of_two scales and a "
+                          "bfloat16 RoPE part");
   }
   return ok_status();
 }
@@ -255,6 +317,17 @@ Status DumpWriter::Impl::write_root_attributes(hid_t root) const {
   KVAUDIT_TRY(write_int(root, "/", "page_size", attrs.page_size));
   KVAUDIT_TRY(write_string(root, "/", "kv_dtype", kv_dtype_name(attrs.kv_dtype)));
   KVAUDIT_TRY(write_string(root, "/", "kv_scale_kind", attrs.kv_scale_kind));
+  if (attrs.format_minor_version >= 1) {
+    KVAUDIT_TRY(write_int(root, "/", "format_minor_version", attrs.format_minor_version));
+  }
+  if (attrs.per_token_group()) {
+    KVAUDIT_TRY(write_int(root, "/", "kv_scale_group_size", attrs.kv_scale_group_size));
+    KVAUDIT_TRY(
+        write_string(root, "/", "kv_scale_format", group_scale_format_name(attrs.kv_scale_format)));
+    KVAUDIT_TRY(write_string(root, "/", "kv_rope_dtype", kv_dtype_name(attrs.kv_rope_dtype)));
+    KVAUDIT_TRY(
+        write_string(root, "/", "kv_cache_layout", pool_layout_name(attrs.kv_cache_layout)));
+  }
   return ok_status();
 }
 
@@ -383,6 +456,14 @@ Status DumpWriter::Impl::write_step_tensors(hid_t group, const std::string& path
   if (tensors.kv_cache_after) {
     KVAUDIT_TRY(write_pool(group, path, "kv_cache_after", *tensors.kv_cache_after));
   }
+  if (tensors.sparse()) {
+    if (attrs.format_minor_version < 1) {
+      return misuse(path + "/topk_indices", "is kvdump v1.1: set format_minor_version 1");
+    }
+    KVAUDIT_TRY(write_dataset(group, path, "topk_indices", {nq, static_cast<hsize_t>(tensors.topk)},
+                              H5T_STD_I32LE, H5T_NATIVE_INT32, tensors.topk_indices.data(),
+                              nullptr));
+  }
   return ok_status();
 }
 
@@ -392,6 +473,15 @@ Status DumpWriter::write_step_layer(const StepMeta& step, const LayerMeta& layer
   if (!w.file) return internal_error(w.file_text, "write_step_layer after close");
   if (w.steps.empty()) return internal_error(w.file_text, "write_step_layer before write_step");
   KVAUDIT_ASSIGN_OR_RETURN(const std::string layer_name, w.next_step_layer(step, layer));
+  if (tensors.sparse()) {  // refuse indices the reader would refuse
+    const Status topk = check_topk_indices(step, w.attrs.page_size, tensors.topk_indices,
+                                           tensors.topk, w.file_text + ":topk_indices");
+    if (!topk.ok()) {
+      Error error = topk.error();
+      error.kind = ErrorKind::kInternal;
+      return error;
+    }
+  }
   Impl::StepState& state = w.steps.back();
   const std::string step_path = "/steps/" + state.group;
   const std::string path = step_path + "/" + layer_name;

@@ -21,19 +21,30 @@ void add_codes(KvDtype dtype, const std::uint8_t* bytes, std::size_t count,
   }
 }
 
+// One slot: the whole row of a v1 pool; a per_token_group slot's latent codes and its RoPE part
+// (its scale bytes are not elements).
+void add_slot(const KvPool& pool, std::int64_t slot, PoolCodeCounts& counts) {
+  const std::uint8_t* row = pool.row(slot);
+  if (!pool.grouped()) {
+    add_codes(pool.dtype, row, static_cast<std::size_t>(pool.row_width), counts);
+    return;
+  }
+  add_codes(KvDtype::kFloat8E4m3fn, row, static_cast<std::size_t>(pool.latent_width), counts);
+  add_codes(pool.rope_dtype, row + pool.rope_offset(), static_cast<std::size_t>(pool.rope_width()),
+            counts);
+}
+
 }  // namespace
 
 PoolCodeCounts count_pool_codes(const KvPool& pool) {
   PoolCodeCounts counts;
-  add_codes(pool.dtype, pool.bytes.data(), pool.bytes.size() / pool.bytes_per_element(), counts);
+  for (std::int64_t slot = 0; slot < pool.num_slots; ++slot) add_slot(pool, slot, counts);
   return counts;
 }
 
 PoolCodeCounts count_pool_codes(const KvPool& pool, std::span<const std::int64_t> slots) {
   PoolCodeCounts counts;
-  for (const std::int64_t slot : slots) {
-    add_codes(pool.dtype, pool.row(slot), static_cast<std::size_t>(pool.row_width), counts);
-  }
+  for (const std::int64_t slot : slots) add_slot(pool, slot, counts);
   return counts;
 }
 

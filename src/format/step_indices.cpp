@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -163,8 +164,76 @@ Status validate_step_indices(const StepMeta& step, std::int64_t num_pages, int p
   KVAUDIT_TRY(check_indptr_ends(step, site));
   KVAUDIT_TRY(check_page_ids(step, num_pages, site));
   KVAUDIT_TRY(check_requests(step, page_size, site));
+  if (step.attention_only) return ok_status();  // its rows write nothing
   KVAUDIT_TRY(check_new_kv_slots(step, page_size, site));
   return check_distinct_slots(step, site);
+}
+
+Status check_topk_indices(const StepMeta& step, int page_size, std::span<const std::int32_t> topk,
+                          int k, const std::string& where) {
+  const int rows = step.num_rows();
+  if (k < 1 || topk.size() != static_cast<std::size_t>(rows) * k) {
+    return bad_input(
+        where, fmt::format("holds {} entries; expected [Nq = {}, K >= 1]", topk.size(), rows));
+  }
+  std::vector<std::int32_t> listed;
+  for (int row = 0; row < rows; ++row) {
+    const std::int64_t position = step.position_of_row(row, page_size);
+    listed.clear();
+    for (int j = 0; j < k; ++j) {
+      const std::int32_t p = topk[static_cast<std::size_t>(row) * k + j];
+      if (p == -1) continue;
+      if (p < 0 || p > position) {
+        return bad_input(where, fmt::format("[{}, {}] = {}: row {} sits at token position {} and "
+                                            "sees positions 0..{} (-1 pads)",
+                                            row, j, p, row, position, position));
+      }
+      listed.push_back(p);
+    }
+    if (listed.empty()) {
+      return bad_input(where, fmt::format("row {} lists no token position (all -1)", row));
+    }
+    std::sort(listed.begin(), listed.end());
+    const auto twice = std::adjacent_find(listed.begin(), listed.end());
+    if (twice != listed.end()) {
+      return bad_input(where, fmt::format("row {} lists token position {} twice", row, *twice));
+    }
+  }
+  return ok_status();
+}
+
+AttentionView attention_view(const DumpAttributes& attrs, const StepMeta& step,
+                             const StepLayerTensors& tensors) {
+  if (!tensors.sparse()) return {attrs, step};
+  AttentionView view{attrs, {}};
+  view.attrs.page_size = 1;  // kv_indices below are slots
+  StepMeta& sparse = view.step;
+  sparse.group = step.group;
+  sparse.kind = StepKind::kDecode;
+  sparse.attention_only = true;
+  const int rows = step.num_rows();
+  const int k = tensors.topk;
+  sparse.qo_indptr.push_back(0);
+  sparse.kv_indptr.push_back(0);
+  std::vector<std::int32_t> positions;
+  for (int row = 0; row < rows; ++row) {
+    const int request = step.request_of_row(row);
+    positions.clear();
+    for (int j = 0; j < k; ++j) {
+      const std::int32_t p = tensors.topk_indices[static_cast<std::size_t>(row) * k + j];
+      if (p >= 0) positions.push_back(p);
+    }
+    std::sort(positions.begin(), positions.end());
+    for (const std::int32_t p : positions) {
+      sparse.kv_indices.push_back(
+          static_cast<std::int32_t>(step.slot_of(request, p, attrs.page_size)));
+    }
+    sparse.qo_indptr.push_back(row + 1);
+    sparse.kv_indptr.push_back(static_cast<std::int32_t>(sparse.kv_indices.size()));
+    sparse.kv_last_page_len.push_back(positions.empty() ? 0 : 1);
+    sparse.new_kv_slots.push_back(positions.empty() ? -1 : sparse.kv_indices.back());
+  }
+  return view;
 }
 
 Status check_step_indices(const StepMeta& step, int page_size, std::int64_t num_slots) {

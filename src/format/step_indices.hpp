@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 
 #include "src/core/result.hpp"
@@ -24,6 +25,25 @@ Status validate_step_indices(const StepMeta& step, std::int64_t num_pages, int p
                              const std::string& where);
 
 // The same rules for a step in memory over a pool of num_slots slots (where = "step <group>").
+// A step with attention_only set (attention_view) skips the new_kv_slots rules.
 Status check_step_indices(const StepMeta& step, int page_size, std::int64_t num_slots);
+
+// kvdump v1.1 topk_indices of one (step, layer), [Nq, k]: every entry -1 or a token position of
+// the row's request in 0..pos(row) (causal), no position twice in a row, at least one per row.
+// `where` names the dataset ("file:/steps/S###/L###/topk_indices").
+Status check_topk_indices(const StepMeta& step, int page_size, std::span<const std::int32_t> topk,
+                          int k, const std::string& where);
+
+// What a (step, layer)'s attention runs on. Dense (no topk_indices): the step itself. Sparse: one
+// request per query row, attending to the slots of its listed positions in increasing position
+// order, with page_size 1 (kv_indices are slots) and attention_only set; kv_len = the number
+// listed and the row sits at the last of them, so the causal rule makes it see all of them. The
+// topk indices must have passed check_topk_indices.
+struct AttentionView {
+  DumpAttributes attrs;
+  StepMeta step;
+};
+AttentionView attention_view(const DumpAttributes& attrs, const StepMeta& step,
+                             const StepLayerTensors& tensors);
 
 }  // namespace kvaudit
