@@ -25,3 +25,22 @@ cd "$here"
 "$KVAUDIT" synth --out saturated_page16.h5 --seed 3 --model GLM-5 --layers 5, --page-size 16 \
   --prefix-lens 0,33,100 --prefill-tokens 8,1,0 --decode-steps 2 --kv-scale 0.1137 \
   --saturate-fraction 0.002 --with-source
+
+# kvdump v1.1, GLM-5 with DeepSeek Sparse Attention as FlashMLA caches it: the packed 656-byte
+# slot (512 e4m3 codes, 4 fp32 power-of-two scales per 128 channels, 64 bf16 RoPE values), page
+# size 64, and topk_indices of 64 positions per row (fewer than the 300-token request holds; the
+# 40-token request and the fresh 16-token prefill list all they see, padded with -1). Every 7th
+# token's last latent group is all zero (the zero-scale fault needs one). No kv_source (size).
+"$KVAUDIT" synth --out glm5_dsa_flashmla.h5 --seed 4 --model GLM-5 --layers 0,1 --page-size 64 \
+  --prefix-lens 40,300,0 --prefill-tokens 8,4,16 --decode-steps 2 \
+  --scale-group-size 128 --scale-format power_of_two --rope-dtype bfloat16 --layout flashmla_fp8 \
+  --topk 64 --zero-group-every 7
+
+# kvdump v1.1, dense, as FlashInfer's BatchMLAPagedAttentionWrapper with ckv_scale_arr stores it:
+# fp32 scales per token and 128 latent channels (amax / 448), an e4m3 RoPE part with the layer's
+# per-tensor kv_scale, page size 16, one layer (id 3). The RoPE part is 8x wider than usual, so a
+# RoPE quantized with the latent's scale saturates (the calibration fault needs it).
+"$KVAUDIT" synth --out glm5_pertoken_fp8rope.h5 --seed 5 --model GLM-5 --layers 3, --page-size 16 \
+  --prefix-lens 33,200 --prefill-tokens 8,2 --decode-steps 2 --with-source \
+  --scale-group-size 128 --scale-format float32 --rope-dtype float8_e4m3fn --rope-gain 8 \
+  --zero-group-every 7

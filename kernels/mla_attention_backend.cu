@@ -21,6 +21,7 @@
 
 #include "kernels/mla_attention_cuda.hpp"
 #include "kernels/mla_attention_model.hpp"
+#include "kernels/mla_attention_operands.hpp"
 #include "src/backend/injection.hpp"
 #include "src/core/cuda_device.hpp"
 #include "src/core/fp8_e4m3.hpp"
@@ -226,12 +227,18 @@ class CudaMlaBackend final : public Backend {
   }
 
   // validate, stage the inputs on the host, upload, write the step's KV, attend (on the FP8 pool,
-  // or a bf16 view of it), download out, lse and the pool.
+  // or a bf16 view of it), download out, lse and the pool. kvdump v1.1 forms
+  // (kernels/mla_attention_operands.hpp): sparse rows attend over attention_view's step after the
+  // writes; a per_token_group pool is written on the host (the v1.1 rule) and its dequantized
+  // bf16 rows are attended on the device.
   Result<AttentionOutput> run_step(const StepLayerInput& input, KvPool& pool) override;
 
   CudaBackendAllocations allocations() const { return allocations_; }
 
  private:
+  // The device pipeline: upload, write (if `write`), attend (if `attend`), download.
+  Result<AttentionOutput> run_on_device(const StepLayerInput& input, KvPool& pool, bool write,
+                                        bool attend);
   Status upload(const StepLayerInput& input, const HostStaging& staged, const KvPool& pool,
                 const std::string& where);
   Status write_kv(const StepLayerInput& input, const KvPool& pool, const DeviceIndices& indices,
@@ -260,16 +267,41 @@ class CudaMlaBackend final : public Backend {
 };
 
 Result<AttentionOutput> CudaMlaBackend::run_step(const StepLayerInput& input, KvPool& pool) {
+  KVAUDIT_TRY(check_injection_applies(injection_, input.attrs.kv_scale_kind));
+  if (!pool.grouped() && !input.tensors.sparse()) return run_on_device(input, pool, true, true);
+  if (pool.grouped()) {
+    const std::string where = name() + ": step " + input.step.group;
+    KVAUDIT_TRY(check_step_indices(input.step, input.attrs.page_size, pool.num_slots));
+    KVAUDIT_TRY(write_grouped_step(input.step, input.tensors.new_kv, input.layer.kv_scale,
+                                   options_.reciprocal_scale, pool, injection_));
+  } else {
+    const Result<AttentionOutput> written = run_on_device(input, pool, true, false);
+    if (!written.ok()) return written.error();
+  }
+  AttentionOperands operands = attention_operands(input, pool, injection_);
+  LayerMeta layer = input.layer;
+  layer.kv_scale = operands.kv_scale;
+  const StepLayerInput attention{operands.view.attrs, operands.view.step, layer,
+                                 input.tensors,       input.step_index,   input.layer_index};
+  // The attended pool comes back unchanged (no write): the backend's own pool is `pool`.
+  KvPool& read = operands.dequantized ? *operands.dequantized : pool;
+  return run_on_device(attention, read, false, true);
+}
+
+Result<AttentionOutput> CudaMlaBackend::run_on_device(const StepLayerInput& input, KvPool& pool,
+                                                      bool write, bool attend_rows) {
   const std::string where = name() + ": step " + input.step.group + " layer " + input.layer.group;
   KVAUDIT_TRY(check_step(input, pool, where));
   const HostStaging staged = stage_inputs(input);
   KVAUDIT_TRY(upload(input, staged, pool, where));
   const DeviceIndices indices = device_indices(indices_.as<std::int32_t>(), staged);
   cudaStream_t stream = nullptr;
-  KVAUDIT_TRY(write_kv(input, pool, indices, where, stream));
+  if (write) KVAUDIT_TRY(write_kv(input, pool, indices, where, stream));
   MlaAttentionProblem problem = attention_problem(input, pool, indices, staged);
-  KVAUDIT_TRY(select_attention_pool(pool, problem, where, stream));
-  KVAUDIT_TRY(attend(problem, where, stream));
+  if (attend_rows) {
+    KVAUDIT_TRY(select_attention_pool(pool, problem, where, stream));
+    KVAUDIT_TRY(attend(problem, where, stream));
+  }
   return download(input, problem, pool, where);
 }
 

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "kernels/mla_attention_model.hpp"
+#include "kernels/mla_attention_operands.hpp"
 #include "src/core/fp8_e4m3.hpp"
 #include "src/core/parallel_for.hpp"
 #include "src/format/step_indices.hpp"
@@ -430,13 +431,21 @@ class CpuFp8Backend final : public Backend {
     if (pool.dtype != input.attrs.kv_dtype || pool.row_width != input.attrs.row_width()) {
       return bad_input(where, "pool type or row width disagrees with the dump attributes");
     }
+    KVAUDIT_TRY(check_injection_applies(injection_, input.attrs.kv_scale_kind));
     KVAUDIT_TRY(check_step_indices(input.step, input.attrs.page_size, pool.num_slots));
-    KVAUDIT_TRY(write_new_kv(input.step, input.tensors.new_kv, input.layer.kv_scale,
-                             options_.reciprocal_scale, pool, injection_));
+    if (pool.grouped()) {
+      KVAUDIT_TRY(write_grouped_step(input.step, input.tensors.new_kv, input.layer.kv_scale,
+                                     options_.reciprocal_scale, pool, injection_));
+    } else {
+      KVAUDIT_TRY(write_new_kv(input.step, input.tensors.new_kv, input.layer.kv_scale,
+                               options_.reciprocal_scale, pool, injection_));
+    }
+    const AttentionOperands operands = attention_operands(input, pool, injection_);
     MlaAttentionCpuOptions options;
     options.threads = options_.threads;
     options.injection = injection_;
-    if (injection_ == Injection::kWholePoolCast && pool.dtype == KvDtype::kFloat8E4m3fn) {
+    if (injection_ == Injection::kWholePoolCast && !pool.grouped() &&
+        pool.dtype == KvDtype::kFloat8E4m3fn) {
       // The seed's path: a bf16 copy of the whole pool on every call (exact: e4m3 values are
       // bf16 values), then attention on the copy with the same kv_scale. Same numbers, more
       // time and memory: only the bench's pool sweep can see it.
@@ -446,13 +455,13 @@ class CpuFp8Backend final : public Backend {
         cast.bytes[2 * e] = static_cast<std::uint8_t>(bits & 0xFF);
         cast.bytes[2 * e + 1] = static_cast<std::uint8_t>(bits >> 8);
       }
-      DumpAttributes cast_attrs = input.attrs;
+      DumpAttributes cast_attrs = operands.view.attrs;
       cast_attrs.kv_dtype = KvDtype::kBfloat16;
-      return mla_attention_cpu(cast_attrs, input.step, input.layer.kv_scale, input.tensors.q_nope,
-                               input.tensors.q_pe, cast, options);
+      return mla_attention_cpu(cast_attrs, operands.view.step, input.layer.kv_scale,
+                               input.tensors.q_nope, input.tensors.q_pe, cast, options);
     }
-    return mla_attention_cpu(input.attrs, input.step, input.layer.kv_scale, input.tensors.q_nope,
-                             input.tensors.q_pe, pool, options);
+    return mla_attention_cpu(operands.view.attrs, operands.view.step, operands.kv_scale,
+                             input.tensors.q_nope, input.tensors.q_pe, *operands.pool, options);
   }
 
  private:

@@ -22,9 +22,11 @@ namespace kvaudit {
 
 // ---- KvRows ------------------------------------------------------------------------------------
 
-KvRows KvRows::from_values(std::span<const float> values, int row_width, double scale) {
+KvRows KvRows::from_values(std::span<const float> values, int row_width, double scale,
+                           std::span<const float> residuals) {
   KvRows rows;
   rows.values_ = values.data();
+  if (!residuals.empty()) rows.values_lo_ = residuals.data();
   rows.row_width_ = row_width;
   rows.num_slots_ = row_width > 0 ? static_cast<std::int64_t>(values.size()) / row_width : 0;
   rows.scale_ = scale;
@@ -32,6 +34,18 @@ KvRows KvRows::from_values(std::span<const float> values, int row_width, double 
 }
 
 namespace {
+
+// A grouped pool's values code * scale have up to 28 significant bits: each is held as hi + lo,
+// hi = fp32(value) and lo = value - hi (at most 4 significant bits, exact as a float unless it
+// falls below float's subnormal range, 2^-149).
+void decode_grouped_row(const KvPool& pool, std::int64_t slot, float kv_scale, float* hi,
+                        float* lo) {
+  for (int c = 0; c < pool.row_width; ++c) {
+    const double value = pool.dequantized(slot, c, kv_scale);
+    hi[c] = static_cast<float>(value);
+    lo[c] = static_cast<float>(value - static_cast<double>(hi[c]));
+  }
+}
 
 void decode_pool_row(const KvPool& pool, std::int64_t slot, float* dst) {
   if (pool.dtype == KvDtype::kBfloat16) {
@@ -44,16 +58,41 @@ void decode_pool_row(const KvPool& pool, std::int64_t slot, float* dst) {
 
 }  // namespace
 
+void KvRows::decode_row(const KvPool& pool, float kv_scale, std::int64_t slot, std::int64_t row) {
+  float* hi = owned_.data() + row * row_width_;
+  if (!pool.grouped()) return decode_pool_row(pool, slot, hi);
+  decode_grouped_row(pool, slot, kv_scale, hi, owned_lo_.data() + row * row_width_);
+}
+
+// A grouped pool's rows carry their scales (scale 1); the residual array is dropped when every
+// value was a float already (power-of-two scales, in range).
+void KvRows::finish_grouped(const KvPool& pool) {
+  if (!pool.grouped()) return;
+  scale_ = 1.0;
+  const bool any = std::any_of(owned_lo_.begin(), owned_lo_.end(), [](float v) { return v != 0; });
+  if (!any) {
+    owned_lo_.clear();
+    owned_lo_.shrink_to_fit();
+  }
+  values_lo_ = owned_lo_.empty() ? nullptr : owned_lo_.data();
+}
+
+const float* KvRows::row_lo(std::int64_t slot) const {
+  if (values_lo_ == nullptr) return nullptr;
+  const float* hi = row(slot);
+  return hi == nullptr ? nullptr : values_lo_ + (hi - values_);
+}
+
 KvRows KvRows::from_pool(const KvPool& pool, float kv_scale) {
   KvRows rows;
   rows.row_width_ = pool.row_width;
   rows.num_slots_ = pool.num_slots;
   rows.scale_ = kv_scale;
   rows.owned_.resize(static_cast<std::size_t>(pool.num_slots) * pool.row_width);
-  for (std::int64_t s = 0; s < pool.num_slots; ++s) {
-    decode_pool_row(pool, s, rows.owned_.data() + s * pool.row_width);
-  }
+  if (pool.grouped()) rows.owned_lo_.resize(rows.owned_.size());
+  for (std::int64_t s = 0; s < pool.num_slots; ++s) rows.decode_row(pool, kv_scale, s, s);
   rows.values_ = rows.owned_.data();
+  rows.finish_grouped(pool);
   return rows;
 }
 
@@ -69,12 +108,12 @@ KvRows KvRows::from_pool_slots(const KvPool& pool, float kv_scale,
     if (s >= 0 && s < pool.num_slots && rows.compact_row_[s] < 0) rows.compact_row_[s] = held++;
   }
   rows.owned_.resize(static_cast<std::size_t>(held) * pool.row_width);
+  if (pool.grouped()) rows.owned_lo_.resize(rows.owned_.size());
   for (std::int64_t s = 0; s < pool.num_slots; ++s) {
-    if (rows.compact_row_[s] >= 0) {
-      decode_pool_row(pool, s, rows.owned_.data() + rows.compact_row_[s] * pool.row_width);
-    }
+    if (rows.compact_row_[s] >= 0) rows.decode_row(pool, kv_scale, s, rows.compact_row_[s]);
   }
   rows.values_ = rows.owned_.data();
+  rows.finish_grouped(pool);
   return rows;
 }
 
@@ -121,10 +160,14 @@ class NaiveKernel {
     const auto& rows = p_.token_rows[p_.request_of_row[row]];
     const std::int64_t n = p_.visible_of_row[row];
     const Acc factor = Acc(p_.sm_scale) * Acc(p_.scale);
+    const auto* rows_lo =
+        p_.token_rows_lo.empty() ? nullptr : &p_.token_rows_lo[p_.request_of_row[row]];
+    auto value = [&](std::int64_t t, int j) {
+      return rows_lo == nullptr ? Acc(rows[t][j]) : Acc(rows[t][j]) + Acc((*rows_lo)[t][j]);
+    };
     for (std::int64_t t = 0; t < n; ++t) {
-      const float* v = rows[t];
       Acc dot = 0;
-      for (int j = 0; j < width; ++j) dot += q_[j] * Acc(v[j]);
+      for (int j = 0; j < width; ++j) dot += q_[j] * value(t, j);
       s_[t] = factor * dot;
       if (isnan(s_[t])) {
         p_.write_nan(row, head);
@@ -140,8 +183,7 @@ class NaiveKernel {
     for (std::int64_t t = 0; t < n; ++t) {
       const Acc e = exp(Acc(s_[t] - m));
       l += e;
-      const float* v = rows[t];
-      for (int d = 0; d < dc; ++d) acc_[d] += e * Acc(v[d]);
+      for (int d = 0; d < dc; ++d) acc_[d] += e * value(t, d);
     }
     double* out = p_.out_of(row, head);
     const Acc out_scale = Acc(p_.scale) / l;
@@ -289,8 +331,12 @@ class DoubleDoubleKernel {
     const std::int64_t n = p_.visible_of_row[row];
     const dd::DoubleDouble factor = dd::two_prod(p_.sm_scale, p_.scale);
     double m = -std::numeric_limits<double>::infinity();
+    const auto* rows_lo =
+        p_.token_rows_lo.empty() ? nullptr : &p_.token_rows_lo[p_.request_of_row[row]];
     for (std::int64_t t = 0; t < n; ++t) {
-      s_[t] = dd::mul(compensated_dot(q_.data(), rows[t], width), factor);
+      dd::DoubleDouble dot = compensated_dot(q_.data(), rows[t], width);
+      if (rows_lo != nullptr) dot = dd::add(dot, compensated_dot(q_.data(), (*rows_lo)[t], width));
+      s_[t] = dd::mul(dot, factor);
       if (std::isnan(s_[t].hi)) {
         p_.write_nan(row, head);
         return;
@@ -306,6 +352,7 @@ class DoubleDoubleKernel {
       const dd::DoubleDouble e = weight_exp(dd::add(s_[t], -m));
       l = dd::add(l, e);
       accumulate_weighted_row(e, rows[t], dc, acc_hi, acc_lo);
+      if (rows_lo != nullptr) accumulate_weighted_row(e, (*rows_lo)[t], dc, acc_hi, acc_lo);
     }
     double* out = p_.out_of(row, head);
     for (int d = 0; d < dc; ++d) {
@@ -357,14 +404,17 @@ Status check_reference_sizes(const DumpAttributes& attrs, const StepMeta& step,
 Status resolve_token_rows(const StepMeta& step, int page_size, const KvRows& kv,
                           const std::string& where, Problem* problem) {
   problem->token_rows.resize(step.batch_size());
+  if (kv.has_residual()) problem->token_rows_lo.resize(step.batch_size());
   for (int b = 0; b < step.batch_size(); ++b) {
     if (step.rows_of(b) == 0) continue;
     const std::int64_t len = step.kv_len(b, page_size);
     auto& token_rows = problem->token_rows[b];
     token_rows.resize(static_cast<std::size_t>(len));
+    if (kv.has_residual()) problem->token_rows_lo[b].resize(static_cast<std::size_t>(len));
     for (std::int64_t p = 0; p < len; ++p) {
       const std::int64_t slot = step.slot_of(b, p, page_size);
       token_rows[p] = kv.row(slot);
+      if (kv.has_residual()) problem->token_rows_lo[b][p] = kv.row_lo(slot);
       if (token_rows[p] == nullptr) {
         return internal_error(
             where,
@@ -461,6 +511,12 @@ Result<std::int64_t> exact_reference_attention(ReferenceDevice device, const Dum
   }
   const std::string where = "GPU reference step " + step.group;
 #if defined(KVAUDIT_HAVE_CUDA)
+  if (kv.has_residual()) {
+    return unsupported(where,
+                       "per-token-group float32 scales make KV values of up to 28 "
+                       "significant bits, held as two floats; the GPU reference reads one "
+                       "float per value: use --reference cpu for this dump");
+  }
   Problem problem;
   KVAUDIT_ASSIGN_OR_RETURN(const std::int64_t work, resolve_problem(attrs, step, q_nope, q_pe, kv,
                                                                     out, lse, where, &problem));

@@ -14,7 +14,9 @@
 // Exactness. Every input is a float: q (bf16 or fp32 values), KV values (decoded e4m3 codes,
 // bf16 values, or fp32 source values), and the per-tensor multiplier `scale` (kv_scale, a float)
 // is kept apart and applied in double-double. Products of two floats are exact in binary64
-// (24 + 24 <= 53 bits), so the score dot products need only a compensated sum.
+// (24 + 24 <= 53 bits), so the score dot products need only a compensated sum. A kvdump v1.1
+// per_token_group pool's values code * scale (up to 28 bits) are held as two floats hi + lo
+// (KvRows::row_lo), each visited like a row of its own: the same exactness, twice the work.
 //
 // Accumulation type Acc (CUTLASS-style reference: templated on the compute type, separately from
 // the storage types):
@@ -59,9 +61,10 @@ using Float100 = boost::multiprecision::cpp_bin_float_100;
 // code * kv_scale is never rounded.
 class KvRows {
  public:
-  // A view of `values` ([num_slots, row_width], e.g. kv_source), multiplier `scale`. The values
-  // must outlive the KvRows.
-  static KvRows from_values(std::span<const float> values, int row_width, double scale = 1.0);
+  // A view of `values` ([num_slots, row_width], e.g. kv_source), multiplier `scale`, and where
+  // given the residuals of each value (row_lo). The values must outlive the KvRows.
+  static KvRows from_values(std::span<const float> values, int row_width, double scale = 1.0,
+                            std::span<const float> residuals = {});
   // The pool decoded exactly: e4m3 codes (NaN codes stay NaN) or bf16 values, multiplier
   // kv_scale. Holds num_slots * row_width floats.
   static KvRows from_pool(const KvPool& pool, float kv_scale);
@@ -75,9 +78,19 @@ class KvRows {
   double scale() const { return scale_; }
   // nullptr for a slot out of range or not held.
   const float* row(std::int64_t slot) const;
+  // A per_token_group pool (kvdump v1.1): its values code * group scale carry up to 28 significant
+  // bits, so each is held as row[j] + row_lo[j] (two floats, exactly) and scale() is 1.
+  // has_residual() is false where every value was a float already (row_lo then returns nullptr).
+  bool has_residual() const { return values_lo_ != nullptr; }
+  const float* row_lo(std::int64_t slot) const;
 
  private:
+  void decode_row(const KvPool& pool, float kv_scale, std::int64_t slot, std::int64_t row);
+  void finish_grouped(const KvPool& pool);
+
   std::vector<float> owned_;
+  std::vector<float> owned_lo_;
+  const float* values_lo_ = nullptr;
   const float* values_ = nullptr;
   std::vector<std::int64_t> compact_row_;  // slot -> row of owned_ (-1: absent); empty: identity
   std::int64_t num_slots_ = 0;

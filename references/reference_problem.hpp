@@ -30,6 +30,9 @@ struct ReferenceProblem {
   std::vector<int> request_of_row;                    // [Nq]
   std::vector<std::int64_t> visible_of_row;           // [Nq]: position + 1
   std::vector<std::vector<const float*>> token_rows;  // per request: KV row of each position
+  // Per request, the residual row of each position (KvRows::row_lo: value = row + row_lo), or
+  // empty where the values are floats (every v1 pool).
+  std::vector<std::vector<const float*>> token_rows_lo;
   std::int64_t max_visible = 0;
 
   int width() const { return dc + dr; }

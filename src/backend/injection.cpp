@@ -7,7 +7,7 @@ namespace kvaudit {
 
 namespace {
 
-constexpr std::array<InjectionInfo, 8> kInjections{{
+constexpr std::array<InjectionInfo, 14> kInjections{{
     {Injection::kBf16Writeback, "bf16-writeback",
      "the write stores the bf16 bytes of the new row in the fp8 slot",
      "integrity written_slots [bf16_bytes]"},
@@ -29,6 +29,25 @@ constexpr std::array<InjectionInfo, 8> kInjections{{
     {Injection::kWholePoolCast, "whole-pool-cast",
      "cast the whole pool to bf16 on every call (the seed's bug; exact)",
      "kvaudit bench pool sweep (time grows with pool size), not check"},
+    {Injection::kScaleOneWrite, "scale-one-write",
+     "per_token_group: codes written with scale 1 while the group scales are stored and read",
+     "integrity written_slots [codes_other_scale]"},
+    {Injection::kZeroGroupScale, "zero-group-scale",
+     "per_token_group: an all-zero group gets scale 0 and codes 0 * (1/0) = NaN",
+     "integrity nan_written [nan_code] (needs an all-zero group)"},
+    {Injection::kRopeOutsideCalibration, "rope-outside-calibration",
+     "per_token_group, e4m3 RoPE: RoPE quantized with the latent's largest scale, so it saturates",
+     "integrity written_slots [rope_saturated] (needs an e4m3 RoPE part larger than the latent)"},
+    {Injection::kKvScaleSplit, "kv-scale-split",
+     "per_token_group: the shared latent row's codes quantized with a V scale (the row's largest) "
+     "while the per-group K scales are stored",
+     "integrity written_slots [codes_other_scale]"},
+    {Injection::kScaleReadAsPowerOfTwo, "scale-read-as-pow2",
+     "per_token_group: attention reads each fp32 group scale as a power of two (its exponent)",
+     "kernel comparison (needs float32 scales)"},
+    {Injection::kScaleReadAsE8m0, "scale-read-as-e8m0",
+     "per_token_group: attention reads the scale bytes as e8m0 codes (group g <- byte g)",
+     "kernel comparison (needs float32 or power_of_two scales)"},
 }};
 
 constexpr InjectionInfo kNoInjection{Injection::kNone, "", "no injection", ""};
@@ -46,6 +65,31 @@ Result<Injection> parse_injection(std::string_view name) {
   for (const auto& info : kInjections) names += std::string(names.empty() ? "" : ", ") + info.name;
   return bad_input("--inject", "unknown injection '" + std::string(name) + "' (known: " + names +
                                    "; see --list-injections)");
+}
+
+bool injection_for_grouped_pools(Injection injection) {
+  switch (injection) {
+    case Injection::kScaleOneWrite:
+    case Injection::kZeroGroupScale:
+    case Injection::kRopeOutsideCalibration:
+    case Injection::kKvScaleSplit:
+    case Injection::kScaleReadAsPowerOfTwo:
+    case Injection::kScaleReadAsE8m0:
+      return true;
+    default:
+      return false;
+  }
+}
+
+Status check_injection_applies(Injection injection, const std::string& kv_scale_kind) {
+  if (injection == Injection::kNone) return ok_status();
+  const bool grouped = kv_scale_kind == "per_token_group";
+  if (grouped == injection_for_grouped_pools(injection)) return ok_status();
+  return unsupported("--inject " + std::string(injection_info(injection).name),
+                     grouped ? "acts on per_tensor pools; this dump's kv_scale_kind is "
+                               "per_token_group (see --list-injections)"
+                             : "acts on per_token_group pools (kvdump v1.1); this dump's "
+                               "kv_scale_kind is per_tensor");
 }
 
 const InjectionInfo& injection_info(Injection injection) {

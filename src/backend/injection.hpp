@@ -26,6 +26,13 @@ enum class Injection : std::uint8_t {
   kFp8ReadAsBf16,       // attention reads the fp8 bytes as bf16 (the kv_data_type mix-up)
   kMaskedNanLeak,       // attention reads whole pages/tiles and multiplies masked slots by 0
   kWholePoolCast,       // the seed's whole-pool cast to bf16 each call (numerically benign)
+  // kvdump v1.1 per_token_group pools only (src/format/group_scales.hpp):
+  kScaleOneWrite,           // codes quantized with scale 1, the rule's scales stored
+  kZeroGroupScale,          // an all-zero group gets scale 0: codes 0 * (1/0) = NaN
+  kRopeOutsideCalibration,  // the e4m3 RoPE part quantized with the latent's scale: saturates
+  kKvScaleSplit,            // latent codes quantized with a V scale, K scales stored
+  kScaleReadAsPowerOfTwo,   // attention reads an fp32 scale as a power of two
+  kScaleReadAsE8m0,         // attention reads the scale bytes as e8m0 codes
 };
 
 struct InjectionInfo {
@@ -36,6 +43,11 @@ struct InjectionInfo {
 };
 
 std::span<const InjectionInfo> injection_table();
+// Whether the injection acts on pools of the dump's scale kind: the v1 ones on per_tensor pools,
+// the v1.1 ones on per_token_group pools; otherwise it would silently do nothing, so a backend
+// refuses it (unsupported input naming both).
+bool injection_for_grouped_pools(Injection injection);
+Status check_injection_applies(Injection injection, const std::string& kv_scale_kind);
 Result<Injection> parse_injection(std::string_view name);  // "" -> kNone
 const InjectionInfo& injection_info(Injection injection);
 

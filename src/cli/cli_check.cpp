@@ -205,6 +205,9 @@ Result<ReplayOptions> replay_options(const CheckOptions& options, const DumpLayo
   }
   KVAUDIT_TRY(check_selection(layout, replay));
   KVAUDIT_ASSIGN_OR_RETURN(replay.policy, check_policy(options));
+  if (kernel_rounds_kv_to_bf16(layout.attrs)) {
+    replay.policy = with_bf16_dequantized_kernel(std::move(replay.policy));
+  }
   replay.threads = options.threads;
   replay.reference = options.reference == "cuda" ? ReferenceDevice::kCuda : ReferenceDevice::kCpu;
   KVAUDIT_TRY(check_reference_device(replay.reference));

@@ -22,6 +22,9 @@ struct SynthOptions {
   SynthSpec spec;
   std::string layers = "1";
   std::string kv_dtype = "float8_e4m3fn";
+  std::string scale_format = "float32";
+  std::string rope_dtype = "bfloat16";
+  std::string layout = "split";
   std::int64_t num_pages = 0;
   float kv_scale = 0.0f;
   CLI::Option* num_pages_option = nullptr;
@@ -33,6 +36,12 @@ Result<SynthSpec> spec_of(const SynthOptions& options) {
   SynthSpec spec = options.spec;
   KVAUDIT_ASSIGN_OR_RETURN(spec.layer_ids, parse_layer_list(options.layers));
   spec.kv_dtype = options.kv_dtype == "bfloat16" ? KvDtype::kBfloat16 : KvDtype::kFloat8E4m3fn;
+  spec.scale_format = options.scale_format == "e8m0"           ? GroupScaleFormat::kE8m0
+                      : options.scale_format == "power_of_two" ? GroupScaleFormat::kPowerOfTwo
+                                                               : GroupScaleFormat::kFloat32;
+  spec.rope_dtype =
+      options.rope_dtype == "float8_e4m3fn" ? KvDtype::kFloat8E4m3fn : KvDtype::kBfloat16;
+  spec.layout = options.layout == "flashmla_fp8" ? PoolLayout::kFlashMlaFp8 : PoolLayout::kSplit;
   if (options.num_pages_option->count() > 0) spec.num_pages = options.num_pages;
   if (options.kv_scale_option->count() > 0) spec.kv_scale = options.kv_scale;
   return spec;
@@ -131,6 +140,34 @@ void add_value_options(CLI::App& cmd, SynthOptions& options) {
       ->capture_default_str();
 }
 
+// kvdump v1.1: per-token-group scales (GLM-5 / DeepSeek-V3.2 FP8 caches) and sparse rows (DSA).
+void add_v1_1_options(CLI::App& cmd, SynthOptions& options) {
+  SynthSpec& spec = options.spec;
+  add_integer_option(cmd, "--scale-group-size", spec.scale_group_size, 0, INT_MAX,
+                     "v1.1: per_token_group scales, one per this many latent channels per token "
+                     "(128 for FlashMLA / SGLang / FlashInfer's ckv_scale_arr); 0: per_tensor");
+  cmd.add_option("--scale-format", options.scale_format,
+                 "v1.1: how group scales are chosen and stored")
+      ->check(CLI::IsMember({"float32", "power_of_two", "e8m0"}))
+      ->capture_default_str();
+  cmd.add_option("--rope-dtype", options.rope_dtype,
+                 "v1.1: the RoPE part of a per_token_group pool: bf16 values (FlashMLA, SGLang) "
+                 "or e4m3 codes with the layer's kv_scale (FlashInfer ckv_scale_arr)")
+      ->check(CLI::IsMember({"bfloat16", "float8_e4m3fn"}))
+      ->capture_default_str();
+  cmd.add_option("--layout", options.layout,
+                 "v1.1: split datasets, or FlashMLA's packed 656-byte slot (flashmla_fp8)")
+      ->check(CLI::IsMember({"split", "flashmla_fp8"}))
+      ->capture_default_str();
+  add_integer_option(cmd, "--zero-group-every", spec.zero_group_every, 0, INT_MAX,
+                     "v1.1: zero the last latent group of every Nth token (an all-zero group)");
+  add_number_option(cmd, "--rope-gain", spec.rope_gain, 1e-6, 1e6,
+                    "Multiply the RoPE part's spread (larger RoPE than latent values)");
+  add_integer_option(cmd, "--topk", spec.topk, 0, INT_MAX,
+                     "v1.1: sparse attention (DSA): each row lists this many token positions "
+                     "(its own, the first four, the rest drawn), -1 padded");
+}
+
 }  // namespace
 
 void register_synth_command(CLI::App& app, CommandRunner& runner) {
@@ -154,6 +191,7 @@ void register_synth_command(CLI::App& app, CommandRunner& runner) {
       ->capture_default_str();
   add_shape_options(*cmd, *options);
   add_value_options(*cmd, *options);
+  add_v1_1_options(*cmd, *options);
   cmd->callback([options, &runner] { runner = [options] { return run_synth(*options); }; });
 }
 

@@ -113,10 +113,14 @@ CertificationJob prepare_certification(const DumpAttributes& attrs, const StepMe
   const KvRows rows = KvRows::from_pool_slots(pool, kv_scale, slots);
   const int width = attrs.row_width();
   job.kv_values.resize(slots.size() * static_cast<std::size_t>(width));
+  if (rows.has_residual()) job.kv_values_lo.resize(job.kv_values.size());
   for (std::size_t i = 0; i < slots.size(); ++i) {
     std::copy_n(rows.row(slots[i]), width, job.kv_values.begin() + i * width);
+    if (rows.has_residual()) {
+      std::copy_n(rows.row_lo(slots[i]), width, job.kv_values_lo.begin() + i * width);
+    }
   }
-  job.kv_scale = kv_scale;
+  job.kv_scale = rows.scale();  // 1 for a per_token_group pool
   const auto q_nope = tensors.q_nope.begin() + pair * dc;
   const auto q_pe = tensors.q_pe.begin() + pair * dr;
   job.q_nope.assign(q_nope, q_nope + dc);
@@ -128,7 +132,8 @@ CertificationJob prepare_certification(const DumpAttributes& attrs, const StepMe
 }
 
 Result<CertificationSample> run_certification(const CertificationJob& job) {
-  const KvRows rows = KvRows::from_values(job.kv_values, job.attrs.row_width(), job.kv_scale);
+  const KvRows rows =
+      KvRows::from_values(job.kv_values, job.attrs.row_width(), job.kv_scale, job.kv_values_lo);
   std::vector<double> out50(job.out.size());
   std::vector<double> lse50(1);
   KVAUDIT_TRY(mla_reference_attention<Float50>(job.attrs, job.step, job.q_nope, job.q_pe, rows,

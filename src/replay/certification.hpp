@@ -50,7 +50,8 @@ struct CertificationJob {
   StepMeta step;         // the one row's request, one query row
   std::vector<float> q_nope;
   std::vector<float> q_pe;
-  std::vector<float> kv_values;  // the visible rows, compacted; slots renumbered 0..n-1
+  std::vector<float> kv_values;     // the visible rows, compacted; slots renumbered 0..n-1
+  std::vector<float> kv_values_lo;  // their residuals (KvRows::row_lo), or empty
   double kv_scale = 1.0;
   std::vector<double> out;  // the run's reference at the site: [Dc]
   double lse = 0.0;

@@ -19,6 +19,10 @@ bool rows_equal(const KvPool& a, std::int64_t slot_a, const KvPool& b, std::int6
 }
 
 bool element_is_nan(const KvPool& pool, std::int64_t slot, int col) {
+  if (pool.grouped()) {
+    return std::isnan(pool.element(slot, col)) ||
+           (col < pool.latent_width && std::isnan(pool.group_scale(slot, col / pool.group_size)));
+  }
   if (pool.dtype == KvDtype::kBfloat16) return std::isnan(bf16_to_float(pool.bf16_bits(slot, col)));
   return e4m3_is_nan(pool.row(slot)[col]);
 }
@@ -226,12 +230,54 @@ bool holds_bf16_bytes(const StepLayerWrites& writes, const WriteIndex& index,
   return holds_bf16_row_bytes(got, want, values, width, width, writes.kv_scale);
 }
 
+// A per_token_group slot (kvdump v1.1) that differs from the expected one, by which of its parts
+// differ: [latent codes][scales][RoPE].
+SlotClass classify_grouped_slot(const KvPool& actual, const KvPool& expected, std::int64_t slot) {
+  for (int c = 0; c < expected.row_width; ++c) {
+    if (element_is_nan(actual, slot, c) && !element_is_nan(expected, slot, c)) {
+      return SlotClass::kNanCode;
+    }
+  }
+  const std::uint8_t* got = actual.row(slot);
+  const std::uint8_t* want = expected.row(slot);
+  const std::size_t scales = expected.scales_offset();
+  const std::size_t rope = expected.rope_offset();
+  const bool latent_same = std::memcmp(got, want, scales) == 0;
+  const bool scales_same = std::memcmp(got + scales, want + scales, rope - scales) == 0;
+  const bool rope_same = std::memcmp(got + rope, want + rope, expected.row_bytes() - rope) == 0;
+  if (latent_same && rope_same) {
+    for (int g = 0; g < expected.num_groups(); ++g) {
+      for (int h = 0; h < expected.num_groups(); ++h) {
+        if (h != g && actual.group_scale(slot, g) == expected.group_scale(slot, h) &&
+            actual.group_scale(slot, g) != expected.group_scale(slot, g)) {
+          return SlotClass::kSwappedGroupScale;
+        }
+      }
+    }
+    return SlotClass::kScaleBytes;
+  }
+  if (latent_same && scales_same && expected.rope_dtype == KvDtype::kFloat8E4m3fn) {
+    for (int c = expected.latent_width; c < expected.row_width; ++c) {
+      const float a = std::fabs(actual.element(slot, c));
+      if (a == kE4m3MaxFinite && std::fabs(expected.element(slot, c)) != kE4m3MaxFinite) {
+        return SlotClass::kRopeSaturated;
+      }
+    }
+  }
+  if (scales_same && rope_same) {
+    const CodeDifference difference = compare_codes(got, want, expected.latent_width);
+    return difference.all_off_by_one ? SlotClass::kOffByOneCode : SlotClass::kCodesOtherScale;
+  }
+  return SlotClass::kOther;
+}
+
 SlotClass classify_indexed(const StepLayerWrites& writes, const WriteIndex& index,
                            const KvPool& actual, const KvPool& expected, std::int64_t slot) {
   // Nothing to classify where the bytes agree (an unwritten slot that changed back to them).
   if (rows_equal(actual, slot, expected, slot)) return SlotClass::kOther;
   if (is_wrong_slot(index, actual, expected, slot)) return SlotClass::kWrongSlot;
   if (expected.dtype == KvDtype::kBfloat16) return classify_bf16_slot(actual, expected, slot);
+  if (expected.grouped()) return classify_grouped_slot(actual, expected, slot);
   const int width = expected.row_width;
   const std::uint8_t* got = actual.row(slot);
   const std::uint8_t* want = expected.row(slot);
@@ -534,7 +580,9 @@ namespace {
 std::int64_t nan_codes_in_row(const KvPool& pool, std::int64_t slot) {
   std::int64_t count = 0;
   const std::uint8_t* row = pool.row(slot);
-  if (pool.dtype == KvDtype::kBfloat16) {
+  if (pool.grouped()) {
+    for (int c = 0; c < pool.row_width; ++c) count += element_is_nan(pool, slot, c);
+  } else if (pool.dtype == KvDtype::kBfloat16) {
     for (int c = 0; c < pool.row_width; ++c) {
       const unsigned bits = row[2 * c] | (static_cast<unsigned>(row[2 * c + 1]) << 8);
       count += (bits & 0x7FFFu) > 0x7F80u;

@@ -206,8 +206,11 @@ struct ReplayContext {
 // One step of one layer, as the phases below read it.
 struct StepInput {
   std::size_t index = 0;  // S### number
-  const StepMeta& meta;
+  const StepMeta& meta;   // the step as stored: its rows, their writes and positions
   const StepLayerTensors& tensors;
+  // What the attention runs on: `meta` itself, or with topk_indices (v1.1) one request per row
+  // over its listed tokens (src/format/step_indices.hpp attention_view).
+  AttentionView view;
   bool reported = false;
   std::vector<std::int64_t> visible;  // the slots the step's rows read (reported steps only)
   TensorShape3 shape;                 // out: [Nq, H, Dc]
@@ -352,12 +355,16 @@ Status LayerReplay::replay_step(std::size_t step_index) {
 StepInput LayerReplay::step_input(std::size_t step_index, const StepLayerTensors& tensors) const {
   const StepMeta& meta = context_.reader.layout().steps[step_index];
   const bool reported = context_.is_reported(step_index);
+  AttentionView view = attention_view(attrs_, meta, tensors);
+  std::vector<std::int64_t> visible =
+      reported ? visible_slots(view.step, view.attrs.page_size) : std::vector<std::int64_t>{};
   return StepInput{
       step_index,
       meta,
       tensors,
+      std::move(view),
       reported,
-      reported ? visible_slots(meta, attrs_.page_size) : std::vector<std::int64_t>{},
+      std::move(visible),
       TensorShape3{meta.num_rows(), attrs_.num_heads, attrs_.kv_lora_rank},
       // Messages name the dump's own groups (a dump may start at S001, or name layer 5 L000).
       meta.group + " " + layer_.group,
@@ -387,10 +394,11 @@ Status LayerReplay::reference_on_pool(const KvPool& pool, const StepInput& step,
   out.assign(step.shape.size(), 0.0);
   lse.assign(static_cast<std::size_t>(step.shape.rows) * step.shape.heads, 0.0);
   const KvRows dequantized = KvRows::from_pool_slots(pool, layer_.kv_scale, step.visible);
-  KVAUDIT_ASSIGN_OR_RETURN(const std::int64_t work,
-                           exact_reference_attention(
-                               context_.options.reference, attrs_, step.meta, step.tensors.q_nope,
-                               step.tensors.q_pe, dequantized, out, lse, context_.options.threads));
+  KVAUDIT_ASSIGN_OR_RETURN(
+      const std::int64_t work,
+      exact_reference_attention(context_.options.reference, step.view.attrs, step.view.step,
+                                step.tensors.q_nope, step.tensors.q_pe, dequantized, out, lse,
+                                context_.options.threads));
   context_.run.reference_rows_heads_tokens += static_cast<double>(work);
   return ok_status();
 }
@@ -404,8 +412,8 @@ Status LayerReplay::compute_references(const StepInput& step, StepResults& resul
     results.rs_lse.assign(results.r8_lse.size(), 0.0);
     KVAUDIT_ASSIGN_OR_RETURN(
         const std::int64_t work,
-        source_.attention(attrs_, step.meta, step.tensors, results.rs_out, results.rs_lse,
-                          context_.options.reference, context_.options.threads));
+        source_.attention(step.view.attrs, step.view.step, step.tensors, results.rs_out,
+                          results.rs_lse, context_.options.reference, context_.options.threads));
     context_.run.reference_rows_heads_tokens += static_cast<double>(work);
     results.has_source_reference = true;
   }
@@ -420,8 +428,8 @@ Status LayerReplay::certify(const StepInput& step, const StepResults& results) {
   const auto site = context_.certification.find({static_cast<int>(step.index), layer_.layer_id});
   if (site == context_.certification.end()) return ok_status();
   return context_.certification_queue->submit(prepare_certification(
-      attrs_, step.meta, step.tensors, reference_pool_, layer_.kv_scale, results.r8_out,
-      results.r8_lse, static_cast<int>(step.index), layer_.layer_id, site->second));
+      step.view.attrs, step.view.step, step.tensors, reference_pool_, layer_.kv_scale,
+      results.r8_out, results.r8_lse, static_cast<int>(step.index), layer_.layer_id, site->second));
 }
 
 // What the step read: tokens, those without a source value, saturated codes among them (in the
@@ -631,6 +639,8 @@ Status LayerReplay::compare_captured(const ComparisonSite& site, const StepInput
 Status LayerReplay::diagnose_failure(const StepInput& step, const ComparisonResult& failed,
                                      const TensorShape3& shape, const ComparisonOperands& operands,
                                      const KvPool& pool) {
+  // The hypotheses are per-tensor conventions over dense steps (src/replay/diagnosis.hpp).
+  if (attrs_.per_token_group() || step.tensors.sparse()) return ok_status();
   if (!context_.diagnosis.admit(static_cast<int>(step.index), order_)) return ok_status();
   const auto start = Clock::now();
   const DiagnosisInput input{attrs_,

@@ -533,6 +533,16 @@ const char* slot_class_cause(SlotClass slot_class) {
     case SlotClass::kOffByOneCode:
       return "codes one step from the write rule's: another rounding (toward zero, a reciprocal "
              "scale) than e4m3_rne_satfinite(x / kv_scale).";
+    case SlotClass::kScaleBytes:
+      return "group scales stored wrong (per_token_group): the scale computation or its "
+             "encoding (fp32, power of two, e8m0).";
+    case SlotClass::kSwappedGroupScale:
+      return "a group stored with another group's scale: the scale index arithmetic.";
+    case SlotClass::kCodesOtherScale:
+      return "latent codes quantized with another scale than the one stored (scale 1, a V scale "
+             "for the K row, a per-token instead of per-group scale).";
+    case SlotClass::kRopeSaturated:
+      return "the RoPE part saturated at +-448: its scale was calibrated without it.";
     case SlotClass::kOther:
       return "damage of no known class: compare the slots' bytes with the write rule.";
     case SlotClass::kNone:

@@ -18,6 +18,7 @@
 
 #include "src/core/fp8_e4m3.hpp"
 #include "src/core/memory_budget.hpp"
+#include "src/format/group_scales.hpp"
 
 namespace kvaudit {
 namespace {
@@ -32,6 +33,7 @@ enum StreamTag : std::uint64_t {
   kTagQuery = 3,    // one query row
   kTagPages = 4,    // page shuffle
   kTagUnused = 5,   // NaN code signs of one unused slot
+  kTagTopk = 6,     // a sparse row's topk_indices
 };
 
 // 2% of the ckv channels are outliers, 10-20x larger (what latent caches of DeepSeek-V3 and
@@ -122,7 +124,7 @@ LayerProfile make_profile(const SynthSpec& spec, int layer_id) {
   for (int c = 0; c < dc; ++c)
     profile.sigma[c] = kCkvSigma * layer_factor * (0.6 + 0.8 * rng.uniform());
   for (int r = 0; r < dr; ++r) {
-    profile.sigma[dc + r] = kKpeSigma * layer_factor * (0.6 + 0.8 * rng.uniform());
+    profile.sigma[dc + r] = kKpeSigma * spec.rope_gain * layer_factor * (0.6 + 0.8 * rng.uniform());
   }
   // Outlier channels: a partial Fisher-Yates pick of distinct ckv channels.
   const int outliers =
@@ -164,6 +166,10 @@ void generate_token(const SynthSpec& spec, const LayerProfile& profile, int laye
     }
     row[c] = value;
   }
+  if (spec.scale_group_size > 0 && spec.zero_group_every > 0 &&
+      position % spec.zero_group_every == 0) {
+    std::fill(row + spec.kv_lora_rank - spec.scale_group_size, row + spec.kv_lora_rank, 0.0f);
+  }
 }
 
 // One query row: q_nope [H, Dc] and q_pe [H, Dr] bf16 values.
@@ -182,6 +188,40 @@ void generate_query(const SynthSpec& spec, const LayerProfile& profile, int laye
           bf16_round(static_cast<float>(s * rng.normal()));
     }
   }
+}
+
+// A sparse row's topk_indices (see synth.hpp): its own position, the sinks 0..3, then seeded draws
+// from 0..pos until min(k, pos + 1) distinct positions are listed; -1 pads, in a seeded order.
+void select_topk(const SynthSpec& spec, int layer_id, int request, std::int64_t position,
+                 std::int32_t* out) {
+  Rng rng{spec.seed, kTagTopk, key_of(layer_id), key_of(request),
+          static_cast<std::uint64_t>(position)};
+  const std::int64_t wanted = std::min<std::int64_t>(spec.topk, position + 1);
+  std::vector<std::int32_t> listed;
+  std::vector<char> taken(static_cast<std::size_t>(position + 1), 0);
+  const auto take = [&](std::int64_t p) {
+    if (static_cast<std::int64_t>(listed.size()) < wanted && !taken[p]) {
+      taken[p] = 1;
+      listed.push_back(static_cast<std::int32_t>(p));
+    }
+  };
+  take(position);
+  for (std::int64_t p = 0; p < 4 && p <= position; ++p) take(p);
+  if (wanted * 2 > position + 1) {  // dense enough: walk the positions in a seeded order
+    std::vector<std::int64_t> order(static_cast<std::size_t>(position + 1));
+    std::iota(order.begin(), order.end(), 0);
+    for (std::size_t i = order.size(); i > 1; --i) {
+      std::swap(order[i - 1], order[rng.next() % i]);
+    }
+    for (const std::int64_t p : order) take(p);
+  } else {
+    while (static_cast<std::int64_t>(listed.size()) < wanted) {
+      take(static_cast<std::int64_t>(rng.next() % static_cast<std::uint64_t>(position + 1)));
+    }
+  }
+  listed.resize(static_cast<std::size_t>(spec.topk), -1);
+  for (std::size_t i = listed.size(); i > 1; --i) std::swap(listed[i - 1], listed[rng.next() % i]);
+  std::copy(listed.begin(), listed.end(), out);
 }
 
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
@@ -309,6 +349,23 @@ Status validate_synth_spec(const SynthSpec& spec) {
   }
   if (!std::isfinite(spec.sm_scale) || spec.sm_scale <= 0.0) {
     return bad("--sm-scale must be finite and > 0");
+  }
+  if (spec.scale_group_size < 0 ||
+      (spec.scale_group_size > 0 && spec.kv_lora_rank % spec.scale_group_size != 0)) {
+    return bad("--scale-group-size must divide --kv-lora-rank");
+  }
+  if (spec.scale_group_size > 0 && spec.kv_dtype != KvDtype::kFloat8E4m3fn) {
+    return bad("--scale-group-size needs a float8_e4m3fn pool");
+  }
+  if (spec.layout == PoolLayout::kFlashMlaFp8 &&
+      (spec.scale_group_size == 0 || spec.scale_format == GroupScaleFormat::kE8m0 ||
+       spec.rope_dtype != KvDtype::kBfloat16)) {
+    return bad(
+        "--layout flashmla_fp8 needs --scale-group-size, float32 or power_of_two scales "
+        "and --rope-dtype bfloat16");
+  }
+  if (spec.topk < 0 || spec.zero_group_every < 0 || !(spec.rope_gain > 0.0)) {
+    return bad("--topk and --zero-group-every must be >= 0, --rope-gain > 0");
   }
   return ok_status();
 }
@@ -564,6 +621,15 @@ std::string describe_synth_spec(const SynthSpec& spec) {
   }
   if (spec.nan_unused) text += " --nan-unused";
   if (spec.with_source) text += " --with-source";
+  if (spec.scale_group_size > 0) {
+    text += fmt::format(" --scale-group-size {} --scale-format {} --rope-dtype {} --layout {}",
+                        spec.scale_group_size, group_scale_format_name(spec.scale_format),
+                        kv_dtype_name(spec.rope_dtype), pool_layout_name(spec.layout));
+  }
+  if (spec.zero_group_every > 0)
+    text += fmt::format(" --zero-group-every {}", spec.zero_group_every);
+  if (spec.rope_gain != 1.0) text += fmt::format(" --rope-gain {:.17g}", spec.rope_gain);
+  if (spec.topk > 0) text += fmt::format(" --topk {}", spec.topk);
   text +=
       fmt::format(" --sm-scale {:.17g} --kv-dtype {}", spec.sm_scale, kv_dtype_name(spec.kv_dtype));
   return text;
@@ -584,6 +650,14 @@ DumpAttributes synth_attributes(const SynthSpec& spec) {
   attrs.page_size = spec.page_size;
   attrs.kv_dtype = spec.kv_dtype;
   attrs.kv_scale_kind = "per_tensor";
+  if (spec.scale_group_size > 0) {
+    attrs.kv_scale_kind = "per_token_group";
+    attrs.kv_scale_group_size = spec.scale_group_size;
+    attrs.kv_scale_format = spec.scale_format;
+    attrs.kv_rope_dtype = spec.rope_dtype;
+    attrs.kv_cache_layout = spec.layout;
+  }
+  if (spec.scale_group_size > 0 || spec.topk > 0) attrs.format_minor_version = 1;
   return attrs;
 }
 
@@ -604,12 +678,28 @@ struct SynthLayer {
 float layer_kv_scale(const SynthSpec& spec, const SynthPlan& plan, const LayerProfile& profile,
                      int layer_id) {
   if (spec.kv_dtype != KvDtype::kFloat8E4m3fn) return 1.0f;
+  if (spec.scale_group_size > 0 && spec.rope_dtype == KvDtype::kBfloat16) return 1.0f;
   if (spec.kv_scale) return *spec.kv_scale;
   std::vector<float> row(profile.sigma.size());
   float amax = 0.0f;
   for (std::size_t b = 0; b < plan.prefix_lens.size(); ++b) {
     for (std::int64_t p = 0; p < plan.final_lens[b]; ++p) {
       generate_token(spec, profile, layer_id, static_cast<int>(b), p, 1.0f, row.data(), &amax);
+      if (spec.scale_group_size > 0) {  // the RoPE multiplier: over the RoPE part only
+        amax = std::max(amax, finite_amax({row.data() + spec.kv_lora_rank,
+                                           static_cast<std::size_t>(spec.rope_dim)}));
+      }
+    }
+  }
+  if (spec.scale_group_size > 0) {
+    amax = 0.0f;
+    for (std::size_t b = 0; b < plan.prefix_lens.size(); ++b) {
+      for (std::int64_t p = 0; p < plan.final_lens[b]; ++p) {
+        float unused = 0.0f;
+        generate_token(spec, profile, layer_id, static_cast<int>(b), p, 1.0f, row.data(), &unused);
+        amax = std::max(amax, finite_amax({row.data() + spec.kv_lora_rank,
+                                           static_cast<std::size_t>(spec.rope_dim)}));
+      }
     }
   }
   return amax > 0.0f ? amax / kE4m3MaxFinite : 1.0f;
@@ -652,7 +742,9 @@ void fill_unused_with_nan(const SynthSpec& spec, const std::vector<bool>& holds_
     for (int c = 0; c < width; ++c) {
       if (c % 64 == 0) bits = rng.next();
       const bool negative = (bits >> (c % 64)) & 1;
-      if (spec.kv_dtype == KvDtype::kBfloat16) {
+      if (pool.grouped()) {  // the latent codes; scales and RoPE stay zero
+        if (c < pool.latent_width) pool.row(slot)[c] = negative ? 0xFF : kE4m3NanCode;
+      } else if (spec.kv_dtype == KvDtype::kBfloat16) {
         pool.set_bf16_bits(slot, c, negative ? 0xFFC0 : 0x7FC0);
       } else {
         pool.row(slot)[c] = negative ? 0xFF : kE4m3NanCode;
@@ -683,7 +775,7 @@ Result<std::vector<SynthLayer>> write_layers(DumpWriter& writer, const SynthSpec
     layer.meta.layer_id = layer_id;
     layer.meta.kv_scale = layer_kv_scale(spec, plan, layer.profile, layer_id);
     layer.meta.has_source = spec.with_source;
-    InitialPool initial{KvPool::zeros(spec.kv_dtype, num_slots, width), {}};
+    InitialPool initial{KvPool::zeros_for(synth_attributes(spec), num_slots), {}};
     if (spec.with_source) {
       initial.source.assign(static_cast<std::size_t>(num_slots) * width, 0.0f);
     }
@@ -716,6 +808,16 @@ StepLayerTensors step_layer_tensors(const SynthSpec& spec, const StepMeta& step,
     generate_query(spec, layer.profile, layer.meta.layer_id, b, pos,
                    tensors.q_nope.data() + i * q_nope_floats,
                    tensors.q_pe.data() + i * q_pe_floats);
+  }
+  if (spec.topk > 0) {
+    tensors.topk = spec.topk;
+    tensors.topk_indices.resize(rows * static_cast<std::size_t>(spec.topk));
+    for (std::size_t i = 0; i < rows; ++i) {
+      const int b = step.request_of_row(static_cast<int>(i));
+      const std::int64_t pos = step.position_of_row(static_cast<int>(i), spec.page_size);
+      select_topk(spec, layer.meta.layer_id, b, pos,
+                  tensors.topk_indices.data() + i * static_cast<std::size_t>(spec.topk));
+    }
   }
   return tensors;
 }

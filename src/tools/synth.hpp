@@ -24,6 +24,14 @@
 // stream keyed by (seed, layer_id, request, position), so a token is the same whatever else the
 // trace holds.
 //
+// v1.1 (scale_group_size > 0): the pool is per_token_group (group scales chosen by the v1.1 write
+// rule, src/format/group_scales.hpp); kv_scale is then the RoPE part's multiplier, calibrated over
+// RoPE values only for an e4m3 RoPE part, 1 for a bf16 one. zero_group_every N zeroes the last
+// latent group of token positions divisible by N (an all-zero group, for the zero-scale fault).
+// topk K > 0 (sparse, DSA-like): row i lists min(K, pos + 1) positions of its request: its own
+// position, positions 0..3 (attention sinks), and the rest drawn from 0..pos by the seeded stream
+// of (layer, request, position), padded with -1 in a seeded order.
+//
 // kv_scale per layer: fixed (spec.kv_scale) or calibrated as fp32(amax / 448), amax over every
 // generated value of that layer (the prefix tokens and every step's new tokens) except the ones
 // deliberately pushed past the range by saturate_fraction. Those (a fraction F of elements) are
@@ -70,6 +78,14 @@ struct SynthSpec {
   // 1 / sqrt(192): GLM-5 / DeepSeek-V3 qk_head_dim = qk_nope_head_dim 128 + qk_rope_head_dim 64.
   double sm_scale = 0.07216878364870323;
   KvDtype kv_dtype = KvDtype::kFloat8E4m3fn;
+  // kvdump v1.1 (any of these makes the dump v1.1):
+  int scale_group_size = 0;  // > 0: per_token_group scales over groups of this many channels
+  GroupScaleFormat scale_format = GroupScaleFormat::kFloat32;
+  KvDtype rope_dtype = KvDtype::kBfloat16;  // of a per_token_group pool
+  PoolLayout layout = PoolLayout::kSplit;
+  int zero_group_every = 0;  // > 0: the last latent group of every Nth token position is zero
+  double rope_gain = 1.0;    // multiplies the RoPE part's sigma
+  int topk = 0;              // > 0: sparse rows, topk_indices [Nq, topk] per (step, layer)
 };
 
 // The request/page plan a spec produces (no tensors): what write_synth_dump writes as steps.

@@ -181,6 +181,14 @@ const char* slot_class_name(SlotClass slot_class) {
       return "nan_code";
     case SlotClass::kOffByOneCode:
       return "off_by_one_code";
+    case SlotClass::kScaleBytes:
+      return "scale_bytes";
+    case SlotClass::kSwappedGroupScale:
+      return "swapped_group_scale";
+    case SlotClass::kCodesOtherScale:
+      return "codes_other_scale";
+    case SlotClass::kRopeSaturated:
+      return "rope_saturated";
     case SlotClass::kOther:
       return "other";
   }

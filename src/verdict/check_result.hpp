@@ -62,9 +62,15 @@ enum class SlotClass {
   kBf16Bytes,
   kNanCode,
   kOffByOneCode,
+  // kvdump v1.1 per_token_group pools only:
+  kScaleBytes,         // only the group-scale bytes differ
+  kSwappedGroupScale,  // only the scales differ, and a group holds another group's scale
+  kCodesOtherScale,    // only latent codes differ, by more than one step: another scale used
+  kRopeSaturated,      // only the RoPE part differs, and it holds +-448 codes the rule did not
   kOther,
 };
-// "" (kNone), "wrong_slot", "bf16_bytes", "nan_code", "off_by_one_code", "other".
+// "" (kNone), "wrong_slot", "bf16_bytes", "nan_code", "off_by_one_code", "scale_bytes",
+// "swapped_group_scale", "codes_other_scale", "rope_saturated", "other".
 const char* slot_class_name(SlotClass slot_class);
 
 struct IntegrityFinding {

@@ -34,9 +34,16 @@ constexpr std::array kIntegrityChecks = {
     IntegrityCheck::kUnwrittenSlots,  IntegrityCheck::kNanWritten,
     IntegrityCheck::kReadConsistency, IntegrityCheck::kCapturedPool,
     IntegrityCheck::kNanCodesInPool};
-constexpr std::array kSlotClasses = {SlotClass::kNone,         SlotClass::kWrongSlot,
-                                     SlotClass::kBf16Bytes,    SlotClass::kNanCode,
-                                     SlotClass::kOffByOneCode, SlotClass::kOther};
+constexpr std::array kSlotClasses = {SlotClass::kNone,
+                                     SlotClass::kWrongSlot,
+                                     SlotClass::kBf16Bytes,
+                                     SlotClass::kNanCode,
+                                     SlotClass::kOffByOneCode,
+                                     SlotClass::kScaleBytes,
+                                     SlotClass::kSwappedGroupScale,
+                                     SlotClass::kCodesOtherScale,
+                                     SlotClass::kRopeSaturated,
+                                     SlotClass::kOther};
 
 // A name back to its enum value, by the enum's own name function; an unknown name is an error.
 template <typename Values, typename Enum = typename Values::value_type>

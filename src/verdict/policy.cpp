@@ -536,6 +536,27 @@ Policy default_policy() {
   return policy;
 }
 
+bool kernel_rounds_kv_to_bf16(const DumpAttributes& attrs) {
+  if (!attrs.per_token_group()) return false;
+  return attrs.kv_scale_format == GroupScaleFormat::kFloat32 ||
+         attrs.kv_rope_dtype == KvDtype::kFloat8E4m3fn;
+}
+
+Policy with_bf16_dequantized_kernel(Policy policy) {
+  const Policy defaults = default_policy();
+  for (const Limit limit : all_limits()) {
+    const std::optional<double> current = limit_value(policy.kernel, limit);
+    if (current != limit_value(defaults.kernel, limit)) continue;
+    const std::optional<double> captured = limit_value(defaults.captured, limit);
+    limit_slot(policy.kernel, limit) = captured;
+    policy.kernel.derivations[limit] =
+        "per_token_group pool: the kernels dequantize K and V to bf16 (bf16(code * group "
+        "scale)), the one extra rounding the captured limit is derived for: " +
+        defaults.captured.derivations.at(limit);
+  }
+  return policy;
+}
+
 Policy signoff_policy() {
   Policy policy = default_policy();
   policy.name = "signoff";

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "src/core/result.hpp"
+#include "src/format/kvdump.hpp"
 #include "src/verdict/metrics.hpp"
 
 namespace kvaudit {
@@ -84,6 +85,14 @@ struct Judgement {
 
 // The defaults of policy.cpp's table, each limit with its derivation.
 Policy default_policy();
+// Whether the FP8 kernels' model rounds dequantized K and V to bf16
+// (kernels/mla_attention_model.hpp "Grouped pools"): a per_token_group pool (kvdump v1.1) unless
+// every dequantized value is a bf16 value already (power-of-two or e8m0 scales with a bf16 RoPE
+// part).
+bool kernel_rounds_kv_to_bf16(const DumpAttributes& attrs);
+// The kernel limits for such a kernel: the captured limits, derived for one bf16 rounding of K and
+// V. Only kernel limits still at their default values change (a policy file's stay).
+Policy with_bf16_dequantized_kernel(Policy policy);
 Policy signoff_policy();
 Result<Policy> load_policy(const std::filesystem::path& path);  // JSON, same keys as to_json
 nlohmann::json to_json(const Policy& policy);

@@ -67,6 +67,11 @@ inline void require_same_dump(const DumpReader& a, const DumpReader& b) {
   REQUIRE(la.attrs.page_size == lb.attrs.page_size);
   REQUIRE(la.attrs.kv_dtype == lb.attrs.kv_dtype);
   REQUIRE(la.attrs.kv_scale_kind == lb.attrs.kv_scale_kind);
+  REQUIRE(la.format_minor_version == lb.format_minor_version);
+  REQUIRE(la.attrs.kv_scale_group_size == lb.attrs.kv_scale_group_size);
+  REQUIRE(la.attrs.kv_scale_format == lb.attrs.kv_scale_format);
+  REQUIRE(la.attrs.kv_rope_dtype == lb.attrs.kv_rope_dtype);
+  REQUIRE(la.attrs.kv_cache_layout == lb.attrs.kv_cache_layout);
   REQUIRE(la.num_pages == lb.num_pages);
   REQUIRE(la.layers.size() == lb.layers.size());
   REQUIRE(la.steps.size() == lb.steps.size());
@@ -107,6 +112,8 @@ inline void require_same_dump(const DumpReader& a, const DumpReader& b) {
       if (ta->lse) REQUIRE(same_bits(*ta->lse, *tb->lse));
       REQUIRE(ta->kv_cache_after.has_value() == tb->kv_cache_after.has_value());
       if (ta->kv_cache_after) REQUIRE(ta->kv_cache_after->bytes == tb->kv_cache_after->bytes);
+      REQUIRE(ta->topk == tb->topk);
+      REQUIRE(ta->topk_indices == tb->topk_indices);
     }
   }
 }

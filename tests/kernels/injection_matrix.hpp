@@ -9,7 +9,10 @@
 //                 comparison fails and the first divergence names step, layer, request, row, head;
 //   a fault with nothing to act on (no value past 464 * kv_scale for no-saturation, no NaN code in
 //                 an unused slot for masked-nan-leak) changes nothing: exit 0, as the clean run;
-//   the whole-pool cast is exact: exit 0 (the bench's pool sweep catches it, not check).
+//   the whole-pool cast is exact: exit 0 (the bench's pool sweep catches it, not check);
+//   a fault for another scale kind (the kvdump v1.1 per_token_group faults on these per_tensor
+//                 dumps) would do nothing: refused, exit 2, the message naming both kinds.
+// The per_token_group faults' own matrix, on the shipped v1.1 dumps, is kGroupInjectionMatrix.
 #pragma once
 
 #include <sys/wait.h>
@@ -26,7 +29,7 @@
 
 namespace kvaudit_test {
 
-enum class Expect { kPass, kWriteFault, kReadFault };
+enum class Expect { kPass, kWriteFault, kReadFault, kRefused };
 
 struct InjectionExpectation {
   const char* injection;
@@ -50,9 +53,53 @@ inline constexpr InjectionExpectation kInjectionMatrix[] = {
     {"fp8-read-as-bf16", "", "", Expect::kReadFault, Expect::kReadFault, Expect::kReadFault},
     {"masked-nan-leak", "", "", Expect::kPass, Expect::kReadFault, Expect::kPass},
     {"whole-pool-cast", "", "", Expect::kPass, Expect::kPass, Expect::kPass},
+    {"scale-one-write", "", "", Expect::kRefused, Expect::kRefused, Expect::kRefused},
+    {"zero-group-scale", "", "", Expect::kRefused, Expect::kRefused, Expect::kRefused},
+    {"rope-outside-calibration", "", "", Expect::kRefused, Expect::kRefused, Expect::kRefused},
+    {"kv-scale-split", "", "", Expect::kRefused, Expect::kRefused, Expect::kRefused},
+    {"scale-read-as-pow2", "", "", Expect::kRefused, Expect::kRefused, Expect::kRefused},
+    {"scale-read-as-e8m0", "", "", Expect::kRefused, Expect::kRefused, Expect::kRefused},
 };
 
 inline constexpr const char* kShippedDumps[] = {"glm5_page1", "page64_nan", "saturated_page16"};
+
+// The shipped kvdump v1.1 dumps (datasets/recipes.sh): every injection again, with what follows
+// from each dump's form. glm5_dsa_flashmla: power-of-two scales, a bf16 RoPE part, sparse rows;
+// glm5_pertoken_fp8rope: float32 scales, an e4m3 RoPE part 8x wider than the latent. Both hold
+// all-zero latent groups among the rows their steps write.
+//   scale-read-as-pow2 reads a power-of-two scale unchanged, and rope-outside-calibration has no
+//   e4m3 RoPE part to act on in glm5_dsa_flashmla: nothing changes there, exit 0;
+//   the per_tensor faults are refused on both (exit 2).
+struct GroupInjectionExpectation {
+  const char* injection;
+  const char* check;
+  const char* classification;
+  Expect on_dsa_flashmla;
+  Expect on_pertoken_fp8rope;
+};
+
+inline constexpr GroupInjectionExpectation kGroupInjectionMatrix[] = {
+    {"none", "", "", Expect::kPass, Expect::kPass},
+    {"bf16-writeback", "", "", Expect::kRefused, Expect::kRefused},
+    {"round-toward-zero", "", "", Expect::kRefused, Expect::kRefused},
+    {"no-saturation", "", "", Expect::kRefused, Expect::kRefused},
+    {"scale-mismatch", "", "", Expect::kRefused, Expect::kRefused},
+    {"neighbour-slot-write", "", "", Expect::kRefused, Expect::kRefused},
+    {"fp8-read-as-bf16", "", "", Expect::kRefused, Expect::kRefused},
+    {"masked-nan-leak", "", "", Expect::kRefused, Expect::kRefused},
+    {"whole-pool-cast", "", "", Expect::kRefused, Expect::kRefused},
+    {"scale-one-write", "written_slots", "codes_other_scale", Expect::kWriteFault,
+     Expect::kWriteFault},
+    {"zero-group-scale", "nan_written", "nan_code", Expect::kWriteFault, Expect::kWriteFault},
+    {"rope-outside-calibration", "written_slots", "rope_saturated", Expect::kPass,
+     Expect::kWriteFault},
+    {"kv-scale-split", "written_slots", "codes_other_scale", Expect::kWriteFault,
+     Expect::kWriteFault},
+    {"scale-read-as-pow2", "", "", Expect::kPass, Expect::kReadFault},
+    {"scale-read-as-e8m0", "", "", Expect::kReadFault, Expect::kReadFault},
+};
+
+inline constexpr const char* kShippedGroupDumps[] = {"glm5_dsa_flashmla", "glm5_pertoken_fp8rope"};
 
 inline Expect expectation_on(const InjectionExpectation& e, const std::string& dump) {
   if (dump == "glm5_page1") return e.on_glm5_page1;
@@ -96,11 +143,18 @@ inline CheckOutcome run_injected_check(const std::string& backend, const std::st
 }
 
 // The assertions of the matrix for one (backend, dump, injection).
+template <typename Expectation>
 inline void require_injection_outcome(const std::string& backend, const std::string& dump,
-                                      const InjectionExpectation& e) {
-  const Expect expect = expectation_on(e, dump);
+                                      const Expectation& e, Expect expect) {
   const CheckOutcome outcome = run_injected_check(backend, dump, e.injection);
   INFO(backend << " --inject " << e.injection << " on " << dump << ":\n" << outcome.output);
+  if (expect == Expect::kRefused) {
+    CHECK(outcome.exit_status == 2);
+    CHECK(outcome.report.is_null());
+    CHECK(outcome.output.find(std::string("--inject ") + e.injection) != std::string::npos);
+    CHECK(outcome.output.find("per_token_group") != std::string::npos);
+    return;
+  }
   REQUIRE(outcome.report.is_object());
   const nlohmann::json& integrity = outcome.report.at("integrity");
   REQUIRE(integrity.is_array());
@@ -172,6 +226,17 @@ inline void require_injection_outcome(const std::string& backend, const std::str
                               std::to_string(caught->at("layer").get<int>()) + " " + e.check +
                               " [" + e.classification + "]: " + detail;
   CHECK(outcome.output.find(printed) != std::string::npos);
+}
+
+inline void require_injection_outcome(const std::string& backend, const std::string& dump,
+                                      const InjectionExpectation& e) {
+  require_injection_outcome(backend, dump, e, expectation_on(e, dump));
+}
+
+inline void require_group_injection_outcome(const std::string& backend, const std::string& dump,
+                                            const GroupInjectionExpectation& e) {
+  require_injection_outcome(
+      backend, dump, e, dump == "glm5_dsa_flashmla" ? e.on_dsa_flashmla : e.on_pertoken_fp8rope);
 }
 
 }  // namespace kvaudit_test

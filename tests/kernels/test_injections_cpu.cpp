@@ -53,6 +53,18 @@ TEST_CASE("cpu-fp8: every injected fault on every shipped dump is caught by its 
   }
 }
 
+TEST_CASE(
+    "cpu-fp8: every injected fault on the kvdump v1.1 dumps is caught by its check, or refused",
+    "[injection][cli]") {
+  REQUIRE(std::size(kvaudit_test::kGroupInjectionMatrix) == kvaudit::injection_table().size() + 1);
+  for (const auto& expectation : kvaudit_test::kGroupInjectionMatrix) {
+    REQUIRE(kvaudit::parse_injection(expectation.injection).ok());
+    for (const char* dump : kvaudit_test::kShippedGroupDumps) {
+      kvaudit_test::require_group_injection_outcome("cpu-fp8", dump, expectation);
+    }
+  }
+}
+
 TEST_CASE("the whole-pool cast is numerically exact, so check passes it (bench catches it)",
           "[injection][cli]") {
   const CommandOutcome outcome = run_check("glm5_page1.h5", "whole-pool-cast");

@@ -17,3 +17,16 @@ TEST_CASE("cuda-fp8: every injected fault on every shipped dump is caught by its
     }
   }
 }
+
+TEST_CASE(
+    "cuda-fp8: every injected fault on the kvdump v1.1 dumps is caught by its check, or "
+    "refused",
+    "[gpu][injection][cli]") {
+  KVAUDIT_REQUIRE_GPU();
+  REQUIRE(std::size(kvaudit_test::kGroupInjectionMatrix) == kvaudit::injection_table().size() + 1);
+  for (const auto& expectation : kvaudit_test::kGroupInjectionMatrix) {
+    for (const char* dump : kvaudit_test::kShippedGroupDumps) {
+      kvaudit_test::require_group_injection_outcome("cuda-fp8", dump, expectation);
+    }
+  }
+}
