@@ -23,6 +23,16 @@ nlohmann::json shapes_info(const DumpLayout& layout) {
           {"sm_scale", a.sm_scale}};
 }
 
+// v1.1: the per_token_group pool's form (null for a per_tensor dump).
+nlohmann::json group_scales_info(const DumpAttributes& a) {
+  if (!a.per_token_group()) return nullptr;
+  return {{"group_size", a.kv_scale_group_size},
+          {"groups", a.num_scale_groups()},
+          {"scale_format", group_scale_format_name(a.kv_scale_format)},
+          {"rope_dtype", kv_dtype_name(a.kv_rope_dtype)},
+          {"layout", pool_layout_name(a.kv_cache_layout)}};
+}
+
 // One layer, with the codes of its initial pool (read here).
 Result<nlohmann::json> layer_info(const DumpReader& reader, std::size_t layer_index) {
   const DumpLayout& layout = reader.layout();
@@ -54,8 +64,13 @@ nlohmann::json step_info(const DumpLayout& layout, const StepMeta& step) {
     if (step.has_lse[l]) captures["lse"].push_back(layout.layers[l].group);
     if (step.has_kv_cache_after[l]) captures["kv_cache_after"].push_back(layout.layers[l].group);
   }
+  nlohmann::json topk = nlohmann::json::object();  // v1.1 sparse layers: group -> K
+  for (std::size_t l = 0; l < layout.layers.size() && l < step.topk.size(); ++l) {
+    if (step.topk[l] > 0) topk[layout.layers[l].group] = step.topk[l];
+  }
   return {{"group", step.group},
           {"kind", step_kind_name(step.kind)},
+          {"topk", std::move(topk)},
           {"requests", step.batch_size()},
           {"rows", step.num_rows()},
           {"tokens", tokens},
@@ -71,6 +86,8 @@ Result<nlohmann::json> dump_info(const DumpReader& reader) {
   nlohmann::json info;
   info["file"] = reader.path().string();
   info["format_version"] = layout.format_version;
+  info["format_minor_version"] = layout.format_minor_version;
+  info["group_scales"] = group_scales_info(layout.attrs);
   info["model"] = layout.attrs.model;
   info["producer"] = layout.attrs.producer;
   info["shapes"] = shapes_info(layout);
@@ -107,16 +124,28 @@ std::string layer_line(const nlohmann::json& layer) {
       saturated.is_null() ? std::string("n/a") : std::to_string(saturated.get<std::int64_t>()));
 }
 
+// "" for a dense step; "    sparse: L000 top-64, L001 top-64" (v1.1) on a line of its own.
+std::string topk_text(const nlohmann::json& step) {
+  if (!step.contains("topk") || step["topk"].empty()) return "";
+  std::vector<std::string> layers;
+  for (const auto& [group, k] : step["topk"].items()) {
+    layers.push_back(fmt::format("{} top-{}", group, k.get<int>()));
+  }
+  return fmt::format("        sparse: {}\n", fmt::join(layers, ", "));
+}
+
 std::string step_line(const nlohmann::json& step, std::size_t layer_count) {
   const auto& c = step["captures"];
   return fmt::format(
-      "  {}  {}  requests={}  rows={}  tokens={}  pages_used={}  page_refs={}  out={}  lse={}  "
-      "kv_cache_after={}\n",
-      step["group"].get<std::string>(), step["kind"].get<std::string>(),
-      step["requests"].get<int>(), step["rows"].get<int>(), step["tokens"].get<std::int64_t>(),
-      step["pages_used"].get<std::int64_t>(), step["page_refs"].get<std::int64_t>(),
-      capture_text(c["out"], layer_count), capture_text(c["lse"], layer_count),
-      capture_text(c["kv_cache_after"], layer_count));
+             "  {}  {}  requests={}  rows={}  tokens={}  pages_used={}  page_refs={}  out={}  "
+             "lse={}  "
+             "kv_cache_after={}\n",
+             step["group"].get<std::string>(), step["kind"].get<std::string>(),
+             step["requests"].get<int>(), step["rows"].get<int>(),
+             step["tokens"].get<std::int64_t>(), step["pages_used"].get<std::int64_t>(),
+             step["page_refs"].get<std::int64_t>(), capture_text(c["out"], layer_count),
+             capture_text(c["lse"], layer_count), capture_text(c["kv_cache_after"], layer_count)) +
+         topk_text(step);
 }
 
 }  // namespace
@@ -127,17 +156,26 @@ std::string format_dump_info(const nlohmann::json& info) {
   const auto& steps = info["steps"];
   std::string text = fmt::format(
       "file      {}\n"
-      "format    kvdump v{}\n"
+      "format    kvdump v{}.{}\n"
       "model     {}\n"
       "producer  {}\n"
       "shapes    H={} Dc={} Dr={} page_size={} num_pages={} slots={}\n"
       "kv        kv_dtype={} kv_scale_kind={} sm_scale={:.17g}\n",
       info["file"].get<std::string>(), info["format_version"].get<int>(),
-      info["model"].get<std::string>(), info["producer"].get<std::string>(),
-      s["num_heads"].get<int>(), s["kv_lora_rank"].get<int>(), s["qk_rope_head_dim"].get<int>(),
-      s["page_size"].get<int>(), s["num_pages"].get<std::int64_t>(),
-      s["num_slots"].get<std::int64_t>(), s["kv_dtype"].get<std::string>(),
-      s["kv_scale_kind"].get<std::string>(), s["sm_scale"].get<double>());
+      info.value("format_minor_version", 0), info["model"].get<std::string>(),
+      info["producer"].get<std::string>(), s["num_heads"].get<int>(), s["kv_lora_rank"].get<int>(),
+      s["qk_rope_head_dim"].get<int>(), s["page_size"].get<int>(),
+      s["num_pages"].get<std::int64_t>(), s["num_slots"].get<std::int64_t>(),
+      s["kv_dtype"].get<std::string>(), s["kv_scale_kind"].get<std::string>(),
+      s["sm_scale"].get<double>());
+  if (info.contains("group_scales") && !info["group_scales"].is_null()) {
+    const auto& g = info["group_scales"];
+    text += fmt::format(
+        "scales    per_token_group: {} groups of {} latent channels, {} scales, RoPE {}, "
+        "layout {}\n",
+        g["groups"].get<int>(), g["group_size"].get<int>(), g["scale_format"].get<std::string>(),
+        g["rope_dtype"].get<std::string>(), g["layout"].get<std::string>());
+  }
   text += fmt::format("layers    {}\n", layers.size());
   for (const auto& layer : layers) text += layer_line(layer);
   text += fmt::format("steps     {}\n", steps.size());

@@ -3,12 +3,19 @@
 // group-scaled pools. Expected values are written down by hand or computed here from the format's
 // definitions (code * scale in binary64, Boost at 100 digits), not by the code under test.
 #include <hdf5.h>
+#include <sys/wait.h>
 
 #include <bit>
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <iterator>
+#include <nlohmann/json.hpp>
 #include <random>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "references/mla_reference.hpp"
@@ -395,6 +402,61 @@ TEST_CASE("the exact reference on a float32-group-scaled pool: values of 28 bits
       CHECK(std::abs(lse[pair] - want_lse) <= 1e-15);
     }
   }
+}
+
+}  // namespace
+}  // namespace kvaudit
+
+namespace kvaudit {
+namespace {
+
+// Runs `kvaudit ARGS`, returning the exit status and stdout + stderr.
+std::pair<int, std::string> run_kvaudit(const std::string& args) {
+  const auto log = kvdump_test_dir() / "out.log";
+  const int status = std::system(
+      (std::string(KVAUDIT_BINARY) + " " + args + " > " + log.string() + " 2>&1").c_str());
+  std::ifstream in(log);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, text};
+}
+
+TEST_CASE("kvaudit info describes a v1.1 dump: version, scale form, sparse layers",
+          "[kvdump][v1.1][cli]") {
+  const std::string dump = std::string(KVAUDIT_SOURCE_DIR) + "/datasets/glm5_dsa_flashmla.h5";
+  const auto [status, text] = run_kvaudit("info " + dump);
+  INFO(text);
+  CHECK(status == 0);
+  CHECK_THAT(text, Catch::Matchers::Contains("format    kvdump v1.1"));
+  CHECK_THAT(text, Catch::Matchers::Contains(
+                       "per_token_group: 4 groups of 128 latent channels, power_of_two scales, "
+                       "RoPE bfloat16, layout flashmla_fp8"));
+  CHECK_THAT(text, Catch::Matchers::Contains("sparse: L000 top-64, L001 top-64"));
+  const auto [json_status, json] = run_kvaudit("info --json " + dump);
+  REQUIRE(json_status == 0);
+  const auto info = nlohmann::json::parse(json);
+  CHECK(info.at("format_minor_version") == 1);
+  CHECK(info.at("group_scales").at("layout") == "flashmla_fp8");
+  CHECK(info.at("steps").at(0).at("topk").at("L001") == 64);
+}
+
+TEST_CASE("kvaudit check of the v1.1 dumps passes with none and cpu-fp8, with the limits it says",
+          "[kvdump][v1.1][cli]") {
+  for (const char* name : {"glm5_dsa_flashmla.h5", "glm5_pertoken_fp8rope.h5"}) {
+    const std::string dump = std::string(KVAUDIT_SOURCE_DIR) + "/datasets/" + name;
+    for (const char* backend : {"none", "cpu-fp8"}) {
+      const auto [status, text] =
+          run_kvaudit("check " + dump + " --backend " + std::string(backend) + " --threads 2");
+      INFO(name << " " << backend << "\n" << text);
+      CHECK(status == 0);
+      CHECK_THAT(text, Catch::Matchers::Contains("verdict: PASS"));
+    }
+  }
+  // float32 group scales: the policy's kernel limits are the captured ones, and say why.
+  const auto [status, text] =
+      run_kvaudit("check " + std::string(KVAUDIT_SOURCE_DIR) +
+                  "/datasets/glm5_pertoken_fp8rope.h5 --backend cpu-fp8 --threads 2");
+  CHECK_THAT(text, Catch::Matchers::Contains("kernel       max_abs_over_ref_max <= 0.0625, rel_l2 "
+                                             "<= 0.0312"));
 }
 
 }  // namespace
