@@ -134,6 +134,8 @@ struct KvPool {
   static KvPool zeros(KvDtype dtype, std::int64_t num_slots, int row_width);
   // An all-zero-bytes pool in the dump's form (per_tensor or per_token_group).
   static KvPool zeros_for(const DumpAttributes& attrs, std::int64_t num_slots);
+  // An all-zero-bytes pool of num_slots slots in the same form as this one.
+  KvPool zeros_like(std::int64_t new_num_slots) const;
   bool grouped() const { return group_size > 0; }
   int num_groups() const { return grouped() ? latent_width / group_size : 0; }
   int scale_bytes() const { return scale_format == GroupScaleFormat::kE8m0 ? 1 : 4; }

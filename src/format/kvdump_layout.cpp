@@ -91,6 +91,14 @@ KvPool KvPool::zeros_for(const DumpAttributes& attrs, std::int64_t num_slots) {
   return pool;
 }
 
+KvPool KvPool::zeros_like(std::int64_t new_num_slots) const {
+  KvPool pool = *this;
+  pool.bytes.clear();
+  pool.num_slots = new_num_slots;
+  pool.bytes.assign(static_cast<std::size_t>(new_num_slots) * pool.row_bytes(), 0);
+  return pool;
+}
+
 // Byte offset of column col's element in a slot (grouped: the RoPE part follows the scales).
 static std::size_t element_offset(const KvPool& pool, int col) {
   if (!pool.grouped()) return static_cast<std::size_t>(col) * pool.bytes_per_element();

@@ -42,8 +42,7 @@ void append_rows(const std::vector<T>& source, std::size_t per_row, int begin, i
 
 // The pages of `pages` (original ids -> repro ids) copied out of a pool of the same dtype/width.
 KvPool gather_pages(const KvPool& pool, const std::vector<std::int32_t>& pages, int page_size) {
-  KvPool kept = KvPool::zeros(pool.dtype, static_cast<std::int64_t>(pages.size()) * page_size,
-                              pool.row_width);
+  KvPool kept = pool.zeros_like(static_cast<std::int64_t>(pages.size()) * page_size);
   const std::size_t page_bytes = pool.row_bytes() * page_size;
   for (std::size_t i = 0; i < pages.size(); ++i) {
     std::memcpy(kept.bytes.data() + i * page_bytes,
@@ -282,7 +281,14 @@ StepLayerTensors restrict_tensors(const StepLayerTensors& tensors, const DumpAtt
                 restricted.new_kv);
     if (tensors.out) append_rows(*tensors.out, heads * dc, begin, end, *restricted.out);
     if (tensors.lse) append_rows(*tensors.lse, heads, begin, end, *restricted.lse);
+    if (tensors.sparse()) {  // v1.1: token positions of the request, valid as they are
+      const auto k = static_cast<std::size_t>(tensors.topk);
+      restricted.topk_indices.insert(restricted.topk_indices.end(),
+                                     tensors.topk_indices.begin() + begin * k,
+                                     tensors.topk_indices.begin() + end * k);
+    }
   }
+  restricted.topk = tensors.topk;
   if (tensors.kv_cache_after) {
     restricted.kv_cache_after =
         gather_pages(*tensors.kv_cache_after, kept.pages(), attrs.page_size);

@@ -459,5 +459,25 @@ TEST_CASE("kvaudit check of the v1.1 dumps passes with none and cpu-fp8, with th
                                              "<= 0.0312"));
 }
 
+TEST_CASE("--emit-repro on a v1.1 dump keeps its form and its sparse rows, and still fails",
+          "[kvdump][v1.1][cli]") {
+  const auto repro = kvdump_test_dir() / "repro.h5";
+  std::filesystem::remove(repro);
+  const std::string dump = std::string(KVAUDIT_SOURCE_DIR) + "/datasets/glm5_dsa_flashmla.h5";
+  const auto [status, text] = run_kvaudit("check " + dump +
+                                          " --backend cpu-fp8 --threads 2 --inject "
+                                          "scale-read-as-e8m0 --emit-repro " +
+                                          repro.string());
+  INFO(text);
+  CHECK(status == 1);
+  REQUIRE(std::filesystem::exists(repro));
+  const auto [info_status, info] = run_kvaudit("info " + repro.string());
+  CHECK_THAT(info, Catch::Matchers::Contains("layout flashmla_fp8"));
+  CHECK_THAT(info, Catch::Matchers::Contains("sparse: L000 top-64"));
+  CHECK(run_kvaudit("check " + repro.string() + " --backend cpu-fp8 --inject scale-read-as-e8m0")
+            .first == 1);
+  CHECK(run_kvaudit("check " + repro.string() + " --backend cpu-fp8").first == 0);
+}
+
 }  // namespace
 }  // namespace kvaudit
