@@ -1,5 +1,5 @@
-"""kvaudit's side of the external-backend protocol (docs/backend-protocol.md, version 1), in
-Python, for testing the adapters of kvdump.backends without kvaudit.
+"""kvaudit's side of the external-backend protocol (docs/backend-protocol.md, versions 1 and 2),
+in Python, for testing the adapters of kvdump.backends without kvaudit.
 
     with Driver([sys.executable, "-m", "kvdump.backends", "torch", "--device", "cpu"]) as d:
         d.hello(model)                      # -> the hello reply (or an error reply)
@@ -12,7 +12,9 @@ Written from the protocol document only (no code shared with the server): a sess
 of its own, one JSON request per line on the program's stdin, one reply per line read back with
 a timeout, arrays as raw little-endian files. The program's stderr goes to a file (`stderr()`).
 `replay_dump` drives a whole kvdump file through a backend, as kvaudit does: every layer, then
-its steps in order.
+its steps in order, asking for version 2 with a kvdump v1.1 per_token_group file (its pool file
+then holds each slot's bytes: codes, scales, RoPE) and refusing a sparse one (topk_indices), as
+kvaudit's exec backend does.
 """
 
 import json
@@ -176,19 +178,49 @@ class Driver:
         return self.request({"type": "bye"})
 
 
+def text_attr(attrs, name, default=None):
+    value = attrs.get(name, default)
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def grouped_pool(layer, attrs):
+    """A per_token_group layer's pool as the protocol's pool file holds it: uint8 [S, slot_bytes],
+    each slot [Dc codes][G scales: float32 LE or e8m0 bytes][Dr RoPE: bf16 LE or e4m3 codes]
+    (kvdump v1.1; the packed flashmla_fp8 slot already is that)."""
+    cache = layer["kv_cache"][()]
+    slots = cache.shape[0] * cache.shape[1]
+    if text_attr(attrs, "kv_cache_layout", "split") == "flashmla_fp8":
+        return cache.reshape(slots, -1).astype(np.uint8)
+    scales = layer["kv_scales"][()].reshape(slots, -1)
+    scale_bytes = (scales.astype(np.uint8) if text_attr(attrs, "kv_scale_format") == "e8m0"
+                   else np.ascontiguousarray(scales.astype("<f4")).view(np.uint8))
+    rope = layer["kv_rope"][()].reshape(slots, -1)
+    rope_bytes = (np.ascontiguousarray(rope.astype("<u2")).view(np.uint8)
+                  if rope.dtype == np.uint16 else rope.astype(np.uint8))
+    return np.concatenate([cache.reshape(slots, -1).astype(np.uint8), scale_bytes, rope_bytes],
+                          axis=1)
+
+
 def read_dump(path):
     """A kvdump file as plain numpy (bf16 as uint16 bits): (model, layers, steps)."""
     import h5py
 
     with h5py.File(path, "r") as f:
         attrs = f.attrs
-        pools = {name: g["kv_cache"][()] for name, g in f["layers"].items()}
-        first = next(iter(pools.values()))
+        scale_kind = text_attr(attrs, "kv_scale_kind", "per_tensor")
+        pools = {name: (grouped_pool(g, attrs) if scale_kind == "per_token_group"
+                        else g["kv_cache"][()]) for name, g in f["layers"].items()}
+        first = next(iter(f["layers"].values()))["kv_cache"]
         model = {"num_heads": int(attrs["num_heads"]), "kv_lora_rank": int(attrs["kv_lora_rank"]),
                  "qk_rope_head_dim": int(attrs["qk_rope_head_dim"]),
                  "sm_scale": float(attrs["sm_scale"]), "page_size": int(attrs["page_size"]),
                  "num_slots": int(first.shape[0] * first.shape[1]),
-                 "kv_dtype": str(attrs["kv_dtype"]), "kv_scale_kind": "per_tensor"}
+                 "kv_dtype": text_attr(attrs, "kv_dtype"), "kv_scale_kind": scale_kind}
+        if scale_kind == "per_token_group":
+            model.update(kv_scale_group_size=int(attrs["kv_scale_group_size"]),
+                         kv_scale_format=text_attr(attrs, "kv_scale_format"),
+                         kv_rope_dtype=text_attr(attrs, "kv_rope_dtype"),
+                         slot_bytes=int(next(iter(pools.values())).shape[-1]))
         layers = [{"group": name, "layer_id": int(g.attrs["layer_id"]),
                    "kv_scale": float(g.attrs["kv_scale"]),
                    "pool": pools[name].reshape(model["num_slots"], -1)}
@@ -200,7 +232,11 @@ def read_dump(path):
             tensors = {layer["group"]: {key: g[layer["group"]][key][()]
                                         for key in ("q_nope", "q_pe", "new_kv")}
                        for layer in layers}
-            steps.append({"index": index, "group": name, "kind": str(g.attrs["kind"]),
+            for layer in layers:
+                if "topk_indices" in g[layer["group"]]:
+                    raise ValueError(f"{path}: /steps/{name}/{layer['group']} is sparse "
+                                     "(topk_indices): the protocol's steps are dense")
+            steps.append({"index": index, "group": name, "kind": text_attr(g.attrs, "kind"),
                           "indices": indices, "tensors": tensors})
     return model, layers, steps
 
@@ -209,7 +245,7 @@ def replay_dump(driver, path):
     """Replays a kvdump file through the driver's backend, layer by layer; returns
     {(step group, layer group): StepOutput}. Stops at the first error reply."""
     model, layers, steps = read_dump(path)
-    reply = driver.hello(model)
+    reply = driver.hello(model, version=2 if model["kv_scale_kind"] == "per_token_group" else 1)
     if reply["type"] != "hello":
         return {("hello", ""): StepOutput(reply)}
     results = {}

@@ -1,4 +1,5 @@
-"""The protocol server of kvdump.backends (docs/backend-protocol.md, version 1), without torch.
+"""The protocol server of kvdump.backends (docs/backend-protocol.md, version 1; version 2's
+per_token_group pools: test_backend_grouped.py), without torch.
 
 In process: kvdump.backends.protocol.Server with a stub adapter whose outputs are known (out = the
 step index in every element, lse = the row number, each written slot set to 0x11), driven through
@@ -299,9 +300,10 @@ class HelloTests(unittest.TestCase):
         return replies[0]
 
     def test_other_version_is_unsupported(self):
-        reply = self.refused(version=2)
+        reply = self.refused(version=3)
         self.assertEqual(reply["kind"], "unsupported")
-        self.assertIn("version 2", reply["message"])
+        self.assertIn("version 3", reply["message"])
+        self.assertIn("versions 1, 2", reply["message"])
 
     def test_other_protocol_is_unsupported(self):
         self.assertEqual(self.refused(protocol="other")["kind"], "unsupported")

@@ -315,6 +315,75 @@ class TorchAdapterNumericsTests(unittest.TestCase):
             self.assertTrue(lse_close(lse, ref[1]))
 
 
+GROUPED_FORMS = [("float32", "float8_e4m3fn", KV_SCALE), ("power_of_two", "bfloat16", 1.0),
+                 ("e8m0", "float8_e4m3fn", KV_SCALE)]
+
+
+def grouped_model(scale_format, rope):
+    return dict(MODEL, kv_scale_kind="per_token_group", kv_scale_group_size=8,
+                kv_scale_format=scale_format, kv_rope_dtype=rope)
+
+
+@unittest.skipIf(TORCH_MISSING, TORCH_MISSING)
+class GroupedTorchTests(unittest.TestCase):
+    """Protocol version 2: per_token_group pools (Dc 16 in groups of 8) in every scale format and
+    RoPE type, written by the v1.1 rule and read with each slot's own scales."""
+
+    def serve(self, model, pool, steps, kv_scale, *options):
+        command = [sys.executable, "-m", "kvdump.backends", "torch", "--device", "cpu", *options]
+        with Driver(command) as driver:
+            hello = driver.hello(model, version=2)
+            self.assertEqual(hello["type"], "hello", hello)
+            self.assertEqual(hello["version"], 2)
+            self.assertEqual(driver.layer("L003", 3, kv_scale, pool), {"type": "ok"})
+            results = []
+            for index, step in enumerate(steps):
+                bits = kvdump.bf16_bits_from_float32
+                output = driver.step(index, f"S{index:03d}", step["kind"], "L003", 3, kv_scale,
+                                     step["indices"], bits(step["q_nope"]), bits(step["q_pe"]),
+                                     bits(step["new_kv"]))
+                self.assertEqual(output.reply["type"], "result", (output.reply, driver.stderr()))
+                results.append((output.pool, kvdump.float32_from_bf16_bits(output.out_bits),
+                                output.lse))
+            self.assertEqual(driver.bye(), {"type": "bye"})
+        return hello, results
+
+    def test_every_form_matches_float64(self):
+        from kvdump.backends import grouped, protocol
+
+        for scale_format, rope, kv_scale in GROUPED_FORMS:
+            with self.subTest(scale_format=scale_format, rope=rope):
+                model = grouped_model(scale_format, rope)
+                info = protocol.parse_model({"version": 2, "model": model})
+                rng = np.random.default_rng(31)
+                pool = np.where(rng.random((SLOTS, info.slot_bytes)) < 0.5, 0x7F,
+                                0xFF).astype(np.uint8)
+                pool[CACHED] = grouped.encode_rows(bf16_values(rng, len(CACHED), D, scale=8.0),
+                                                   info, kv_scale)
+                _, steps = make_case(seed=31)
+                hello, served = self.serve(model, pool, steps, kv_scale, "--write", "server")
+                self.assertIn("v1.1", hello["describe"]["write_rule"])
+                self.assertEqual(hello["describe"]["pool"]["slot_bytes"], info.slot_bytes)
+                expected = pool.copy()
+                for step, (after, out, lse) in zip(steps, served):
+                    expected[step["indices"]["new_kv_slots"]] = grouped.encode_rows(
+                        step["new_kv"], info, kv_scale)
+                    np.testing.assert_array_equal(after, expected)
+                    with np.errstate(invalid="ignore", over="ignore"):
+                        values = grouped.dequantize(expected, info, kv_scale)
+                    ref_out, ref_lse = reference_from_values(values, step)
+                    self.assertTrue(out_close(out, ref_out), np.abs(out - ref_out).max())
+                    self.assertTrue(lse_close(lse, ref_lse), np.abs(lse - ref_lse).max())
+
+    def test_a_version_1_hello_with_a_grouped_model_is_refused(self):
+        command = [sys.executable, "-m", "kvdump.backends", "torch", "--device", "cpu"]
+        with Driver(command) as driver:
+            reply = driver.hello(grouped_model("float32", "float8_e4m3fn"), version=1)
+            self.assertEqual(driver.wait(), 2)
+        self.assertEqual(reply["kind"], "unsupported")
+        self.assertIn("needs protocol version 2", reply["message"])
+
+
 @unittest.skipIf(TORCH_MISSING, TORCH_MISSING)
 class BenchDataTests(unittest.TestCase):
     """The data a bench case times (timing itself needs a GPU): shapes, distinct pages per case,

@@ -1,6 +1,7 @@
 // The exec backend (src/backend/exec_backend.hpp): a Backend that speaks the external backend
 // protocol to a program. Shapes per (step, layer): q_nope [Nq, H, Dc], q_pe [Nq, H, Dr],
-// new_kv [Nq, D], out [Nq, H, Dc] bf16 bits, lse [Nq, H] fp32; pools [S, D] as stored.
+// new_kv [Nq, D], out [Nq, H, Dc] bf16 bits, lse [Nq, H] fp32; pools [S, D] as stored, or
+// per_token_group [S, slot_bytes] uint8 slots (protocol version 2).
 #include "src/backend/exec_backend.hpp"
 
 #include <fmt/format.h>
@@ -52,24 +53,51 @@ struct PoolSnapshot {
   KvDtype dtype = KvDtype::kFloat8E4m3fn;
   std::int64_t num_slots = -1;
   int row_width = 0;
+  int group_size = 0;  // per_token_group: the slot's form too
+  int latent_width = 0;
+  GroupScaleFormat scale_format = GroupScaleFormat::kFloat32;
+  KvDtype rope_dtype = KvDtype::kFloat8E4m3fn;
   std::vector<std::uint8_t> bytes;
 
   bool holds(const KvPool& pool) const {
     return pool.dtype == dtype && pool.num_slots == num_slots && pool.row_width == row_width &&
+           pool.group_size == group_size && pool.latent_width == latent_width &&
+           pool.scale_format == scale_format && pool.rope_dtype == rope_dtype &&
            pool.bytes == bytes;
   }
   void take(const KvPool& pool) {
     dtype = pool.dtype;
     num_slots = pool.num_slots;
     row_width = pool.row_width;
+    group_size = pool.group_size;
+    latent_width = pool.latent_width;
+    scale_format = pool.scale_format;
+    rope_dtype = pool.rope_dtype;
     bytes = pool.bytes;
   }
 };
 
+// `pool`'s form (every field but the bytes).
+KvPool form_of(const KvPool& pool) {
+  KvPool form;
+  form.dtype = pool.dtype;
+  form.num_slots = pool.num_slots;
+  form.row_width = pool.row_width;
+  form.group_size = pool.group_size;
+  form.latent_width = pool.latent_width;
+  form.scale_format = pool.scale_format;
+  form.rope_dtype = pool.rope_dtype;
+  return form;
+}
+
 class ExecBackend final : public Backend {
  public:
-  ExecBackend(std::string name, std::unique_ptr<exec::ExecSession> session, exec::HelloReply hello)
-      : name_(std::move(name)), session_(std::move(session)), hello_(std::move(hello)) {
+  ExecBackend(std::string name, std::unique_ptr<exec::ExecSession> session, exec::HelloReply hello,
+              int version)
+      : name_(std::move(name)),
+        session_(std::move(session)),
+        hello_(std::move(hello)),
+        version_(version) {
     statistics_.startup_seconds = hello_.seconds;
     for (const char* file : {kPoolFile, kOutFile, kLseFile}) session_->note_program_file(file);
     for (const char* input : kIndexInputs) session_->note_program_file(file_of(input));
@@ -83,6 +111,7 @@ class ExecBackend final : public Backend {
 
  private:
   std::string context_of(const StepLayerInput& input) const;
+  Status refuse_sparse(const StepLayerInput& input, const std::string& context) const;
   Status load_layer(const StepLayerInput& input, const KvPool& pool);
   Result<bool> refresh_pool_file(const KvPool& pool);
   Result<nlohmann::json> write_inputs(const StepLayerInput& input);
@@ -96,8 +125,10 @@ class ExecBackend final : public Backend {
   std::string name_;
   std::unique_ptr<exec::ExecSession> session_;
   exec::HelloReply hello_;
+  int version_;                             // the protocol version of the session
   std::optional<std::size_t> layer_index_;  // the layer the program holds
   ArrayDescriptor layer_pool_;              // pool.bin as the layer request gave it
+  KvPool layer_form_;                       // the layer's pool form (no bytes)
   PoolSnapshot returned_;
   ProtocolStatistics statistics_;
 };
@@ -106,7 +137,7 @@ nlohmann::json ExecBackend::describe() const {
   nlohmann::json description = hello_.describe;
   description["exec"] = {{"command", session_->command()},
                          {"protocol", exec::kProtocolName},
-                         {"protocol_version", exec::kProtocolVersion},
+                         {"protocol_version", version_},
                          {"capabilities", hello_.capabilities}};
   return description;
 }
@@ -114,7 +145,7 @@ nlohmann::json ExecBackend::describe() const {
 nlohmann::json ExecBackend::protocol_statistics() const {
   const ProtocolStatistics& s = statistics_;
   const double overhead = s.overhead_seconds();
-  return {{"protocol_version", exec::kProtocolVersion},
+  return {{"protocol_version", version_},
           {"startup_seconds", s.startup_seconds},
           {"layer_requests", s.layer_requests},
           {"layer_seconds", s.layer_seconds},
@@ -139,11 +170,24 @@ Error ExecBackend::failure(const std::string& context, const Error& error) const
                                        error.message(), session_->command()));
 }
 
+// 0. A sparse step (v1.1 topk_indices) goes out as the step plus its topk_indices in a version-2
+// session (a per_token_group dump); version 1 has no topk_indices, so there it is refused before
+// anything is sent, and the program stays in the session (kvaudit then says bye).
+Status ExecBackend::refuse_sparse(const StepLayerInput& input, const std::string& context) const {
+  if (!input.tensors.sparse() || version_ >= 2) return ok_status();
+  return unsupported(
+      name(), fmt::format("step request for {}: the step is sparse (topk_indices, K = {}): "
+                          "protocol version {} has no topk_indices (version 2, for "
+                          "per_token_group dumps, does); check this dump with a built-in backend "
+                          "(cpu-fp8, cuda-fp8) (command: {})",
+                          context, input.tensors.topk, version_, session_->command()));
+}
+
 // 1. A new layer: its pool into pool.bin, then the layer request.
 Status ExecBackend::load_layer(const StepLayerInput& input, const KvPool& pool) {
   const auto start = Clock::now();
-  layer_pool_ = ArrayDescriptor{
-      kPoolFile, exec::pool_array_dtype(pool.dtype), {pool.num_slots, pool.row_width}};
+  layer_form_ = form_of(pool);
+  layer_pool_ = exec::pool_descriptor(kPoolFile, pool);
   KVAUDIT_TRY(exec::write_array(session_->directory(), layer_pool_, pool.bytes));
   const nlohmann::json request = {{"type", "layer"},
                                   {"layer", exec::layer_json(input.layer)},
@@ -161,8 +205,8 @@ Status ExecBackend::load_layer(const StepLayerInput& input, const KvPool& pool) 
 // gets it (in the layer's storage) and the step says pool_reloaded.
 Result<bool> ExecBackend::refresh_pool_file(const KvPool& pool) {
   if (returned_.holds(pool)) return false;
-  layer_pool_ = ArrayDescriptor{
-      kPoolFile, exec::pool_array_dtype(pool.dtype), {pool.num_slots, pool.row_width}};
+  layer_form_ = form_of(pool);
+  layer_pool_ = exec::pool_descriptor(kPoolFile, pool);
   KVAUDIT_TRY(exec::write_array(session_->directory(), layer_pool_, pool.bytes));
   returned_.take(pool);
   return true;
@@ -194,6 +238,14 @@ Result<nlohmann::json> ExecBackend::write_inputs(const StepLayerInput& input) {
     const ArrayDescriptor descriptor{file_of(kTensorInputs[i]), encoded.dtype, shapes[i]};
     KVAUDIT_TRY(exec::write_array(session_->directory(), descriptor, encoded.bytes));
     inputs[kTensorInputs[i]] = exec::descriptor_json(descriptor);
+  }
+  if (input.tensors.sparse()) {  // version 2: [Nq, K] token positions of each row's request
+    const ArrayDescriptor descriptor{"topk_indices.bin",
+                                     ArrayDtype::kInt32,
+                                     {rows, static_cast<std::int64_t>(input.tensors.topk)}};
+    KVAUDIT_TRY(exec::write_array(session_->directory(), descriptor,
+                                  exec::int32_bytes(input.tensors.topk_indices)));
+    inputs["topk_indices"] = exec::descriptor_json(descriptor);
   }
   // Outputs are read back at their exact sizes: stale files of the last step must not pass.
   std::error_code ignored;
@@ -241,7 +293,9 @@ Result<AttentionOutput> ExecBackend::read_outputs(const StepLayerInput& input,
 }
 
 // 3. The pool the program left: the reply's descriptor where it changed its storage (uint8 or
-// bfloat16, [slots, width]), else pool.bin in the layer's storage.
+// bfloat16, [slots, width]), else pool.bin in the layer's form. A pool file of the layer's dtype
+// and shape keeps the layer's form (a per_token_group slot stays one); another is a plain pool of
+// its dtype, [slots, width] elements.
 Status ExecBackend::read_pool(const nlohmann::json& reply, KvPool& pool,
                               const std::string& context) {
   ArrayDescriptor descriptor = layer_pool_;
@@ -261,10 +315,15 @@ Status ExecBackend::read_pool(const nlohmann::json& reply, KvPool& pool,
   Result<std::vector<std::uint8_t>> bytes =
       exec::read_array(session_->directory(), descriptor, "pool");
   if (!bytes) return failure(context, bytes.error());
-  pool.dtype =
-      descriptor.dtype == ArrayDtype::kBfloat16 ? KvDtype::kBfloat16 : KvDtype::kFloat8E4m3fn;
-  pool.num_slots = descriptor.shape[0];
-  pool.row_width = static_cast<int>(descriptor.shape[1]);
+  if (exec::is_pool_of_form(descriptor, layer_form_)) {
+    pool = layer_form_;
+  } else {
+    pool = KvPool{};
+    pool.dtype =
+        descriptor.dtype == ArrayDtype::kBfloat16 ? KvDtype::kBfloat16 : KvDtype::kFloat8E4m3fn;
+    pool.num_slots = descriptor.shape[0];
+    pool.row_width = static_cast<int>(descriptor.shape[1]);
+  }
   pool.bytes = std::move(*bytes);
   returned_.take(pool);
   return ok_status();
@@ -282,6 +341,7 @@ void ExecBackend::count_step(const nlohmann::json& reply, double seconds) {
 
 Result<AttentionOutput> ExecBackend::run_step(const StepLayerInput& input, KvPool& pool) {
   const std::string context = context_of(input);
+  KVAUDIT_TRY(refuse_sparse(input, context));
   if (!layer_index_ || *layer_index_ != input.layer_index) KVAUDIT_TRY(load_layer(input, pool));
   const auto start = Clock::now();
   KVAUDIT_ASSIGN_OR_RETURN(const bool pool_reloaded, refresh_pool_file(pool));
@@ -312,7 +372,8 @@ Result<std::unique_ptr<Backend>> make_exec_backend(std::string_view name,
                            session->hello(name, exec::model_json(layout.attrs, layout.num_slots()),
                                           options.reciprocal_scale));
   return std::unique_ptr<Backend>(
-      std::make_unique<ExecBackend>(std::string(name), std::move(session), std::move(hello)));
+      std::make_unique<ExecBackend>(std::string(name), std::move(session), std::move(hello),
+                                    exec::protocol_version_for(layout.attrs)));
 }
 
 }  // namespace kvaudit

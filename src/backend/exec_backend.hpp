@@ -1,5 +1,7 @@
 // `--backend exec:NAME`: a program outside kvaudit as the backend under test, through the external
-// backend protocol (docs/backend-protocol.md, version 1). It is a Backend like the built-in ones:
+// backend protocol (docs/backend-protocol.md: version 1 for a per_tensor dump, version 2 for a
+// per_token_group one, whose pool file holds the grouped slots' bytes). It is a Backend like the
+// built-in ones:
 // the replay hands it each (step, layer) and the pool it keeps for the layer, and gets back
 // out [Nq, H, Dc] (bf16 bits) and lse [Nq, H] (fp32, natural log), with the pool as the program
 // left it, so every comparison and integrity check, the reports and --emit-repro work unchanged.
@@ -14,6 +16,8 @@
 //      value is not a bf16 value) into files, out.bin and lse.bin removed, the `step` request;
 //   3. out.bin and lse.bin read back at exactly their sizes, and the pool file the reply names
 //      (a changed storage: its descriptor; else pool.bin) read into the replay's pool.
+// A sparse step (kvdump v1.1 topk_indices) is refused before any request, as unsupported (exit 2)
+// naming the step: the protocol's steps are dense.
 // Protocol overhead: each step's round trip (1-3, as kvaudit measures it) minus the
 // compute_seconds the program reports, summed with the layer requests (protocol_statistics()).
 #pragma once

@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -67,6 +68,20 @@ Result<std::vector<std::int64_t>> parse_shape(const nlohmann::json& shape, std::
 }
 
 }  // namespace
+
+int protocol_version_for(const DumpAttributes& attrs) {
+  return attrs.per_token_group() ? 2 : kFirstProtocolVersion;
+}
+
+int hello_version(const nlohmann::json& model) {
+  return string_or(model, "kv_scale_kind", "per_tensor") == "per_token_group"
+             ? 2
+             : kFirstProtocolVersion;
+}
+
+bool speaks_protocol_version(std::int64_t version) {
+  return version >= kFirstProtocolVersion && version <= kProtocolVersion;
+}
 
 const char* array_dtype_name(ArrayDtype dtype) {
   switch (dtype) {
@@ -241,17 +256,86 @@ std::vector<std::int32_t> int32_values(std::span<const std::uint8_t> bytes) {
 }
 
 nlohmann::json model_json(const DumpAttributes& attrs, std::int64_t num_slots) {
-  return {{"num_heads", attrs.num_heads},
-          {"kv_lora_rank", attrs.kv_lora_rank},
-          {"qk_rope_head_dim", attrs.qk_rope_head_dim},
-          {"sm_scale", attrs.sm_scale},
-          {"page_size", attrs.page_size},
-          {"num_slots", num_slots},
-          {"kv_dtype", kv_dtype_name(attrs.kv_dtype)},
-          {"kv_scale_kind", attrs.kv_scale_kind}};
+  nlohmann::json model = {{"num_heads", attrs.num_heads},
+                          {"kv_lora_rank", attrs.kv_lora_rank},
+                          {"qk_rope_head_dim", attrs.qk_rope_head_dim},
+                          {"sm_scale", attrs.sm_scale},
+                          {"page_size", attrs.page_size},
+                          {"num_slots", num_slots},
+                          {"kv_dtype", kv_dtype_name(attrs.kv_dtype)},
+                          {"kv_scale_kind", attrs.kv_scale_kind}};
+  if (attrs.per_token_group()) {  // version 2
+    model["kv_scale_group_size"] = attrs.kv_scale_group_size;
+    model["kv_scale_format"] = group_scale_format_name(attrs.kv_scale_format);
+    model["kv_rope_dtype"] = kv_dtype_name(attrs.kv_rope_dtype);
+    model["slot_bytes"] = pool_form(attrs, 0).row_bytes();
+  }
+  return model;
 }
 
-Result<ModelInfo> parse_model(const nlohmann::json& model) {
+namespace {
+
+Result<KvDtype> parse_kv_dtype(const std::string& name, std::string_view key) {
+  if (name == kv_dtype_name(KvDtype::kFloat8E4m3fn)) return KvDtype::kFloat8E4m3fn;
+  if (name == kv_dtype_name(KvDtype::kBfloat16)) return KvDtype::kBfloat16;
+  return unsupported("hello model",
+                     fmt::format("{} '{}' is not float8_e4m3fn or bfloat16", key, name));
+}
+
+// kv_scale_group_size, kv_scale_format, kv_rope_dtype and slot_bytes of a per_token_group model.
+Status parse_group_scales(const nlohmann::json& model, int version, DumpAttributes& attrs) {
+  constexpr std::string_view what = "hello model";
+  if (version < 2) {
+    return unsupported(std::string(what),
+                       fmt::format("kv_scale_kind 'per_token_group' needs protocol version 2; "
+                                   "this hello asked for version {}",
+                                   version));
+  }
+  if (attrs.kv_dtype != KvDtype::kFloat8E4m3fn) {
+    return bad_input(std::string(what),
+                     "kv_scale_kind per_token_group needs kv_dtype float8_e4m3fn");
+  }
+  KVAUDIT_ASSIGN_OR_RETURN(const std::int64_t group,
+                           integer_member(model, "kv_scale_group_size", what));
+  if (group < 1 || group > attrs.kv_lora_rank || attrs.kv_lora_rank % group != 0) {
+    return bad_input(std::string(what),
+                     fmt::format("kv_scale_group_size {} does not divide kv_lora_rank {}", group,
+                                 attrs.kv_lora_rank));
+  }
+  attrs.kv_scale_group_size = static_cast<int>(group);
+  KVAUDIT_ASSIGN_OR_RETURN(const std::string format, string_member(model, "kv_scale_format", what));
+  constexpr GroupScaleFormat kFormats[] = {GroupScaleFormat::kFloat32,
+                                           GroupScaleFormat::kPowerOfTwo, GroupScaleFormat::kE8m0};
+  const auto known =
+      std::find_if(std::begin(kFormats), std::end(kFormats),
+                   [&](GroupScaleFormat f) { return format == group_scale_format_name(f); });
+  if (known == std::end(kFormats)) {
+    return unsupported(
+        std::string(what),
+        fmt::format("kv_scale_format '{}' is not float32, power_of_two or e8m0", format));
+  }
+  attrs.kv_scale_format = *known;
+  KVAUDIT_ASSIGN_OR_RETURN(const std::string rope, string_member(model, "kv_rope_dtype", what));
+  KVAUDIT_ASSIGN_OR_RETURN(attrs.kv_rope_dtype, parse_kv_dtype(rope, "kv_rope_dtype"));
+  attrs.format_minor_version = 1;
+  const std::size_t slot_bytes = pool_form(attrs, 0).row_bytes();
+  if (model.contains("slot_bytes")) {
+    KVAUDIT_ASSIGN_OR_RETURN(const std::int64_t given, integer_member(model, "slot_bytes", what));
+    if (given < 0 || static_cast<std::size_t>(given) != slot_bytes) {
+      return bad_input(std::string(what),
+                       fmt::format("slot_bytes {} is not the {} bytes of a slot [{} codes][{} "
+                                   "{} scales][{} {} RoPE values]",
+                                   given, slot_bytes, attrs.kv_lora_rank, attrs.num_scale_groups(),
+                                   group_scale_format_name(attrs.kv_scale_format),
+                                   attrs.qk_rope_head_dim, kv_dtype_name(attrs.kv_rope_dtype)));
+    }
+  }
+  return ok_status();
+}
+
+}  // namespace
+
+Result<ModelInfo> parse_model(const nlohmann::json& model, int version) {
   constexpr std::string_view what = "hello model";
   if (!model.is_object()) return bad_input("hello", "model is not an object");
   ModelInfo info;
@@ -275,20 +359,45 @@ Result<ModelInfo> parse_model(const nlohmann::json& model) {
   attrs.kv_lora_rank = static_cast<int>(rank);
   attrs.qk_rope_head_dim = static_cast<int>(rope);
   attrs.page_size = static_cast<int>(page);
-  if (kv_dtype == kv_dtype_name(KvDtype::kFloat8E4m3fn)) {
-    attrs.kv_dtype = KvDtype::kFloat8E4m3fn;
-  } else if (kv_dtype == kv_dtype_name(KvDtype::kBfloat16)) {
-    attrs.kv_dtype = KvDtype::kBfloat16;
-  } else {
-    return unsupported("hello model",
-                       fmt::format("kv_dtype '{}' is not float8_e4m3fn or bfloat16", kv_dtype));
-  }
+  KVAUDIT_ASSIGN_OR_RETURN(attrs.kv_dtype, parse_kv_dtype(kv_dtype, "kv_dtype"));
   attrs.kv_scale_kind = string_or(model, "kv_scale_kind", "per_tensor");
-  if (attrs.kv_scale_kind != "per_tensor") {
+  if (attrs.kv_scale_kind == "per_token_group") {
+    KVAUDIT_TRY(parse_group_scales(model, version, attrs));
+  } else if (attrs.kv_scale_kind != "per_tensor") {
     return unsupported("hello model",
-                       fmt::format("kv_scale_kind '{}' is not per_tensor", attrs.kv_scale_kind));
+                       fmt::format("kv_scale_kind '{}' is not per_tensor{}", attrs.kv_scale_kind,
+                                   version >= 2 ? " or per_token_group" : ""));
   }
   return info;
+}
+
+KvPool pool_form(const DumpAttributes& attrs, std::int64_t num_slots) {
+  KvPool pool;
+  pool.dtype = attrs.kv_dtype;
+  pool.num_slots = num_slots;
+  pool.row_width = attrs.row_width();
+  if (attrs.per_token_group()) {
+    pool.group_size = attrs.kv_scale_group_size;
+    pool.latent_width = attrs.kv_lora_rank;
+    pool.scale_format = attrs.kv_scale_format;
+    pool.rope_dtype = attrs.kv_rope_dtype;
+  }
+  return pool;
+}
+
+ArrayDescriptor pool_descriptor(std::string file, const KvPool& pool) {
+  if (pool.grouped()) {
+    return ArrayDescriptor{std::move(file),
+                           ArrayDtype::kUint8,
+                           {pool.num_slots, static_cast<std::int64_t>(pool.row_bytes())}};
+  }
+  return ArrayDescriptor{
+      std::move(file), pool_array_dtype(pool.dtype), {pool.num_slots, pool.row_width}};
+}
+
+bool is_pool_of_form(const ArrayDescriptor& descriptor, const KvPool& form) {
+  const ArrayDescriptor expected = pool_descriptor(descriptor.file, form);
+  return descriptor.dtype == expected.dtype && descriptor.shape == expected.shape;
 }
 
 nlohmann::json layer_json(const LayerMeta& layer) {

@@ -1,6 +1,7 @@
 // The program side of the external backend protocol for kvaudit's own backends
-// (src/backend/exec_server.hpp). Shapes per step: q_nope [Nq, H, Dc], q_pe [Nq, H, Dr],
-// new_kv [Nq, D], out [Nq, H, Dc] bf16 bits, lse [Nq, H] fp32; pools [S, D] as stored.
+// (src/backend/exec_server.hpp), versions 1 and 2. Shapes per step: q_nope [Nq, H, Dc],
+// q_pe [Nq, H, Dr], new_kv [Nq, D], out [Nq, H, Dc] bf16 bits, lse [Nq, H] fp32; pools [S, D] as
+// stored, or [S, slot_bytes] uint8 per_token_group slots (version 2).
 #include "src/backend/exec_server.hpp"
 
 #include <fmt/format.h>
@@ -59,16 +60,14 @@ Status expect_shape(const ArrayDescriptor& descriptor, std::string_view what,
   return ok_status();
 }
 
+// The layer's pool file: the dump's form (per_tensor [S, D], or the per_token_group slot bytes
+// [S, slot_bytes] of version 2, src/backend/exec_protocol.hpp).
 Result<KvPool> read_pool_file(const std::filesystem::path& dir, const ArrayDescriptor& file,
                               const ModelInfo& model) {
-  const ArrayDtype dtype = pool_array_dtype(model.attrs.kv_dtype);
-  KVAUDIT_TRY(expect_shape(file, "pool", {dtype}, {model.num_slots, model.attrs.row_width()}));
-  KVAUDIT_ASSIGN_OR_RETURN(std::vector<std::uint8_t> bytes, read_array(dir, file, "pool"));
-  KvPool pool;
-  pool.dtype = model.attrs.kv_dtype;
-  pool.num_slots = model.num_slots;
-  pool.row_width = model.attrs.row_width();
-  pool.bytes = std::move(bytes);
+  KvPool pool = pool_form(model.attrs, model.num_slots);
+  const ArrayDescriptor expected = pool_descriptor(file.file, pool);
+  KVAUDIT_TRY(expect_shape(file, "pool", {expected.dtype}, expected.shape));
+  KVAUDIT_ASSIGN_OR_RETURN(pool.bytes, read_array(dir, file, "pool"));
   return pool;
 }
 
@@ -87,6 +86,7 @@ class Server {
   Result<nlohmann::json> bench(const nlohmann::json& request);
   Status read_indices(const nlohmann::json& inputs, ServedStep& step) const;
   Status read_tensors(const nlohmann::json& inputs, ServedStep& step) const;
+  Status read_topk_indices(const nlohmann::json& inputs, ServedStep& step) const;
   Result<ServedStep> parse_step(const nlohmann::json& request) const;
   Result<nlohmann::json> write_results(const ServedStep& step, const AttentionOutput& output,
                                        ServedLayer& layer);
@@ -94,7 +94,8 @@ class Server {
   std::FILE* replies_;
   const ServerHooks& hooks_;
   std::filesystem::path directory_;
-  std::optional<ModelInfo> model_;  // none: a bench session
+  int version_ = kFirstProtocolVersion;  // the hello's
+  std::optional<ModelInfo> model_;       // none: a bench session
   std::unique_ptr<Backend> backend_;
   std::map<std::string, ServedLayer> layers_;
 };
@@ -109,18 +110,21 @@ Result<nlohmann::json> Server::hello(const nlohmann::json& request) {
   if (string_or(request, "type", "") != "hello") {
     return bad_input("hello", "the first request is not a hello");
   }
-  if (string_or(request, "protocol", "") != kProtocolName || !request.contains("version") ||
-      request["version"] != kProtocolVersion) {
-    return unsupported(
-        "hello", fmt::format("this server speaks {} version {}", kProtocolName, kProtocolVersion));
+  const auto asked = request.find("version");
+  if (string_or(request, "protocol", "") != kProtocolName || asked == request.end() ||
+      !asked->is_number_integer() || !speaks_protocol_version(asked->get<std::int64_t>())) {
+    return unsupported("hello", fmt::format("this server speaks {} version 1 (per_tensor pools) "
+                                            "and version 2 (per_token_group pools too)",
+                                            kProtocolName));
   }
+  version_ = static_cast<int>(asked->get<std::int64_t>());
   KVAUDIT_ASSIGN_OR_RETURN(const std::string dir, string_member(request, "session_dir", "hello"));
   if (!std::filesystem::is_directory(dir)) {
     return bad_input("hello", fmt::format("session_dir {} is not a directory", dir));
   }
   directory_ = dir;
   if (request.contains("model")) {
-    KVAUDIT_ASSIGN_OR_RETURN(model_, parse_model(request["model"]));
+    KVAUDIT_ASSIGN_OR_RETURN(model_, parse_model(request["model"], version_));
   }
   BackendOptions options = hooks_.options;
   options.reciprocal_scale = bool_or(request, "reciprocal_scale", false);
@@ -133,7 +137,7 @@ Result<nlohmann::json> Server::hello(const nlohmann::json& request) {
   nlohmann::json capabilities = {"check"};
   if (hooks_.bench) capabilities.push_back("bench");
   return nlohmann::json{{"type", "hello"},
-                        {"version", kProtocolVersion},
+                        {"version", version_},
                         {"capabilities", capabilities},
                         {"describe", describe}};
 }
@@ -197,7 +201,24 @@ Status Server::read_tensors(const nlohmann::json& inputs, ServedStep& step) cons
                              read_array(directory_, file, names[i]));
     KVAUDIT_ASSIGN_OR_RETURN(*tensors[i], decode_tensor(file.dtype, bytes, names[i]));
   }
-  return ok_status();
+  return read_topk_indices(inputs, step);
+}
+
+// Version 2, a sparse step: topk_indices int32 [Nq, K], checked by the v1.1 rules.
+Status Server::read_topk_indices(const nlohmann::json& inputs, ServedStep& step) const {
+  if (!inputs.contains("topk_indices")) return ok_status();
+  KVAUDIT_ASSIGN_OR_RETURN(const ArrayDescriptor file,
+                           parse_descriptor(inputs.at("topk_indices"), "topk_indices"));
+  if (file.dtype != ArrayDtype::kInt32 || file.shape.size() != 2 ||
+      file.shape[0] != step.meta.num_rows() || file.shape[1] < 1) {
+    return bad_input("topk_indices", fmt::format("{} is not int32 [Nq, K]", file.text()));
+  }
+  KVAUDIT_ASSIGN_OR_RETURN(const std::vector<std::uint8_t> bytes,
+                           read_array(directory_, file, "topk_indices"));
+  step.tensors.topk_indices = int32_values(bytes);
+  step.tensors.topk = static_cast<int>(file.shape[1]);
+  return check_topk_indices(step.meta, model_->attrs.page_size, step.tensors.topk_indices,
+                            step.tensors.topk, "topk_indices");
 }
 
 Result<ServedStep> Server::parse_step(const nlohmann::json& request) const {
@@ -247,9 +268,8 @@ Result<nlohmann::json> Server::write_results(const ServedStep& step, const Atten
   }
   KVAUDIT_TRY(write_array(directory_, step.out, out));
   KVAUDIT_TRY(write_array(directory_, step.lse, lse));
+  const ArrayDescriptor stored = pool_descriptor(layer.file.file, layer.pool);
   const KvPool& pool = layer.pool;
-  const ArrayDescriptor stored{
-      layer.file.file, pool_array_dtype(pool.dtype), {pool.num_slots, pool.row_width}};
   KVAUDIT_TRY(write_array(directory_, stored, pool.bytes));
   nlohmann::json reply = {{"type", "result"}};
   if (stored.dtype != layer.file.dtype || stored.shape != layer.file.shape) {

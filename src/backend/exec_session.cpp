@@ -142,9 +142,12 @@ void ExecSession::note_program_file(std::string_view name) const {
 Result<HelloReply> ExecSession::hello(std::string_view name, const nlohmann::json& model,
                                       bool reciprocal_scale) {
   const auto start = Clock::now();
+  // The lowest version that describes the dump: 1 (per_tensor, a bench session), 2
+  // (per_token_group).
+  const int version = hello_version(model);
   nlohmann::json request = {{"type", "hello"},
                             {"protocol", kProtocolName},
-                            {"version", kProtocolVersion},
+                            {"version", version},
                             {"name", name},
                             {"session_dir", directory_.string()}};
   if (!model.is_null()) request["model"] = model;
@@ -155,10 +158,10 @@ Result<HelloReply> ExecSession::hello(std::string_view name, const nlohmann::jso
     return answered.error();
   }
   const nlohmann::json& reply = *answered;
-  if (reply.contains("version") && reply["version"] != kProtocolVersion) {
+  if (reply.contains("version") && reply["version"] != version) {
     return fail("hello", "",
                 fmt::format("it replied with protocol version {}; kvaudit asked for {}",
-                            reply["version"].dump(), kProtocolVersion));
+                            reply["version"].dump(), version));
   }
   HelloReply hello;
   if (reply.contains("describe")) {

@@ -8,6 +8,7 @@ missing one is an `unsupported` error reply naming it):
   torch                 torch_mla.py             plain PyTorch on the CPU or a GPU
   flashinfer-fp8        flashinfer_fp8.py        FlashInfer's paged MLA on the FP8 pool, in place
   flashinfer-cast-bf16  flashinfer_cast_bf16.py  SGLang's old path: the whole pool cast to bf16
+  flashmla-sparse       flashmla_sparse.py       FlashMLA's sparse FP8 decode (kvdump v1.1 dumps)
 The rest: protocol.py (message loop, array files, errors), pooled_adapter.py (what adapters share),
 writes.py (servers' write rules), faults.py (planted faults), paged_layout.py (which slots a row
 reads), pools.py (the pool on the host or the GPU), bench.py (timing), environment.py (describe).
@@ -25,6 +26,9 @@ ADAPTERS = {
     "flashinfer-cast-bf16": ("flashinfer_cast_bf16", "FlashInferCastBf16Adapter",
                              "the whole FP8 pool cast to bf16 every step, then FlashInfer's bf16 "
                              "MLA (SGLang before its FP8 fix)"),
+    "flashmla-sparse": ("flashmla_sparse", "FlashMlaSparseAdapter",
+                        "FlashMLA's sparse FP8 decode (DSA) on the 656-byte per-token-group pool, "
+                        "in place (SM90, 64 or 128 heads)"),
 }
 
 

@@ -50,6 +50,10 @@ def add_common_options(parser, adapter):
     if flashinfer:
         parser.add_argument("--flashinfer-backend", choices=("fa3", "fa2"), default="fa3",
                             help="FlashInfer's MLA backend (default fa3)")
+    if adapter == "flashmla-sparse":
+        parser.add_argument("--flashmla-module", default=None, metavar="FILE.so",
+                            help="an extension built from FlashMLA's sources with "
+                                 "sparse_decode_fwd (default: the installed flash_mla package)")
     if adapter == "flashinfer-cast-bf16":
         parser.add_argument("--cast-scale", choices=("none", "fold"), default="none",
                             help="none: the cast ignores kv_scale, as SGLang's did (default); "

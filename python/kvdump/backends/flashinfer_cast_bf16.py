@@ -32,6 +32,12 @@ class FlashInferCastBf16Adapter(FlashInferFp8Adapter):
     name = "flashinfer-cast-bf16"
     available_faults = COMMON_FAULTS
 
+    def check_grouped(self, model):
+        if model.grouped:
+            raise unsupported(f"{self.name}: SGLang's cast path reads a per_tensor FP8 pool; this "
+                              "dump's pool is per_token_group (use flashinfer-fp8, whose "
+                              "ckv_scale_arr reads per-token scales)")
+
     def check_device(self, major, minor):
         if self.options.flashinfer_backend == "fa3" and major != 9:
             raise unsupported(f"{self.name}: FlashInfer's fa3 backend needs an SM90 GPU; this one "

@@ -18,6 +18,25 @@ include/flashinfer/attention/mla_hopper.cuh):
       real value = code * ckv_scale / kpe_scale; lse in natural log with return_lse_base_on_e
       (base 2 without it: the planted fault lse-base2 leaves it off, as a server that forgot it).
 
+Per-token scales (protocol version 2, a kvdump v1.1 per_token_group dump; FlashInfer 0.6.18's
+`ckv_scale_arr`, keyword-only in run(); plan() takes no scales):
+
+  out, lse = wrapper.run(q_nope, q_pe, ckv, kpe, return_lse=True, return_lse_base_on_e=True,
+                         ckv_scale_arr=scales, kpe_scale=kv_scale)
+      the pool is uint8 [slots, 592]: each slot [512 e4m3 codes][4 float32 scales][64 e4m3 codes]
+      (grouped.py); ckv = pool.view(float8_e4m3fn).view(-1, page_size, 592)[..., :512] and
+      kpe = [..., 528:592], views read in place (592 bytes per token); scales = the slots' float32
+      scales copied into a contiguous float32 [pages, page_size, 4] each step (FlashInfer indexes
+      it by physical slot: kv_indices[page] * page_size + offset); ckv_scale is not passed (run()
+      takes exactly one of ckv_scale, ckv_scale_arr). The kernel dequantizes latent element j of
+      a token as bf16(float(code) * scale[slot, j / 128]) and the RoPE part as
+      bf16(code) * bf16(kpe_scale), in bf16.
+  New rows are written by the v1.1 rule (kvdump.codec.quantize_rows: fp32(amax / 448) or the
+  power of two at or above it per 128 channels, e4m3 RoPE with kv_scale), whatever --write says.
+  Only that form exists in FlashInfer: groups of 128, float32 or power_of_two scales (e8m0 bytes
+  are not float32: refused), and an e4m3 RoPE part (ckv and kpe take one kv_data_type, so a bf16
+  RoPE part, FlashMLA's slot, is refused). The read faults change kv_scale, i.e. kpe_scale.
+
 FP8 KV needs an SM90 GPU, q in bf16, head_dim_ckv 512 and head_dim_kpe 64: anything else is
 refused at hello as unsupported. The first plan() of a kernel variant compiles it (about 20 s).
 """
@@ -32,6 +51,25 @@ READ_FAULTS = ("scale-pow2", "scale-pow2-nearest", "scale-reciprocal", "scale-tw
                "scale-missing", "scale-latent-only")
 WORKSPACE_BYTES = 128 << 20
 CKV, KPE = 512, 64
+SCALE_GROUP = 128  # ckv_scale_arr: one scale per 128 latent channels
+PER_TOKEN_SCALE_FORMATS = ("float32", "power_of_two")  # float32 values in the slot
+
+
+def per_token_refusal(model):
+    """Why FlashInfer's per-token path (ckv_scale_arr) cannot read this per_token_group model,
+    or None when it can."""
+    if model.kv_rope_dtype != "float8_e4m3fn":
+        return (f"FlashInfer's MLA reads ckv and kpe with one kv_data_type, so with per-token "
+                f"float8_e4m3fn latent codes the RoPE part must be float8_e4m3fn too (dequantized "
+                f"with kpe_scale); this dump's kv_rope_dtype is {model.kv_rope_dtype} "
+                f"(FlashMLA's slot), which FlashInfer cannot read")
+    if model.kv_scale_group_size != SCALE_GROUP:
+        return (f"ckv_scale_arr holds one scale per {SCALE_GROUP} latent channels; this dump's "
+                f"kv_scale_group_size is {model.kv_scale_group_size}")
+    if model.kv_scale_format not in PER_TOKEN_SCALE_FORMATS:
+        return (f"ckv_scale_arr is float32; this dump's kv_scale_format is "
+                f"{model.kv_scale_format} (one byte per scale), which FlashInfer does not read")
+    return None
 
 
 class FlashInferFp8Adapter(PooledAdapter):
@@ -58,6 +96,12 @@ class FlashInferFp8Adapter(PooledAdapter):
         if model.kv_dtype != "float8_e4m3fn":
             raise unsupported(f"{self.name} reads an FP8 pool; this dump's kv_dtype is "
                               f"{model.kv_dtype}")
+        self.check_grouped(model)
+
+    def check_grouped(self, model):
+        """A per_token_group dump: only FlashInfer's per-token form (ckv_scale_arr) is read."""
+        if model.grouped and (reason := per_token_refusal(model)) is not None:
+            raise unsupported(f"{self.name}: {reason}")
 
     def check_device(self, major, minor):
         if major != 9:
@@ -74,9 +118,11 @@ class FlashInferFp8Adapter(PooledAdapter):
         return {**super().option_summary(), "flashinfer_backend": self.options.flashinfer_backend}
 
     def math(self):
+        scales = ("ckv_scale_arr = the slots' float32 scales [pages, page_size, 4], kpe_scale = "
+                  "kv_scale" if self.model.grouped else "ckv_scale = kpe_scale = kv_scale")
         return (f"flashinfer.mla.BatchMLAPagedAttentionWrapper backend "
                 f"{self.options.flashinfer_backend}, kv_data_type float8_e4m3fn, pool read in "
-                "place, ckv_scale = kpe_scale = kv_scale, return_lse_base_on_e")
+                f"place, {scales}, return_lse_base_on_e")
 
     def capabilities(self):
         return ["check", "bench"]
@@ -107,17 +153,32 @@ class FlashInferFp8Adapter(PooledAdapter):
             raise unsupported(f"flashinfer plan(): {error}") from None
 
     def kv_views(self, pool_tensor, page_size):
-        """(ckv, kpe) [pages, page_size, 512 | 64] float8_e4m3fn views of the pool, in place."""
-        paged = pool_tensor.view(self.torch.float8_e4m3fn).view(-1, page_size, CKV + KPE)
-        return paged[..., :CKV], paged[..., CKV:]
+        """(ckv, kpe) [pages, page_size, 512 | 64] float8_e4m3fn views of the pool, in place
+        (a per_token_group pool: the codes around each slot's scales)."""
+        width = self.model.slot_bytes if self.model.grouped else CKV + KPE
+        start = self.model.rope_offset if self.model.grouped else CKV
+        paged = pool_tensor.view(self.torch.float8_e4m3fn).view(-1, page_size, width)
+        return paged[..., :CKV], paged[..., start:start + KPE]
+
+    def scale_array(self, pool_tensor, page_size):
+        """ckv_scale_arr: the slots' float32 scales, contiguous float32 [pages, page_size, 4]
+        (a copy: in the slot they are 16 bytes among 592)."""
+        m = self.model
+        scale_bytes = pool_tensor[:, m.scales_offset:m.rope_offset].contiguous()
+        return scale_bytes.view(self.torch.float32).view(-1, page_size, m.num_scale_groups)
 
     def run_kernel(self, q_nope, q_pe, pool_tensor, page_size, kv_scale):
         ckv, kpe = self.kv_views(pool_tensor, page_size)
         ckv_scale, kpe_scale = self.conventions.read_scales(kv_scale)
+        if self.model.grouped:
+            scales = {"ckv_scale_arr": self.scale_array(pool_tensor, page_size),
+                      "kpe_scale": kpe_scale}
+        else:
+            scales = {"ckv_scale": ckv_scale, "kpe_scale": kpe_scale}
         try:
             return self.wrapper.run(q_nope, q_pe, ckv, kpe, return_lse=True,
                                     return_lse_base_on_e=not self.conventions.lse_base2,
-                                    ckv_scale=ckv_scale, kpe_scale=kpe_scale)
+                                    **scales)
         except ValueError as error:
             raise unsupported(f"flashinfer run(): {error}") from None
 

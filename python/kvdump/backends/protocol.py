@@ -1,4 +1,5 @@
-"""The backend side of kvaudit's external-backend protocol, version 1 (docs/backend-protocol.md).
+"""The backend side of kvaudit's external-backend protocol, versions 1 and 2
+(docs/backend-protocol.md).
 
 kvaudit writes one JSON request per line to our standard input and reads exactly one JSON reply
 per request, in order, from our standard output. Bulk data are files in the session directory
@@ -8,6 +9,13 @@ that kvaudit names in `hello`; a message refers to one by an array descriptor
 
 (relative to the session directory; row-major, little-endian, exactly prod(shape) elements).
 Element types: uint8 (e4m3fn codes), bfloat16 (raw bits, held here as uint16), float32, int32.
+
+Versions: kvaudit asks for 1 with a per_tensor dump (and a bench session) and for 2 with a kvdump
+v1.1 per_token_group dump, whose hello model adds kv_scale_group_size, kv_scale_format,
+kv_rope_dtype and slot_bytes, and whose pool file is uint8 [num_slots, slot_bytes]: each slot's
+bytes [Dc e4m3 codes][G scales: float32 little-endian, or one e8m0 byte each][Dr RoPE: bf16
+little-endian or e4m3 codes] (ModelInfo.slot_bytes; grouped.py reads and writes them). This
+program answers either, with the version asked for.
 
 This module is the message loop and everything that does not depend on the adapter: parsing and
 checking requests, reading and writing arrays (numpy fromfile / memmap), error replies. An adapter
@@ -31,10 +39,13 @@ import numpy as np
 from ..writer import validate_step_indices
 
 PROTOCOL = "kvaudit-backend"
-VERSION = 1
+VERSIONS = (1, 2)  # 2: per_token_group pools too
+VERSION = VERSIONS[-1]
 ERROR_KINDS = ("unsupported", "bad_input", "internal")
 ARRAY_DTYPES = {"uint8": "<u1", "bfloat16": "<u2", "float32": "<f4", "int32": "<i4"}
 KV_DTYPES = ("float8_e4m3fn", "bfloat16")
+SCALE_KINDS = ("per_tensor", "per_token_group")
+SCALE_FORMATS = ("float32", "power_of_two", "e8m0")
 STEP_KINDS = ("prefill", "decode")
 BENCH_KINDS = ("decode", "prefill")
 
@@ -183,6 +194,11 @@ class ModelInfo:
     name: str = ""
     reciprocal_scale: bool = False
     bench_only: bool = False  # hello had no model: a `kvaudit bench --peer` session
+    version: int = 1  # the protocol version of the session
+    # per_token_group (version 2) only: channels per scale, the scales' and the RoPE part's storage
+    kv_scale_group_size: int = 0
+    kv_scale_format: str = ""
+    kv_rope_dtype: str = ""
 
     @property
     def row_width(self):
@@ -191,6 +207,49 @@ class ModelInfo:
     @property
     def num_pages(self):
         return self.num_slots // self.page_size
+
+    @property
+    def grouped(self):
+        """A per_token_group pool: every slot holds its own latent scales."""
+        return self.kv_scale_kind == "per_token_group"
+
+    @property
+    def num_scale_groups(self):
+        return self.kv_lora_rank // self.kv_scale_group_size if self.grouped else 0
+
+    @property
+    def scale_bytes(self):
+        """Bytes of one group scale: 4 (float32, power_of_two) or 1 (e8m0)."""
+        return 1 if self.kv_scale_format == "e8m0" else 4
+
+    @property
+    def scales_offset(self):
+        """Byte offset of a grouped slot's scales (after its Dc latent codes)."""
+        return self.kv_lora_rank
+
+    @property
+    def rope_offset(self):
+        """Byte offset of a grouped slot's RoPE part (after its scales)."""
+        return self.kv_lora_rank + self.num_scale_groups * self.scale_bytes
+
+    @property
+    def slot_bytes(self):
+        """Bytes of one slot of the pool file: Dc + G * scale_bytes + Dr * (2 or 1) (grouped),
+        D (an FP8 pool) or 2 D (a bfloat16 pool)."""
+        if self.grouped:
+            return self.rope_offset + self.qk_rope_head_dim * (
+                2 if self.kv_rope_dtype == "bfloat16" else 1)
+        return self.row_width * (2 if self.kv_dtype == "bfloat16" else 1)
+
+    @property
+    def pool_dtype(self):
+        """The pool file's element type: bfloat16 for a bfloat16 pool, else uint8."""
+        return "bfloat16" if self.kv_dtype == "bfloat16" and not self.grouped else "uint8"
+
+    @property
+    def pool_width(self):
+        """Elements per slot in the pool file: slot_bytes (grouped), else D."""
+        return self.slot_bytes if self.grouped else self.row_width
 
 
 @dataclass(frozen=True)
@@ -220,6 +279,9 @@ class StepRequest:
     new_kv: np.ndarray
     out: ArraySpec = None
     lse: ArraySpec = None
+    # Version 2, a sparse step (kvdump v1.1): int32 [Nq, K] token positions of each row's request
+    # that the row attends to, -1 padding (kvaudit has checked them: causal, distinct, >= 1).
+    topk_indices: np.ndarray = None
 
     @property
     def where(self):
@@ -320,9 +382,11 @@ BENCH_MODEL = {"num_heads": 16, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
 
 
 def parse_model(hello):
+    version = hello.get("version", 1)
     model = hello.get("model")
     if model is None:
-        return ModelInfo(name=str(hello.get("name", "")), bench_only=True, **BENCH_MODEL)
+        return ModelInfo(name=str(hello.get("name", "")), bench_only=True, version=version,
+                         **BENCH_MODEL)
     if not isinstance(model, dict):
         raise bad_input("hello: model is not an object")
     ints = {}
@@ -342,11 +406,44 @@ def parse_model(hello):
     if kv_dtype not in KV_DTYPES:
         raise unsupported(f"kv_dtype {kv_dtype} is not one of {', '.join(KV_DTYPES)}")
     kind = model.get("kv_scale_kind", "per_tensor")
-    if kind != "per_tensor":
-        raise unsupported(f"kv_scale_kind {kind!r} is not per_tensor")
-    return ModelInfo(sm_scale=float(sm_scale), kv_dtype=kv_dtype, kv_scale_kind=kind,
-                     name=str(hello.get("name", "")),
-                     reciprocal_scale=bool(hello.get("reciprocal_scale", False)), **ints)
+    group = {}
+    if kind == "per_token_group":
+        group = parse_group_scales(model, version, ints, kv_dtype)
+    elif kind != "per_tensor":
+        raise unsupported(f"kv_scale_kind {kind!r} is not "
+                          f"{' or '.join(SCALE_KINDS[:2 if version >= 2 else 1])}")
+    info = ModelInfo(sm_scale=float(sm_scale), kv_dtype=kv_dtype, kv_scale_kind=kind,
+                     name=str(hello.get("name", "")), version=version,
+                     reciprocal_scale=bool(hello.get("reciprocal_scale", False)), **group, **ints)
+    slot_bytes = model.get("slot_bytes")
+    if info.grouped and slot_bytes is not None and slot_bytes != info.slot_bytes:
+        raise bad_input(f"hello model: slot_bytes {slot_bytes!r} is not the {info.slot_bytes} "
+                        f"bytes of a slot ({info.kv_lora_rank} codes, {info.num_scale_groups} "
+                        f"{info.kv_scale_format} scales, {info.qk_rope_head_dim} "
+                        f"{info.kv_rope_dtype} RoPE values)")
+    return info
+
+
+def parse_group_scales(model, version, ints, kv_dtype):
+    """The per_token_group keys of a version 2 model (kvdump v1.1 root attributes)."""
+    if version < 2:
+        raise unsupported(f"kv_scale_kind 'per_token_group' needs protocol version 2; this hello "
+                          f"asked for version {version}")
+    if kv_dtype != "float8_e4m3fn":
+        raise bad_input("hello model: kv_scale_kind per_token_group needs kv_dtype float8_e4m3fn")
+    group_size = _field(model, "kv_scale_group_size", (int,), "hello model")
+    if group_size < 1 or ints["kv_lora_rank"] % group_size:
+        raise bad_input(f"hello model: kv_scale_group_size {group_size} does not divide "
+                        f"kv_lora_rank {ints['kv_lora_rank']}")
+    scale_format = _field(model, "kv_scale_format", (str,), "hello model")
+    if scale_format not in SCALE_FORMATS:
+        raise unsupported(f"kv_scale_format {scale_format!r} is not one of "
+                          f"{', '.join(SCALE_FORMATS)}")
+    rope_dtype = _field(model, "kv_rope_dtype", (str,), "hello model")
+    if rope_dtype not in KV_DTYPES:
+        raise unsupported(f"kv_rope_dtype {rope_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+    return {"kv_scale_group_size": group_size, "kv_scale_format": scale_format,
+            "kv_rope_dtype": rope_dtype}
 
 
 def parse_layer(message, what):
@@ -427,6 +524,10 @@ def parse_step(message, model, files):
         spec = files.spec(inputs.get(name), name)
         files.expect(spec, name, ("bfloat16", "float32"), shapes[name])
         arrays[name] = files.read(spec, name)
+    if inputs.get("topk_indices") is not None:
+        spec = files.spec(inputs.get("topk_indices"), "topk_indices")
+        files.expect(spec, "topk_indices", ("int32",), [nq, None])
+        arrays["topk_indices"] = files.read(spec, "topk_indices")
     out = files.spec(outputs.get("out"), "out")
     files.expect(out, "out", ("bfloat16",), [nq, h, dc])
     lse = files.spec(outputs.get("lse"), "lse")
@@ -546,15 +647,16 @@ class Server:
             raise bad_input(f"the first request is {hello.get('type')!r}, not hello")
         if hello.get("protocol") != PROTOCOL:
             raise unsupported(f"protocol {hello.get('protocol')!r} is not {PROTOCOL}")
-        if hello.get("version") != VERSION:
-            raise unsupported(f"protocol version {hello.get('version')!r} is not supported "
-                              f"(this program speaks version {VERSION})")
+        version = hello.get("version")
+        if isinstance(version, bool) or version not in VERSIONS:
+            raise unsupported(f"protocol version {version!r} is not supported (this program "
+                              f"speaks versions {', '.join(map(str, VERSIONS))})")
         self.model = parse_model(hello)
         self.files = SessionFiles(hello.get("session_dir"))
         self.adapter = self.make_adapter()
         describe = self.adapter.start(self.model, self.files)
-        return {"type": "hello", "version": VERSION, "capabilities": self.adapter.capabilities(),
-                "describe": describe}
+        return {"type": "hello", "version": version,
+                "capabilities": self.adapter.capabilities(), "describe": describe}
 
     def dispatch(self, kind, message):
         if kind in ("layer", "step") and self.model.bench_only:
@@ -562,8 +664,8 @@ class Server:
         if kind == "layer":
             layer = parse_layer(message, "layer")
             spec = self.files.spec(message.get("pool"), "pool")
-            dtype = "uint8" if self.model.kv_dtype == "float8_e4m3fn" else "bfloat16"
-            self.files.expect(spec, "pool", (dtype,), [self.model.num_slots, self.model.row_width])
+            self.files.expect(spec, "pool", (self.model.pool_dtype,),
+                              [self.model.num_slots, self.model.pool_width])
             self.adapter.load_layer(layer, spec)
             self.layers[layer.group] = layer
             return {"type": "ok"}

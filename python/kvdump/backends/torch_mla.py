@@ -10,6 +10,10 @@ For each request with rows (paged_layout.py), T = its kv_len tokens, n its rows,
   lse   = logsumexp_t(s)          natural log
   p     = exp(s - lse)
   out   = p . kv[:, :Dc]          rounded to bf16 (nearest even)
+A per_token_group pool (protocol version 2, grouped.py) decodes each slot as its latent codes times
+their group's scale from the slot itself (float32 scales, or e8m0 bytes 2^(code - 127)), and its
+RoPE part as bf16 values or codes * kpe_scale; the read faults change kv_scale, so with such a
+pool they act on an e4m3 RoPE part only.
 A NaN code in a token a row sees makes that row's scores, and so its lse and out, NaN; a NaN
 code a row does not see is zeroed in the values it multiplies (p is 0 there, and 0 * NaN would
 be NaN), so it never reaches an output. Matmuls run in float32 (TF32 off on CUDA).
@@ -39,7 +43,9 @@ class TorchAdapter(PooledAdapter):
             raise unsupported("fault read-e5m2 needs an FP8 pool; this dump's kv_dtype is bfloat16")
 
     def math(self):
-        return ("float32: codes decoded exactly times kv_scale; s = sm_scale * q.k (fp32 matmul); "
+        scale = ("latent codes times their slot's group scale, RoPE part as stored (bf16) or times "
+                 "kv_scale" if self.model.grouped else "codes decoded exactly times kv_scale")
+        return (f"float32: {scale}; s = sm_scale * q.k (fp32 matmul); "
                 "lse = logsumexp(s) (natural log); out = softmax(s).ckv rounded to bf16")
 
     def capabilities(self):
@@ -62,14 +68,39 @@ class TorchAdapter(PooledAdapter):
         return request.row_start, request.num_rows, slots, visible
 
     def decode(self, rows, dc, ckv_scale, kpe_scale):
-        """float32 [T, D] values of pool rows (uint8 e4m3fn codes, or int16 bf16 bits)."""
+        """float32 [T, D] values of pool rows (uint8 e4m3fn codes, or int16 bf16 bits, or uint8
+        per_token_group slots)."""
         torch = self.torch
         if rows.dtype == torch.int16:
             return rows.view(torch.bfloat16).float()
+        if self.model.grouped:
+            return self.decode_grouped(rows, kpe_scale)
         values = rows.view(self.read_dtype).float()
         scales = torch.full((values.shape[1],), kpe_scale, dtype=torch.float32, device=self.device)
         scales[:dc] = ckv_scale
         return values * scales
+
+    def decode_grouped(self, slots, kpe_scale):
+        """float32 [T, D] of per_token_group slots [T, slot_bytes] (uint8): latent code * its
+        group's scale, RoPE bf16 value or code * kpe_scale, each product rounded to float32."""
+        torch, m = self.torch, self.model
+        codes = slots[:, :m.kv_lora_rank].contiguous().view(self.read_dtype).float()
+        raw = slots[:, m.scales_offset:m.rope_offset].contiguous()
+        if m.kv_scale_format == "e8m0":
+            # 2^(code - 127) from its float32 bits: code << 23, code 0 the subnormal 2^-127.
+            code = raw.to(torch.int32)
+            bits = torch.where(code == 0, torch.full_like(code, 0x00400000), code << 23)
+            scales = bits.view(torch.float32)
+            scales = torch.where(code == 0xFF, torch.full_like(scales, float("nan")), scales)
+        else:
+            scales = raw.view(torch.float32)  # little-endian host
+        latent = codes * scales.repeat_interleave(m.kv_scale_group_size, dim=1)
+        rope = slots[:, m.rope_offset:].contiguous()
+        if m.kv_rope_dtype == "bfloat16":
+            rope = rope.view(torch.bfloat16).float()
+        else:
+            rope = rope.view(self.read_dtype).float() * kpe_scale
+        return torch.cat([latent, rope], dim=1)
 
     def attention(self, q_nope, q_pe, pool_tensor, prepared, kv_scale):
         torch = self.torch
