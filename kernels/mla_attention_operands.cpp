@@ -1,7 +1,6 @@
 // The kernels' operands per kvdump form (see mla_attention_operands.hpp).
 #include "kernels/mla_attention_operands.hpp"
 
-#include <algorithm>
 #include <vector>
 
 #include "src/format/group_scales.hpp"
@@ -35,19 +34,6 @@ GroupReadFault group_read_fault_of(Injection injection) {
   }
 }
 
-// Slots seen by at least one row of `step` (pages of page_size), sorted, distinct.
-std::vector<std::int64_t> slots_read(const StepMeta& step, int page_size) {
-  std::vector<std::int64_t> slots;
-  for (int b = 0; b < step.batch_size(); ++b) {
-    if (step.rows_of(b) == 0) continue;
-    const std::int64_t len = step.kv_len(b, page_size);
-    for (std::int64_t p = 0; p < len; ++p) slots.push_back(step.slot_of(b, p, page_size));
-  }
-  std::sort(slots.begin(), slots.end());
-  slots.erase(std::unique(slots.begin(), slots.end()), slots.end());
-  return slots;
-}
-
 }  // namespace
 
 Status write_grouped_step(const StepMeta& step, std::span<const float> new_kv, float kv_scale,
@@ -70,7 +56,7 @@ AttentionOperands attention_operands(const StepLayerInput& input, const KvPool& 
                              input.layer.kv_scale, std::nullopt, &pool};
   if (!pool.grouped()) return operands;
   const std::vector<std::int64_t> slots =
-      slots_read(operands.view.step, operands.view.attrs.page_size);
+      visible_slots(operands.view.step, operands.view.attrs.page_size);
   operands.dequantized = dequantize_grouped_pool_bf16(pool, input.layer.kv_scale,
                                                       group_read_fault_of(injection), slots);
   operands.view.attrs.kv_dtype = KvDtype::kBfloat16;

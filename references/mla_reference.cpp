@@ -124,18 +124,6 @@ const float* KvRows::row(std::int64_t slot) const {
   return r < 0 ? nullptr : values_ + r * row_width_;
 }
 
-std::vector<std::int64_t> visible_slots(const StepMeta& step, int page_size) {
-  std::vector<std::int64_t> slots;
-  for (int b = 0; b < step.batch_size(); ++b) {
-    if (step.rows_of(b) == 0) continue;
-    const std::int64_t len = step.kv_len(b, page_size);
-    for (std::int64_t p = 0; p < len; ++p) slots.push_back(step.slot_of(b, p, page_size));
-  }
-  std::sort(slots.begin(), slots.end());
-  slots.erase(std::unique(slots.begin(), slots.end()), slots.end());
-  return slots;
-}
-
 namespace {
 
 using Problem = ReferenceProblem;

@@ -98,10 +98,6 @@ class KvRows {
   double scale_ = 1.0;
 };
 
-// Slots seen by at least one query row of the step (requests with no rows contribute none),
-// sorted, without duplicates. The step must pass check_step_indices.
-std::vector<std::int64_t> visible_slots(const StepMeta& step, int page_size);
-
 // Runs the reference for one (step, layer). Writes out [Nq, H, Dc] and lse [Nq, H]; returns the
 // work done in row*head*token units (sum over rows of visible tokens, times H) for throughput.
 // threads = 0 uses std::thread::hardware_concurrency(). Sizes that disagree with attrs/step, a

@@ -372,16 +372,8 @@ Result<ModelInfo> parse_model(const nlohmann::json& model, int version) {
 }
 
 KvPool pool_form(const DumpAttributes& attrs, std::int64_t num_slots) {
-  KvPool pool;
-  pool.dtype = attrs.kv_dtype;
+  KvPool pool = KvPool::zeros_for(attrs, 0);  // the form, without bytes
   pool.num_slots = num_slots;
-  pool.row_width = attrs.row_width();
-  if (attrs.per_token_group()) {
-    pool.group_size = attrs.kv_scale_group_size;
-    pool.latent_width = attrs.kv_lora_rank;
-    pool.scale_format = attrs.kv_scale_format;
-    pool.rope_dtype = attrs.kv_rope_dtype;
-  }
   return pool;
 }
 

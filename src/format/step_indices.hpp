@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "src/core/result.hpp"
 #include "src/format/kvdump.hpp"
@@ -27,6 +28,10 @@ Status validate_step_indices(const StepMeta& step, std::int64_t num_pages, int p
 // The same rules for a step in memory over a pool of num_slots slots (where = "step <group>").
 // A step with attention_only set (attention_view) skips the new_kv_slots rules.
 Status check_step_indices(const StepMeta& step, int page_size, std::int64_t num_slots);
+
+// Slots seen by at least one query row of the step (requests with no rows contribute none),
+// sorted, without duplicates. The step must pass check_step_indices.
+std::vector<std::int64_t> visible_slots(const StepMeta& step, int page_size);
 
 // kvdump v1.1 topk_indices of one (step, layer), [Nq, k]: every entry -1 or a token position of
 // the row's request in 0..pos(row) (causal), no position twice in a row, at least one per row.

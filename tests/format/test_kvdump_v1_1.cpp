@@ -459,7 +459,7 @@ TEST_CASE("kvaudit check of the v1.1 dumps passes with none and cpu-fp8, with th
                                              "<= 0.0312"));
 }
 
-TEST_CASE("--emit-repro on a v1.1 dump keeps its form and its sparse rows, and still fails",
+TEST_CASE("emit-repro on a v1.1 dump keeps its form and its sparse rows, and still fails",
           "[kvdump][v1.1][cli]") {
   const auto repro = kvdump_test_dir() / "repro.h5";
   std::filesystem::remove(repro);

@@ -27,6 +27,7 @@ installed, else an extension module built from FlashMLA's sources holding `spars
 """
 
 import importlib.util
+import os
 
 import numpy as np
 
@@ -84,7 +85,9 @@ def row_slot_indices(step, page_size):
 
 
 def load_extension(path):
-    spec = importlib.util.spec_from_file_location("flashmla_sparse_ext", path)
+    # An extension's init function is named after its module: the file's name up to its first dot.
+    name = os.path.basename(path).split(".")[0]
+    spec = importlib.util.spec_from_file_location(name, path)
     if spec is None:
         raise unsupported(f"--flashmla-module {path}: not a loadable extension module")
     module = importlib.util.module_from_spec(spec)
