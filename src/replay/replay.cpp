@@ -385,6 +385,11 @@ StepLayerWrites LayerReplay::write_reference(const StepInput& step) {
   StepLayerWrites writes{static_cast<int>(step.index), layer_.layer_id, step.meta.new_kv_slots,
                          step.tensors.new_kv,          layer_.kv_scale, step.where};
   if (reciprocal) writes.rule = "e4m3_rne_satfinite(new_kv * fp32(1 / kv_scale))";
+  if (attrs_.per_token_group()) {  // kvdump v1.1 (src/format/group_scales.hpp)
+    writes.rule = reciprocal ? "the v1.1 group rule with reciprocal scales, "
+                               "e4m3_rne_satfinite(new_kv * fp32(1 / group scale))"
+                             : "the v1.1 group rule, e4m3_rne_satfinite(new_kv / group scale)";
+  }
   return writes;
 }
 
