@@ -13,7 +13,7 @@ of its own, one JSON request per line on the program's stdin, one reply per line
 a timeout, arrays as raw little-endian files. The program's stderr goes to a file (`stderr()`).
 `replay_dump` drives a whole kvdump file through a backend, as kvaudit does: every layer, then
 its steps in order, asking for version 2 with a kvdump v1.1 per_token_group file (its pool file
-then holds each slot's bytes: codes, scales, RoPE) and refusing a sparse one (topk_indices), as
+then holds each slot's bytes: codes, scales, RoPE) and sending a sparse step's topk_indices, as
 kvaudit's exec backend does.
 """
 
@@ -153,14 +153,17 @@ class Driver:
                              "pool": descriptor})
 
     def step(self, index, group, kind, layer_group, layer_id, kv_scale, indices, q_nope, q_pe,
-             new_kv, tensor_dtype="bfloat16", pool_reloaded=False):
+             new_kv, tensor_dtype="bfloat16", pool_reloaded=False, topk_indices=None):
         """indices: dict of the five int arrays; q_nope, q_pe, new_kv as uint16 bf16 bits (or
-        float32 with tensor_dtype="float32")."""
+        float32 with tensor_dtype="float32"); topk_indices int32 [Nq, K] for a sparse step
+        (version 2)."""
         inputs = {name: self.put(f"{name}.bin", indices[name], "int32")
                   for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len",
                                "new_kv_slots")}
         for name, array in (("q_nope", q_nope), ("q_pe", q_pe), ("new_kv", new_kv)):
             inputs[name] = self.put(f"{name}.bin", array, tensor_dtype)
+        if topk_indices is not None:
+            inputs["topk_indices"] = self.put("topk_indices.bin", topk_indices, "int32")
         nq, heads, dc = np.shape(q_nope)
         outputs = {"out": self.output("out.bin", "bfloat16", [nq, heads, dc]),
                    "lse": self.output("lse.bin", "float32", [nq, heads])}
@@ -230,12 +233,9 @@ def read_dump(path):
             indices = {key: g[key][()] for key in ("qo_indptr", "kv_indptr", "kv_indices",
                                                      "kv_last_page_len", "new_kv_slots")}
             tensors = {layer["group"]: {key: g[layer["group"]][key][()]
-                                        for key in ("q_nope", "q_pe", "new_kv")}
+                                        for key in ("q_nope", "q_pe", "new_kv", "topk_indices")
+                                        if key in g[layer["group"]]}
                        for layer in layers}
-            for layer in layers:
-                if "topk_indices" in g[layer["group"]]:
-                    raise ValueError(f"{path}: /steps/{name}/{layer['group']} is sparse "
-                                     "(topk_indices): the protocol's steps are dense")
             steps.append({"index": index, "group": name, "kind": text_attr(g.attrs, "kind"),
                           "indices": indices, "tensors": tensors})
     return model, layers, steps
@@ -257,7 +257,8 @@ def replay_dump(driver, path):
             t = step["tensors"][layer["group"]]
             output = driver.step(step["index"], step["group"], step["kind"], layer["group"],
                                  layer["layer_id"], layer["kv_scale"], step["indices"],
-                                 t["q_nope"], t["q_pe"], t["new_kv"])
+                                 t["q_nope"], t["q_pe"], t["new_kv"],
+                                 topk_indices=t.get("topk_indices"))
             results[(step["group"], layer["group"])] = output
             if output.reply["type"] != "result":
                 return results

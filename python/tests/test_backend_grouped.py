@@ -311,8 +311,11 @@ class Writer(protocol.Adapter):
             grouped.float32_rows(step.new_kv), self.model, step.layer.kv_scale)
         pool.flush()
         nq, heads = step.q_nope.shape[:2]
+        # lse: how many tokens each row was told to attend to (-1 for a dense step).
+        listed = (np.full(nq, -1.0) if step.topk_indices is None
+                  else (step.topk_indices >= 0).sum(axis=1))
         return protocol.StepResult(np.zeros((nq, heads, self.model.kv_lora_rank), np.uint16),
-                                   np.zeros((nq, heads), np.float32))
+                                   np.repeat(listed[:, None], heads, 1).astype(np.float32))
 
 sys.exit(protocol.Server(make_adapter=Writer, requests=sys.stdin.buffer,
                          replies=reply_stream()).run())
@@ -345,10 +348,20 @@ class ReplayTests(unittest.TestCase):
         self.assertTrue(np.any(expected != layer["pool"]))
 
     @unittest.skipIf(H5PY_MISSING, "h5py is not installed")
-    def test_a_sparse_dump_is_not_replayed(self):
-        with self.assertRaises(ValueError) as caught:
-            read_dump(os.path.join(DATASETS, "glm5_dsa_flashmla.h5"))
-        self.assertIn("topk_indices", str(caught.exception))
+    def test_a_sparse_step_reaches_the_adapter_with_its_topk_indices(self):
+        import h5py
+
+        path = os.path.join(DATASETS, "glm5_dsa_flashmla.h5")
+        with Driver([sys.executable, "-c", WRITER]) as driver:
+            results = replay_dump(driver, path)
+            driver.bye()
+        with h5py.File(path, "r") as f:
+            for (step, layer), output in results.items():
+                self.assertEqual(output.reply["type"], "result", output.reply)
+                topk = f[f"steps/{step}/{layer}/topk_indices"][()]
+                listed = (topk >= 0).sum(axis=1).astype(np.float32)
+                np.testing.assert_array_equal(output.lse[:, 0], listed)
+        self.assertEqual(len(results), 6)  # 3 steps x 2 layers, all sparse
 
 
 if __name__ == "__main__":
