@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "src/core/fp8_e4m3.hpp"
@@ -313,6 +314,66 @@ TEST_CASE("PoolNanCodes follows the writes: a NaN overwritten goes, a NaN writte
   const auto full = report_nan_codes(writes, pool, std::vector<std::int64_t>{2});
   REQUIRE(full);
   CHECK(full->detail == after->detail);
+}
+
+}  // namespace kvaudit
+
+namespace kvaudit {
+namespace {
+
+// A per_token_group pool (kvdump v1.1) of 2 slots: Dc = 8 in 2 groups of 4 with float32 scales,
+// an e4m3 RoPE part of Dr = 2. Slot 0 holds hand-written codes and scales 0.5 and 2.
+KvPool grouped_expected() {
+  DumpAttributes attrs;
+  attrs.kv_lora_rank = 8;
+  attrs.qk_rope_head_dim = 2;
+  attrs.kv_scale_kind = "per_token_group";
+  attrs.kv_scale_group_size = 4;
+  attrs.kv_scale_format = GroupScaleFormat::kFloat32;
+  attrs.kv_rope_dtype = KvDtype::kFloat8E4m3fn;
+  KvPool pool = KvPool::zeros_for(attrs, 2);
+  for (int c = 0; c < 8; ++c) pool.row(0)[c] = static_cast<std::uint8_t>(0x30 + c);
+  pool.set_group_scale(0, 0, 0.5f);
+  pool.set_group_scale(0, 1, 2.0f);
+  pool.row(0)[pool.rope_offset()] = 0x40;      // 2.0
+  pool.row(0)[pool.rope_offset() + 1] = 0xC8;  // -4.0
+  return pool;
+}
+
+}  // namespace
+
+TEST_CASE("per_token_group slots are classified by the part of the slot that differs",
+          "[integrity][v1.1]") {
+  const std::vector<std::int32_t> slots = {0};
+  const std::vector<float> row(10, 0.0f);
+  const StepLayerWrites writes{0, 0, slots, row, 1.0f};
+  const KvPool expected = grouped_expected();
+  REQUIRE(expected.row_bytes() == 8 + 2 * 4 + 2);
+
+  KvPool scale_byte = expected;  // one byte of group 1's fp32 scale
+  scale_byte.row(0)[expected.scales_offset() + 4] ^= 0x01;
+  CHECK(classify_slot(writes, scale_byte, expected, 0) == SlotClass::kScaleBytes);
+
+  KvPool swapped = expected;  // group 0 written with group 1's scale
+  swapped.set_group_scale(0, 0, 2.0f);
+  CHECK(classify_slot(writes, swapped, expected, 0) == SlotClass::kSwappedGroupScale);
+
+  KvPool rescaled = expected;  // latent codes 4 steps off, scales as stored
+  rescaled.row(0)[1] = 0x35;
+  rescaled.row(0)[6] = 0x3A;
+  CHECK(classify_slot(writes, rescaled, expected, 0) == SlotClass::kCodesOtherScale);
+
+  KvPool rounded = expected;  // one code one step off: a rounding difference
+  rounded.row(0)[2] = 0x33;
+  CHECK(classify_slot(writes, rounded, expected, 0) == SlotClass::kOffByOneCode);
+
+  KvPool saturated = expected;  // the RoPE part at +448 where 2.0 was due
+  saturated.row(0)[expected.rope_offset()] = 0x7E;
+  CHECK(classify_slot(writes, saturated, expected, 0) == SlotClass::kRopeSaturated);
+
+  KvPool nan_scale = expected;  // a NaN scale makes its group's values NaN
+  nan_scale.set_group_scale(0, 1, std::numeric_limits<float>::quiet_NaN());
+  CHECK(classify_slot(writes, nan_scale, expected, 0) == SlotClass::kNanCode);
 }
 
 }  // namespace kvaudit
