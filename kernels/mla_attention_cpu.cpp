@@ -461,7 +461,8 @@ class CpuFp8Backend final : public Backend {
                                input.tensors.q_nope, input.tensors.q_pe, cast, options);
     }
     return mla_attention_cpu(operands.view.attrs, operands.view.step, operands.kv_scale,
-                             input.tensors.q_nope, input.tensors.q_pe, *operands.pool, options);
+                             input.tensors.q_nope, input.tensors.q_pe, operands.pool_to_read(pool),
+                             options);
   }
 
  private:

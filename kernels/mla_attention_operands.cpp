@@ -53,7 +53,7 @@ Status write_grouped_step(const StepMeta& step, std::span<const float> new_kv, f
 AttentionOperands attention_operands(const StepLayerInput& input, const KvPool& pool,
                                      Injection injection) {
   AttentionOperands operands{attention_view(input.attrs, input.step, input.tensors),
-                             input.layer.kv_scale, std::nullopt, &pool};
+                             input.layer.kv_scale, std::nullopt};
   if (!pool.grouped()) return operands;
   const std::vector<std::int64_t> slots =
       visible_slots(operands.view.step, operands.view.attrs.page_size);
@@ -61,7 +61,6 @@ AttentionOperands attention_operands(const StepLayerInput& input, const KvPool& 
                                                       group_read_fault_of(injection), slots);
   operands.view.attrs.kv_dtype = KvDtype::kBfloat16;
   operands.kv_scale = 1.0f;
-  operands.pool = &*operands.dequantized;
   return operands;
 }
 

@@ -29,7 +29,11 @@ struct AttentionOperands {
   AttentionView view;                 // attrs (kv_dtype bf16 for a grouped pool) and the step
   float kv_scale = 1.0f;              // the multiplier the kernel applies
   std::optional<KvPool> dequantized;  // grouped pools: the bf16 pool attended over
-  const KvPool* pool = nullptr;       // what the kernel reads: the backend's pool or `dequantized`
+
+  // What the kernel reads: `dequantized` for a grouped pool, else the backend's own pool.
+  const KvPool& pool_to_read(const KvPool& stored) const {
+    return dequantized ? *dequantized : stored;
+  }
 };
 
 // Writes the step's rows into a per_token_group pool (v1.1 rule, or the grouped write fault
@@ -37,8 +41,7 @@ struct AttentionOperands {
 Status write_grouped_step(const StepMeta& step, std::span<const float> new_kv, float kv_scale,
                           bool reciprocal_scale, KvPool& pool, Injection injection);
 
-// The attention operands of `input` over `pool` (after the step's writes). `pool` must outlive
-// the result.
+// The attention operands of `input` over `pool` (after the step's writes).
 AttentionOperands attention_operands(const StepLayerInput& input, const KvPool& pool,
                                      Injection injection);
 

@@ -121,21 +121,22 @@ def _pool_storage(x, kv_dtype, shape, path):
     """Storage of a pool: e4m3fn codes for a float8 pool, bf16 bits for a bfloat16 pool."""
     if kv_dtype == "bfloat16":
         return _bf16_storage(x, shape, path)
+    return _codes_storage(x, shape, path, "quantize values with kvdump.quantize_e4m3 first")
+
+
+def _uint8_storage(x, shape, path, dtype_attribute, expected):
+    """(uint8 array, dtype_attribute) of a tensor stored as raw bytes; `expected` names what the
+    bytes must be, for the message when they are not uint8."""
     arr = to_numpy(x, path)
     _check_shape(arr, shape, path)
     if arr.dtype != np.uint8:
-        _fail(path, f"dtype {arr.dtype} is not float8_e4m3fn codes (uint8); "
-                    "quantize values with kvdump.quantize_e4m3 first")
-    return arr.astype("<u1", copy=False), "float8_e4m3fn"
+        _fail(path, f"dtype {arr.dtype} is not {expected}")
+    return arr.astype("<u1", copy=False), dtype_attribute
 
 
 def _codes_storage(x, shape, path, hint):
     """(uint8 e4m3fn codes, "float8_e4m3fn") of a float8 tensor given as codes."""
-    arr = to_numpy(x, path)
-    _check_shape(arr, shape, path)
-    if arr.dtype != np.uint8:
-        _fail(path, f"dtype {arr.dtype} is not float8_e4m3fn codes (uint8); {hint}")
-    return arr.astype("<u1", copy=False), "float8_e4m3fn"
+    return _uint8_storage(x, shape, path, "float8_e4m3fn", f"float8_e4m3fn codes (uint8); {hint}")
 
 
 def _rope_storage(x, rope_dtype, shape, path):
@@ -173,12 +174,9 @@ def _scales_storage(x, scale_format, shape, path):
 
 def _packed_storage(x, shape, path):
     """(uint8 bytes, "flashmla_fp8") of a pool in FlashMLA's packed FP8 slot form."""
-    arr = to_numpy(x, path)
-    _check_shape(arr, shape, path)
-    if arr.dtype != np.uint8:
-        _fail(path, f"dtype {arr.dtype} is not flashmla_fp8 slot bytes (uint8); build them with "
-                    "kvdump.pack_flashmla_fp8")
-    return arr.astype("<u1", copy=False), "flashmla_fp8"
+    return _uint8_storage(x, shape, path, "flashmla_fp8",
+                          "flashmla_fp8 slot bytes (uint8); build them with "
+                          "kvdump.pack_flashmla_fp8")
 
 
 def _int32_vector(x, path):

@@ -50,43 +50,18 @@ struct ProtocolStatistics {
 
 // The pool as the program last returned it, to tell whether the replay passes another one.
 struct PoolSnapshot {
-  KvDtype dtype = KvDtype::kFloat8E4m3fn;
-  std::int64_t num_slots = -1;
-  int row_width = 0;
-  int group_size = 0;  // per_token_group: the slot's form too
-  int latent_width = 0;
-  GroupScaleFormat scale_format = GroupScaleFormat::kFloat32;
-  KvDtype rope_dtype = KvDtype::kFloat8E4m3fn;
-  std::vector<std::uint8_t> bytes;
+  std::optional<KvPool> pool;
 
-  bool holds(const KvPool& pool) const {
-    return pool.dtype == dtype && pool.num_slots == num_slots && pool.row_width == row_width &&
-           pool.group_size == group_size && pool.latent_width == latent_width &&
-           pool.scale_format == scale_format && pool.rope_dtype == rope_dtype &&
-           pool.bytes == bytes;
+  bool holds(const KvPool& other) const {
+    return pool && pool->same_form(other) && pool->bytes == other.bytes;
   }
-  void take(const KvPool& pool) {
-    dtype = pool.dtype;
-    num_slots = pool.num_slots;
-    row_width = pool.row_width;
-    group_size = pool.group_size;
-    latent_width = pool.latent_width;
-    scale_format = pool.scale_format;
-    rope_dtype = pool.rope_dtype;
-    bytes = pool.bytes;
-  }
+  void take(const KvPool& other) { pool = other; }
 };
 
 // `pool`'s form (every field but the bytes).
 KvPool form_of(const KvPool& pool) {
-  KvPool form;
-  form.dtype = pool.dtype;
+  KvPool form = pool.zeros_like(0);
   form.num_slots = pool.num_slots;
-  form.row_width = pool.row_width;
-  form.group_size = pool.group_size;
-  form.latent_width = pool.latent_width;
-  form.scale_format = pool.scale_format;
-  form.rope_dtype = pool.rope_dtype;
   return form;
 }
 

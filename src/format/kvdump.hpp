@@ -136,6 +136,12 @@ struct KvPool {
   static KvPool zeros_for(const DumpAttributes& attrs, std::int64_t num_slots);
   // An all-zero-bytes pool of num_slots slots in the same form as this one.
   KvPool zeros_like(std::int64_t new_num_slots) const;
+  // Whether `other` has this pool's form: every field but the bytes.
+  bool same_form(const KvPool& other) const {
+    return dtype == other.dtype && num_slots == other.num_slots && row_width == other.row_width &&
+           group_size == other.group_size && latent_width == other.latent_width &&
+           scale_format == other.scale_format && rope_dtype == other.rope_dtype;
+  }
   bool grouped() const { return group_size > 0; }
   int num_groups() const { return grouped() ? latent_width / group_size : 0; }
   int scale_bytes() const { return scale_format == GroupScaleFormat::kE8m0 ? 1 : 4; }

@@ -229,7 +229,7 @@ Result<KvPool> read_grouped_pool(const BulkSource& source, const std::string& gr
   const std::size_t slots = static_cast<std::size_t>(pool.num_slots);
   const std::size_t row_bytes = pool.row_bytes();
   const std::vector<PoolPart> parts = pool_parts(layout.attrs, pool_name);
-  if (parts.size() == 1) {  // flashmla_fp8
+  if (parts.size() == 1) {  // flashmla_fp8: the memory form already
     KVAUDIT_ASSIGN_OR_RETURN(pool.bytes, read_part_bytes(source, group_path + parts[0].name,
                                                          parts[0].type, slots * row_bytes));
     return pool;
@@ -239,15 +239,13 @@ Result<KvPool> read_grouped_pool(const BulkSource& source, const std::string& gr
   } catch (const std::bad_alloc&) {
     return internal_error(source.where(group_path + pool_name), "out of memory");
   }
-  const std::size_t offsets[] = {0, pool.rope_offset(), pool.scales_offset()};
-  for (std::size_t i = 0; i < parts.size(); ++i) {
+  for (const PoolPart& part : parts) {
     KVAUDIT_ASSIGN_OR_RETURN(const std::vector<std::uint8_t> bytes,
-                             read_part_bytes(source, group_path + parts[i].name, parts[i].type,
-                                             slots * static_cast<std::size_t>(parts[i].width)));
-    const std::size_t part_row = bytes.size() / std::max<std::size_t>(slots, 1);
+                             read_part_bytes(source, group_path + part.name, part.type,
+                                             slots * static_cast<std::size_t>(part.width)));
     for (std::size_t s = 0; s < slots; ++s) {
-      std::memcpy(pool.bytes.data() + s * row_bytes + offsets[i], bytes.data() + s * part_row,
-                  part_row);
+      std::memcpy(pool.bytes.data() + s * row_bytes + part.slot_offset,
+                  bytes.data() + s * part.slot_bytes, part.slot_bytes);
     }
   }
   return pool;

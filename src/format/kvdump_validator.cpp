@@ -666,16 +666,17 @@ Status validate_steps(const ObjectReader& r, hid_t root, DumpLayout* layout) {
 // kv_scales [.., G]. flashmla_fp8: kv_cache [.., Dc + 4 G + 2 Dr] bytes. `pool_name` is
 // "kv_cache" or "kv_cache_after"; the companions get the same suffix.
 std::vector<PoolPart> pool_parts(const DumpAttributes& attrs, const std::string& pool_name) {
+  const KvPool form = KvPool::zeros_for(attrs, 0);  // the slot's byte layout
+  const std::size_t row_bytes = form.row_bytes();
   if (!attrs.per_token_group()) {
     const PoolPartType type =
         attrs.kv_dtype == KvDtype::kBfloat16 ? PoolPartType::kBf16 : PoolPartType::kE4m3;
-    return {{pool_name, type, attrs.row_width(), "kv_lora_rank + qk_rope_head_dim"}};
+    return {{pool_name, type, attrs.row_width(), "kv_lora_rank + qk_rope_head_dim", 0, row_bytes}};
   }
   const int groups = attrs.num_scale_groups();
-  if (attrs.kv_cache_layout == PoolLayout::kFlashMlaFp8) {
-    return {{pool_name, PoolPartType::kFlashMlaPacked,
-             attrs.kv_lora_rank + 4 * groups + 2 * attrs.qk_rope_head_dim,
-             "kv_lora_rank + 4 * groups + 2 * qk_rope_head_dim bytes"}};
+  if (attrs.kv_cache_layout == PoolLayout::kFlashMlaFp8) {  // the memory form, as it is
+    return {{pool_name, PoolPartType::kFlashMlaPacked, static_cast<int>(row_bytes),
+             "kv_lora_rank + 4 * groups + 2 * qk_rope_head_dim bytes", 0, row_bytes}};
   }
   const std::string suffix = pool_name == "kv_cache_after" ? "_after" : "";
   const PoolPartType rope =
@@ -683,9 +684,12 @@ std::vector<PoolPart> pool_parts(const DumpAttributes& attrs, const std::string&
   const PoolPartType scales = attrs.kv_scale_format == GroupScaleFormat::kE8m0
                                   ? PoolPartType::kScalesE8m0
                                   : PoolPartType::kScalesF32;
-  return {{pool_name, PoolPartType::kE4m3, attrs.kv_lora_rank, "kv_lora_rank"},
-          {"kv_rope" + suffix, rope, attrs.qk_rope_head_dim, "qk_rope_head_dim"},
-          {"kv_scales" + suffix, scales, groups, "kv_lora_rank / kv_scale_group_size"}};
+  return {
+      {pool_name, PoolPartType::kE4m3, attrs.kv_lora_rank, "kv_lora_rank", 0, form.scales_offset()},
+      {"kv_rope" + suffix, rope, attrs.qk_rope_head_dim, "qk_rope_head_dim", form.rope_offset(),
+       row_bytes - form.rope_offset()},
+      {"kv_scales" + suffix, scales, groups, "kv_lora_rank / kv_scale_group_size",
+       form.scales_offset(), form.rope_offset() - form.scales_offset()}};
 }
 
 Result<DumpLayout> validate_dump_layout(hid_t file, const std::string& file_text) {

@@ -19,6 +19,7 @@
 
 #include <hdf5.h>
 
+#include <cstddef>
 #include <string>
 #include <vector>
 
@@ -34,6 +35,9 @@ struct PoolPart {
   PoolPartType type;
   int width;
   const char* meaning;  // of the last dimension, for messages
+  // Where the part's bytes of a slot sit in the in-memory slot (KvPool::row), and how many.
+  std::size_t slot_offset = 0;
+  std::size_t slot_bytes = 0;
 };
 
 // The datasets a pool is stored in. v1: kv_cache [.., D] of kv_dtype. v1.1 split: kv_cache

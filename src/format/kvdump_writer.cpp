@@ -180,19 +180,13 @@ struct DumpWriter::Impl {
     const std::vector<PoolPart> parts = pool_parts(attrs, name);
     const std::size_t slots = static_cast<std::size_t>(pool.num_slots);
     const std::size_t row_bytes = pool.row_bytes();
-    const std::size_t offsets[] = {0, pool.rope_offset(), pool.scales_offset()};
-    for (std::size_t i = 0; i < parts.size(); ++i) {
-      const PoolPart& part = parts[i];
+    for (const PoolPart& part : parts) {
       std::vector<hsize_t> dims = pool_dims();
       dims[2] = static_cast<hsize_t>(part.width);
-      const std::size_t part_row = parts.size() == 1 ? row_bytes
-                                   : i == 0          ? static_cast<std::size_t>(part.width)
-                                   : i == 1          ? row_bytes - pool.rope_offset()
-                                                     : pool.rope_offset() - pool.scales_offset();
-      std::vector<std::uint8_t> bytes(slots * part_row);
+      std::vector<std::uint8_t> bytes(slots * part.slot_bytes);
       for (std::size_t s = 0; s < slots; ++s) {
-        std::memcpy(bytes.data() + s * part_row, pool.bytes.data() + s * row_bytes + offsets[i],
-                    part_row);
+        std::memcpy(bytes.data() + s * part.slot_bytes,
+                    pool.bytes.data() + s * row_bytes + part.slot_offset, part.slot_bytes);
       }
       switch (part.type) {
         case PoolPartType::kBf16:

@@ -680,28 +680,23 @@ float layer_kv_scale(const SynthSpec& spec, const SynthPlan& plan, const LayerPr
   if (spec.kv_dtype != KvDtype::kFloat8E4m3fn) return 1.0f;
   if (spec.scale_group_size > 0 && spec.rope_dtype == KvDtype::kBfloat16) return 1.0f;
   if (spec.kv_scale) return *spec.kv_scale;
+  // Per tensor: over every regular value; per token group: over the RoPE part only (the latent's
+  // scales are per token).
+  const bool rope_only = spec.scale_group_size > 0;
   std::vector<float> row(profile.sigma.size());
   float amax = 0.0f;
+  float regular_amax = 0.0f;
   for (std::size_t b = 0; b < plan.prefix_lens.size(); ++b) {
     for (std::int64_t p = 0; p < plan.final_lens[b]; ++p) {
-      generate_token(spec, profile, layer_id, static_cast<int>(b), p, 1.0f, row.data(), &amax);
-      if (spec.scale_group_size > 0) {  // the RoPE multiplier: over the RoPE part only
+      generate_token(spec, profile, layer_id, static_cast<int>(b), p, 1.0f, row.data(),
+                     &regular_amax);
+      if (rope_only) {
         amax = std::max(amax, finite_amax({row.data() + spec.kv_lora_rank,
                                            static_cast<std::size_t>(spec.rope_dim)}));
       }
     }
   }
-  if (spec.scale_group_size > 0) {
-    amax = 0.0f;
-    for (std::size_t b = 0; b < plan.prefix_lens.size(); ++b) {
-      for (std::int64_t p = 0; p < plan.final_lens[b]; ++p) {
-        float unused = 0.0f;
-        generate_token(spec, profile, layer_id, static_cast<int>(b), p, 1.0f, row.data(), &unused);
-        amax = std::max(amax, finite_amax({row.data() + spec.kv_lora_rank,
-                                           static_cast<std::size_t>(spec.rope_dim)}));
-      }
-    }
-  }
+  if (!rope_only) amax = regular_amax;
   return amax > 0.0f ? amax / kE4m3MaxFinite : 1.0f;
 }
 
