@@ -56,4 +56,10 @@ __device__ __forceinline__ uint2 e4m3x4_to_bf16x4(std::uint32_t codes) {
   return r;
 }
 
+// Bit 7 of byte n is set where code n of `codes` is a NaN code (its low 7 bits all ones): adding 1
+// to a byte of at most 0x7F carries into bit 7 only from 0x7F, and never into the next byte.
+__device__ __forceinline__ std::uint32_t e4m3x4_nan_bytes(std::uint32_t codes) {
+  return ((codes & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
+}
+
 }  // namespace kvaudit::cuda::detail

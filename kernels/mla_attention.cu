@@ -58,12 +58,37 @@ int device_multiprocessors() {
 
 struct LaunchShape {
   int m_tiles = 1;
+  int block_heads = 16;    // heads per row in a block (a multiple of 16)
+  int rows_per_block = 1;  // query rows sharing a block's KV tiles
+  int row_groups = 0;
   int head_blocks = 1;
   int num_splits = 1;
 };
 
-// Splits: with base = rows * head_blocks blocks over `slots` resident block slots, a split count s
-// costs about waves(s) * (tiles per split + kSplitOverheadTiles), where waves(s) =
+// Rows and heads per block. Decode (about one row per request): one row, its heads in 1, 2 or 4
+// m16 tiles (16, 32, 64 heads per block). Prefill and extend (two or more rows per request on
+// average), at most 32 heads: 64 M rows of 4 (or 2) consecutive query rows, so that each decoded
+// KV tile serves four times the rows. The pool element does not enter: a bf16 pool cast from the
+// FP8 one runs the same tiling and gives the same bits.
+void choose_rows_and_heads(const MlaAttentionProblem& problem, LaunchShape& shape) {
+  const int heads16 = (problem.num_heads + 15) / 16 * 16;
+  const bool many_rows_per_request = problem.num_rows >= 2 * problem.batch;
+  if (many_rows_per_request &&
+      heads16 <= 32) {  // the kernel takes row groups with 4 m16 tiles only
+    shape.m_tiles = 4;
+    shape.block_heads = heads16;
+    shape.rows_per_block = 64 / heads16;
+  } else {
+    shape.m_tiles = heads16 <= 16 ? 1 : (heads16 <= 32 ? 2 : 4);
+    shape.block_heads = 16 * shape.m_tiles;
+    shape.rows_per_block = 1;
+  }
+  shape.head_blocks = (problem.num_heads + shape.block_heads - 1) / shape.block_heads;
+  shape.row_groups = (problem.num_rows + shape.rows_per_block - 1) / shape.rows_per_block;
+}
+
+// Splits: with base = row_groups * head_blocks blocks over `slots` resident block slots, a split
+// count s costs about waves(s) * (tiles per split + kSplitOverheadTiles), where waves(s) =
 // ceil(base * s / slots) and the overhead stands for a block's start (Q staging, first load) and
 // its partial (out, lse) written and merged. The cheapest s in 1 .. max_tiles wins (ties: fewer).
 // Rows shorter than max_kv_len get empty splits, which exit at once.
@@ -71,10 +96,8 @@ constexpr int kSplitOverheadTiles = 3;
 
 LaunchShape launch_shape(const MlaAttentionProblem& problem) {
   LaunchShape shape;
-  shape.m_tiles = problem.num_heads <= 16 ? 1 : 2;
-  const int heads_per_block = 16 * shape.m_tiles;
-  shape.head_blocks = (problem.num_heads + heads_per_block - 1) / heads_per_block;
-  const long long base = static_cast<long long>(problem.num_rows) * shape.head_blocks;
+  choose_rows_and_heads(problem, shape);
+  const long long base = static_cast<long long>(shape.row_groups) * shape.head_blocks;
   const int max_tiles =
       std::max(1, (problem.max_kv_len + mla::kKvTileTokens - 1) / mla::kKvTileTokens);
   const long long slots = static_cast<long long>(device_multiprocessors()) * detail::kBlocksPerSm;
@@ -138,7 +161,7 @@ Status dispatch_pool_element(PoolElement element, Launch&& launch) {
                      "no kernel for pool element " + std::to_string(static_cast<int>(element)));
 }
 
-// m16 tiles of heads per block: 1 (H <= 16) or 2 (32 heads per block).
+// m16 tiles of (row, head) pairs per block: 1, 2 or 4.
 template <typename Launch>
 Status dispatch_m_tiles(int m_tiles, Launch&& launch) {
   switch (m_tiles) {
@@ -146,6 +169,8 @@ Status dispatch_m_tiles(int m_tiles, Launch&& launch) {
       return launch(std::integral_constant<int, 1>{});
     case 2:
       return launch(std::integral_constant<int, 2>{});
+    case 4:
+      return launch(std::integral_constant<int, 4>{});
     default:
       return unsupported(kWhere,
                          "no kernel for " + std::to_string(m_tiles) + " m16 tiles per block");
@@ -224,7 +249,10 @@ detail::MlaAttentionParams attention_params(const MlaAttentionProblem& problem,
   params.page_size = problem.page_size;
   params.num_splits = shape.num_splits;
   params.head_blocks = shape.head_blocks;
+  params.rows_per_block = shape.rows_per_block;
+  params.block_heads = shape.block_heads;
   params.read_masked_tail = problem.read_masked_tail ? 1 : 0;
+  params.mark_nan = shape.rows_per_block > 1 && !problem.read_masked_tail ? 1 : 0;
   params.score_scale = score_scale_of(problem);
   params.kv_scale = problem.kv_scale;
   params.pool = static_cast<const std::uint8_t*>(problem.pool);
@@ -280,7 +308,7 @@ Status launch_mla_attention(const MlaAttentionProblem& problem, void* workspace,
     KVAUDIT_TRY(assign_workspace(problem, shape, workspace, workspace_bytes, params));
   }
   const long long blocks =
-      static_cast<long long>(problem.num_rows) * shape.head_blocks * shape.num_splits;
+      static_cast<long long>(shape.row_groups) * shape.head_blocks * shape.num_splits;
   if (blocks > 0x7FFFFFFFLL) {
     return unsupported(kWhere, "grid of " + std::to_string(blocks) + " blocks");
   }

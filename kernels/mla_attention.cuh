@@ -17,19 +17,23 @@
 //   out    : [num_rows, H, Dc] bf16     lse  : [num_rows, H] fp32
 //   partial_out : [num_rows, num_splits, H, Dc] fp32 (acc / l), partial_lse : [.., H] fp32 (base 2)
 //
-// Work decomposition. One thread block handles one query row, a block of 16 * kMTiles heads (the
-// MMA M dimension; heads past H are zero rows) and one split (a contiguous range of 64-token
-// tiles) of that row's visible tokens. Every M row of a block sees the same tokens, so a token the
-// row may not see is never loaded: its shared-memory row is zeroed, and its score is -inf. NaN
-// codes in unused or masked slots therefore never enter an MMA (0 * NaN would leak them). A NaN
-// code in a visible token is data: its score is NaN for every head, and out and lse become NaN,
-// as in the reference (the merge keeps a split's NaN even when its weight underflows to 0).
-// Per tile: the 64 FP8 rows (576 bytes each, 16-byte loads, coalesced per token, so page size 1
-// costs no more than 64) are loaded into registers while the previous tile is computed, decoded
-// once into a bf16 shared-memory tile, and that one tile serves both Q.K^T (576 columns) and P.V
-// (its first 512 columns) through mma.sync.m16n8k16 bf16 -> fp32. Q.K^T sums its 576 columns in
-// two halves (fp32, added at the end; with 32 heads per block, even / odd 16-column chains):
-// another fp32 summation order, same bound.
+// Work decomposition. One thread block handles M = 16 * kMTiles (query row, head) pairs: a group
+// of rows_per_block consecutive query rows of one request (1 for decode; 4 or 2 for prefill and
+// extend) times block_heads heads of each (heads past H are zero rows), and one split (a
+// contiguous range of 64-token tiles) of the tokens the group's last row sees. Each KV tile is
+// loaded and decoded once per block and serves all M rows; a row masks the tokens past its own
+// causal length with -inf. Tokens no row of the block may see are never loaded: their shared-memory
+// rows are zeroed. With several rows per block, a NaN code is found when its tile is decoded (a
+// per-tile mask of tokens): its bf16 row is zeroed, and a row that sees the token gets a NaN score
+// for it, so out and lse become NaN as in the reference, while an earlier row of the same block
+// (which does not see it) never multiplies a NaN by its zero weight (0 * NaN would leak it). With
+// one row per block every loaded token is visible and a NaN code propagates by itself. The merge
+// keeps a split's NaN even when its weight underflows to 0.
+// Per tile: the 64 FP8 rows (576 bytes each) are fetched while the previous tile is computed
+// (Fp8Staging), decoded exactly once into one bf16 tile in shared memory, and that one tile serves
+// both Q.K^T (576 columns) and P.V (its first 512 columns) through mma.sync.m16n8k16 bf16 -> fp32.
+// Q.K^T sums its 576 columns in two halves (fp32, added at the end; with two or more m16 tiles,
+// even / odd 16-column chains): another fp32 summation order, same bound.
 //
 // Where the GPU differs from the CPU model, and by how much (the tests' tolerances):
 //   * tensor-core fp32 accumulation of the 576-term dot products and of P.V is not sequential fp32
@@ -47,13 +51,14 @@
 //
 // The attention kernel body reads as the algorithm; each step is a __device__ __forceinline__
 // phase below (inlined: the phases are names, not calls):
-//   locate_block          which row, heads and tiles this block owns
-//   stage_q               Q [kRows, 576] bf16 into shared memory
-//   start_fp8_prefetch    slot tables of the first two tiles, first FP8 tile into registers
-//   load_q_fragments      (one m16 tile) Q's A fragments into registers, once per block
+//   locate_work / locate_pass  which rows, heads and tiles this block owns (a pass per request)
+//   stage_q               Q [M, 576] bf16 into shared memory
+//   start_fp8_fetch       slot tables of the first two tiles, the first tile fetched
+//   load_q_fragments      (one m16 tile) Q's A fragments into registers, once per pass
 //   per 64-token tile:
-//     stage_fp8_tile      decode the fetched FP8 rows into the bf16 tile, fetch the next tile
-//     stage_bf16_tile     (bf16 pool) cp.async the bf16 rows into the tile
+//     stage_fp8_tile      decode the fetched tile into the bf16 tile (NaN mask), fetch the next
+//     stage_bf16_tile     (bf16 pool) the bf16 rows into the tile (NaN mask)
+//     finish_tile         next slot table, (kBuffer) fetch the next tile, zero rows of NaN codes
 //     qk_scores_*         S = Q K^T (mma.sync), two variants of the warp tiling
 //     online_softmax_update  scale, mask, block row max, P = exp2(s - m) in bf16, l, rescale acc
 //     pv_mma              acc += P V (mma.sync, V = the tile's first 512 columns)
@@ -88,13 +93,15 @@ inline constexpr int kPRow = kTile + 8;  // bf16 elements per row of P (144 byte
 // fp32 partial-score rows: 72 words, 72 mod 32 = 8, so the float2 stores of rows g..g+3 of a
 // half-warp land in disjoint banks.
 inline constexpr int kSRow = kTile + 8;
-inline constexpr int kFp8RowVectors = kD / 16;       // 36 16-byte vectors per FP8 row
-inline constexpr int kBf16RowVectors = kD * 2 / 16;  // 72 per bf16 row
-// 16-byte FP8 loads per thread and tile (9): vector v = tid + k * kThreads of a tile.
-inline constexpr int kFp8VectorsPerThread = kTile * kFp8RowVectors / kThreads;
-static_assert(kTile * kFp8RowVectors % kThreads == 0, "FP8 tile split over the threads");
-// One block per SM: with one m16 tile the kernel holds Q fragments in registers (up to 255 per
-// thread); two blocks of ~106 KB fit the shared memory but measured no faster.
+inline constexpr int kFp8RowPieces = kD / 16;        // 36 16-byte pieces per FP8 row
+inline constexpr int kBf16RowVectors = kD * 2 / 16;  // 72 16-byte vectors per bf16 row
+// 16-byte FP8 pieces per thread and tile (9): piece v = tid + k * kThreads of a tile.
+inline constexpr int kFp8PiecesPerThread = kTile * kFp8RowPieces / kThreads;
+static_assert(kTile * kFp8RowPieces % kThreads == 0, "FP8 tile split over the threads");
+// One block of 8 warps per SM (up to 255 registers per thread: with one m16 tile the Q fragments
+// stay in registers). Measured on the H200 and kept out: two blocks of ~106 KB per SM, 16 warps
+// per block (128 registers, spills), a three-tile cp.async ring, decoding by bit placement instead
+// of cvt, and swizzled decode stores were each no faster or slower (docs/kernels.md).
 inline constexpr int kBlocksPerSm = 1;
 
 // ---- parameters, one struct per kernel ---------------------------------------------------------
@@ -114,7 +121,10 @@ struct MlaAttentionParams {
   int page_size;
   int num_splits;
   int head_blocks;
+  int rows_per_block;  // query rows sharing a block's KV tiles (consecutive rows of one request)
+  int block_heads;     // heads per row in a block: M = rows_per_block * block_heads = 16 * kMTiles
   int read_masked_tail;  // fault masked-nan-leak: load the last page's unused slots too
+  int mark_nan;          // rows_per_block > 1, not masked-nan-leak: NaN masks (finish_tile)
   float score_scale;     // fp32(sm_scale * kv_scale * log2 e)
   float kv_scale;
   const std::uint8_t* pool;
@@ -165,21 +175,64 @@ struct CastPoolParams {
   OutElement* pool_bf16;  // [num_elements]
 };
 
+// Warp tiling of mla_attention_kernel for kMTiles m16 tiles (M = 16 * kMTiles rows).
+//   kWn          warps sharing one m16 tile (16, 8, 4)
+//   kSliceWarps  of those, the warps that own a slice of the tile's tokens in the softmax (at most
+//                8: one n8 tile each); with 16 warps, warp wn computes the same slice as warp
+//                wn - 8 (identical inputs, identical results) without writing it
+//   kQkTiles     n8 token tiles per slice
+//   kPvTiles     n8 dim tiles per warp in P.V
+//   kKSplit      (one m16 tile) Q.K^T splits the 576 columns over kWn / 4 warps, kQkSteps k16
+//                steps each (4 x 9), each warp on 16 tokens
+template <int kMTiles>
+struct AttentionWarpTiling {
+  static constexpr int kWn = kWarps / kMTiles;
+  static constexpr int kSliceWarps = kWn < 8 ? kWn : 8;
+  static constexpr int kQkTiles = kTile / 8 / kSliceWarps;
+  static constexpr int kPvTiles = kDc / 8 / kWn;
+  static constexpr int kKSplit = kWn / 4;
+  static constexpr int kQkSteps = kD / 16 / (kKSplit > 0 ? kKSplit : 1);
+  static_assert(kQkTiles >= 1 && kPvTiles % 2 == 0, "warp tiling");
+};
+
+// How FP8 tiles reach a block. Each thread owns kFp8PiecesPerThread 16-byte pieces of every tile
+// (piece v = tid + k * kThreads: token v / 36, bytes 16 (v % 36) .. + 15, coalesced per 576-byte
+// row, so page size 1 costs no more than 64) and fetches the next tile's pieces while the current
+// tile is computed:
+//   kRegisters  into 36 registers (ld.global.nc): no shared-memory round trip. One and two m16
+//               tiles of heads.
+//   kBuffer     by cp.async into a 36,864-byte shared-memory buffer: the four-m16-tile kernel has
+//               no registers to spare (its P.V accumulators take 128).
+// One tile in flight is enough: a ring of three buffers measured no faster on the H200 (the kernel
+// is bound by its shared-memory traffic and instruction latency, not by bytes in flight;
+// docs/kernels.md).
+enum class Fp8Staging { kRegisters, kBuffer };
+template <int kMTiles>
+inline constexpr Fp8Staging kFp8StagingOf =
+    kMTiles == 4 ? Fp8Staging::kBuffer : Fp8Staging::kRegisters;
+inline constexpr int kFp8TileBytes = kTile * kD;
+
 // Shared-memory carve-up of one attention block; the launcher sizes the dynamic allocation with
 // it.
 template <int kMTiles, bool kBf16Pool>
 struct MlaSmemLayout {
   static constexpr int kRows = 16 * kMTiles;
-  static constexpr int kWarpsPerMTile = kWarps / kMTiles;
+  static constexpr int kSliceWarps = AttentionWarpTiling<kMTiles>::kSliceWarps;
+  static constexpr int kKSplit = AttentionWarpTiling<kMTiles>::kKSplit;
+  static constexpr bool kFp8Buffer = !kBf16Pool && kFp8StagingOf<kMTiles> == Fp8Staging::kBuffer;
   static constexpr int kQOffset = 0;
   static constexpr int kKvOffset = kQOffset + kRows * kSmemRow * 2;
   static constexpr int kPOffset = kKvOffset + kTile * kSmemRow * 2;
   static constexpr int kMaxOffset = kPOffset + kRows * kPRow * 2;
-  static constexpr int kSumOffset = kMaxOffset + kRows * kWarpsPerMTile * 4;
-  // Partial scores of the two k halves (one m16 tile, eight warps): [2][16][kSRow] fp32.
-  static constexpr int kSPartOffset = kSumOffset + kRows * kWarpsPerMTile * 4;
-  static constexpr int kSlotOffset = kSPartOffset + (kMTiles == 1 ? 2 * 16 * kSRow * 4 : 0);
-  static constexpr int kBytes = kSlotOffset + 2 * kTile * 4;  // two tiles' slot tables
+  static constexpr int kSumOffset = kMaxOffset + kRows * kSliceWarps * 4;
+  // Partial scores of the k parts (one m16 tile): [kKSplit][16][kSRow] fp32.
+  static constexpr int kSPartOffset = kSumOffset + kRows * kSliceWarps * 4;
+  static constexpr int kSlotOffset = kSPartOffset + (kMTiles == 1 ? kKSplit * 16 * kSRow * 4 : 0);
+  // Slot tables of two tiles, NaN-code masks of two tiles (64 bits each), the FP8 buffer.
+  static constexpr int kNanOffset = kSlotOffset + 2 * kTile * 4;
+  static constexpr int kBufferOffset = kNanOffset + 2 * 8;
+  static constexpr int kBytes = kBufferOffset + (kFp8Buffer ? kFp8TileBytes : 0);
+  static_assert(kBufferOffset % 16 == 0, "cp.async destinations are 16-byte aligned");
   static_assert(kBytes <= 227 * 1024, "shared memory of one block exceeds the sm_90 limit");
 };
 
@@ -285,42 +338,82 @@ __device__ __forceinline__ std::int32_t slot_of(const MlaAttentionParams& p, con
   return page * p.page_size + position % p.page_size;
 }
 
-// The work of one block: query row `row`, heads head0 .. head0 + kRows - 1, and the 64-token
-// tiles [tile_begin, tile_end) of the row's visible tokens (its split).
-struct AttentionBlock {
-  int row;
+// The rows and heads of one block: the group of rows_per_block consecutive query rows
+// [row_begin, row_end), heads head0 .. head0 + block_heads - 1 of each, and one split.
+struct BlockWork {
   int split;
   int head0;
-  RowRange range;
+  int row_begin;
+  int row_end;
+};
+
+// grid: row_groups * head_blocks * num_splits blocks, split fastest.
+__device__ __forceinline__ BlockWork locate_work(const MlaAttentionParams& p) {
+  BlockWork w;
+  w.split = blockIdx.x % p.num_splits;
+  const int head_block = (blockIdx.x / p.num_splits) % p.head_blocks;
+  const int group = blockIdx.x / (p.num_splits * p.head_blocks);
+  w.head0 = head_block * p.block_heads;
+  w.row_begin = group * p.rows_per_block;
+  w.row_end = min(p.num_rows, w.row_begin + p.rows_per_block);
+  return w;
+}
+
+// One pass of a block: the rows of its group that belong to one request (a group that spans
+// requests takes one pass per request). Row first_row + r sees first_visible + r tokens (causal
+// rows of one request are consecutive positions); the tiles loaded are those of the last row,
+// [tile_begin, tile_end) of its split. M row m of the block is row first_row + m / block_heads,
+// head head0 + m % block_heads.
+struct AttentionPass {
+  int first_row;
+  int row_count;
+  int first_visible;
+  RowRange range;  // of the pass's last row: the tokens loaded
   int tile_begin;
   int tile_end;
 };
 
-// grid: num_rows * head_blocks * num_splits blocks, split fastest.
-template <int kRows>
-__device__ __forceinline__ AttentionBlock locate_block(const MlaAttentionParams& p) {
-  AttentionBlock b;
-  b.split = blockIdx.x % p.num_splits;
-  const int head_block = (blockIdx.x / p.num_splits) % p.head_blocks;
-  b.row = blockIdx.x / (p.num_splits * p.head_blocks);
-  b.head0 = head_block * kRows;
-  b.range = locate_row(p, b.row);
-  const int num_tiles = (b.range.visible + kTile - 1) / kTile;
+__device__ __forceinline__ AttentionPass locate_pass(const MlaAttentionParams& p,
+                                                     const BlockWork& w, int first_row) {
+  AttentionPass pass;
+  pass.first_row = first_row;
+  const RowRange first = locate_row(p, first_row);
+  pass.row_count = min(w.row_end, p.qo_indptr[first.request + 1]) - first_row;
+  pass.first_visible = first.visible;
+  pass.range = first;
+  pass.range.visible = first.visible + pass.row_count - 1;
+  if (!p.read_masked_tail) pass.range.readable = pass.range.visible;
+  const int num_tiles = (pass.range.visible + kTile - 1) / kTile;
   const int tiles_per_split = (num_tiles + p.num_splits - 1) / p.num_splits;
-  b.tile_begin = b.split * tiles_per_split;
-  b.tile_end = min(num_tiles, b.tile_begin + tiles_per_split);
-  return b;
+  pass.tile_begin = w.split * tiles_per_split;
+  pass.tile_end = min(num_tiles, pass.tile_begin + tiles_per_split);
+  return pass;
 }
 
-// Warp tiling of mla_attention_kernel for kMTiles m16 tiles of heads (M = 16 * kMTiles rows).
-template <int kMTiles>
-struct AttentionWarpTiling {
-  static constexpr int kWn = kWarps / kMTiles;      // warps sharing one m16 tile
-  static constexpr int kQkTiles = kTile / 8 / kWn;  // n8 token tiles per warp in Q.K^T
-  static constexpr int kPvTiles = kDc / 8 / kWn;    // n8 dim tiles per warp in P.V
-  static constexpr int kQkSteps = kD / 16 / 2;      // k16 steps per k half (one m16 tile: 18)
-  static_assert(kQkTiles >= 1 && kPvTiles % 2 == 0, "warp tiling");
+// The (query row, head) of M row m, and whether it is one of the pass's rows and heads.
+struct MRow {
+  int row;
+  int head;
+  bool active;
 };
+
+__device__ __forceinline__ MRow m_row(const MlaAttentionParams& p, const BlockWork& w,
+                                      const AttentionPass& pass, int m) {
+  const int r = m / p.block_heads;
+  MRow out;
+  out.row = pass.first_row + r;
+  out.head = w.head0 + m % p.block_heads;
+  out.active = r < pass.row_count && out.head < p.num_heads;
+  return out;
+}
+
+// Tokens of the pass that M rows of m16 tile mt see (block_heads is a multiple of 16, so one m16
+// tile holds heads of one row); 0 for a tile past the pass's rows.
+__device__ __forceinline__ int m_tile_visible(const MlaAttentionParams& p,
+                                              const AttentionPass& pass, int mt) {
+  const int r = (mt * 16) / p.block_heads;
+  return r < pass.row_count ? pass.first_visible + r : 0;
+}
 
 // This thread's place in the tiling: warp (mt, wn) works on m16 tile mt and on slice wn of the
 // tokens (Q.K^T) and of the dims (P.V); in an mma fragment it holds rows group and group + 8,
@@ -328,13 +421,15 @@ struct AttentionWarpTiling {
 struct ThreadRole {
   int tid;
   int lane;
-  int mt;  // this warp's m16 tile
-  int wn;  // its part of the tokens (Q.K^T) and of the dims (P.V)
+  int mt;      // this warp's m16 tile
+  int wn;      // its part of the dims (P.V) and of the Q.K^T work
+  int slice;   // its slice of the tile's tokens in the softmax
+  bool owner;  // whether it writes that slice's P, max and sum (AttentionWarpTiling)
   int group;
   int quad;
 };
 
-template <int kWn>
+template <int kWn, int kSliceWarps>
 __device__ __forceinline__ ThreadRole thread_role() {
   ThreadRole t;
   t.tid = threadIdx.x;
@@ -342,6 +437,8 @@ __device__ __forceinline__ ThreadRole thread_role() {
   t.lane = t.tid % 32;
   t.mt = warp / kWn;
   t.wn = warp % kWn;
+  t.slice = t.wn % kSliceWarps;
+  t.owner = t.wn < kSliceWarps;
   t.group = t.lane / 4;
   t.quad = t.lane % 4;
   return t;
@@ -355,6 +452,8 @@ __device__ __forceinline__ ThreadRole thread_role() {
 //   sum    : [kRows, kWn] fp32        each warp's row sum of the tile's p
 //   s_part : [2, 16, kSRow] fp32      (one m16 tile) partial scores of the two k halves
 //   slot   : [2, kTile] int32         (FP8 pool) slot tables of the next two tiles
+//   nan    : [2, 2] u32               tokens of a tile holding a NaN code (two tiles)
+//   buffer : [kTile, kD] u8           (FP8 pool, kBuffer staging) the next tile's codes
 struct AttentionSmem {
   std::uint16_t* q;
   std::uint16_t* kv;
@@ -363,6 +462,8 @@ struct AttentionSmem {
   float* sum;
   std::int32_t* slot;
   float* s_part;
+  std::uint32_t* nan;
+  unsigned char* buffer;
   // 32-bit shared addresses of q, kv and p (ldmatrix operands), set by set_tile_addresses.
   std::uint32_t q_address;
   std::uint32_t kv_address;
@@ -385,20 +486,22 @@ __device__ __forceinline__ AttentionSmem carve_attention_smem(unsigned char* sme
   s.sum = reinterpret_cast<float*>(smem + Layout::kSumOffset);
   s.slot = reinterpret_cast<std::int32_t*>(smem + Layout::kSlotOffset);
   s.s_part = reinterpret_cast<float*>(smem + Layout::kSPartOffset);
+  s.nan = reinterpret_cast<std::uint32_t*>(smem + Layout::kNanOffset);
+  s.buffer = smem + Layout::kBufferOffset;
   return s;
 }
 
-// An empty split (a row shorter than the split's first tile) contributes nothing: its partial
-// lse is -inf, which the merge skips.
+// An empty split (a pass's last row shorter than the split's first tile) contributes nothing:
+// its partial lse is -inf, which the merge skips.
 template <int kRows>
-__device__ __forceinline__ void write_empty_split(const MlaAttentionParams& p,
-                                                  const AttentionBlock& b, int tid) {
+__device__ __forceinline__ void write_empty_split(const MlaAttentionParams& p, const BlockWork& w,
+                                                  const AttentionPass& pass, int tid) {
   if (p.num_splits > 1) {
-    for (int r = tid; r < kRows; r += kThreads) {
-      const int head = b.head0 + r;
-      if (head < p.num_heads) {
-        p.partial_lse[(static_cast<std::int64_t>(b.row) * p.num_splits + b.split) * p.num_heads +
-                      head] = -INFINITY;
+    for (int m = tid; m < kRows; m += kThreads) {
+      const MRow r = m_row(p, w, pass, m);
+      if (r.active) {
+        p.partial_lse[(static_cast<std::int64_t>(r.row) * p.num_splits + w.split) * p.num_heads +
+                      r.head] = -INFINITY;
       }
     }
   }
@@ -406,124 +509,228 @@ __device__ __forceinline__ void write_empty_split(const MlaAttentionParams& p,
 
 // ---- attention: staging Q and KV tiles ---------------------------------------------------------
 
-// Q (bf16) for this block's heads: rows [q_nope (512) | q_pe (64)], zero past H.
+// Q (bf16) for the pass's M rows: [q_nope (512) | q_pe (64)], zero for rows and heads outside it.
 template <int kRows>
-__device__ __forceinline__ void stage_q(const MlaAttentionParams& p, const AttentionBlock& b,
-                                        int tid, std::uint16_t* q_s) {
+__device__ __forceinline__ void stage_q(const MlaAttentionParams& p, const BlockWork& w,
+                                        const AttentionPass& pass, int tid, std::uint16_t* q_s) {
   for (int v = tid; v < kRows * kBf16RowVectors; v += kThreads) {
-    const int r = v / kBf16RowVectors;
+    const int m = v / kBf16RowVectors;
     const int c = (v % kBf16RowVectors) * 8;  // element column
-    const int head = b.head0 + r;
+    const MRow r = m_row(p, w, pass, m);
     uint4 value = make_uint4(0, 0, 0, 0);
-    if (head < p.num_heads) {
-      const std::int64_t qrow = static_cast<std::int64_t>(b.row) * p.num_heads + head;
+    if (r.active) {
+      const std::int64_t qrow = static_cast<std::int64_t>(r.row) * p.num_heads + r.head;
       value = c < kDc ? *reinterpret_cast<const uint4*>(p.q_nope + qrow * kDc + c)
                       : *reinterpret_cast<const uint4*>(p.q_pe + qrow * kDr + (c - kDc));
     }
-    *reinterpret_cast<uint4*>(q_s + r * kSmemRow + c) = value;
+    *reinterpret_cast<uint4*>(q_s + m * kSmemRow + c) = value;
   }
 }
 
-// Slot of token `token` of tile `tile`, or -1 past the block's tiles or the row's readable range.
+// Slot of token `token` of tile `tile`, or -1 past the pass's tiles or its readable range.
 __device__ __forceinline__ std::int32_t tile_slot(const MlaAttentionParams& p,
-                                                  const AttentionBlock& b, int tile, int token) {
+                                                  const AttentionPass& pass, int tile, int token) {
   const int position = tile * kTile + token;
-  return (tile < b.tile_end && position < b.range.readable) ? slot_of(p, b.range, position) : -1;
+  return (tile < pass.tile_end && position < pass.range.readable) ? slot_of(p, pass.range, position)
+                                                                  : -1;
 }
 
-// FP8 path: each thread owns kFp8VectorsPerThread 16-byte pieces of a tile (vector v = tid + k *
-// kThreads: token v / 36, chunk v % 36, the same in every tile). Tile i + 1 is loaded into
-// registers (ld.global.nc, coalesced per 576-byte row) while tile i is computed; slot tables for
-// the next two tiles sit in shared memory (slot_s[tile % 2]), computed by threads 0..63.
-using Fp8TileRegisters = uint4[kFp8VectorsPerThread];
+// This thread's pieces of the next FP8 tile, in registers or in the block's buffer (Fp8Staging).
+template <Fp8Staging kStaging>
+struct Fp8Pieces;
 
-__device__ __forceinline__ void fetch_fp8_tile(const MlaAttentionParams& p, const AttentionBlock& b,
-                                               const std::int32_t* slot_s, int tid, int tile,
-                                               Fp8TileRegisters& fetched) {
-  if (tile >= b.tile_end) return;
-  const std::int32_t* slots = slot_s + (tile % 2) * kTile;
+template <>
+struct Fp8Pieces<Fp8Staging::kRegisters> {
+  uint4 fetched[kFp8PiecesPerThread];
+
+  __device__ __forceinline__ void fetch(int k, const std::uint8_t* src, const AttentionSmem&, int) {
+    fetched[k] = __ldg(reinterpret_cast<const uint4*>(src));
+  }
+  __device__ __forceinline__ void commit() {}
+  __device__ __forceinline__ void wait() {}
+  __device__ __forceinline__ uint4 piece(int k, const AttentionSmem&, int) const {
+    return fetched[k];
+  }
+};
+
+template <>
+struct Fp8Pieces<Fp8Staging::kBuffer> {
+  __device__ __forceinline__ void fetch(int k, const std::uint8_t* src, const AttentionSmem& smem,
+                                        int tid) {
+    ptx::cp_async_cg_16(ptx::smem_address(smem.buffer + (tid + k * kThreads) * 16), src);
+  }
+  __device__ __forceinline__ void commit() { ptx::cp_async_commit_group(); }
+  // The thread reads back only its own pieces: waiting for its own copies is enough.
+  __device__ __forceinline__ void wait() { ptx::cp_async_wait_group<0>(); }
+  __device__ __forceinline__ uint4 piece(int k, const AttentionSmem& smem, int tid) const {
+    return *reinterpret_cast<const uint4*>(smem.buffer + (tid + k * kThreads) * 16);
+  }
+};
+
+// Fetches this thread's pieces of `tile` (slot table slot[tile % 2]); nothing past the split.
+template <Fp8Staging kStaging>
+__device__ __forceinline__ void fetch_fp8_tile(const MlaAttentionParams& p,
+                                               const AttentionPass& pass, const AttentionSmem& smem,
+                                               int tid, int tile, Fp8Pieces<kStaging>& pieces) {
+  if (tile < pass.tile_end) {
+    const std::int32_t* slots = smem.slot + (tile % 2) * kTile;
 #pragma unroll
-  for (int k = 0; k < kFp8VectorsPerThread; ++k) {
-    const int v = tid + k * kThreads;
-    const std::int32_t slot = slots[v / kFp8RowVectors];
-    if (slot >= 0) {
-      fetched[k] = __ldg(reinterpret_cast<const uint4*>(
-          p.pool + static_cast<std::int64_t>(slot) * kD + (v % kFp8RowVectors) * 16));
+    for (int k = 0; k < kFp8PiecesPerThread; ++k) {
+      const int v = tid + k * kThreads;
+      const std::int32_t slot = slots[v / kFp8RowPieces];
+      if (slot >= 0) {
+        pieces.fetch(k, p.pool + static_cast<std::int64_t>(slot) * kD + (v % kFp8RowPieces) * 16,
+                     smem, tid);
+      }
     }
   }
+  pieces.commit();
 }
 
-// Slot tables of the block's first two tiles, then the first tile into registers.
-__device__ __forceinline__ void start_fp8_prefetch(const MlaAttentionParams& p,
-                                                   const AttentionBlock& b, int tid,
-                                                   std::int32_t* slot_s,
-                                                   Fp8TileRegisters& fetched) {
+// Slot tables of the pass's first two tiles, NaN masks cleared, the first tile fetched.
+template <Fp8Staging kStaging>
+__device__ __forceinline__ void start_fp8_fetch(const MlaAttentionParams& p,
+                                                const AttentionPass& pass,
+                                                const AttentionSmem& smem, int tid,
+                                                Fp8Pieces<kStaging>& pieces) {
   if (tid < kTile) {
-    slot_s[(b.tile_begin % 2) * kTile + tid] = tile_slot(p, b, b.tile_begin, tid);
-    slot_s[((b.tile_begin + 1) % 2) * kTile + tid] = tile_slot(p, b, b.tile_begin + 1, tid);
+    smem.slot[(pass.tile_begin % 2) * kTile + tid] = tile_slot(p, pass, pass.tile_begin, tid);
+    smem.slot[((pass.tile_begin + 1) % 2) * kTile + tid] =
+        tile_slot(p, pass, pass.tile_begin + 1, tid);
   }
+  if (tid < 4) smem.nan[tid] = 0;
   __syncthreads();
-  fetch_fp8_tile(p, b, slot_s, tid, b.tile_begin, fetched);
+  fetch_fp8_tile(p, pass, smem, tid, pass.tile_begin, pieces);
 }
 
-// Decodes the fetched FP8 rows of `tile` into the bf16 tile (rows past `loaded` become zeros, so
-// no code of a token the row may not see enters an MMA), then starts fetching tile + 1 (in flight
-// while this tile is computed). Returns the slot of token tid of tile + 2 (threads 0..63), which
-// the caller stores once every thread has read tile's table.
-__device__ __forceinline__ std::int32_t stage_fp8_tile(const MlaAttentionParams& p,
-                                                       const AttentionBlock& b, int tid, int tile,
-                                                       int loaded, const AttentionSmem& smem,
-                                                       Fp8TileRegisters& fetched) {
-  __syncthreads();  // everyone done with the previous tile's kv_s, p_s, sums; slots visible
+// Marks `token` in the NaN mask when one of the 16 codes is a NaN code (0x7F or 0xFF): the OR of
+// the four words has a NaN byte wherever one of them has (and sometimes where none has), a cheap
+// first test before the exact one.
+__device__ __forceinline__ void mark_nan_codes(const uint4 codes, int token,
+                                               std::uint32_t* nan_mask) {
+  if (e4m3x4_nan_bytes(codes.x | codes.y | codes.z | codes.w) != 0 &&
+      (e4m3x4_nan_bytes(codes.x) | e4m3x4_nan_bytes(codes.y) | e4m3x4_nan_bytes(codes.z) |
+       e4m3x4_nan_bytes(codes.w)) != 0) {
+    atomicOr(nan_mask + token / 32, 1u << (token % 32));
+  }
+}
+
+// Decodes this thread's pieces of `tile` into the bf16 tile (exactly; NaN codes stay NaN). Rows
+// past `loaded` become zeros, so no code of a token the pass may not see enters an MMA. With
+// several causal rows per block (p.mark_nan), tokens holding a NaN code are marked in the tile's
+// NaN mask (finish_tile).
+template <bool kRowGroups, Fp8Staging kStaging>
+__device__ __forceinline__ void decode_fp8_tile(const MlaAttentionParams& p, int tid, int tile,
+                                                int loaded, const AttentionSmem& smem,
+                                                const Fp8Pieces<kStaging>& pieces) {
+  std::uint32_t* nan_mask = smem.nan + (tile % 2) * 2;
 #pragma unroll
-  for (int k = 0; k < kFp8VectorsPerThread; ++k) {
+  for (int k = 0; k < kFp8PiecesPerThread; ++k) {
     const int v = tid + k * kThreads;
-    const int token = v / kFp8RowVectors;
-    const int chunk = v % kFp8RowVectors;
+    const int token = v / kFp8RowPieces;
     uint4 lo = make_uint4(0, 0, 0, 0), hi = make_uint4(0, 0, 0, 0);
     if (token < loaded) {
-      const uint4 codes = fetched[k];
-      const uint2 a = e4m3x4_to_bf16x4(codes.x), b4 = e4m3x4_to_bf16x4(codes.y);
+      const uint4 codes = pieces.piece(k, smem, tid);
+      const uint2 a = e4m3x4_to_bf16x4(codes.x), b = e4m3x4_to_bf16x4(codes.y);
       const uint2 c = e4m3x4_to_bf16x4(codes.z), d = e4m3x4_to_bf16x4(codes.w);
-      lo = make_uint4(a.x, a.y, b4.x, b4.y);
+      lo = make_uint4(a.x, a.y, b.x, b.y);
       hi = make_uint4(c.x, c.y, d.x, d.y);
+      if (kRowGroups && p.mark_nan) mark_nan_codes(codes, token, nan_mask);
     }
-    uint4* dst = reinterpret_cast<uint4*>(smem.kv + token * kSmemRow + chunk * 16);
+    uint4* dst = reinterpret_cast<uint4*>(smem.kv + token * kSmemRow + (v % kFp8RowPieces) * 16);
     dst[0] = lo;
     dst[1] = hi;
   }
-  fetch_fp8_tile(p, b, smem.slot, tid, tile + 1, fetched);
-  return tid < kTile ? tile_slot(p, b, tile + 2, tid) : -1;
 }
 
-// bf16 pool (cuda-cast-bf16, fault fp8-read-as-bf16): the tile's rows by cp.async straight into
-// the bf16 tile, rows past `loaded` zeroed.
+// One tile's FP8 staging: wait for this thread's pieces, decode them after the barrier that frees
+// the bf16 tile, and (registers) fetch the next tile at once. Returns the slot of token tid of tile
+// + 2 (threads 0..63; loaded before the wait), which finish_tile stores.
+template <bool kRowGroups, Fp8Staging kStaging>
+__device__ __forceinline__ std::int32_t stage_fp8_tile(const MlaAttentionParams& p,
+                                                       const AttentionPass& pass, int tid, int tile,
+                                                       int loaded, const AttentionSmem& smem,
+                                                       Fp8Pieces<kStaging>& pieces) {
+  const std::int32_t next_slot = tid < kTile ? tile_slot(p, pass, tile + 2, tid) : -1;
+  pieces.wait();
+  __syncthreads();  // everyone done with the previous tile's kv_s, p_s, sums and NaN mask
+  decode_fp8_tile<kRowGroups>(p, tid, tile, loaded, smem, pieces);
+  if constexpr (kStaging == Fp8Staging::kRegisters) {
+    fetch_fp8_tile(p, pass, smem, tid, tile + 1, pieces);
+  }
+  return next_slot;
+}
+
+// After the barrier that publishes tile `tile`: its NaN mask, the next tile's mask cleared, the
+// slot table of tile + 2 stored (in tile's place: every thread has read it), and (kBuffer) tile + 1
+// fetched into the buffer just decoded. Tokens in the mask have their bf16 rows zeroed: a row that
+// sees such a token gets a NaN score for it (online_softmax_update), which makes its out and lse
+// NaN as in the reference, and an earlier causal row of the pass, which does not see it, multiplies
+// zeros by its zero weight instead of NaN.
+template <Fp8Staging kStaging>
+__device__ __forceinline__ std::uint64_t finish_tile(const MlaAttentionParams& p,
+                                                     const AttentionPass& pass, int tid, int tile,
+                                                     std::int32_t next_slot,
+                                                     const AttentionSmem& smem,
+                                                     Fp8Pieces<kStaging>& pieces) {
+  const std::uint32_t* mask = smem.nan + (tile % 2) * 2;
+  const std::uint64_t nan_tokens = mask[0] | (static_cast<std::uint64_t>(mask[1]) << 32);
+  if (tid < 2) smem.nan[((tile + 1) % 2) * 2 + tid] = 0;
+  if (tid < kTile) smem.slot[(tile % 2) * kTile + tid] = next_slot;
+  if constexpr (kStaging == Fp8Staging::kBuffer) {
+    fetch_fp8_tile(p, pass, smem, tid, tile + 1, pieces);
+  }
+  if (nan_tokens != 0) {  // uniform over the block
+    for (int v = tid; v < kTile * kBf16RowVectors; v += kThreads) {
+      const int token = v / kBf16RowVectors;
+      if ((nan_tokens >> token) & 1u) {
+        *reinterpret_cast<uint4*>(smem.kv + token * kSmemRow + (v % kBf16RowVectors) * 8) =
+            make_uint4(0, 0, 0, 0);
+      }
+    }
+    __syncthreads();
+  }
+  return nan_tokens;
+}
+
+// Whether one of eight bf16 values is NaN or infinite (exponent bits all ones).
+__device__ __forceinline__ bool bf16x8_non_finite(const uint4 v) {
+  constexpr std::uint32_t kExponents = 0x7F807F80u;
+  return (__vcmpeq2(v.x & kExponents, kExponents) | __vcmpeq2(v.y & kExponents, kExponents) |
+          __vcmpeq2(v.z & kExponents, kExponents) | __vcmpeq2(v.w & kExponents, kExponents)) != 0;
+}
+
+// bf16 pool (cuda-cast-bf16, fault fp8-read-as-bf16): the tile's rows through registers into the
+// bf16 tile (rows past `loaded` zeroed), tokens holding a non-finite value marked in the tile's
+// NaN mask. No prefetch: this path is the baseline the FP8 path is measured against.
+template <bool kRowGroups>
 __device__ __forceinline__ void stage_bf16_tile(const MlaAttentionParams& p,
-                                                const AttentionBlock& b, int tid, int tile,
-                                                int loaded, std::uint16_t* kv_s) {
+                                                const AttentionPass& pass, int tid, int tile,
+                                                int loaded, const AttentionSmem& smem) {
   __syncthreads();  // everyone done with the previous tile
+  std::uint32_t* nan_mask = smem.nan + (tile % 2) * 2;
   for (int v = tid; v < kTile * kBf16RowVectors; v += kThreads) {
     const int token = v / kBf16RowVectors;
     const int chunk = v % kBf16RowVectors;
-    uint4* dst = reinterpret_cast<uint4*>(kv_s + token * kSmemRow + chunk * 8);
+    uint4 value = make_uint4(0, 0, 0, 0);
     if (token < loaded) {
-      const std::int32_t slot = slot_of(p, b.range, tile * kTile + token);
-      ptx::cp_async_cg_16(ptx::smem_address(dst),
-                          p.pool + (static_cast<std::int64_t>(slot) * kD) * 2 + chunk * 16);
-    } else {
-      *dst = make_uint4(0, 0, 0, 0);
+      const std::int32_t slot = slot_of(p, pass.range, tile * kTile + token);
+      value = __ldg(reinterpret_cast<const uint4*>(
+          p.pool + (static_cast<std::int64_t>(slot) * kD) * 2 + chunk * 16));
+      if (kRowGroups && p.mark_nan && bf16x8_non_finite(value)) {
+        atomicOr(nan_mask + token / 32, 1u << (token % 32));
+      }
     }
+    *reinterpret_cast<uint4*>(smem.kv + token * kSmemRow + chunk * 8) = value;
   }
-  ptx::cp_async_commit_group();
-  ptx::cp_async_wait_group<0>();
 }
 
 // ---- attention: S = Q K^T ----------------------------------------------------------------------
 
 // One m16 tile over eight warps: warp (kh = wn / 4, tp = wn % 4) computes the scores of tokens
-// 16 tp .. 16 tp + 15 (two n8 tiles) over k steps 18 kh .. 18 kh + 17. Its Q fragments for those
-// k steps (72 registers) are loaded once per block, so Q costs no shared-memory traffic per
-// tile; the two k halves meet in shared memory (s_part).
+// 16 tp .. 16 tp + 15 (two n8 tiles) over the k16 steps kQkSteps kh .. kQkSteps (kh + 1) - 1 (half
+// of the 576 columns). Its Q fragments for those steps (72 registers) are loaded once per pass, so
+// Q costs no shared-memory traffic per tile; the k halves meet in shared memory (s_part).
 template <int kQkSteps>
 __device__ __forceinline__ void load_q_fragments(std::uint32_t (&q_frag)[kQkSteps][4],
                                                  const AttentionSmem& smem, const ThreadRole& t) {
@@ -536,9 +743,10 @@ __device__ __forceinline__ void load_q_fragments(std::uint32_t (&q_frag)[kQkStep
   for (int ks = 0; ks < kQkSteps; ++ks) ptx::ldmatrix_m8n8_x4(q_frag[ks], a_addr + ks * 32);
 }
 
-// S for rows of the m16 tile, tokens 8 wn .. 8 wn + 7 (one n8 tile per warp): each warp sums its
-// k half for 16 tokens, the halves are exchanged through s_part, S = half 0 + half 1.
-template <int kQkSteps>
+// S for the rows of the m16 tile and this warp's slice (tokens 8 slice .. 8 slice + 7): each warp
+// sums its k half for 16 tokens, the kKSplit = 2 halves are exchanged through s_part, and S =
+// half 0 + half 1.
+template <int kKSplit, int kQkSteps>
 __device__ __forceinline__ void qk_scores_split_k(float (&s)[1][4],
                                                   const std::uint32_t (&q_frag)[kQkSteps][4],
                                                   const AttentionSmem& smem, const ThreadRole& t,
@@ -557,26 +765,27 @@ __device__ __forceinline__ void qk_scores_split_k(float (&s)[1][4],
     ptx::mma_m16n8k16_bf16_f32(part[0], q_frag[ks], b[0], b[1]);
     ptx::mma_m16n8k16_bf16_f32(part[1], q_frag[ks], b[2], b[3]);
   }
-  float* half = smem.s_part + kh * 16 * kSRow;
+  float* mine = smem.s_part + kh * 16 * kSRow;
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const int col = 16 * tp + 8 * j + 2 * t.quad;
-    *reinterpret_cast<float2*>(half + t.group * kSRow + col) = make_float2(part[j][0], part[j][1]);
-    *reinterpret_cast<float2*>(half + (t.group + 8) * kSRow + col) =
+    *reinterpret_cast<float2*>(mine + t.group * kSRow + col) = make_float2(part[j][0], part[j][1]);
+    *reinterpret_cast<float2*>(mine + (t.group + 8) * kSRow + col) =
         make_float2(part[j][2], part[j][3]);
   }
   __syncthreads();
-  // Warp wn holds tokens 8 wn .. 8 wn + 7: S = half 0 + half 1.
-  const float* s_part = smem.s_part;
   const int col = token0 + 2 * t.quad;
-  const float2 r0 = *reinterpret_cast<const float2*>(s_part + t.group * kSRow + col);
-  const float2 r1 = *reinterpret_cast<const float2*>(s_part + (t.group + 8) * kSRow + col);
-  const float2 t0 = *reinterpret_cast<const float2*>(s_part + (16 + t.group) * kSRow + col);
-  const float2 t1 = *reinterpret_cast<const float2*>(s_part + (16 + t.group + 8) * kSRow + col);
-  s[0][0] = r0.x + t0.x;
-  s[0][1] = r0.y + t0.y;
-  s[0][2] = r1.x + t1.x;
-  s[0][3] = r1.y + t1.y;
+  s[0][0] = s[0][1] = s[0][2] = s[0][3] = 0.f;
+#pragma unroll
+  for (int k = 0; k < kKSplit; ++k) {
+    const float* part_k = smem.s_part + k * 16 * kSRow;
+    const float2 r0 = *reinterpret_cast<const float2*>(part_k + t.group * kSRow + col);
+    const float2 r1 = *reinterpret_cast<const float2*>(part_k + (t.group + 8) * kSRow + col);
+    s[0][0] += r0.x;
+    s[0][1] += r0.y;
+    s[0][2] += r1.x;
+    s[0][3] += r1.y;
+  }
 }
 
 // S for rows of m16 tile mt, tokens [token0, token0 + 8 * kQkTiles): every warp runs the whole
@@ -643,19 +852,22 @@ struct RowRescale {
   float alpha[2];  // exp2(m - m_new), 0 before the first tile
 };
 
-// s = dot * score_scale for tokens below `valid`, -inf past it; returns this warp's row max over
-// its tokens (reduced over the quad of threads holding a row).
+// s = dot * score_scale for tokens below `valid` (NaN for a token in nan_tokens, whose KV row
+// holds a NaN code), -inf past it; returns this warp's row max over its tokens (reduced over the
+// quad of threads holding a row).
 template <int kQkTiles>
 __device__ __forceinline__ void scale_mask_and_max(float (&s)[kQkTiles][4], int valid,
-                                                   float score_scale, int token0, int quad,
-                                                   float (&tile_max)[2]) {
+                                                   std::uint64_t nan_tokens, float score_scale,
+                                                   int token0, int quad, float (&tile_max)[2]) {
   tile_max[0] = tile_max[1] = -INFINITY;
 #pragma unroll
   for (int j = 0; j < kQkTiles; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int token = token0 + j * 8 + 2 * quad + (e % 2);
-      s[j][e] = token < valid ? s[j][e] * score_scale : -INFINITY;
+      const float scaled =
+          ((nan_tokens >> token) & 1u) ? __int_as_float(0x7FFFFFFF) : s[j][e] * score_scale;
+      s[j][e] = token < valid ? scaled : -INFINITY;
       tile_max[e / 2] = fmaxf(tile_max[e / 2], s[j][e]);
     }
   }
@@ -672,9 +884,9 @@ template <int kWn>
 __device__ __forceinline__ RowRescale block_row_max(const float (&tile_max)[2],
                                                     const float (&m_run)[2], float* max_s,
                                                     const ThreadRole& t) {
-  if (t.quad == 0) {
-    max_s[(t.mt * 16 + t.group) * kWn + t.wn] = tile_max[0];
-    max_s[(t.mt * 16 + t.group + 8) * kWn + t.wn] = tile_max[1];
+  if (t.owner && t.quad == 0) {
+    max_s[(t.mt * 16 + t.group) * kWn + t.slice] = tile_max[0];
+    max_s[(t.mt * 16 + t.group + 8) * kWn + t.slice] = tile_max[1];
   }
   __syncthreads();
   RowRescale r;
@@ -704,10 +916,12 @@ __device__ __forceinline__ void store_probabilities(const float (&s)[kQkTiles][4
     part_sum[0] += p0 + p1;
     part_sum[1] += p2 + p3;
     const int col = token0 + j * 8 + 2 * t.quad;
-    *reinterpret_cast<std::uint32_t*>(p_s + (t.mt * 16 + t.group) * kPRow + col) =
-        ptx::cvt_rn_bf16x2_f32(p0, p1);
-    *reinterpret_cast<std::uint32_t*>(p_s + (t.mt * 16 + t.group + 8) * kPRow + col) =
-        ptx::cvt_rn_bf16x2_f32(p2, p3);
+    if (t.owner) {
+      *reinterpret_cast<std::uint32_t*>(p_s + (t.mt * 16 + t.group) * kPRow + col) =
+          ptx::cvt_rn_bf16x2_f32(p0, p1);
+      *reinterpret_cast<std::uint32_t*>(p_s + (t.mt * 16 + t.group + 8) * kPRow + col) =
+          ptx::cvt_rn_bf16x2_f32(p2, p3);
+    }
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -721,9 +935,9 @@ template <int kWn, int kPvTiles>
 __device__ __forceinline__ void update_running_sum(const float (&part_sum)[2], const RowRescale& r,
                                                    float* sum_s, const ThreadRole& t,
                                                    SoftmaxState<kPvTiles>& state) {
-  if (t.quad == 0) {
-    sum_s[(t.mt * 16 + t.group) * kWn + t.wn] = part_sum[0];
-    sum_s[(t.mt * 16 + t.group + 8) * kWn + t.wn] = part_sum[1];
+  if (t.owner && t.quad == 0) {
+    sum_s[(t.mt * 16 + t.group) * kWn + t.slice] = part_sum[0];
+    sum_s[(t.mt * 16 + t.group + 8) * kWn + t.slice] = part_sum[1];
   }
   __syncthreads();
 #pragma unroll
@@ -751,12 +965,12 @@ __device__ __forceinline__ void rescale_accumulators(float (&acc)[kPvTiles][4],
 // (bf16, in smem.p) and the running m, l and acc moved onto the new max.
 template <int kWn, int kQkTiles, int kPvTiles>
 __device__ __forceinline__ void online_softmax_update(float (&s)[kQkTiles][4], int valid,
-                                                      float score_scale, int token0,
-                                                      const AttentionSmem& smem,
+                                                      std::uint64_t nan_tokens, float score_scale,
+                                                      int token0, const AttentionSmem& smem,
                                                       const ThreadRole& t,
                                                       SoftmaxState<kPvTiles>& state) {
   float tile_max[2];
-  scale_mask_and_max(s, valid, score_scale, token0, t.quad, tile_max);
+  scale_mask_and_max(s, valid, nan_tokens, score_scale, token0, t.quad, tile_max);
   const RowRescale r = block_row_max<kWn>(tile_max, state.m, smem.max, t);
   float part_sum[2];
   store_probabilities(s, r.m_use, token0, t, smem.p, part_sum);
@@ -830,19 +1044,21 @@ __device__ __forceinline__ void store_partial_row(const MlaAttentionParams& p,
 
 template <int kPvTiles>
 __device__ __forceinline__ void write_attention_output(const MlaAttentionParams& p,
-                                                       const AttentionBlock& b, const ThreadRole& t,
+                                                       const BlockWork& w,
+                                                       const AttentionPass& pass,
+                                                       const ThreadRole& t,
                                                        const SoftmaxState<kPvTiles>& state) {
   const int dim0 = t.wn * 8 * kPvTiles;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int head = b.head0 + t.mt * 16 + t.group + 8 * h;
-    if (head >= p.num_heads) continue;
-    const std::int64_t out_row = static_cast<std::int64_t>(b.row) * p.num_heads + head;
+    const MRow r = m_row(p, w, pass, t.mt * 16 + t.group + 8 * h);
+    if (!r.active) continue;
+    const std::int64_t out_row = static_cast<std::int64_t>(r.row) * p.num_heads + r.head;
     if (p.num_splits == 1) {
       store_output_row(p, out_row, h, dim0, t, state);
     } else {
       const std::int64_t part_row =
-          (static_cast<std::int64_t>(b.row) * p.num_splits + b.split) * p.num_heads + head;
+          (static_cast<std::int64_t>(r.row) * p.num_splits + w.split) * p.num_heads + r.head;
       store_partial_row(p, part_row, h, dim0, t, state);
     }
   }
@@ -850,8 +1066,64 @@ __device__ __forceinline__ void write_attention_output(const MlaAttentionParams&
 
 // ---- attention: the kernel ---------------------------------------------------------------------
 
-// grid: num_rows * head_blocks * num_splits blocks (split fastest), kThreads threads, dynamic
-// shared memory MlaSmemLayout<kMTiles, kBf16Pool>::kBytes.
+// One pass: the pass's rows and heads over the tiles of its split, from staging Q to the output.
+template <int kMTiles, bool kBf16Pool>
+__device__ __forceinline__ void attend_pass(const MlaAttentionParams& p, const BlockWork& w,
+                                            const AttentionPass& pass, AttentionSmem& tiles,
+                                            const ThreadRole& t) {
+  using Layout = MlaSmemLayout<kMTiles, kBf16Pool>;
+  using Tiling = AttentionWarpTiling<kMTiles>;
+  if (pass.tile_begin >= pass.tile_end) {  // an empty split (short rows): it contributes nothing
+    write_empty_split<Layout::kRows>(p, w, pass, t.tid);
+    return;
+  }
+  __syncthreads();  // a previous pass of this block is done with Q and the slot tables
+  stage_q<Layout::kRows>(p, w, pass, t.tid, tiles.q);
+  constexpr Fp8Staging kStaging = kBf16Pool ? Fp8Staging::kRegisters : kFp8StagingOf<kMTiles>;
+  constexpr bool kRowGroups = kMTiles == 4;  // only these blocks take several rows (launcher)
+  Fp8Pieces<kStaging> pieces;
+  if constexpr (!kBf16Pool) {
+    start_fp8_fetch(p, pass, tiles, t.tid, pieces);
+  } else if (t.tid < 4) {
+    tiles.nan[t.tid] = 0;  // ordered before the first tile's writes by stage_bf16_tile's barrier
+  }
+
+  SoftmaxState<Tiling::kPvTiles> state;
+  state.init();
+  tiles.set_tile_addresses();
+  std::uint32_t q_frag[kMTiles == 1 ? Tiling::kQkSteps : 1][4];
+  if constexpr (kMTiles == 1) load_q_fragments(q_frag, tiles, t);
+  const int visible = m_tile_visible(p, pass, t.mt);  // this warp's rows see tokens 0 .. visible-1
+
+  for (int tile = pass.tile_begin; tile < pass.tile_end; ++tile) {
+    // Tokens whose rows are loaded: the last row's (the fault masked-nan-leak loads more).
+    const int loaded = min(kTile, pass.range.readable - tile * kTile);
+    std::int32_t next_slot = -1;
+    if constexpr (!kBf16Pool) {
+      next_slot = stage_fp8_tile<kRowGroups>(p, pass, t.tid, tile, loaded, tiles, pieces);
+    } else {
+      stage_bf16_tile<kRowGroups>(p, pass, t.tid, tile, loaded, tiles);
+    }
+    __syncthreads();  // bf16 tile, its NaN mask and the next slot table ready
+    const std::uint64_t nan_tokens = finish_tile(p, pass, t.tid, tile, next_slot, tiles, pieces);
+
+    float s[Tiling::kQkTiles][4];
+    const int token0 = t.slice * 8 * Tiling::kQkTiles;
+    if constexpr (kMTiles == 1) {
+      qk_scores_split_k<Tiling::kKSplit>(s, q_frag, tiles, t, token0);
+    } else {
+      qk_scores_two_chains(s, tiles, t, token0);
+    }
+    online_softmax_update<Tiling::kSliceWarps>(s, visible - tile * kTile, nan_tokens, p.score_scale,
+                                               token0, tiles, t, state);
+    pv_mma(state.acc, tiles, t);
+  }
+  write_attention_output(p, w, pass, t, state);
+}
+
+// grid: row_groups * head_blocks * num_splits blocks (split fastest), kThreads threads, dynamic
+// shared memory MlaSmemLayout<kMTiles, kBf16Pool>::kBytes. A group's rows normally belong to one
+// request (one pass); a group that spans requests takes one pass per request.
 template <int kMTiles, bool kBf16Pool>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     mla_attention_kernel(const __grid_constant__ MlaAttentionParams p) {
@@ -859,50 +1131,17 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   using Tiling = AttentionWarpTiling<kMTiles>;
   extern __shared__ __align__(128) unsigned char smem[];
   AttentionSmem tiles = carve_attention_smem<Layout>(smem);
-  const ThreadRole t = thread_role<Tiling::kWn>();
-
-  const AttentionBlock block = locate_block<Layout::kRows>(p);
-  if (block.tile_begin >= block.tile_end) {  // an empty split (short row): it contributes nothing
-    write_empty_split<Layout::kRows>(p, block, t.tid);
-    return;
+  const ThreadRole t = thread_role<Tiling::kWn, Tiling::kSliceWarps>();
+  const BlockWork work = locate_work(p);
+  if constexpr (kMTiles != 4) {  // one row per block (launcher): one pass
+    attend_pass<kMTiles, kBf16Pool>(p, work, locate_pass(p, work, work.row_begin), tiles, t);
+  } else {
+    for (int first = work.row_begin; first < work.row_end;) {
+      const AttentionPass pass = locate_pass(p, work, first);
+      attend_pass<kMTiles, kBf16Pool>(p, work, pass, tiles, t);
+      first += pass.row_count;
+    }
   }
-  stage_q<Layout::kRows>(p, block, t.tid, tiles.q);
-  Fp8TileRegisters fetched;
-  if constexpr (!kBf16Pool) start_fp8_prefetch(p, block, t.tid, tiles.slot, fetched);
-
-  SoftmaxState<Tiling::kPvTiles> state;
-  state.init();
-  tiles.set_tile_addresses();
-  std::uint32_t q_frag[Tiling::kWn == 8 ? Tiling::kQkSteps : 1][4];
-  if constexpr (Tiling::kWn == 8) load_q_fragments(q_frag, tiles, t);
-
-  for (int tile = block.tile_begin; tile < block.tile_end; ++tile) {
-    const int valid =
-        min(kTile, block.range.visible - tile * kTile);  // tokens of this tile in range
-    // Tokens whose rows are loaded: `valid` (the fault masked-nan-leak loads more, masked below).
-    const int loaded = min(kTile, block.range.readable - tile * kTile);
-    std::int32_t next_slot = -1;
-    if constexpr (!kBf16Pool) {
-      next_slot = stage_fp8_tile(p, block, t.tid, tile, loaded, tiles, fetched);
-    } else {
-      stage_bf16_tile(p, block, t.tid, tile, loaded, tiles.kv);
-    }
-    __syncthreads();  // bf16 tile ready
-
-    float s[Tiling::kQkTiles][4];
-    const int token0 = t.wn * 8 * Tiling::kQkTiles;
-    if constexpr (Tiling::kWn == 8) {
-      qk_scores_split_k(s, q_frag, tiles, t, token0);
-    } else {
-      qk_scores_two_chains(s, tiles, t, token0);
-    }
-    if constexpr (!kBf16Pool) {
-      if (t.tid < kTile) tiles.slot[(tile % 2) * kTile + t.tid] = next_slot;  // tile + 2's table
-    }
-    online_softmax_update<Tiling::kWn>(s, valid, p.score_scale, token0, tiles, t, state);
-    pv_mma(state.acc, tiles, t);
-  }
-  write_attention_output(p, block, t, state);
 }
 
 // ---- split-KV merge ----------------------------------------------------------------------------

@@ -268,3 +268,33 @@ TEST_CASE("device e4m3 -> bf16 decode is exact for all 256 codes", "[gpu][fp8]")
     }
   }
 }
+
+namespace {
+
+// Thread i reports the NaN bytes of codes 4i .. 4i + 3 (64 threads).
+__global__ void nan_bytes_of_all_codes_kernel(std::uint32_t* nan_bytes) {
+  const std::uint32_t first = 4 * threadIdx.x;
+  const std::uint32_t codes =
+      first | ((first + 1) << 8) | ((first + 2) << 16) | ((first + 3) << 24);
+  nan_bytes[threadIdx.x] = kvaudit::cuda::detail::e4m3x4_nan_bytes(codes);
+}
+
+}  // namespace
+
+TEST_CASE("device e4m3x4_nan_bytes flags exactly the two NaN codes", "[gpu][fp8]") {
+  KVAUDIT_REQUIRE_GPU();
+  std::uint32_t* d_nan = nullptr;
+  REQUIRE(cudaMalloc(&d_nan, 64 * 4) == cudaSuccess);
+  nan_bytes_of_all_codes_kernel<<<1, 64>>>(d_nan);
+  std::uint32_t nan_bytes[64];
+  REQUIRE(cudaMemcpy(nan_bytes, d_nan, sizeof nan_bytes, cudaMemcpyDeviceToHost) == cudaSuccess);
+  cudaFree(d_nan);
+  int flagged = 0;
+  for (int code = 0; code < 256; ++code) {
+    const bool nan_flag = (nan_bytes[code / 4] >> (8 * (code % 4) + 7)) & 1u;
+    INFO("code 0x" << std::hex << code);
+    CHECK(nan_flag == kvaudit::e4m3_is_nan(static_cast<std::uint8_t>(code)));
+    flagged += nan_flag;
+  }
+  CHECK(flagged == 2);
+}

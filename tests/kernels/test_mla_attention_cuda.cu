@@ -559,3 +559,50 @@ TEST_CASE("cuda-fp8 propagates a NaN code in a visible token, as the reference d
     CHECK(std::isfinite(got.out.lse[c.heads + h]));
   }
 }
+
+// Prefill rows share KV tiles (several causal rows per block): a NaN code in the new token of row
+// k is seen by rows k, k + 1, ... only. The rows before it stay finite and match the reference;
+// the rows after are NaN in every head, out and lse, as in the reference.
+TEST_CASE("cuda-fp8 prefill: a NaN code in a new token reaches only the rows that see it",
+          "[gpu][cuda-fp8]") {
+  KVAUDIT_REQUIRE_GPU();
+  auto backend = make(false);
+  for (const int heads : {16, 32}) {
+    AttentionCase c;
+    c.heads = heads;
+    c.page_size = 64;
+    c.contexts = {300, 90};
+    c.q_lens = {70, 90};
+    c.seed = 91 + heads;
+    BuiltCase b = build(c);
+    // Row 41 of request 0 writes a NaN in column 7 (the write rule stores code 0x7F) and row 30 of
+    // request 1 one in its RoPE part (column 530): both the V and the K-only columns.
+    const int nan_row0 = 41, nan_row1 = 70 + 30;
+    b.tensors.new_kv[static_cast<std::size_t>(nan_row0) * kD + 7] = std::nanf("");
+    b.tensors.new_kv[static_cast<std::size_t>(nan_row1) * kD + 530] = std::nanf("");
+    b.pool_after = b.pool;
+    for (int i = 0; i < b.step.num_rows(); ++i) {
+      b.pool_after.write_row(b.step.new_kv_slots[i], b.tensors.new_kv.data() + i * kD, c.kv_scale);
+    }
+    const Outputs got = run_backend(*backend, b);
+    std::vector<double> ref_out, ref_lse;
+    reference(b, ref_out, ref_lse);
+    int nan_rows = 0, mismatches = 0;
+    for (int i = 0; i < b.step.num_rows(); ++i) {
+      const bool sees_nan = (i >= nan_row0 && i < 70) || i >= nan_row1;
+      nan_rows += sees_nan;
+      for (int h = 0; h < heads; ++h) {
+        const std::size_t rh = static_cast<std::size_t>(i) * heads + h;
+        mismatches += std::isnan(got.out.lse[rh]) != sees_nan;
+        mismatches += std::isnan(ref_lse[rh]) != sees_nan;
+        for (int d = 0; d < kDc; ++d) {
+          mismatches +=
+              std::isnan(kvaudit::bf16_to_float(got.out.out_bf16[rh * kDc + d])) != sees_nan;
+        }
+      }
+    }
+    INFO("heads " << heads);
+    CHECK(nan_rows == (70 - nan_row0) + (160 - nan_row1));
+    CHECK(mismatches == 0);
+  }
+}
