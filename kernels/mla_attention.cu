@@ -215,6 +215,27 @@ Status launch_attention_kernel(const detail::MlaAttentionParams& params, long lo
   return cuda_status(cudaGetLastError(), "mla_attention_kernel launch");
 }
 
+// The merge as a programmatic dependent of the attention kernel (cudaLaunchKernelEx with
+// programmatic stream serialization, sm_90): its launch overlaps the attention grid's last blocks
+// and the kernel waits for their writes (griddepcontrol.wait) before reading the partials. Its
+// shape follows the split count (WideMerge from kWideMergeMinSplits splits).
+template <typename Shape>
+Status launch_merge_shape(const detail::MlaMergeParams& params, long long row_heads,
+                          cudaStream_t stream) {
+  cudaLaunchAttribute dependency{};
+  dependency.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  dependency.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(row_heads * Shape::kDimChunks));
+  config.blockDim = dim3(Shape::kThreads);
+  config.dynamicSmemBytes = static_cast<std::size_t>(params.num_splits) * sizeof(float);
+  config.stream = stream;
+  config.attrs = &dependency;
+  config.numAttrs = 1;
+  return cuda_status(cudaLaunchKernelEx(&config, detail::mla_merge_kernel<Shape>, params),
+                     "mla_merge_kernel launch");
+}
+
 Status launch_merge_kernel(const detail::MlaAttentionParams& attention, cudaStream_t stream) {
   detail::MlaMergeParams params{};
   params.partial_out = attention.partial_out;
@@ -224,11 +245,11 @@ Status launch_merge_kernel(const detail::MlaAttentionParams& attention, cudaStre
   params.num_heads = attention.num_heads;
   params.num_splits = attention.num_splits;
   params.kv_scale = attention.kv_scale;
-  const long long blocks = static_cast<long long>(attention.num_rows) * attention.num_heads;
-  detail::mla_merge_kernel<<<static_cast<unsigned>(blocks), detail::kMergeThreads,
-                             static_cast<std::size_t>(params.num_splits) * sizeof(float), stream>>>(
-      params);
-  return cuda_status(cudaGetLastError(), "mla_merge_kernel launch");
+  const long long row_heads = static_cast<long long>(attention.num_rows) * attention.num_heads;
+  if (params.num_splits >= detail::kWideMergeMinSplits) {
+    return launch_merge_shape<detail::WideMerge>(params, row_heads, stream);
+  }
+  return launch_merge_shape<detail::NarrowMerge>(params, row_heads, stream);
 }
 
 std::size_t partial_rows(const MlaAttentionProblem& problem, const LaunchShape& shape) {

@@ -136,7 +136,8 @@ struct MlaAttentionParams {
   float* partial_lse;
 };
 
-// mla_merge_kernel: one block per (query row, head), combining the num_splits partials.
+// mla_merge_kernel: MergeShape::kDimChunks blocks per (query row, head), combining the num_splits
+// partials.
 struct MlaMergeParams {
   using OutElement = std::uint16_t;  // bf16 bits
 
@@ -1118,6 +1119,8 @@ __device__ __forceinline__ void attend_pass(const MlaAttentionParams& p, const B
                                                token0, tiles, t, state);
     pv_mma(state.acc, tiles, t);
   }
+  ptx::griddepcontrol_launch_dependents();  // the merge (split-KV) may launch; it waits for this
+                                            // grid's writes
   write_attention_output(p, w, pass, t, state);
 }
 
@@ -1149,12 +1152,27 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 // Exact merge of split-KV partials: with L = max_i lse_i (base 2), w_i = exp2(lse_i - L),
 //   out = bf16(kv_scale * sum_i w_i out_i / sum_i w_i),  lse = (L + log2 sum_i w_i) * ln 2.
 // Splits that saw no tokens carry lse = -inf and are skipped (their out_i is never read).
-// grid: num_rows * num_heads blocks of kMergeThreads threads: 128 dim groups of 4 dims times
-// kMergeGroups split groups (group g takes splits g, g + kMergeGroups, ...; the groups' sums are
-// added in group order, so the result does not depend on timing). Dynamic shared memory holds
-// the num_splits weights.
-inline constexpr int kMergeGroups = 4;
-inline constexpr int kMergeThreads = 128 * kMergeGroups;
+// grid: num_rows * num_heads * kDimChunks blocks of 512 threads (MergeShape); a block merges
+// 512 / kDimChunks dims of one (row, head) as kDimGroups groups of 4 dims times kGroups split
+// groups (group g takes splits g, g + kGroups, ...; the groups' sums are added in group order, so
+// the result does not depend on timing). With many splits (WideMerge) four blocks per (row, head)
+// keep a one-row decode's merge on 64 SMs rather than 16; with few, one block per (row, head)
+// (NarrowMerge). Dynamic shared memory holds the num_splits weights. Launched as a programmatic
+// dependent of the attention kernel (sm_90): it starts while the attention grid finishes and
+// waits for its results (griddepcontrol.wait) before reading them.
+// The merge's shape: kDimChunks blocks per (row, head), each kDimGroups float4 lanes of dims times
+// kGroups split groups (kDimChunks * kDimGroups * 4 = 512 dims).
+template <int kDimChunksT, int kGroupsT>
+struct MergeShape {
+  static constexpr int kDimChunks = kDimChunksT;
+  static constexpr int kDimGroups = kDc / 4 / kDimChunks;
+  static constexpr int kGroups = kGroupsT;
+  static constexpr int kThreads = kDimGroups * kGroups;
+  static_assert(kThreads == 512, "merge blocks of 512 threads");
+};
+using WideMerge = MergeShape<4, 16>;   // many splits (a one-row decode: 64 of them)
+using NarrowMerge = MergeShape<1, 4>;  // few splits: one block per (row, head)
+inline constexpr int kWideMergeMinSplits = 16;
 
 __device__ __forceinline__ std::int64_t merge_part_row(const MlaMergeParams& p, std::int64_t row,
                                                        int head, int split) {
@@ -1184,12 +1202,13 @@ __device__ __forceinline__ float load_split_weights(const MlaMergeParams& p, std
 }
 
 // sum_i w_i out_i over the splits of `group`, dims dim .. dim + 3.
+template <int kGroups>
 __device__ __forceinline__ float4 sum_split_group(const MlaMergeParams& p, std::int64_t row,
                                                   int head, const float* weight_s, int group,
                                                   int dim) {
   float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 4
-  for (int i = group; i < p.num_splits; i += kMergeGroups) {
+  for (int i = group; i < p.num_splits; i += kGroups) {
     const float w = weight_s[i];
     // An empty split is skipped (its out_i was never written). A split whose weight underflowed to
     // 0 is still multiplied in, as the single-pass softmax multiplies by alpha = 0: a NaN it saw
@@ -1205,17 +1224,21 @@ __device__ __forceinline__ float4 sum_split_group(const MlaMergeParams& p, std::
   return sum;
 }
 
-// Group 0: adds the other groups' sums in group order, divides by sum_i w_i, writes out and lse.
+// Group 0: adds the other groups' sums in group order, divides by sum_i w_i, writes out (and, in
+// the first dim chunk, lse).
+template <typename Shape>
 __device__ __forceinline__ void write_merged_row(const MlaMergeParams& p, std::int64_t row_head,
-                                                 const float* weight_s, const float4 (*sum_s)[128],
-                                                 float4 sum, float lse_max, int dim) {
+                                                 const float* weight_s,
+                                                 const float4 (*sum_s)[Shape::kDimGroups],
+                                                 float4 sum, float lse_max, int lane, int dim,
+                                                 bool writes_lse) {
   float weight_sum = 0.f;
   for (int i = 0; i < p.num_splits; ++i) {
     const float w = weight_s[i];
     if (!(w < 0.f)) weight_sum += w;  // a NaN weight (a split that saw a NaN score) stays NaN
   }
-  for (int g = 1; g < kMergeGroups; ++g) {
-    const float4 v = sum_s[g][threadIdx.x];
+  for (int g = 1; g < Shape::kGroups; ++g) {
+    const float4 v = sum_s[g][lane];
     sum.x += v.x;
     sum.y += v.y;
     sum.z += v.z;
@@ -1226,26 +1249,32 @@ __device__ __forceinline__ void write_merged_row(const MlaMergeParams& p, std::i
   *reinterpret_cast<uint2*>(out) =
       make_uint2(ptx::cvt_rn_bf16x2_f32(sum.x * factor, sum.y * factor),
                  ptx::cvt_rn_bf16x2_f32(sum.z * factor, sum.w * factor));
-  if (threadIdx.x == 0) p.lse[row_head] = (lse_max + log2f(weight_sum)) * 0.69314718055994531f;
+  if (writes_lse && lane == 0) {
+    p.lse[row_head] = (lse_max + log2f(weight_sum)) * 0.69314718055994531f;
+  }
 }
 
-__global__ void __launch_bounds__(kMergeThreads)
+template <typename Shape>
+__global__ void __launch_bounds__(Shape::kThreads)
     mla_merge_kernel(const __grid_constant__ MlaMergeParams p) {
   extern __shared__ float weight_s[];  // [num_splits]
   __shared__ float lse_max_s;
-  __shared__ float4 sum_s[kMergeGroups][128];
-  const std::int64_t row_head = blockIdx.x;
+  __shared__ float4 sum_s[Shape::kGroups][Shape::kDimGroups];
+  const std::int64_t row_head = blockIdx.x / Shape::kDimChunks;
+  const int chunk = static_cast<int>(blockIdx.x % Shape::kDimChunks);
   const std::int64_t row = row_head / p.num_heads;
   const int head = static_cast<int>(row_head % p.num_heads);
 
+  ptx::griddepcontrol_wait();
   const float lse_max = load_split_weights(p, row, head, weight_s, lse_max_s);
-  const int group = threadIdx.x / 128;
-  const int dim = (threadIdx.x % 128) * 4;
-  const float4 sum = sum_split_group(p, row, head, weight_s, group, dim);
-  sum_s[group][threadIdx.x % 128] = sum;
+  const int group = threadIdx.x / Shape::kDimGroups;
+  const int lane = threadIdx.x % Shape::kDimGroups;
+  const int dim = (chunk * Shape::kDimGroups + lane) * 4;
+  const float4 sum = sum_split_group<Shape::kGroups>(p, row, head, weight_s, group, dim);
+  sum_s[group][lane] = sum;
   __syncthreads();
   if (group != 0) return;
-  write_merged_row(p, row_head, weight_s, sum_s, sum, lse_max, dim);
+  write_merged_row<Shape>(p, row_head, weight_s, sum_s, sum, lse_max, lane, dim, chunk == 0);
 }
 
 }  // namespace kvaudit::cuda::detail

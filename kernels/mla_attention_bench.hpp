@@ -96,6 +96,9 @@ struct GpuCaseResult {
   // the largest |out_fp8 - out_cast| (bf16 values; the two paths compute the same function).
   std::int64_t fp8_nonfinite_lse = 0;
   double max_abs_diff_vs_cast = 0;
+  // The --peer program's median time on the same case (kvaudit bench; 0: no peer, or the peer did
+  // not measure it).
+  double peer_median_us = 0;
 };
 
 struct CopyBandwidth {

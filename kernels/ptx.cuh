@@ -103,4 +103,23 @@ __device__ __forceinline__ void cvt_f32_f16x2(std::uint32_t halves, float& lo, f
       : "r"(halves));
 }
 
+// ---- programmatic dependent launch (sm_90) ----------------------------------------------------
+
+// griddepcontrol.wait: in a grid launched as a programmatic dependent, wait until the primary
+// grid has completed and its memory operations are visible. No-op below sm_90 (and in a grid
+// launched without the dependency).
+__device__ __forceinline__ void griddepcontrol_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// griddepcontrol.launch_dependents: this block no longer holds back the launch of the dependent
+// grid (it launches once every block of this grid has signalled or exited).
+__device__ __forceinline__ void griddepcontrol_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 }  // namespace kvaudit::cuda::ptx

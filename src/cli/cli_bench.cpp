@@ -148,7 +148,7 @@ json times_json(const bench::LaunchTimes& t) {
 
 // The peer's time for one case (nothing without a peer), into the case's JSON and the row's cells.
 [[maybe_unused]] std::string time_on_peer(PeerRun* peer, const BenchCliOptions& o,
-                                          const bench::GpuCaseResult& r, double copy_gbps,
+                                          bench::GpuCaseResult& r, double copy_gbps,
                                           json& case_doc) {
   if (peer == nullptr) return {};
   const bench::PeerBenchRequest request{r.config, o.gpu.warmup, o.gpu.launches,
@@ -157,6 +157,7 @@ json times_json(const bench::LaunchTimes& t) {
       bench::peer_timing_from_reply(peer->session->request_allowing_unsupported(
           bench::peer_bench_request_json(request), "bench", r.config.name()));
   if (timing.outcome == bench::PeerOutcome::kFailed) peer->failures += 1;
+  if (timing.outcome == bench::PeerOutcome::kMeasured) r.peer_median_us = timing.median_us;
   case_doc["peer"] = bench::peer_case_json(timing, r, copy_gbps);
   return bench::peer_table_cells(timing, r, copy_gbps);
 }

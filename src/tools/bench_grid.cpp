@@ -65,11 +65,14 @@ std::vector<GpuCase> bench_grid(bool quick) {
     }
   }
   // Heads at a representative size: memory-bound at 16, compute-bound towards 128.
-  for (int heads : {16, 32, 64, 128}) grid.push_back(make_case("heads", 64, 4096, heads, 64));
+  for (int heads : {16, 32, 64, 128}) {
+    grid.push_back(
+        make_case("heads", 64, 4096, heads, 64, 0, 1, heads == 128 ? "heads128-tflops" : ""));
+  }
   // Page size: 1 is a gather of single 576-byte rows.
   for (int page : {1, 16, 64}) grid.push_back(make_case("page", 64, 8192, 16, page));
   // Prefill / extend (causal): a whole prompt, chunked extends, and 4-token speculative decode.
-  grid.push_back(make_case("prefill", 1, 4096, 16, 64, 0, 4096));
+  grid.push_back(make_case("prefill", 1, 4096, 16, 64, 0, 4096, "prefill-tflops"));
   grid.push_back(make_case("prefill", 8, 4096, 16, 64, 0, 512));
   grid.push_back(make_case("prefill", 64, 4096, 16, 64, 0, 4));
   return grid;
@@ -79,14 +82,67 @@ namespace {
 
 TargetVerdict copy_ratio_verdict(const std::vector<GpuCaseResult>& results) {
   TargetVerdict v{"copy-ratio",
-                  "decode 16 heads, batch 64, ctx 8192, page 64: FP8 bandwidth >= 60% of copy", "",
-                  0, 0.60};
+                  "decode 16 heads, batch 64, ctx 8192, page 64: FP8 bandwidth >= 80% of copy", "",
+                  0, 0.80};
   if (const GpuCaseResult* r = find_target(results, "copy-ratio")) {
     v.cases = r->config.name();
     v.measured = r->fp8_copy_ratio;
     v.evaluated = r->fp8_copy_ratio > 0;
     v.met = v.evaluated && v.measured >= v.threshold;
   }
+  return v;
+}
+
+// The case tagged `target`: FP8 TFLOP/s >= threshold.
+TargetVerdict tflops_verdict(const std::vector<GpuCaseResult>& results, const std::string& target,
+                             const std::string& what, double threshold) {
+  TargetVerdict v{target, fmt::format("{}: >= {} TFLOP/s", what, threshold), "", 0, threshold};
+  if (const GpuCaseResult* r = find_target(results, target)) {
+    v.cases = r->config.name();
+    v.measured = r->fp8_tflops;
+    v.evaluated = r->fp8_tflops > 0;
+    v.met = v.evaluated && v.measured >= v.threshold;
+  }
+  return v;
+}
+
+// One verdict per case tagged `target` (one per page size): FP8 median time <= threshold_us.
+void add_latency_verdicts(const std::vector<GpuCaseResult>& results, const std::string& target,
+                          const std::string& name, double threshold_us,
+                          std::vector<TargetVerdict>& verdicts) {
+  for (const GpuCaseResult& r : results) {
+    if (r.config.target != target) continue;
+    TargetVerdict v;
+    v.name = fmt::format("{}-page{}", name, r.config.page_size);
+    v.statement = fmt::format("seed pool {} slots, batch {} x ctx {}, page {}: FP8 time <= {} us",
+                              r.config.effective_pool_slots(), r.config.batch, r.config.context,
+                              r.config.page_size, threshold_us);
+    v.cases = r.config.name();
+    v.threshold = threshold_us;
+    v.evaluated = r.skipped.empty() && r.fp8.launches > 0;
+    v.measured = r.fp8.median_us;
+    v.met = v.evaluated && v.measured <= threshold_us;
+    verdicts.push_back(v);
+  }
+}
+
+// Over every case the peer measured: the smallest peer time / FP8 time, met above 1.
+TargetVerdict peer_faster_verdict(const std::vector<GpuCaseResult>& results) {
+  TargetVerdict v{"peer-faster", "every case the --peer measured: peer time / FP8 time > 1", "", 0,
+                  1.0};
+  int compared = 0;
+  for (const GpuCaseResult& r : results) {
+    if (r.peer_median_us <= 0 || r.fp8.median_us <= 0 || !r.skipped.empty()) continue;
+    const double ratio = r.peer_median_us / r.fp8.median_us;
+    if (compared == 0 || ratio < v.measured) {
+      v.measured = ratio;
+      v.cases = r.config.name();
+    }
+    ++compared;
+  }
+  v.evaluated = compared > 0;
+  v.met = v.evaluated && v.measured > v.threshold;
+  if (v.evaluated) v.cases = fmt::format("{} cases, slowest ratio at {}", compared, v.cases);
   return v;
 }
 
@@ -150,7 +206,13 @@ void add_pool_sweep_verdicts(int page, const std::vector<const GpuCaseResult*>& 
 std::vector<TargetVerdict> evaluate_targets(const std::vector<GpuCaseResult>& results) {
   std::vector<TargetVerdict> verdicts;
   verdicts.push_back(copy_ratio_verdict(results));
-  add_seed_speedup_verdicts(results, "seed-speedup-b1", 10.0, verdicts);
+  verdicts.push_back(tflops_verdict(results, "heads128-tflops",
+                                    "decode 128 heads, batch 64, ctx 4096, page 64", 400.0));
+  verdicts.push_back(tflops_verdict(results, "prefill-tflops",
+                                    "prefill batch 1, 4096 queries over 4096 tokens, 16 heads",
+                                    350.0));
+  add_latency_verdicts(results, "seed-speedup-b1", "seed-latency-b1", 12.0, verdicts);
+  add_seed_speedup_verdicts(results, "seed-speedup-b1", 20.0, verdicts);
   add_seed_speedup_verdicts(results, "seed-speedup-b64", 3.0, verdicts);
   // Pool sweep, per page size.
   std::map<int, std::vector<const GpuCaseResult*>> sweeps;
@@ -163,6 +225,7 @@ std::vector<TargetVerdict> evaluate_targets(const std::vector<GpuCaseResult>& re
     });
     add_pool_sweep_verdicts(page, rows, verdicts);
   }
+  verdicts.push_back(peer_faster_verdict(results));
   return verdicts;
 }
 

@@ -110,6 +110,11 @@ TEST_CASE("bench default grid covers every stated target shape", "[bench]") {
     });
   };
   CHECK(has("copy-ratio", 64, 8192, 16, 64, 0));
+  CHECK(has("heads128-tflops", 64, 4096, 128, 64, 0));
+  CHECK(std::any_of(grid.begin(), grid.end(), [](const GpuCase& c) {
+    return c.target == "prefill-tflops" && c.batch == 1 && c.context == 4096 && c.q_len == 4096 &&
+           c.num_heads == 16;
+  }));
   for (int page : {1, 64}) {
     CHECK(has("seed-speedup-b1", 1, 4096, 16, page, 495552));
     CHECK(has("seed-speedup-b64", 64, 4096, 16, page, 495552));
@@ -144,9 +149,20 @@ TEST_CASE("bench targets are judged from the measured figures", "[bench]") {
   seed1.target = "seed-speedup-b1";
   GpuCase seed64 = make_case(64, 4096, 16, 1, 495552);
   seed64.target = "seed-speedup-b64";
-  results.push_back(timed(copy, 100, 0, 0.65));
-  results.push_back(timed(seed1, 50, 400));    // 8x: below 10x
+  results.push_back(timed(copy, 100, 0, 0.85));
+  results.push_back(timed(seed1, 50, 400));    // 8x: below 20x; 50 us: above 12 us
   results.push_back(timed(seed64, 100, 350));  // 3.5x: above 3x
+  GpuCase seed1_page64 = make_case(1, 4096, 16, 64, 495552);
+  seed1_page64.target = "seed-speedup-b1";
+  results.push_back(timed(seed1_page64, 11.5, 276));  // 24x, 11.5 us: both met
+  GpuCase heads128 = make_case(64, 4096, 128, 64);
+  heads128.target = "heads128-tflops";
+  results.push_back(timed(heads128, 100, 0));
+  results.back().fp8_tflops = 390;  // below 400
+  GpuCase prefill = make_case(1, 4096, 16, 64, 0, 4096);
+  prefill.target = "prefill-tflops";
+  results.push_back(timed(prefill, 100, 0));
+  results.back().fp8_tflops = 351;
   const double fp8_times[] = {100, 104, 109};  // 9% spread
   const double cast_times[] = {50, 200, 800};  // 16x growth
   const std::int64_t pools[] = {65536, 262144, 1048576};
@@ -173,9 +189,18 @@ TEST_CASE("bench targets are judged from the measured figures", "[bench]") {
     return *it;
   };
   CHECK(find("copy-ratio").met);
-  CHECK(find("copy-ratio").measured == Approx(0.65));
+  CHECK(find("copy-ratio").measured == Approx(0.85));
   CHECK_FALSE(find("seed-speedup-b1-page1").met);
   CHECK(find("seed-speedup-b1-page1").measured == Approx(8.0));
+  CHECK(find("seed-speedup-b1-page64").met);
+  CHECK_FALSE(find("seed-latency-b1-page1").met);
+  CHECK(find("seed-latency-b1-page1").measured == Approx(50.0));
+  CHECK(find("seed-latency-b1-page64").met);
+  CHECK_FALSE(find("heads128-tflops").met);
+  CHECK(find("heads128-tflops").measured == Approx(390.0));
+  CHECK(find("prefill-tflops").met);
+  // No peer ran: not judged.
+  CHECK_FALSE(find("peer-faster").evaluated);
   CHECK(find("seed-speedup-b64-page1").met);
   CHECK(find("pool-flat-page64").met);
   CHECK(find("pool-flat-page64").measured == Approx(0.09));
@@ -186,13 +211,35 @@ TEST_CASE("bench targets are judged from the measured figures", "[bench]") {
   CHECK_FALSE(find("pool-flat-page1").met);
 
   // A spread of 10% or more misses.
-  results[4].fp8.median_us = 111;
+  const auto first_sweep = std::find_if(results.begin(), results.end(), [](const auto& r) {
+    return r.config.target == "pool-sweep" && r.config.page_size == 64;
+  });
+  REQUIRE(first_sweep != results.end());
+  first_sweep->fp8.median_us = 95;  // 95 .. 109: a 15% spread
   const auto again = kvaudit::bench::evaluate_targets(results);
   const auto flat = std::find_if(again.begin(), again.end(),
                                  [](const auto& v) { return v.name == "pool-flat-page64"; });
   REQUIRE(flat != again.end());
   CHECK(flat->evaluated);
   CHECK_FALSE(flat->met);
+
+  // With a peer: the slowest ratio decides; one case where the peer is faster misses.
+  results[0].peer_median_us = 300;  // 3x
+  results[1].peer_median_us = 60;   // 1.2x
+  const auto with_peer = kvaudit::bench::evaluate_targets(results);
+  const auto peer = std::find_if(with_peer.begin(), with_peer.end(),
+                                 [](const auto& v) { return v.name == "peer-faster"; });
+  REQUIRE(peer != with_peer.end());
+  CHECK(peer->evaluated);
+  CHECK(peer->met);
+  CHECK(peer->measured == Approx(1.2));
+  results[2].peer_median_us = 90;  // 0.9x: the peer is faster here
+  const auto slower = kvaudit::bench::evaluate_targets(results);
+  const auto missed = std::find_if(slower.begin(), slower.end(),
+                                   [](const auto& v) { return v.name == "peer-faster"; });
+  REQUIRE(missed != slower.end());
+  CHECK_FALSE(missed->met);
+  CHECK(missed->measured == Approx(0.9));
 }
 
 TEST_CASE("bench CPU reference throughput counts row*head*tokens and projects a GLM-5 step",
