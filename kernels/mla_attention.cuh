@@ -701,28 +701,38 @@ __device__ __forceinline__ bool bf16x8_non_finite(const uint4 v) {
           __vcmpeq2(v.z & kExponents, kExponents) | __vcmpeq2(v.w & kExponents, kExponents)) != 0;
 }
 
-// bf16 pool (cuda-cast-bf16, fault fp8-read-as-bf16): the tile's rows through registers into the
-// bf16 tile (rows past `loaded` zeroed), tokens holding a non-finite value marked in the tile's
-// NaN mask. No prefetch: this path is the baseline the FP8 path is measured against.
+// bf16 pool (cuda-cast-bf16, fault fp8-read-as-bf16): the tile's rows into the bf16 tile, rows
+// past `loaded` zeroed. One row per block: by cp.async, as this baseline always did. Several rows
+// (p.mark_nan): through registers, so that tokens holding a non-finite value can be marked in the
+// tile's NaN mask (as the FP8 path marks NaN codes).
 template <bool kRowGroups>
 __device__ __forceinline__ void stage_bf16_tile(const MlaAttentionParams& p,
                                                 const AttentionPass& pass, int tid, int tile,
                                                 int loaded, const AttentionSmem& smem) {
   __syncthreads();  // everyone done with the previous tile
   std::uint32_t* nan_mask = smem.nan + (tile % 2) * 2;
+  const bool marks_nan = kRowGroups && p.mark_nan;  // uniform over the block
   for (int v = tid; v < kTile * kBf16RowVectors; v += kThreads) {
     const int token = v / kBf16RowVectors;
     const int chunk = v % kBf16RowVectors;
-    uint4 value = make_uint4(0, 0, 0, 0);
-    if (token < loaded) {
-      const std::int32_t slot = slot_of(p, pass.range, tile * kTile + token);
-      value = __ldg(reinterpret_cast<const uint4*>(
-          p.pool + (static_cast<std::int64_t>(slot) * kD) * 2 + chunk * 16));
-      if (kRowGroups && p.mark_nan && bf16x8_non_finite(value)) {
-        atomicOr(nan_mask + token / 32, 1u << (token % 32));
-      }
+    uint4* dst = reinterpret_cast<uint4*>(smem.kv + token * kSmemRow + chunk * 8);
+    if (token >= loaded) {
+      *dst = make_uint4(0, 0, 0, 0);
+      continue;
     }
-    *reinterpret_cast<uint4*>(smem.kv + token * kSmemRow + chunk * 8) = value;
+    const std::int32_t slot = slot_of(p, pass.range, tile * kTile + token);
+    const std::uint8_t* src = p.pool + (static_cast<std::int64_t>(slot) * kD) * 2 + chunk * 16;
+    if (marks_nan) {
+      const uint4 value = __ldg(reinterpret_cast<const uint4*>(src));
+      if (bf16x8_non_finite(value)) atomicOr(nan_mask + token / 32, 1u << (token % 32));
+      *dst = value;
+    } else {
+      ptx::cp_async_cg_16(ptx::smem_address(dst), src);
+    }
+  }
+  if (!marks_nan) {
+    ptx::cp_async_commit_group();
+    ptx::cp_async_wait_group<0>();
   }
 }
 
