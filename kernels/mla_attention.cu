@@ -2,28 +2,29 @@
 // template arguments (device code in kernels/mla_attention.cuh, the math it computes in
 // kernels/mla_attention_model.hpp).
 //
-// Grid of the attention kernel: num_rows * head_blocks * num_splits blocks of 256 threads, one
-// block per (query row, block of 16 * kMTiles heads, split of the row's 64-token tiles), one block
-// per SM (shared memory: Q, one bf16 KV tile, P, partial scores, ~106 / ~117 KB). H <= 16 ->
-// kMTiles = 1 (one m16 tile; 8 warps split Q.K^T into 4 token quarters x 2 k halves with Q
-// fragments held in registers, and P.V into 8 dim slices); H > 16 -> kMTiles = 2 (32 heads per
-// block, 4 warps per m16 tile), ceil(H / 32) head blocks.
-// Split-KV (flash-decoding): when rows * head_blocks alone leaves SMs idle, each row's tiles are
-// split over several blocks and mla_merge_kernel combines the partial (out, lse) exactly.
-// Runtime -> compile-time dispatch happens here only, one axis at a time (pool element, m16 tiles
-// per block; the write rule through dispatch_kv_write_rule), each with a default that is
-// `unsupported`.
+// Grid of the attention kernel: row_groups * head_blocks * num_splits blocks of 256 threads, one
+// block per (group of rows_per_block query rows, block of heads, split of the rows' 64-token
+// tiles), one block per SM. Shapes (choose_rows_and_heads):
+//   decode, H <= 16: kMTiles = 1, one row x 16 heads (8 warps split Q.K^T into 4 token quarters x
+//     2 k halves with Q fragments in registers, P.V into 8 dim slices; ~104 KiB shared memory);
+//   decode, H <= 32: kMTiles = 2, one row x 32 heads (~116 KiB);
+//   decode, H > 32: kMTiles = 4, one row x 64 heads, ceil(H / 64) head blocks (~193 KiB);
+//   prefill / extend (rows >= 2 x requests), H <= 32: kMTiles = 4, 4 (or 2) consecutive causal
+//     rows x 16 (or 32) heads sharing each decoded KV tile.
+// Split-KV (flash-decoding): when the blocks alone leave SMs idle, each row group's tiles are split
+// over several blocks and mla_merge_kernel, a programmatic dependent launch, combines the partial
+// (out, lse) exactly. Runtime -> compile-time dispatch happens here only, one axis at a time (pool
+// element, m16 tiles per block; the write rule through dispatch_kv_write_rule), each with a
+// default that is `unsupported`.
 //
-// Measured on an H200 (driver 580.159.04, CUDA 13.0; kvaudit bench, L2 evicted between launches,
-// device-to-device copy ~4250 GB/s in the same run): decode B=64, ctx=8192, H=16, page 64:
-// 173 us = 1749 GB/s = 41% of copy (the target is 60%), ~3x faster than the whole-pool cast
-// path; page 1: 203 us (35%); H=128: 974 us (150 TFLOP/s); B=1, ctx=32768: 29 us.
-// What limits it (ncu): shared-memory traffic and latency (ldmatrix -> mma, short scoreboard
-// ~40% of stall cycles; two blocks per SM were no faster than one) and the barriers between the
-// decode, Q.K^T, softmax and P.V phases. Next steps: producer/consumer warp specialization with a
-// double-buffered bf16 tile (decode overlapping the MMAs), the P.V operands from registers,
-// wgmma. Prefill runs one block per query row, so a request's KV is re-read (from L2) by each of
-// its rows.
+// Measured on an H200 (reports/bench-h200.md, 2026-12-01; kvaudit bench, L2 evicted between
+// launches, copy 4252 GB/s in the same run): decode B=64, ctx=8192, H=16, page 64: 172.8 us = 41%
+// of copy (target 80%); H=128: 401 us (182 TFLOP/s); prefill B=1, 4096 x 4096: 1863 us
+// (157 TFLOP/s); B=1, ctx=4096: 15.7 us; faster than FlashInfer 0.6.18's FP8 MLA (fa3) on every
+// case of the grid (1.07x to 6.1x). What limits it (ncu): at 16 heads, latency (2 warps per
+// scheduler, shared-memory and fixed-latency dependencies, barriers between a tile's phases); at
+// 128 heads and in prefill, the mma.sync operand path through ldmatrix (tensor pipe ~30%, shared
+// memory pipe ~60%). Next steps: a producer/consumer split with a double-buffered bf16 tile, wgmma.
 #include <cuda_runtime.h>
 
 #include <algorithm>
