@@ -80,27 +80,16 @@ std::vector<GpuCase> bench_grid(bool quick) {
 
 namespace {
 
-TargetVerdict copy_ratio_verdict(const std::vector<GpuCaseResult>& results) {
-  TargetVerdict v{"copy-ratio",
-                  "decode 16 heads, batch 64, ctx 8192, page 64: FP8 bandwidth >= 80% of copy", "",
-                  0, 0.80};
-  if (const GpuCaseResult* r = find_target(results, "copy-ratio")) {
-    v.cases = r->config.name();
-    v.measured = r->fp8_copy_ratio;
-    v.evaluated = r->fp8_copy_ratio > 0;
-    v.met = v.evaluated && v.measured >= v.threshold;
-  }
-  return v;
-}
-
-// The case tagged `target`: FP8 TFLOP/s >= threshold.
-TargetVerdict tflops_verdict(const std::vector<GpuCaseResult>& results, const std::string& target,
-                             const std::string& what, double threshold) {
-  TargetVerdict v{target, fmt::format("{}: >= {} TFLOP/s", what, threshold), "", 0, threshold};
+// The case tagged `target`: its `figure` (copy ratio, TFLOP/s) >= threshold; judged when the
+// case ran (the figure is positive).
+TargetVerdict single_case_verdict(const std::vector<GpuCaseResult>& results,
+                                  const std::string& target, std::string statement,
+                                  double threshold, double GpuCaseResult::*figure) {
+  TargetVerdict v{target, std::move(statement), "", 0, threshold};
   if (const GpuCaseResult* r = find_target(results, target)) {
     v.cases = r->config.name();
-    v.measured = r->fp8_tflops;
-    v.evaluated = r->fp8_tflops > 0;
+    v.measured = r->*figure;
+    v.evaluated = v.measured > 0;
     v.met = v.evaluated && v.measured >= v.threshold;
   }
   return v;
@@ -205,12 +194,17 @@ void add_pool_sweep_verdicts(int page, const std::vector<const GpuCaseResult*>& 
 
 std::vector<TargetVerdict> evaluate_targets(const std::vector<GpuCaseResult>& results) {
   std::vector<TargetVerdict> verdicts;
-  verdicts.push_back(copy_ratio_verdict(results));
-  verdicts.push_back(tflops_verdict(results, "heads128-tflops",
-                                    "decode 128 heads, batch 64, ctx 4096, page 64", 400.0));
-  verdicts.push_back(tflops_verdict(results, "prefill-tflops",
-                                    "prefill batch 1, 4096 queries over 4096 tokens, 16 heads",
-                                    350.0));
+  verdicts.push_back(single_case_verdict(
+      results, "copy-ratio",
+      "decode 16 heads, batch 64, ctx 8192, page 64: FP8 bandwidth >= 80% of copy", 0.80,
+      &GpuCaseResult::fp8_copy_ratio));
+  verdicts.push_back(single_case_verdict(
+      results, "heads128-tflops", "decode 128 heads, batch 64, ctx 4096, page 64: >= 400 TFLOP/s",
+      400.0, &GpuCaseResult::fp8_tflops));
+  verdicts.push_back(single_case_verdict(
+      results, "prefill-tflops",
+      "prefill batch 1, 4096 queries over 4096 tokens, 16 heads: >= 350 TFLOP/s", 350.0,
+      &GpuCaseResult::fp8_tflops));
   add_latency_verdicts(results, "seed-speedup-b1", "seed-latency-b1", 12.0, verdicts);
   add_seed_speedup_verdicts(results, "seed-speedup-b1", 20.0, verdicts);
   add_seed_speedup_verdicts(results, "seed-speedup-b64", 3.0, verdicts);

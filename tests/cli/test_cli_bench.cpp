@@ -181,34 +181,35 @@ TEST_CASE("bench targets are judged from the measured figures", "[bench]") {
   other.target = "pool-sweep";
   results.push_back(timed(other, 100, 100));
 
-  const auto verdicts = kvaudit::bench::evaluate_targets(results);
-  auto find = [&](const std::string& name) {
+  // The verdict called `name` when the targets are judged on `results` as they are now.
+  auto judged = [&](const std::string& name) {
+    const auto verdicts = kvaudit::bench::evaluate_targets(results);
     const auto it = std::find_if(verdicts.begin(), verdicts.end(),
                                  [&](const auto& v) { return v.name == name; });
     REQUIRE(it != verdicts.end());
     return *it;
   };
-  CHECK(find("copy-ratio").met);
-  CHECK(find("copy-ratio").measured == Approx(0.85));
-  CHECK_FALSE(find("seed-speedup-b1-page1").met);
-  CHECK(find("seed-speedup-b1-page1").measured == Approx(8.0));
-  CHECK(find("seed-speedup-b1-page64").met);
-  CHECK_FALSE(find("seed-latency-b1-page1").met);
-  CHECK(find("seed-latency-b1-page1").measured == Approx(50.0));
-  CHECK(find("seed-latency-b1-page64").met);
-  CHECK_FALSE(find("heads128-tflops").met);
-  CHECK(find("heads128-tflops").measured == Approx(390.0));
-  CHECK(find("prefill-tflops").met);
+  CHECK(judged("copy-ratio").met);
+  CHECK(judged("copy-ratio").measured == Approx(0.85));
+  CHECK_FALSE(judged("seed-speedup-b1-page1").met);
+  CHECK(judged("seed-speedup-b1-page1").measured == Approx(8.0));
+  CHECK(judged("seed-speedup-b1-page64").met);
+  CHECK_FALSE(judged("seed-latency-b1-page1").met);
+  CHECK(judged("seed-latency-b1-page1").measured == Approx(50.0));
+  CHECK(judged("seed-latency-b1-page64").met);
+  CHECK_FALSE(judged("heads128-tflops").met);
+  CHECK(judged("heads128-tflops").measured == Approx(390.0));
+  CHECK(judged("prefill-tflops").met);
   // No peer ran: not judged.
-  CHECK_FALSE(find("peer-faster").evaluated);
-  CHECK(find("seed-speedup-b64-page1").met);
-  CHECK(find("pool-flat-page64").met);
-  CHECK(find("pool-flat-page64").measured == Approx(0.09));
-  CHECK(find("pool-cast-grows-page64").met);
-  CHECK(find("pool-cast-grows-page64").measured == Approx(16.0));
+  CHECK_FALSE(judged("peer-faster").evaluated);
+  CHECK(judged("seed-speedup-b64-page1").met);
+  CHECK(judged("pool-flat-page64").met);
+  CHECK(judged("pool-flat-page64").measured == Approx(0.09));
+  CHECK(judged("pool-cast-grows-page64").met);
+  CHECK(judged("pool-cast-grows-page64").measured == Approx(16.0));
   // Page 1's sweep has a skipped case: not judged, and so neither met nor missed.
-  CHECK_FALSE(find("pool-flat-page1").evaluated);
-  CHECK_FALSE(find("pool-flat-page1").met);
+  CHECK_FALSE(judged("pool-flat-page1").evaluated);
+  CHECK_FALSE(judged("pool-flat-page1").met);
 
   // A spread of 10% or more misses.
   const auto first_sweep = std::find_if(results.begin(), results.end(), [](const auto& r) {
@@ -216,30 +217,18 @@ TEST_CASE("bench targets are judged from the measured figures", "[bench]") {
   });
   REQUIRE(first_sweep != results.end());
   first_sweep->fp8.median_us = 95;  // 95 .. 109: a 15% spread
-  const auto again = kvaudit::bench::evaluate_targets(results);
-  const auto flat = std::find_if(again.begin(), again.end(),
-                                 [](const auto& v) { return v.name == "pool-flat-page64"; });
-  REQUIRE(flat != again.end());
-  CHECK(flat->evaluated);
-  CHECK_FALSE(flat->met);
+  CHECK(judged("pool-flat-page64").evaluated);
+  CHECK_FALSE(judged("pool-flat-page64").met);
 
   // With a peer: the slowest ratio decides; one case where the peer is faster misses.
   results[0].peer_median_us = 300;  // 3x
   results[1].peer_median_us = 60;   // 1.2x
-  const auto with_peer = kvaudit::bench::evaluate_targets(results);
-  const auto peer = std::find_if(with_peer.begin(), with_peer.end(),
-                                 [](const auto& v) { return v.name == "peer-faster"; });
-  REQUIRE(peer != with_peer.end());
-  CHECK(peer->evaluated);
-  CHECK(peer->met);
-  CHECK(peer->measured == Approx(1.2));
+  CHECK(judged("peer-faster").evaluated);
+  CHECK(judged("peer-faster").met);
+  CHECK(judged("peer-faster").measured == Approx(1.2));
   results[2].peer_median_us = 90;  // 0.9x: the peer is faster here
-  const auto slower = kvaudit::bench::evaluate_targets(results);
-  const auto missed = std::find_if(slower.begin(), slower.end(),
-                                   [](const auto& v) { return v.name == "peer-faster"; });
-  REQUIRE(missed != slower.end());
-  CHECK_FALSE(missed->met);
-  CHECK(missed->measured == Approx(0.9));
+  CHECK_FALSE(judged("peer-faster").met);
+  CHECK(judged("peer-faster").measured == Approx(0.9));
 }
 
 TEST_CASE("bench CPU reference throughput counts row*head*tokens and projects a GLM-5 step",
