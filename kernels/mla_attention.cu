@@ -74,8 +74,8 @@ struct LaunchShape {
 void choose_rows_and_heads(const MlaAttentionProblem& problem, LaunchShape& shape) {
   const int heads16 = (problem.num_heads + 15) / 16 * 16;
   const bool many_rows_per_request = problem.num_rows >= 2 * problem.batch;
-  if (many_rows_per_request &&
-      heads16 <= 32) {  // the kernel takes row groups with 4 m16 tiles only
+  // The kernel takes row groups with four m16 tiles only (kRowGroups in mla_attention_kernel).
+  if (many_rows_per_request && heads16 <= 32) {
     shape.m_tiles = 4;
     shape.block_heads = heads16;
     shape.rows_per_block = 64 / heads16;

@@ -52,8 +52,8 @@
 // The attention kernel body reads as the algorithm; each step is a __device__ __forceinline__
 // phase below (inlined: the phases are names, not calls):
 //   locate_work / locate_pass  which rows, heads and tiles this block owns (a pass per request)
-//   stage_q               Q [M, 576] bf16 into shared memory
 //   start_fp8_fetch       slot tables of the first two tiles, the first tile fetched
+//   stage_q               Q [M, 576] bf16 into shared memory
 //   load_q_fragments      (one m16 tile) Q's A fragments into registers, once per pass
 //   per 64-token tile:
 //     stage_fp8_tile      decode the fetched tile into the bf16 tile (NaN mask), fetch the next
@@ -101,7 +101,7 @@ static_assert(kTile * kFp8RowPieces % kThreads == 0, "FP8 tile split over the th
 // One block of 8 warps per SM (up to 255 registers per thread: with one m16 tile the Q fragments
 // stay in registers). Measured on the H200 and kept out: two blocks of ~106 KB per SM, 16 warps
 // per block (128 registers, spills), a three-tile cp.async ring, decoding by bit placement instead
-// of cvt, and swizzled decode stores were each no faster or slower (docs/kernels.md).
+// of cvt, and swizzled decode stores were each no faster or slower (reports/bench-h200.md).
 inline constexpr int kBlocksPerSm = 1;
 
 // ---- parameters, one struct per kernel ---------------------------------------------------------
@@ -177,22 +177,17 @@ struct CastPoolParams {
 };
 
 // Warp tiling of mla_attention_kernel for kMTiles m16 tiles (M = 16 * kMTiles rows).
-//   kWn          warps sharing one m16 tile (16, 8, 4)
-//   kSliceWarps  of those, the warps that own a slice of the tile's tokens in the softmax (at most
-//                8: one n8 tile each); with 16 warps, warp wn computes the same slice as warp
-//                wn - 8 (identical inputs, identical results) without writing it
-//   kQkTiles     n8 token tiles per slice
-//   kPvTiles     n8 dim tiles per warp in P.V
-//   kKSplit      (one m16 tile) Q.K^T splits the 576 columns over kWn / 4 warps, kQkSteps k16
-//                steps each (4 x 9), each warp on 16 tokens
+//   kWn       warps sharing one m16 tile (8, 4, 2); warp wn owns tokens 8 kQkTiles wn .. of a tile
+//             in the softmax and dims 8 kPvTiles wn .. in P.V
+//   kKSplit   (one m16 tile) Q.K^T splits the 576 columns in two halves of kQkSteps k16 steps,
+//             each warp on 16 tokens of one half
 template <int kMTiles>
 struct AttentionWarpTiling {
   static constexpr int kWn = kWarps / kMTiles;
-  static constexpr int kSliceWarps = kWn < 8 ? kWn : 8;
-  static constexpr int kQkTiles = kTile / 8 / kSliceWarps;
+  static constexpr int kQkTiles = kTile / 8 / kWn;
   static constexpr int kPvTiles = kDc / 8 / kWn;
-  static constexpr int kKSplit = kWn / 4;
-  static constexpr int kQkSteps = kD / 16 / (kKSplit > 0 ? kKSplit : 1);
+  static constexpr int kKSplit = 2;
+  static constexpr int kQkSteps = kD / 16 / kKSplit;
   static_assert(kQkTiles >= 1 && kPvTiles % 2 == 0, "warp tiling");
 };
 
@@ -218,16 +213,16 @@ inline constexpr int kFp8TileBytes = kTile * kD;
 template <int kMTiles, bool kBf16Pool>
 struct MlaSmemLayout {
   static constexpr int kRows = 16 * kMTiles;
-  static constexpr int kSliceWarps = AttentionWarpTiling<kMTiles>::kSliceWarps;
+  static constexpr int kWn = AttentionWarpTiling<kMTiles>::kWn;
   static constexpr int kKSplit = AttentionWarpTiling<kMTiles>::kKSplit;
   static constexpr bool kFp8Buffer = !kBf16Pool && kFp8StagingOf<kMTiles> == Fp8Staging::kBuffer;
   static constexpr int kQOffset = 0;
   static constexpr int kKvOffset = kQOffset + kRows * kSmemRow * 2;
   static constexpr int kPOffset = kKvOffset + kTile * kSmemRow * 2;
   static constexpr int kMaxOffset = kPOffset + kRows * kPRow * 2;
-  static constexpr int kSumOffset = kMaxOffset + kRows * kSliceWarps * 4;
+  static constexpr int kSumOffset = kMaxOffset + kRows * kWn * 4;
   // Partial scores of the k parts (one m16 tile): [kKSplit][16][kSRow] fp32.
-  static constexpr int kSPartOffset = kSumOffset + kRows * kSliceWarps * 4;
+  static constexpr int kSPartOffset = kSumOffset + kRows * kWn * 4;
   static constexpr int kSlotOffset = kSPartOffset + (kMTiles == 1 ? kKSplit * 16 * kSRow * 4 : 0);
   // Slot tables of two tiles, NaN-code masks of two tiles (64 bits each), the FP8 buffer.
   static constexpr int kNanOffset = kSlotOffset + 2 * kTile * 4;
@@ -422,15 +417,13 @@ __device__ __forceinline__ int m_tile_visible(const MlaAttentionParams& p,
 struct ThreadRole {
   int tid;
   int lane;
-  int mt;      // this warp's m16 tile
-  int wn;      // its part of the dims (P.V) and of the Q.K^T work
-  int slice;   // its slice of the tile's tokens in the softmax
-  bool owner;  // whether it writes that slice's P, max and sum (AttentionWarpTiling)
+  int mt;  // this warp's m16 tile
+  int wn;  // its part of the tokens (Q.K^T) and of the dims (P.V)
   int group;
   int quad;
 };
 
-template <int kWn, int kSliceWarps>
+template <int kWn>
 __device__ __forceinline__ ThreadRole thread_role() {
   ThreadRole t;
   t.tid = threadIdx.x;
@@ -438,8 +431,6 @@ __device__ __forceinline__ ThreadRole thread_role() {
   t.lane = t.tid % 32;
   t.mt = warp / kWn;
   t.wn = warp % kWn;
-  t.slice = t.wn % kSliceWarps;
-  t.owner = t.wn < kSliceWarps;
   t.group = t.lane / 4;
   t.quad = t.lane % 4;
   return t;
@@ -745,7 +736,7 @@ __device__ __forceinline__ void stage_bf16_tile(const MlaAttentionParams& p,
 template <int kQkSteps>
 __device__ __forceinline__ void load_q_fragments(std::uint32_t (&q_frag)[kQkSteps][4],
                                                  const AttentionSmem& smem, const ThreadRole& t) {
-  __syncthreads();  // Q staged (the FP8 path synchronised already; the bf16 path has not)
+  __syncthreads();  // Q staged by every thread
   const int kh = t.wn / 4;
   const int a_row = t.mt * 16 + (t.lane % 8) + 8 * ((t.lane / 8) % 2);
   const std::uint32_t a_addr =
@@ -754,10 +745,9 @@ __device__ __forceinline__ void load_q_fragments(std::uint32_t (&q_frag)[kQkStep
   for (int ks = 0; ks < kQkSteps; ++ks) ptx::ldmatrix_m8n8_x4(q_frag[ks], a_addr + ks * 32);
 }
 
-// S for the rows of the m16 tile and this warp's slice (tokens 8 slice .. 8 slice + 7): each warp
-// sums its k half for 16 tokens, the kKSplit = 2 halves are exchanged through s_part, and S =
-// half 0 + half 1.
-template <int kKSplit, int kQkSteps>
+// S for the rows of the m16 tile and this warp's tokens 8 wn .. 8 wn + 7: each warp sums its k
+// half for 16 tokens, the halves are exchanged through s_part, S = half 0 + half 1.
+template <int kQkSteps>
 __device__ __forceinline__ void qk_scores_split_k(float (&s)[1][4],
                                                   const std::uint32_t (&q_frag)[kQkSteps][4],
                                                   const AttentionSmem& smem, const ThreadRole& t,
@@ -786,17 +776,15 @@ __device__ __forceinline__ void qk_scores_split_k(float (&s)[1][4],
   }
   __syncthreads();
   const int col = token0 + 2 * t.quad;
-  s[0][0] = s[0][1] = s[0][2] = s[0][3] = 0.f;
-#pragma unroll
-  for (int k = 0; k < kKSplit; ++k) {
-    const float* part_k = smem.s_part + k * 16 * kSRow;
-    const float2 r0 = *reinterpret_cast<const float2*>(part_k + t.group * kSRow + col);
-    const float2 r1 = *reinterpret_cast<const float2*>(part_k + (t.group + 8) * kSRow + col);
-    s[0][0] += r0.x;
-    s[0][1] += r0.y;
-    s[0][2] += r1.x;
-    s[0][3] += r1.y;
-  }
+  const float* s_part = smem.s_part;
+  const float2 r0 = *reinterpret_cast<const float2*>(s_part + t.group * kSRow + col);
+  const float2 r1 = *reinterpret_cast<const float2*>(s_part + (t.group + 8) * kSRow + col);
+  const float2 t0 = *reinterpret_cast<const float2*>(s_part + (16 + t.group) * kSRow + col);
+  const float2 t1 = *reinterpret_cast<const float2*>(s_part + (16 + t.group + 8) * kSRow + col);
+  s[0][0] = r0.x + t0.x;
+  s[0][1] = r0.y + t0.y;
+  s[0][2] = r1.x + t1.x;
+  s[0][3] = r1.y + t1.y;
 }
 
 // S for rows of m16 tile mt, tokens [token0, token0 + 8 * kQkTiles): every warp runs the whole
@@ -895,9 +883,9 @@ template <int kWn>
 __device__ __forceinline__ RowRescale block_row_max(const float (&tile_max)[2],
                                                     const float (&m_run)[2], float* max_s,
                                                     const ThreadRole& t) {
-  if (t.owner && t.quad == 0) {
-    max_s[(t.mt * 16 + t.group) * kWn + t.slice] = tile_max[0];
-    max_s[(t.mt * 16 + t.group + 8) * kWn + t.slice] = tile_max[1];
+  if (t.quad == 0) {
+    max_s[(t.mt * 16 + t.group) * kWn + t.wn] = tile_max[0];
+    max_s[(t.mt * 16 + t.group + 8) * kWn + t.wn] = tile_max[1];
   }
   __syncthreads();
   RowRescale r;
@@ -927,12 +915,10 @@ __device__ __forceinline__ void store_probabilities(const float (&s)[kQkTiles][4
     part_sum[0] += p0 + p1;
     part_sum[1] += p2 + p3;
     const int col = token0 + j * 8 + 2 * t.quad;
-    if (t.owner) {
-      *reinterpret_cast<std::uint32_t*>(p_s + (t.mt * 16 + t.group) * kPRow + col) =
-          ptx::cvt_rn_bf16x2_f32(p0, p1);
-      *reinterpret_cast<std::uint32_t*>(p_s + (t.mt * 16 + t.group + 8) * kPRow + col) =
-          ptx::cvt_rn_bf16x2_f32(p2, p3);
-    }
+    *reinterpret_cast<std::uint32_t*>(p_s + (t.mt * 16 + t.group) * kPRow + col) =
+        ptx::cvt_rn_bf16x2_f32(p0, p1);
+    *reinterpret_cast<std::uint32_t*>(p_s + (t.mt * 16 + t.group + 8) * kPRow + col) =
+        ptx::cvt_rn_bf16x2_f32(p2, p3);
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -946,9 +932,9 @@ template <int kWn, int kPvTiles>
 __device__ __forceinline__ void update_running_sum(const float (&part_sum)[2], const RowRescale& r,
                                                    float* sum_s, const ThreadRole& t,
                                                    SoftmaxState<kPvTiles>& state) {
-  if (t.owner && t.quad == 0) {
-    sum_s[(t.mt * 16 + t.group) * kWn + t.slice] = part_sum[0];
-    sum_s[(t.mt * 16 + t.group + 8) * kWn + t.slice] = part_sum[1];
+  if (t.quad == 0) {
+    sum_s[(t.mt * 16 + t.group) * kWn + t.wn] = part_sum[0];
+    sum_s[(t.mt * 16 + t.group + 8) * kWn + t.wn] = part_sum[1];
   }
   __syncthreads();
 #pragma unroll
@@ -1089,15 +1075,17 @@ __device__ __forceinline__ void attend_pass(const MlaAttentionParams& p, const B
     return;
   }
   __syncthreads();  // a previous pass of this block is done with Q and the slot tables
-  stage_q<Layout::kRows>(p, w, pass, t.tid, tiles.q);
   constexpr Fp8Staging kStaging = kBf16Pool ? Fp8Staging::kRegisters : kFp8StagingOf<kMTiles>;
   constexpr bool kRowGroups = kMTiles == 4;  // only these blocks take several rows (launcher)
   Fp8Pieces<kStaging> pieces;
+  // The first tile's fetch goes out before Q is staged, so that Q's loads overlap it instead of
+  // delaying the page-table lookup it waits for (a short row's latency is that chain).
   if constexpr (!kBf16Pool) {
     start_fp8_fetch(p, pass, tiles, t.tid, pieces);
   } else if (t.tid < 4) {
     tiles.nan[t.tid] = 0;  // ordered before the first tile's writes by stage_bf16_tile's barrier
   }
+  stage_q<Layout::kRows>(p, w, pass, t.tid, tiles.q);  // read after the next barrier
 
   SoftmaxState<Tiling::kPvTiles> state;
   state.init();
@@ -1119,18 +1107,18 @@ __device__ __forceinline__ void attend_pass(const MlaAttentionParams& p, const B
     const std::uint64_t nan_tokens = finish_tile(p, pass, t.tid, tile, next_slot, tiles, pieces);
 
     float s[Tiling::kQkTiles][4];
-    const int token0 = t.slice * 8 * Tiling::kQkTiles;
+    const int token0 = t.wn * 8 * Tiling::kQkTiles;
     if constexpr (kMTiles == 1) {
-      qk_scores_split_k<Tiling::kKSplit>(s, q_frag, tiles, t, token0);
+      qk_scores_split_k(s, q_frag, tiles, t, token0);
     } else {
       qk_scores_two_chains(s, tiles, t, token0);
     }
-    online_softmax_update<Tiling::kSliceWarps>(s, visible - tile * kTile, nan_tokens, p.score_scale,
-                                               token0, tiles, t, state);
+    online_softmax_update<Tiling::kWn>(s, visible - tile * kTile, nan_tokens, p.score_scale, token0,
+                                       tiles, t, state);
     pv_mma(state.acc, tiles, t);
   }
-  ptx::griddepcontrol_launch_dependents();  // the merge (split-KV) may launch; it waits for this
-                                            // grid's writes
+  // The merge (split-KV) may launch now; it waits for this grid's writes (griddepcontrol.wait).
+  ptx::griddepcontrol_launch_dependents();
   write_attention_output(p, w, pass, t, state);
 }
 
@@ -1144,7 +1132,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   using Tiling = AttentionWarpTiling<kMTiles>;
   extern __shared__ __align__(128) unsigned char smem[];
   AttentionSmem tiles = carve_attention_smem<Layout>(smem);
-  const ThreadRole t = thread_role<Tiling::kWn, Tiling::kSliceWarps>();
+  const ThreadRole t = thread_role<Tiling::kWn>();
   const BlockWork work = locate_work(p);
   if constexpr (kMTiles != 4) {  // one row per block (launcher): one pass
     attend_pass<kMTiles, kBf16Pool>(p, work, locate_pass(p, work, work.row_begin), tiles, t);
