@@ -18,10 +18,10 @@
 // default that is `unsupported`.
 //
 // Measured on an H200 (reports/bench-h200.md, 2026-12-01; kvaudit bench, L2 evicted between
-// launches, copy 4252 GB/s in the same run): decode B=64, ctx=8192, H=16, page 64: 172.8 us = 41%
-// of copy (target 80%); H=128: 401 us (182 TFLOP/s); prefill B=1, 4096 x 4096: 1863 us
-// (157 TFLOP/s); B=1, ctx=4096: 15.7 us; faster than FlashInfer 0.6.18's FP8 MLA (fa3) on every
-// case of the grid (1.07x to 6.1x). What limits it (ncu): at 16 heads, latency (2 warps per
+// launches, copy 4250 GB/s in the same run): decode B=64, ctx=8192, H=16, page 64: 174.6 us = 41%
+// of copy (target 80%); H=128: 401 us (182 TFLOP/s); prefill B=1, 4096 x 4096: 1871 us
+// (156 TFLOP/s); B=1, ctx=4096: 15.6 us; faster than FlashInfer 0.6.18's FP8 MLA (fa3) on every
+// case of the grid (1.10x to 5.9x). What limits it (ncu): at 16 heads, latency (2 warps per
 // scheduler, shared-memory and fixed-latency dependencies, barriers between a tile's phases); at
 // 128 heads and in prefill, the mma.sync operand path through ldmatrix (tensor pipe ~30%, shared
 // memory pipe ~60%). Next steps: a producer/consumer split with a double-buffered bf16 tile, wgmma.

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Final call 4 (commit 14f9fe7's binaries, rebuilt clean): [gpu] tests, memcheck + racecheck on the new kernel
+# The H200 call of the record (commit 35564c3's binaries, carried as .gpu2/): [gpu] tests, memcheck + racecheck on the new kernel
 # paths, every shipped dump with cuda-fp8 (and memcheck), then the whole bench grid with
 # FlashInfer 0.6.18's FP8 MLA (fa3) as the peer in the same run.
 set -uo pipefail
-r=/tmp/final4; mkdir -p $r
-gunzip -f .gpu2/T.gz .gpu2/kvaudit.gz; chmod +x .gpu2/T .gpu2/kvaudit
+r=/tmp/final5; mkdir -p $r
+gunzip -f .gpu2/T.gz .gpu2/kvaudit.gz .gpu2/R.gz; chmod +x .gpu2/T .gpu2/kvaudit .gpu2/R
 k=.gpu2/kvaudit
 export KVAUDIT_TEST_BINARY=$PWD/$k
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a $r/summary.txt
@@ -22,3 +22,9 @@ export PYTHONPATH=/tmp/site:$PWD/python
 python3 -c "import torch, flashinfer; print('torch', torch.__version__, 'flashinfer', flashinfer.__version__)" 2>&1 | tail -1 | tee -a $r/summary.txt
 ( time $k bench --peer exec:flashinfer-fp8 --peer-command "python3 -m kvdump.backends flashinfer-fp8 --flashinfer-backend fa3" --json $r/bench-h200.json --cpu-seconds 2 ) > $r/bench.log 2>&1; echo "bench exit $?" | tee -a $r/summary.txt
 grep -A16 "^targets" $r/bench.log | tee -a $r/summary.txt
+# Same-run A/B: R = the kernel of 14f9fe7 (the first record), kvaudit = this commit.
+for c in "--batch 1 --context 4096 --heads 16 --page-size 64 --pool-slots 495552" "--batch 1 --context 32768 --heads 16 --page-size 64" "--batch 64 --context 8192 --heads 16 --page-size 64" "--batch 64 --context 4096 --heads 128 --page-size 64" "--batch 1 --context 4096 --q-len 4096 --heads 16 --page-size 64"; do
+  for v in R kvaudit; do
+    echo "$v $c: $(.gpu2/$v bench --gpu-only --no-cast --launches 30 $c 2>&1 | grep -E '^custom' | sed 's/custom *//')" | tee -a $r/ab.txt
+  done
+done
