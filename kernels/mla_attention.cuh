@@ -658,20 +658,22 @@ __device__ __forceinline__ std::int32_t stage_fp8_tile(const MlaAttentionParams&
 // fetched into the buffer just decoded. Tokens in the mask have their bf16 rows zeroed: a row that
 // sees such a token gets a NaN score for it (online_softmax_update), which makes its out and lse
 // NaN as in the reference, and an earlier causal row of the pass, which does not see it, multiplies
-// zeros by its zero weight instead of NaN.
-template <Fp8Staging kStaging>
+// zeros by its zero weight instead of NaN. Blocks of one row (!kRowGroups) mark nothing: their
+// mask is 0 at compile time and none of this runs.
+template <bool kRowGroups, Fp8Staging kStaging>
 __device__ __forceinline__ std::uint64_t finish_tile(const MlaAttentionParams& p,
                                                      const AttentionPass& pass, int tid, int tile,
                                                      std::int32_t next_slot,
                                                      const AttentionSmem& smem,
                                                      Fp8Pieces<kStaging>& pieces) {
-  const std::uint32_t* mask = smem.nan + (tile % 2) * 2;
-  const std::uint64_t nan_tokens = mask[0] | (static_cast<std::uint64_t>(mask[1]) << 32);
-  if (tid < 2) smem.nan[((tile + 1) % 2) * 2 + tid] = 0;
   if (tid < kTile) smem.slot[(tile % 2) * kTile + tid] = next_slot;
   if constexpr (kStaging == Fp8Staging::kBuffer) {
     fetch_fp8_tile(p, pass, smem, tid, tile + 1, pieces);
   }
+  if constexpr (!kRowGroups) return 0;
+  const std::uint32_t* mask = smem.nan + (tile % 2) * 2;
+  const std::uint64_t nan_tokens = mask[0] | (static_cast<std::uint64_t>(mask[1]) << 32);
+  if (tid < 2) smem.nan[((tile + 1) % 2) * 2 + tid] = 0;
   if (nan_tokens != 0) {  // uniform over the block
     for (int v = tid; v < kTile * kBf16RowVectors; v += kThreads) {
       const int token = v / kBf16RowVectors;
@@ -1104,7 +1106,8 @@ __device__ __forceinline__ void attend_pass(const MlaAttentionParams& p, const B
       stage_bf16_tile<kRowGroups>(p, pass, t.tid, tile, loaded, tiles);
     }
     __syncthreads();  // bf16 tile, its NaN mask and the next slot table ready
-    const std::uint64_t nan_tokens = finish_tile(p, pass, t.tid, tile, next_slot, tiles, pieces);
+    const std::uint64_t nan_tokens =
+        finish_tile<kRowGroups>(p, pass, t.tid, tile, next_slot, tiles, pieces);
 
     float s[Tiling::kQkTiles][4];
     const int token0 = t.wn * 8 * Tiling::kQkTiles;

@@ -176,6 +176,18 @@ def make_case(seed=17):
     return pool, steps
 
 
+def attend(step, latent, rope):
+    """float64 attention of the step's rows over the pool's slots as values: latent [S, Dc] (K's
+    first columns and V), rope [S, Dr]; returns out [rows, H, Dc] and natural-log lse [rows, H]."""
+    rows = visible_slots(step["indices"])
+    out, lse = np.zeros((len(rows), H, DC)), np.zeros((len(rows), H))
+    for i, seen in enumerate(rows):
+        s = SM_SCALE * (step["q_nope"][i] @ latent[seen].T + step["q_pe"][i] @ rope[seen].T)
+        lse[i] = np.log(np.exp(s).sum(axis=1))
+        out[i] = np.exp(s - lse[i][:, None]) @ latent[seen]
+    return out, lse
+
+
 def reference(pool, steps, ckv_scale=KV_SCALE, kpe_scale=KV_SCALE):
     """float64 replay with kvdump's write rule: per step (pool, out, lse)."""
     pool = pool.copy()
@@ -183,13 +195,7 @@ def reference(pool, steps, ckv_scale=KV_SCALE, kpe_scale=KV_SCALE):
     for step in steps:
         pool[step["indices"]["new_kv_slots"]] = kvdump.quantize_e4m3(step["new_kv"], KV_SCALE)
         values = kvdump.decode_e4m3(pool).astype(np.float64)
-        c_all, r_all = values[:, :DC] * ckv_scale, values[:, DC:] * kpe_scale
-        rows = visible_slots(step["indices"])
-        out, lse = np.zeros((len(rows), H, DC)), np.zeros((len(rows), H))
-        for i, seen in enumerate(rows):
-            s = SM_SCALE * (step["q_nope"][i] @ c_all[seen].T + step["q_pe"][i] @ r_all[seen].T)
-            lse[i] = np.log(np.exp(s).sum(axis=1))
-            out[i] = np.exp(s - lse[i][:, None]) @ c_all[seen]
+        out, lse = attend(step, values[:, :DC] * ckv_scale, values[:, DC:] * kpe_scale)
         results.append((pool.copy(), out, lse))
     return results
 
@@ -354,12 +360,7 @@ def grouped_reference(pool, steps, model, kv_scale=KV_SCALE, kpe_scale=None):
                 np.float32(kpe_scale)))
             kpe = kvdump.float32_from_bf16_bits(kvdump.bf16_bits_from_float32(
                 kvdump.decode_e4m3(rope) * kpe_bf16)).astype(np.float64)
-        rows = visible_slots(step["indices"])
-        out, lse = np.zeros((len(rows), H, DC)), np.zeros((len(rows), H))
-        for i, seen in enumerate(rows):
-            s = SM_SCALE * (step["q_nope"][i] @ latent[seen].T + step["q_pe"][i] @ kpe[seen].T)
-            lse[i] = np.log(np.exp(s).sum(axis=1))
-            out[i] = np.exp(s - lse[i][:, None]) @ latent[seen]
+        out, lse = attend(step, latent, kpe)
         results.append((pool.copy(), out, lse))
     return results
 

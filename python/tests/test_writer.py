@@ -53,6 +53,47 @@ def step_tensors(rows, seed):
                 new_kv=rng.standard_normal((rows, D)).astype(np.float32))
 
 
+def fake_torch(views, numpy_dtypes):
+    """A stand-in for torch: a module with the dtypes `views` (e.g. ("int16", "uint8")) and a
+    Tensor class whose view() reinterprets the array's bytes as one of them and whose numpy()
+    accepts only `numpy_dtypes`, so a test fails if the writer converts values instead of
+    viewing them. Returns (module, Tensor)."""
+
+    class Dtype:
+        def __init__(self, name):
+            self.name = name
+
+        def __str__(self):
+            return "torch." + self.name
+
+    module = types.ModuleType("torch")
+    for name in views:
+        setattr(module, name, Dtype(name))
+
+    class Tensor:
+        def __init__(self, array, dtype):
+            self.array, self.dtype = array, Dtype(dtype)
+
+        def detach(self):
+            return self
+
+        def cpu(self):
+            return self
+
+        def contiguous(self):
+            return self
+
+        def view(self, dtype):
+            assert any(dtype is getattr(module, name) for name in views), dtype
+            return Tensor(self.array.view(np.dtype(dtype.name)), dtype.name)
+
+        def numpy(self):
+            assert self.dtype.name in numpy_dtypes, self.dtype
+            return self.array
+
+    return module, Tensor
+
+
 class WriterTestCase(unittest.TestCase):
     def setUp(self):
         self._dir = tempfile.TemporaryDirectory()
@@ -157,45 +198,14 @@ class RoundTripTest(WriterTestCase):
             self.assertEqual(f["steps/S000/L000/kv_cache_after"].attrs["dtype"], "bfloat16")
 
     def test_torch_tensors_by_duck_typing(self):
-        # A stand-in for torch: the writer must view bfloat16 as 16-bit and float8_e4m3fn as
-        # 8-bit integers through the tensor's own view(), without converting values.
-        class Dtype:
-            def __init__(self, name):
-                self.name = name
-
-            def __str__(self):
-                return "torch." + self.name
-
-        fake_torch = types.ModuleType("torch")
-        fake_torch.int16, fake_torch.uint8 = Dtype("int16"), Dtype("uint8")
-
-        class Tensor:
-            def __init__(self, array, dtype):
-                self.array, self.dtype = array, Dtype(dtype)
-
-            def detach(self):
-                return self
-
-            def cpu(self):
-                return self
-
-            def contiguous(self):
-                return self
-
-            def view(self, dtype):
-                assert dtype in (fake_torch.int16, fake_torch.uint8), dtype
-                return Tensor(self.array.view(np.int16 if dtype is fake_torch.int16 else np.uint8),
-                              dtype.name)
-
-            def numpy(self):
-                assert self.dtype.name in ("int16", "uint8", "float32"), self.dtype
-                return self.array
-
+        # The writer must view bfloat16 as 16-bit and float8_e4m3fn as 8-bit integers through the
+        # tensor's own view(), without converting values.
+        torch_module, Tensor = fake_torch(("int16", "uint8"), ("int16", "uint8", "float32"))
         pool = self.pool()
         tensors = step_tensors(2, seed=5)
         q_nope_bits = kvdump.bf16_bits_from_float32(tensors["q_nope"])
         lse = np.ones((2, H), dtype=np.float32)
-        with mock.patch.dict(sys.modules, {"torch": fake_torch}):
+        with mock.patch.dict(sys.modules, {"torch": torch_module}):
             with self.writer() as dump:
                 dump.add_layer(0, 1.0, Tensor(pool, "float8_e4m3fn"))
                 dump.add_step(**DECODE).add_layer(
@@ -596,40 +606,10 @@ class V11RoundTripTest(V11WriterTestCase):
             self.assertEqual(f["steps/S001/L077/topk_indices"].shape, (2, 2))
 
     def test_e8m0_scales_from_torch_by_duck_typing(self):
-        # A stand-in for a torch.float8_e8m0fnu tensor: viewed as uint8, never converted.
-        class Dtype:
-            def __init__(self, name):
-                self.name = name
-
-            def __str__(self):
-                return "torch." + self.name
-
-        fake_torch = types.ModuleType("torch")
-        fake_torch.uint8 = Dtype("uint8")
-
-        class Tensor:
-            def __init__(self, array, dtype):
-                self.array, self.dtype = array, Dtype(dtype)
-
-            def detach(self):
-                return self
-
-            def cpu(self):
-                return self
-
-            def contiguous(self):
-                return self
-
-            def view(self, dtype):
-                assert dtype is fake_torch.uint8, dtype
-                return Tensor(self.array.view(np.uint8), "uint8")
-
-            def numpy(self):
-                assert self.dtype.name == "uint8", self.dtype
-                return self.array
-
+        # A torch.float8_e8m0fnu tensor: viewed as uint8, never converted.
+        torch_module, Tensor = fake_torch(("uint8",), ("uint8",))
         codes, rope, scales, _ = grouped_pool(7, "e8m0")
-        with mock.patch.dict(sys.modules, {"torch": fake_torch}):
+        with mock.patch.dict(sys.modules, {"torch": torch_module}):
             with self.grouped_writer(kv_scale_format="e8m0") as dump:
                 self.assert_refused("/layers/L000/kv_scales", dump.add_layer, 0, 1.0, codes,
                                     kv_rope=rope, kv_scales=Tensor(scales, "float8_e4m3fn"))

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "src/format/kvdump.hpp"
 #include "tests/test_paths.hpp"
 
 namespace kvaudit::exec_test {
@@ -63,6 +64,17 @@ inline CommandRun run_shell(const std::string& command, const std::filesystem::p
 }
 
 inline std::string kvaudit() { return quoted(kvaudit_test::kvaudit_binary()); }
+
+// A per_tensor dump's attributes with GLM-5's MLA widths (16 heads, 512 + 64), the hello's model.
+inline DumpAttributes mla_attrs(double sm_scale, int page_size) {
+  DumpAttributes attrs;
+  attrs.num_heads = 16;
+  attrs.kv_lora_rank = 512;
+  attrs.qk_rope_head_dim = 64;
+  attrs.sm_scale = sm_scale;
+  attrs.page_size = page_size;
+  return attrs;
+}
 
 inline std::filesystem::path shipped_dump(const std::string& name) {
   return kvaudit_test::source_dir() / "datasets" / (name + ".h5");

@@ -29,6 +29,7 @@ using exec::ArrayDtype;
 using exec_test::case_dir;
 using exec_test::CommandRun;
 using exec_test::kvaudit;
+using exec_test::mla_attrs;
 using exec_test::quoted;
 using exec_test::run_shell;
 using exec_test::serve_command;
@@ -37,12 +38,7 @@ using exec_test::shipped_dump;
 // GLM-5's MLA with FlashInfer's per-token form: groups of 128, float32 scales, e4m3 RoPE.
 DumpAttributes grouped_attrs(GroupScaleFormat format = GroupScaleFormat::kFloat32,
                              KvDtype rope = KvDtype::kFloat8E4m3fn) {
-  DumpAttributes attrs;
-  attrs.num_heads = 16;
-  attrs.kv_lora_rank = 512;
-  attrs.qk_rope_head_dim = 64;
-  attrs.sm_scale = 0.07216878364870323;
-  attrs.page_size = 16;
+  DumpAttributes attrs = mla_attrs(0.07216878364870323, 16);
   attrs.kv_scale_kind = "per_token_group";
   attrs.format_minor_version = 1;
   attrs.kv_scale_group_size = 128;
@@ -190,12 +186,7 @@ TEST_CASE("exec protocol v2: a per_token_group model carries the group keys and 
 
 TEST_CASE("exec protocol v2: a per_tensor model and hello stay version 1's, byte for byte",
           "[exec][protocol][grouped]") {
-  DumpAttributes attrs;
-  attrs.num_heads = 16;
-  attrs.kv_lora_rank = 512;
-  attrs.qk_rope_head_dim = 64;
-  attrs.sm_scale = 0.25;
-  attrs.page_size = 1;
+  DumpAttributes attrs = mla_attrs(0.25, 1);
   const nlohmann::json model = exec::model_json(attrs, 4096);
   CHECK(model.dump() ==
         R"({"kv_dtype":"float8_e4m3fn","kv_lora_rank":512,"kv_scale_kind":"per_tensor",)"

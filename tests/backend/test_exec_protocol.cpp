@@ -122,12 +122,7 @@ TEST_CASE("exec protocol: an array file must exist and hold exactly its shape's 
 
 TEST_CASE("exec protocol: the hello's model and the layer object round-trip exactly",
           "[exec][protocol]") {
-  DumpAttributes attrs;
-  attrs.num_heads = 16;
-  attrs.kv_lora_rank = 512;
-  attrs.qk_rope_head_dim = 64;
-  attrs.sm_scale = 0.07216878364870323;
-  attrs.page_size = 64;
+  const DumpAttributes attrs = exec_test::mla_attrs(0.07216878364870323, 64);
   const auto model = exec::parse_model(nlohmann::json::parse(exec::model_json(attrs, 128).dump()));
   REQUIRE(model.ok());
   CHECK(model->num_slots == 128);
