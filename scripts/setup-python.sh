@@ -63,7 +63,10 @@ if [[ ${KVAUDIT_WITH_TORCH:-0} == 1 ]]; then
     index=()
     [[ -n ${KVAUDIT_TORCH_INDEX_URL:-} ]] && index=(--index-url "$KVAUDIT_TORCH_INDEX_URL")
     say "installing torch (>= 2.1)${index:+ from $KVAUDIT_TORCH_INDEX_URL}"
-    "${pip[@]}" install "${index[@]}" 'torch>=2.1'
+    # torch's Linux wheels pull in CUDA libraries (about 5 GiB installed); without pip's cache
+    # they are not stored a second time, which keeps a CI machine's disk from filling up.
+    say "free disk before torch: $(df -h --output=avail . | tail -1 | tr -d ' ')"
+    "${pip[@]}" install --no-cache-dir "${index[@]}" 'torch>=2.1'
     say "installed torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
   fi
 else
