@@ -101,9 +101,9 @@ static_assert(kTile * kFp8RowPieces % kThreads == 0, "FP8 tile split over the th
 // One block of 8 warps per SM (up to 255 registers per thread: with one m16 tile the Q fragments
 // stay in registers). Measured on the H200 and kept out: two blocks of ~106 KB per SM, 16 warps
 // per block (128 registers, spills), a three-tile cp.async ring, decoding by bit placement instead
-// of cvt, swizzled decode stores, and f16 operands scaled by powers of two (exact, a third fewer
-// instructions, 1.3% faster at 16 heads, slower at batch 1) were each no faster or slower
-// (reports/bench-h200.md, reports/h200-kernels-limit/experiments/7-scaled-f16.patch).
+// of cvt and swizzled decode stores were each no faster or slower, and f16 operands scaled by
+// powers of two (exact, a third fewer instructions) 1.3% faster at 16 heads but 7.5% slower at
+// batch 1 (reports/bench-h200.md, reports/h200-kernels-limit/experiments/7-scaled-f16.patch).
 inline constexpr int kBlocksPerSm = 1;
 
 // ---- parameters, one struct per kernel ---------------------------------------------------------
