@@ -217,24 +217,24 @@ Status launch_attention_kernel(const detail::MlaAttentionParams& params, long lo
 }
 
 // The merge as a programmatic dependent of the attention kernel (cudaLaunchKernelEx with
-// programmatic stream serialization, sm_90): its launch overlaps the attention grid's last blocks
-// and the kernel waits for their writes (griddepcontrol.wait) before reading the partials. Its
-// shape follows the split count (WideMerge from kWideMergeMinSplits splits).
-template <typename Shape>
-Status launch_merge_shape(const detail::MlaMergeParams& params, long long row_heads,
-                          cudaStream_t stream) {
+// programmatic stream serialization, sm_90): it launches once every attention block has started
+// (each signals griddepcontrol.launch_dependents first), takes only what they leave free of the
+// SMs, and waits for their writes (griddepcontrol.wait) before reading the partials. Few splits:
+// mla_merge_kernel<NarrowMerge>; from kWideMergeMinSplits on, mla_merge_window_kernel<WideMerge>.
+template <typename Kernel>
+Status launch_merge_grid(Kernel kernel, const detail::MlaMergeParams& params, long long blocks,
+                         int threads, std::size_t shared_bytes, cudaStream_t stream) {
   cudaLaunchAttribute dependency{};
   dependency.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   dependency.val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(row_heads * Shape::kDimChunks));
-  config.blockDim = dim3(Shape::kThreads);
-  config.dynamicSmemBytes = static_cast<std::size_t>(params.num_splits) * sizeof(float);
+  config.gridDim = dim3(static_cast<unsigned>(blocks));
+  config.blockDim = dim3(static_cast<unsigned>(threads));
+  config.dynamicSmemBytes = shared_bytes;
   config.stream = stream;
   config.attrs = &dependency;
   config.numAttrs = 1;
-  return cuda_status(cudaLaunchKernelEx(&config, detail::mla_merge_kernel<Shape>, params),
-                     "mla_merge_kernel launch");
+  return cuda_status(cudaLaunchKernelEx(&config, kernel, params), "mla_merge_kernel launch");
 }
 
 Status launch_merge_kernel(const detail::MlaAttentionParams& attention, cudaStream_t stream) {
@@ -247,10 +247,15 @@ Status launch_merge_kernel(const detail::MlaAttentionParams& attention, cudaStre
   params.num_splits = attention.num_splits;
   params.kv_scale = attention.kv_scale;
   const long long row_heads = static_cast<long long>(attention.num_rows) * attention.num_heads;
+  const std::size_t shared_bytes = static_cast<std::size_t>(params.num_splits) * sizeof(float);
   if (params.num_splits >= detail::kWideMergeMinSplits) {
-    return launch_merge_shape<detail::WideMerge>(params, row_heads, stream);
+    using Shape = detail::WideMerge;
+    return launch_merge_grid(detail::mla_merge_window_kernel<Shape>, params,
+                             row_heads * Shape::kDimChunks, Shape::kThreads, shared_bytes, stream);
   }
-  return launch_merge_shape<detail::NarrowMerge>(params, row_heads, stream);
+  using Shape = detail::NarrowMerge;
+  return launch_merge_grid(detail::mla_merge_kernel<Shape>, params, row_heads * Shape::kDimChunks,
+                           Shape::kThreads, shared_bytes, stream);
 }
 
 std::size_t partial_rows(const MlaAttentionProblem& problem, const LaunchShape& shape) {

@@ -53,7 +53,7 @@
 // phase below (inlined: the phases are names, not calls):
 //   locate_work / locate_pass  which rows, heads and tiles this block owns (a pass per request)
 //   start_fp8_fetch       slot tables of the first two tiles, the first tile fetched
-//   stage_q               Q [M, 576] bf16 into shared memory
+//   OneRowQ / stage_q     Q [M, 576] bf16 into shared memory (one-row blocks: loaded first)
 //   load_q_fragments      (one m16 tile) Q's A fragments into registers, once per pass
 //   per 64-token tile:
 //     stage_fp8_tile      decode the fetched tile into the bf16 tile (NaN mask), fetch the next
@@ -63,7 +63,9 @@
 //     online_softmax_update  scale, mask, block row max, P = exp2(s - m) in bf16, l, rescale acc
 //     pv_mma              acc += P V (mma.sync, V = the tile's first 512 columns)
 //   write_attention_output  out and lse, or the split's partial (out, lse)
-// and mla_merge_kernel: load_split_weights, sum_split_group, write_merged_row.
+// and the merge: mla_merge_kernel (few splits: load_split_weights, sum_split_group) or
+// mla_merge_window_kernel (many: load_split_window, reduce_split_totals, sum_split_window), then
+// write_merged_row.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -503,7 +505,52 @@ __device__ __forceinline__ void write_empty_split(const MlaAttentionParams& p, c
 
 // ---- attention: staging Q and KV tiles ---------------------------------------------------------
 
-// Q (bf16) for the pass's M rows: [q_nope (512) | q_pe (64)], zero for rows and heads outside it.
+// Q (bf16) for the pass's M rows: [q_nope (512) | q_pe (64)], zero for rows and heads outside it,
+// as 16-byte vectors (vector v: M row v / 72, columns 8 (v % 72) .. + 7).
+//
+// A one-row block (decode; the launcher gives it block_heads = kRows heads of one query row, so M
+// row m is head head0 + m) holds its Q in registers: this thread's vectors v = tid + k * kThreads
+// are all loaded before any is stored, and before the block locates its request, so that Q costs
+// one memory latency, hidden behind the indptr -> page table -> KV chain. Staged one vector after
+// another after that chain, as before, Q took 2.7 us of a one-tile block's 8 on the H200 (clock64
+// stamps: five dependent latencies at 16 heads).
+template <int kRows>
+struct OneRowQ {
+  static constexpr int kVectors = kRows * kBf16RowVectors;
+  static constexpr int kPerThread = (kVectors + kThreads - 1) / kThreads;  // 5, 9 (16, 32 rows)
+  uint4 v[kPerThread];
+
+  __device__ __forceinline__ void load(const MlaAttentionParams& p, const BlockWork& w, int tid) {
+#pragma unroll
+    for (int k = 0; k < kPerThread; ++k) {
+      const int vector = tid + k * kThreads;
+      const int head = w.head0 + vector / kBf16RowVectors;
+      const int c = (vector % kBf16RowVectors) * 8;  // element column
+      v[k] = make_uint4(0, 0, 0, 0);
+      if (vector < kVectors && head < p.num_heads) {
+        const std::int64_t qrow = static_cast<std::int64_t>(w.row_begin) * p.num_heads + head;
+        v[k] = c < kDc ? __ldg(reinterpret_cast<const uint4*>(p.q_nope + qrow * kDc + c))
+                       : __ldg(reinterpret_cast<const uint4*>(p.q_pe + qrow * kDr + (c - kDc)));
+      }
+    }
+  }
+
+  __device__ __forceinline__ void store(std::uint16_t* q_s, int tid) const {
+#pragma unroll
+    for (int k = 0; k < kPerThread; ++k) {
+      const int vector = tid + k * kThreads;
+      if (vector < kVectors) {
+        *reinterpret_cast<uint4*>(q_s + (vector / kBf16RowVectors) * kSmemRow +
+                                  (vector % kBf16RowVectors) * 8) = v[k];
+      }
+    }
+  }
+};
+
+// Q staged within a pass (blocks of several rows), one vector after another. Loading all of a
+// thread's 18 vectors first made the four-m16-tile kernels slower on the H200 (403.6 -> 417.6 us
+// at 128 heads, 1,878.9 -> 1,926.8 us on the 4,096-row prefill: their registers are spent), and a
+// pass of many tiles hides Q's latency anyway.
 template <int kRows>
 __device__ __forceinline__ void stage_q(const MlaAttentionParams& p, const BlockWork& w,
                                         const AttentionPass& pass, int tid, std::uint16_t* q_s) {
@@ -1068,10 +1115,13 @@ __device__ __forceinline__ void write_attention_output(const MlaAttentionParams&
 // ---- attention: the kernel ---------------------------------------------------------------------
 
 // One pass: the pass's rows and heads over the tiles of its split, from staging Q to the output.
+// q_loaded: the pass's Q in registers (one-row blocks load it before locating the pass), or
+// nullptr: staged here.
 template <int kMTiles, bool kBf16Pool>
-__device__ __forceinline__ void attend_pass(const MlaAttentionParams& p, const BlockWork& w,
-                                            const AttentionPass& pass, AttentionSmem& tiles,
-                                            const ThreadRole& t) {
+__device__ __forceinline__ void attend_pass(
+    const MlaAttentionParams& p, const BlockWork& w, const AttentionPass& pass,
+    AttentionSmem& tiles, const ThreadRole& t,
+    const OneRowQ<MlaSmemLayout<kMTiles, kBf16Pool>::kRows>* q_loaded) {
   using Layout = MlaSmemLayout<kMTiles, kBf16Pool>;
   using Tiling = AttentionWarpTiling<kMTiles>;
   if (pass.tile_begin >= pass.tile_end) {  // an empty split (short rows): it contributes nothing
@@ -1089,7 +1139,12 @@ __device__ __forceinline__ void attend_pass(const MlaAttentionParams& p, const B
   } else if (t.tid < 4) {
     tiles.nan[t.tid] = 0;  // ordered before the first tile's writes by stage_bf16_tile's barrier
   }
-  stage_q<Layout::kRows>(p, w, pass, t.tid, tiles.q);  // read after the next barrier
+  // Q is read after the next barrier.
+  if (q_loaded != nullptr) {
+    q_loaded->store(tiles.q, t.tid);
+  } else {
+    stage_q<Layout::kRows>(p, w, pass, t.tid, tiles.q);
+  }
 
   SoftmaxState<Tiling::kPvTiles> state;
   state.init();
@@ -1122,8 +1177,6 @@ __device__ __forceinline__ void attend_pass(const MlaAttentionParams& p, const B
                                        tiles, t, state);
     pv_mma(state.acc, tiles, t);
   }
-  // The merge (split-KV) may launch now; it waits for this grid's writes (griddepcontrol.wait).
-  ptx::griddepcontrol_launch_dependents();
   write_attention_output(p, w, pass, t, state);
 }
 
@@ -1135,16 +1188,25 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     mla_attention_kernel(const __grid_constant__ MlaAttentionParams p) {
   using Layout = MlaSmemLayout<kMTiles, kBf16Pool>;
   using Tiling = AttentionWarpTiling<kMTiles>;
+  // The merge (split-KV) may launch once every block of this grid has got here, i.e. has started:
+  // its blocks then take only what this grid leaves free of the SMs, and wait for this grid's
+  // writes (griddepcontrol.wait) before reading them.
+  ptx::griddepcontrol_launch_dependents();
   extern __shared__ __align__(128) unsigned char smem[];
   AttentionSmem tiles = carve_attention_smem<Layout>(smem);
   const ThreadRole t = thread_role<Tiling::kWn>();
   const BlockWork work = locate_work(p);
-  if constexpr (kMTiles != 4) {  // one row per block (launcher): one pass
-    attend_pass<kMTiles, kBf16Pool>(p, work, locate_pass(p, work, work.row_begin), tiles, t);
+  if constexpr (kMTiles != 4) {
+    // One row per block (launcher), one pass. Its Q depends on the block index alone, so its loads
+    // go out first and overlap the request's indptr -> page table -> KV chain, the whole latency
+    // of a short row.
+    OneRowQ<Layout::kRows> q;
+    q.load(p, work, t.tid);
+    attend_pass<kMTiles, kBf16Pool>(p, work, locate_pass(p, work, work.row_begin), tiles, t, &q);
   } else {
     for (int first = work.row_begin; first < work.row_end;) {
       const AttentionPass pass = locate_pass(p, work, first);
-      attend_pass<kMTiles, kBf16Pool>(p, work, pass, tiles, t);
+      attend_pass<kMTiles, kBf16Pool>(p, work, pass, tiles, t, nullptr);
       first += pass.row_count;
     }
   }
@@ -1154,15 +1216,21 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 
 // Exact merge of split-KV partials: with L = max_i lse_i (base 2), w_i = exp2(lse_i - L),
 //   out = bf16(kv_scale * sum_i w_i out_i / sum_i w_i),  lse = (L + log2 sum_i w_i) * ln 2.
-// Splits that saw no tokens carry lse = -inf and are skipped (their out_i is never read).
+// Splits that saw no tokens carry lse = -inf and are skipped (their out_i is never used).
 // grid: num_rows * num_heads * kDimChunks blocks of 512 threads (MergeShape); a block merges
 // 512 / kDimChunks dims of one (row, head) as kDimGroups groups of 4 dims times kGroups split
-// groups (group g takes splits g, g + kGroups, ...; the groups' sums are added in group order, so
-// the result does not depend on timing). With many splits (WideMerge) four blocks per (row, head)
-// keep a one-row decode's merge on 64 SMs rather than 16; with few, one block per (row, head)
-// (NarrowMerge). Dynamic shared memory holds the num_splits weights. Launched as a programmatic
-// dependent of the attention kernel (sm_90): it starts while the attention grid finishes and
-// waits for its results (griddepcontrol.wait) before reading them.
+// groups (group g takes splits g, g + kGroups, ... in that order; the groups' sums are added in
+// group order): no result depends on timing. Two kernels, each a programmatic dependent of the
+// attention kernel (sm_90), launched once every attention block has started; they wait for its
+// results (griddepcontrol.wait) before reading them.
+//   few splits, mla_merge_kernel<NarrowMerge> (one block per (row, head)): the split weights in
+//     shared memory, L and sum_i w_i by one thread in split order;
+//   many splits, mla_merge_window_kernel<WideMerge> (four blocks per (row, head), a one-row
+//     decode's merge on 64 SMs rather than 16): after the wait every load goes out at once (the
+//     lse values, and this thread's first kWindow partial outs into registers), one barrier, then
+//     each warp reduces L and sum_i w_i itself (lane j: splits j, j + 32, ... in order, then a
+//     fixed butterfly: the same bits in every warp). The few-splits layout spent 2.3 us after its
+//     wait on a one-row decode's 64 splits on the H200 (clock64 stamps), in its serial steps.
 // The merge's shape: kDimChunks blocks per (row, head), each kDimGroups float4 lanes of dims times
 // kGroups split groups (kDimChunks * kDimGroups * 4 = 512 dims).
 template <int kDimChunksT, int kGroupsT>
@@ -1171,7 +1239,11 @@ struct MergeShape {
   static constexpr int kDimGroups = kDc / 4 / kDimChunks;
   static constexpr int kGroups = kGroupsT;
   static constexpr int kThreads = kDimGroups * kGroups;
+  // Partial outs a thread of the window kernel loads before its barrier (a one-row decode's 64
+  // splits over 16 groups: 4; more splits are read after it).
+  static constexpr int kWindow = 4;
   static_assert(kThreads == 512, "merge blocks of 512 threads");
+  static_assert(kDimGroups % 32 == 0, "a warp's threads share one split group");
 };
 using WideMerge = MergeShape<4, 16>;   // many splits (a one-row decode: 64 of them)
 using NarrowMerge = MergeShape<1, 4>;  // few splits: one block per (row, head)
@@ -1182,7 +1254,28 @@ __device__ __forceinline__ std::int64_t merge_part_row(const MlaMergeParams& p, 
   return (row * p.num_splits + split) * p.num_heads + head;
 }
 
-// weight_s[i] = exp2(lse_i - L) (-1 for an empty split); returns L.
+// The weight of a split, or -1 for an empty one (lse = -inf). A NaN lse (a split that saw a NaN
+// score) gives a NaN weight, which every sum below keeps, as the CPU model does.
+__device__ __forceinline__ float split_weight(float part_lse, float lse_max) {
+  return part_lse == -INFINITY ? -1.f : exp2f(part_lse - lse_max);
+}
+
+__device__ __forceinline__ void add_weighted(float4& sum, float w, const float4 v) {
+  sum.x += w * v.x;
+  sum.y += w * v.y;
+  sum.z += w * v.z;
+  sum.w += w * v.w;
+}
+
+__device__ __forceinline__ float4 load_partial_out(const MlaMergeParams& p, std::int64_t row,
+                                                   int head, int split, int dim) {
+  return *reinterpret_cast<const float4*>(p.partial_out +
+                                          merge_part_row(p, row, head, split) * kDc + dim);
+}
+
+// ---- few splits --------------------------------------------------------------------------------
+
+// weight_s[i] = split_weight(lse_i, L); returns L.
 __device__ __forceinline__ float load_split_weights(const MlaMergeParams& p, std::int64_t row,
                                                     int head, float* weight_s, float& lse_max_s) {
   for (int i = threadIdx.x; i < p.num_splits; i += blockDim.x) {
@@ -1197,8 +1290,7 @@ __device__ __forceinline__ float load_split_weights(const MlaMergeParams& p, std
   __syncthreads();
   const float lse_max = lse_max_s;
   for (int i = threadIdx.x; i < p.num_splits; i += blockDim.x) {
-    const float part_lse = weight_s[i];
-    weight_s[i] = part_lse == -INFINITY ? -1.f : exp2f(part_lse - lse_max);  // -1: empty split
+    weight_s[i] = split_weight(weight_s[i], lse_max);
   }
   __syncthreads();
   return lse_max;
@@ -1217,29 +1309,94 @@ __device__ __forceinline__ float4 sum_split_group(const MlaMergeParams& p, std::
     // 0 is still multiplied in, as the single-pass softmax multiplies by alpha = 0: a NaN it saw
     // (a visible NaN code) stays NaN, as in the CPU model and the reference.
     if (w < 0.f) continue;
-    const float4 v = *reinterpret_cast<const float4*>(p.partial_out +
-                                                      merge_part_row(p, row, head, i) * kDc + dim);
-    sum.x += w * v.x;
-    sum.y += w * v.y;
-    sum.z += w * v.z;
-    sum.w += w * v.w;
+    add_weighted(sum, w, load_partial_out(p, row, head, i, dim));
   }
   return sum;
 }
+
+// sum_i w_i in split order.
+__device__ __forceinline__ float sum_weights_in_order(const float* weight_s, int num_splits) {
+  float weight_sum = 0.f;
+  for (int i = 0; i < num_splits; ++i) {
+    const float w = weight_s[i];
+    if (!(w < 0.f)) weight_sum += w;  // a NaN weight (a split that saw a NaN score) stays NaN
+  }
+  return weight_sum;
+}
+
+// ---- many splits -------------------------------------------------------------------------------
+
+struct SplitTotals {
+  float lse_max;
+  float weight_sum;
+};
+
+// L and sum_i w_i over all splits, by the calling warp alone.
+__device__ __forceinline__ SplitTotals reduce_split_totals(const float* lse_s, int num_splits) {
+  const int lane = threadIdx.x % 32;
+  float lse_max = -INFINITY;
+  for (int i = lane; i < num_splits; i += 32) lse_max = fmaxf(lse_max, lse_s[i]);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffffu, lse_max, offset));
+  }
+  float weight_sum = 0.f;
+  for (int i = lane; i < num_splits; i += 32) {
+    const float w = split_weight(lse_s[i], lse_max);
+    if (!(w < 0.f)) weight_sum += w;
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    weight_sum += __shfl_xor_sync(0xffffffffu, weight_sum, offset);
+  }
+  return SplitTotals{lse_max, weight_sum};
+}
+
+// This thread's first kWindow partial outs (splits group, group + kGroups, ...), dims dim .. + 3.
+template <typename Shape>
+__device__ __forceinline__ void load_split_window(const MlaMergeParams& p, std::int64_t row,
+                                                  int head, int group, int dim,
+                                                  float4 (&window)[Shape::kWindow]) {
+#pragma unroll
+  for (int j = 0; j < Shape::kWindow; ++j) {
+    const int i = group + j * Shape::kGroups;
+    window[j] =
+        i < p.num_splits ? load_partial_out(p, row, head, i, dim) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+}
+
+// sum_i w_i out_i over the splits of `group` in increasing order (as sum_split_group), the
+// window from registers, the rest from memory.
+template <typename Shape>
+__device__ __forceinline__ float4 sum_split_window(const MlaMergeParams& p, std::int64_t row,
+                                                   int head, const float* lse_s, float lse_max,
+                                                   int group, int dim,
+                                                   const float4 (&window)[Shape::kWindow]) {
+  float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int j = 0; j < Shape::kWindow; ++j) {
+    const int i = group + j * Shape::kGroups;
+    if (i >= p.num_splits) break;
+    const float w = split_weight(lse_s[i], lse_max);
+    if (!(w < 0.f)) add_weighted(sum, w, window[j]);
+  }
+#pragma unroll 4
+  for (int i = group + Shape::kWindow * Shape::kGroups; i < p.num_splits; i += Shape::kGroups) {
+    const float w = split_weight(lse_s[i], lse_max);
+    if (!(w < 0.f)) add_weighted(sum, w, load_partial_out(p, row, head, i, dim));
+  }
+  return sum;
+}
+
+// ---- both --------------------------------------------------------------------------------------
 
 // Group 0: adds the other groups' sums in group order, divides by sum_i w_i, writes out (and, in
 // the first dim chunk, lse).
 template <typename Shape>
 __device__ __forceinline__ void write_merged_row(const MlaMergeParams& p, std::int64_t row_head,
-                                                 const float* weight_s,
                                                  const float4 (*sum_s)[Shape::kDimGroups],
-                                                 float4 sum, float lse_max, int lane, int dim,
-                                                 bool writes_lse) {
-  float weight_sum = 0.f;
-  for (int i = 0; i < p.num_splits; ++i) {
-    const float w = weight_s[i];
-    if (!(w < 0.f)) weight_sum += w;  // a NaN weight (a split that saw a NaN score) stays NaN
-  }
+                                                 float4 sum, float lse_max, float weight_sum,
+                                                 int lane, int dim, bool writes_lse) {
   for (int g = 1; g < Shape::kGroups; ++g) {
     const float4 v = sum_s[g][lane];
     sum.x += v.x;
@@ -1257,27 +1414,66 @@ __device__ __forceinline__ void write_merged_row(const MlaMergeParams& p, std::i
   }
 }
 
+// This block's (row, head), dim chunk, and this thread's split group, lane and dims.
+template <typename Shape>
+struct MergeRole {
+  std::int64_t row_head;
+  std::int64_t row;
+  int head;
+  int chunk;
+  int group;
+  int lane;
+  int dim;
+
+  __device__ __forceinline__ explicit MergeRole(const MlaMergeParams& p)
+      : row_head(blockIdx.x / Shape::kDimChunks),
+        row(row_head / p.num_heads),
+        head(static_cast<int>(row_head % p.num_heads)),
+        chunk(static_cast<int>(blockIdx.x % Shape::kDimChunks)),
+        group(static_cast<int>(threadIdx.x) / Shape::kDimGroups),
+        lane(static_cast<int>(threadIdx.x) % Shape::kDimGroups),
+        dim((chunk * Shape::kDimGroups + lane) * 4) {}
+};
+
 template <typename Shape>
 __global__ void __launch_bounds__(Shape::kThreads)
     mla_merge_kernel(const __grid_constant__ MlaMergeParams p) {
   extern __shared__ float weight_s[];  // [num_splits]
   __shared__ float lse_max_s;
   __shared__ float4 sum_s[Shape::kGroups][Shape::kDimGroups];
-  const std::int64_t row_head = blockIdx.x / Shape::kDimChunks;
-  const int chunk = static_cast<int>(blockIdx.x % Shape::kDimChunks);
-  const std::int64_t row = row_head / p.num_heads;
-  const int head = static_cast<int>(row_head % p.num_heads);
-
+  const MergeRole<Shape> r(p);
   ptx::griddepcontrol_wait();
-  const float lse_max = load_split_weights(p, row, head, weight_s, lse_max_s);
-  const int group = threadIdx.x / Shape::kDimGroups;
-  const int lane = threadIdx.x % Shape::kDimGroups;
-  const int dim = (chunk * Shape::kDimGroups + lane) * 4;
-  const float4 sum = sum_split_group<Shape::kGroups>(p, row, head, weight_s, group, dim);
-  sum_s[group][lane] = sum;
+  const float lse_max = load_split_weights(p, r.row, r.head, weight_s, lse_max_s);
+  const float4 sum = sum_split_group<Shape::kGroups>(p, r.row, r.head, weight_s, r.group, r.dim);
+  sum_s[r.group][r.lane] = sum;
   __syncthreads();
-  if (group != 0) return;
-  write_merged_row<Shape>(p, row_head, weight_s, sum_s, sum, lse_max, lane, dim, chunk == 0);
+  if (r.group != 0) return;
+  write_merged_row<Shape>(p, r.row_head, sum_s, sum, lse_max,
+                          sum_weights_in_order(weight_s, p.num_splits), r.lane, r.dim,
+                          r.chunk == 0);
+}
+
+template <typename Shape>
+__global__ void __launch_bounds__(Shape::kThreads)
+    mla_merge_window_kernel(const __grid_constant__ MlaMergeParams p) {
+  extern __shared__ float lse_s[];  // [num_splits] partial lse (base 2)
+  __shared__ float4 sum_s[Shape::kGroups][Shape::kDimGroups];
+  const MergeRole<Shape> r(p);
+  ptx::griddepcontrol_wait();
+  for (int i = threadIdx.x; i < p.num_splits; i += blockDim.x) {
+    lse_s[i] = p.partial_lse[merge_part_row(p, r.row, r.head, i)];
+  }
+  float4 window[Shape::kWindow];
+  load_split_window<Shape>(p, r.row, r.head, r.group, r.dim, window);
+  __syncthreads();
+  const SplitTotals totals = reduce_split_totals(lse_s, p.num_splits);
+  const float4 sum =
+      sum_split_window<Shape>(p, r.row, r.head, lse_s, totals.lse_max, r.group, r.dim, window);
+  sum_s[r.group][r.lane] = sum;
+  __syncthreads();
+  if (r.group != 0) return;
+  write_merged_row<Shape>(p, r.row_head, sum_s, sum, totals.lse_max, totals.weight_sum, r.lane,
+                          r.dim, r.chunk == 0);
 }
 
 }  // namespace kvaudit::cuda::detail
