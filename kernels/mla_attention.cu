@@ -12,19 +12,21 @@
 //   prefill / extend (rows >= 2 x requests), H <= 32: kMTiles = 4, 4 (or 2) consecutive causal
 //     rows x 16 (or 32) heads sharing each decoded KV tile.
 // Split-KV (flash-decoding): when the blocks alone leave SMs idle, each row group's tiles are split
-// over several blocks and mla_merge_kernel, a programmatic dependent launch, combines the partial
-// (out, lse) exactly. Runtime -> compile-time dispatch happens here only, one axis at a time (pool
-// element, m16 tiles per block; the write rule through dispatch_kv_write_rule), each with a
-// default that is `unsupported`.
+// over several blocks and a merge kernel (mla_merge_kernel, or mla_merge_window_kernel from 16
+// splits), a programmatic dependent launch, combines the partial (out, lse) exactly. Runtime ->
+// compile-time dispatch happens here only, one axis at a time (pool element, m16 tiles per block;
+// the write rule through dispatch_kv_write_rule), each with a default that is `unsupported`.
 //
-// Measured on an H200 (reports/bench-h200.md, 2026-12-01; kvaudit bench, L2 evicted between
-// launches, copy 4250 GB/s in the same run): decode B=64, ctx=8192, H=16, page 64: 174.6 us = 41%
-// of copy (target 80%); H=128: 401 us (182 TFLOP/s); prefill B=1, 4096 x 4096: 1871 us
-// (156 TFLOP/s); B=1, ctx=4096: 15.6 us; faster than FlashInfer 0.6.18's FP8 MLA (fa3) on every
-// case of the grid (1.10x to 5.9x). What limits it (ncu): at 16 heads, latency (2 warps per
-// scheduler, shared-memory and fixed-latency dependencies, barriers between a tile's phases); at
-// 128 heads and in prefill, the mma.sync operand path through ldmatrix (tensor pipe ~30%, shared
-// memory pipe ~60%). Next steps: a producer/consumer split with a double-buffered bf16 tile, wgmma.
+// Measured on an H200 (reports/bench-h200.md, 2026-12-01, kernel e83fe00; kvaudit bench, L2
+// evicted between launches, copy 4253 GB/s in the same run): decode B=64, ctx=8192, H=16, page 64:
+// 167.6 us = 42% of copy (target 80%); H=128: 399 us (183 TFLOP/s); prefill B=1, 4096 x 4096:
+// 1870 us (156 TFLOP/s); B=1, ctx=4096, seed pool: 13.6 us (target 12); faster than FlashInfer
+// 0.6.18's FP8 MLA (fa3) on every case of the grid (1.09x to 6.3x). What limits it (ncu): at 16
+// heads, latency (2 warps per scheduler, shared-memory and fixed-latency dependencies, barriers
+// between a tile's phases); at 128 heads and in prefill, the mma.sync operand path through
+// ldmatrix (tensor pipe ~30%, shared memory pipe ~60%); at batch 1, two kernels' launch and
+// release and three dependent cold memory round trips. Next steps: a producer/consumer split with
+// a double-buffered bf16 tile, wgmma, the merge inside the attention kernel.
 #include <cuda_runtime.h>
 
 #include <algorithm>
