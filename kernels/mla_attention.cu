@@ -31,6 +31,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -180,42 +181,84 @@ Status dispatch_m_tiles(int m_tiles, Launch&& launch) {
   }
 }
 
+// Tensor-core path of the four-m16-tile kernels (64 M rows): wgmma where this binary
+// has sm_90a code for the device (probed once by running wgmma_probe_kernel), else mma.sync.
+// KVAUDIT_CUDA_MMA=mma-sync forces mma.sync (A/B measurements, bisecting a wgmma doubt); any other
+// value, or none, leaves the choice to the probe.
+bool probe_wgmma() {
+  int* flag = nullptr;
+  int has_wgmma = 0;
+  if (cudaMalloc(&flag, sizeof(int)) != cudaSuccess) return false;
+  detail::wgmma_probe_kernel<<<1, 1>>>(flag);
+  const bool copied = cudaGetLastError() == cudaSuccess &&
+                      cudaMemcpy(&has_wgmma, flag, sizeof(int), cudaMemcpyDeviceToHost) ==
+                          cudaSuccess;
+  cudaFree(flag);
+  return copied && has_wgmma == 1;
+}
+
+detail::MmaPath four_tile_mma_path() {
+  static const detail::MmaPath path = [] {
+    const char* forced = std::getenv("KVAUDIT_CUDA_MMA");
+    if (forced != nullptr && std::string(forced) == "mma-sync") return detail::MmaPath::kMmaSync;
+    return probe_wgmma() ? detail::MmaPath::kWgmma : detail::MmaPath::kMmaSync;
+  }();
+  return path;
+}
+
 // ---- launches ----------------------------------------------------------------------------------
 
 // The shared-memory opt-in of one instantiation, with the device's limit checked first: sm_89 and
 // sm_120 allow 99 KiB per block, less than a tile needs, which is unsupported rather than an
 // internal error (the H100/H200/B200 class allows 227 KiB).
-template <int kMTiles, bool kBf16Pool>
+template <int kMTiles, bool kBf16Pool, detail::MmaPath kPath>
 Status configure_attention_kernel() {
-  using Layout = detail::MlaSmemLayout<kMTiles, kBf16Pool>;
+  using Layout = detail::AttentionSmemLayout<kMTiles, kBf16Pool, kPath>;
+  constexpr int kBytes = Layout::kBytes + detail::kSmemAlignSlack<kPath>;
   int device = 0;
   int max_shared = 0;
   KVAUDIT_TRY(cuda_status(cudaGetDevice(&device), "cudaGetDevice"));
   KVAUDIT_TRY(cuda_status(
       cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
       "cudaDeviceGetAttribute"));
-  if (static_cast<long long>(max_shared) < static_cast<long long>(Layout::kBytes)) {
+  if (static_cast<long long>(max_shared) < static_cast<long long>(kBytes)) {
     return unsupported("launch_mla_attention",
-                       "the kernel needs " + std::to_string(Layout::kBytes) +
+                       "the kernel needs " + std::to_string(kBytes) +
                            " bytes of shared memory per block; this GPU allows " +
                            std::to_string(max_shared));
   }
   return cuda_status(
-      cudaFuncSetAttribute(detail::mla_attention_kernel<kMTiles, kBf16Pool>,
-                           cudaFuncAttributeMaxDynamicSharedMemorySize, Layout::kBytes),
+      cudaFuncSetAttribute(detail::mla_attention_kernel<kMTiles, kBf16Pool, kPath>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes),
       "cudaFuncSetAttribute");
 }
 
-template <int kMTiles, bool kBf16Pool>
+template <int kMTiles, bool kBf16Pool, detail::MmaPath kPath>
 Status launch_attention_kernel(const detail::MlaAttentionParams& params, long long blocks,
                                cudaStream_t stream) {
-  using Layout = detail::MlaSmemLayout<kMTiles, kBf16Pool>;
+  using Layout = detail::AttentionSmemLayout<kMTiles, kBf16Pool, kPath>;
   // Once per process (kvaudit uses device 0 only), not on every launch: the bench times launches.
-  static const Status configured = configure_attention_kernel<kMTiles, kBf16Pool>();
+  static const Status configured = configure_attention_kernel<kMTiles, kBf16Pool, kPath>();
   if (!configured.ok()) return configured.error();
-  detail::mla_attention_kernel<kMTiles, kBf16Pool>
-      <<<static_cast<unsigned>(blocks), detail::kThreads, Layout::kBytes, stream>>>(params);
+  detail::mla_attention_kernel<kMTiles, kBf16Pool, kPath>
+      <<<static_cast<unsigned>(blocks), detail::kThreads,
+         Layout::kBytes + detail::kSmemAlignSlack<kPath>, stream>>>(params);
   return cuda_status(cudaGetLastError(), "mla_attention_kernel launch");
+}
+
+// Four m16 tiles take wgmma where four_tile_mma_path says so (both pool elements, so that
+// cuda-cast-bf16 keeps running cuda-fp8's tiling and arithmetic).
+template <int kMTiles, bool kBf16Pool>
+Status launch_attention_kernel_on_path(const detail::MlaAttentionParams& params, long long blocks,
+                                       cudaStream_t stream) {
+  if constexpr (kMTiles == 4) {
+    if (four_tile_mma_path() == detail::MmaPath::kWgmma) {
+      return launch_attention_kernel<kMTiles, kBf16Pool, detail::MmaPath::kWgmma>(params, blocks,
+                                                                                  stream);
+    }
+  }
+  return launch_attention_kernel<kMTiles, kBf16Pool, detail::MmaPath::kMmaSync>(params, blocks,
+                                                                               stream);
 }
 
 // The merge as a programmatic dependent of the attention kernel (cudaLaunchKernelEx with
@@ -343,8 +386,8 @@ Status launch_mla_attention(const MlaAttentionProblem& problem, void* workspace,
   }
   KVAUDIT_TRY(dispatch_pool_element(problem.pool_element, [&](auto bf16_pool) {
     return dispatch_m_tiles(shape.m_tiles, [&](auto m_tiles) {
-      return launch_attention_kernel<decltype(m_tiles)::value, decltype(bf16_pool)::value>(
-          params, blocks, stream);
+      return launch_attention_kernel_on_path<decltype(m_tiles)::value,
+                                             decltype(bf16_pool)::value>(params, blocks, stream);
     });
   }));
   if (shape.num_splits > 1) KVAUDIT_TRY(launch_merge_kernel(params, stream));

@@ -73,6 +73,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/fp8_e4m3_device.cuh"
 #include "kernels/mla_attention_model.hpp"
@@ -235,6 +236,78 @@ struct MlaSmemLayout {
   static_assert(kBufferOffset % 16 == 0, "cp.async destinations are 16-byte aligned");
   static_assert(kBytes <= 227 * 1024, "shared memory of one block exceeds the sm_90 limit");
 };
+
+// Which tensor-core instructions a four-m16-tile block runs: mma.sync with ldmatrix operands
+// (every target), or wgmma reading both operands from shared memory (sm_90a; the launcher checks
+// wgmma_available). The math, its roundings and the tile order are the same; the order of the
+// fp32 additions inside a 576-term dot product or a 64-term P.V sum is the tensor core's either way.
+enum class MmaPath { kMmaSync, kWgmma };
+
+// Where the bf16 tiles live in shared memory, as byte offsets of 16-byte chunks (8 bf16):
+//   PaddedTiles      rows of kSmemRow (Q, KV) or kPRow (P) elements: the 16-byte pad puts the 8
+//                    rows one ldmatrix phase reads in 8 different bank groups.
+//   Swizzled128Tiles wgmma's canonical 128-byte swizzle (kernels/ptx.cuh): a [rows, 576] tile is
+//                    9 column blocks of [rows, 64] (128-byte rows, 8-row atoms of 1024 bytes),
+//                    chunk c of row r at chunk c ^ (r % 8) of its block's row; P [64, 64] is one
+//                    such block. Written by generic stores, read by wgmma through the async proxy,
+//                    so each writer fences (kAsyncProxy) before the barrier that publishes them.
+struct PaddedTiles {
+  static constexpr bool kAsyncProxy = false;
+  template <int kRows>
+  __device__ static constexpr int chunk(int row, int chunk) {
+    return row * kSmemRow * 2 + chunk * 16;
+  }
+  __device__ static constexpr int p_element(int row, int col) { return (row * kPRow + col) * 2; }
+};
+
+struct Swizzled128Tiles {
+  static constexpr bool kAsyncProxy = true;
+  static constexpr int kRowBytes = 128;
+  template <int kRows>
+  __device__ static constexpr int chunk(int row, int chunk) {
+    return (chunk / 8) * kRows * kRowBytes + row * kRowBytes + ((chunk % 8) ^ (row % 8)) * 16;
+  }
+  __device__ static constexpr int p_element(int row, int col) {
+    return row * kRowBytes + (((col / 8) ^ (row % 8)) * 16) + (col % 8) * 2;
+  }
+};
+
+template <MmaPath kPath>
+using TileAddressing =
+    std::conditional_t<kPath == MmaPath::kWgmma, Swizzled128Tiles, PaddedTiles>;
+
+// Makes this thread's shared-memory tile writes visible to wgmma (before the publishing barrier).
+template <typename Addr>
+__device__ __forceinline__ void publish_tile_writes() {
+  if constexpr (Addr::kAsyncProxy) ptx::fence_proxy_async_shared();
+}
+
+// Shared memory of the wgmma block (64 M rows): Q, the KV tile and P in the swizzled layout at
+// 1024-byte aligned offsets (the swizzle is a function of the address), then the same small arrays
+// (and, FP8 pool, the same buffer) as MlaSmemLayout<4, kBf16Pool>.
+template <bool kBf16Pool>
+struct WgmmaSmemLayout {
+  static constexpr int kRows = 64;
+  static constexpr int kWn = AttentionWarpTiling<4>::kWn;
+  static constexpr bool kFp8Buffer = !kBf16Pool;
+  static constexpr int kQOffset = 0;
+  static constexpr int kKvOffset = kQOffset + kRows * kD * 2;
+  static constexpr int kPOffset = kKvOffset + kTile * kD * 2;
+  static constexpr int kMaxOffset = kPOffset + kRows * kTile * 2;
+  static constexpr int kSumOffset = kMaxOffset + kRows * kWn * 4;
+  static constexpr int kSPartOffset = kSumOffset + kRows * kWn * 4;
+  static constexpr int kSlotOffset = kSPartOffset;
+  static constexpr int kNanOffset = kSlotOffset + 2 * kTile * 4;
+  static constexpr int kBufferOffset = kNanOffset + 2 * 8;
+  static constexpr int kBytes = kBufferOffset + (kFp8Buffer ? kFp8TileBytes : 0);
+  static_assert(kKvOffset % 1024 == 0 && kPOffset % 1024 == 0, "swizzle atoms are 1024-aligned");
+  static_assert(kBufferOffset % 16 == 0, "cp.async destinations are 16-byte aligned");
+  static_assert(kBytes <= 227 * 1024, "shared memory of one block exceeds the sm_90 limit");
+};
+
+template <int kMTiles, bool kBf16Pool, MmaPath kPath>
+using AttentionSmemLayout = std::conditional_t<kPath == MmaPath::kWgmma, WgmmaSmemLayout<kBf16Pool>,
+                                               MlaSmemLayout<kMTiles, kBf16Pool>>;
 
 // ---- KV write and pool cast -------------------------------------------------------------------
 
@@ -427,14 +500,17 @@ struct ThreadRole {
   int quad;
 };
 
-template <int kWn>
+// mma.sync: the kWn warps of an m16 tile are consecutive. wgmma: warp w of warpgroup g holds rows
+// 16 w .. 16 w + 15 of the group's m64 result (kernels/ptx.cuh), so mt = w and wn = g.
+template <int kWn, MmaPath kPath = MmaPath::kMmaSync>
 __device__ __forceinline__ ThreadRole thread_role() {
   ThreadRole t;
   t.tid = threadIdx.x;
   const int warp = t.tid / 32;
   t.lane = t.tid % 32;
-  t.mt = warp / kWn;
-  t.wn = warp % kWn;
+  constexpr bool kWarpgroups = kPath == MmaPath::kWgmma;
+  t.mt = kWarpgroups ? warp % 4 : warp / kWn;
+  t.wn = kWarpgroups ? warp / 4 : warp % kWn;
   t.group = t.lane / 4;
   t.quad = t.lane % 4;
   return t;
@@ -551,9 +627,10 @@ struct OneRowQ {
 // thread's 18 vectors first made the four-m16-tile kernels slower on the H200 (403.6 -> 417.6 us
 // at 128 heads, 1,878.9 -> 1,926.8 us on the 4,096-row prefill: their registers are spent), and a
 // pass of many tiles hides Q's latency anyway.
-template <int kRows>
+template <int kRows, typename Addr>
 __device__ __forceinline__ void stage_q(const MlaAttentionParams& p, const BlockWork& w,
                                         const AttentionPass& pass, int tid, std::uint16_t* q_s) {
+  unsigned char* q_bytes = reinterpret_cast<unsigned char*>(q_s);
   for (int v = tid; v < kRows * kBf16RowVectors; v += kThreads) {
     const int m = v / kBf16RowVectors;
     const int c = (v % kBf16RowVectors) * 8;  // element column
@@ -564,8 +641,9 @@ __device__ __forceinline__ void stage_q(const MlaAttentionParams& p, const Block
       value = c < kDc ? *reinterpret_cast<const uint4*>(p.q_nope + qrow * kDc + c)
                       : *reinterpret_cast<const uint4*>(p.q_pe + qrow * kDr + (c - kDc));
     }
-    *reinterpret_cast<uint4*>(q_s + m * kSmemRow + c) = value;
+    *reinterpret_cast<uint4*>(q_bytes + Addr::template chunk<kRows>(m, c / 8)) = value;
   }
+  publish_tile_writes<Addr>();
 }
 
 // Slot of token `token` of tile `tile`, or -1 past the pass's tiles or its readable range.
@@ -660,11 +738,12 @@ __device__ __forceinline__ void mark_nan_codes(const uint4 codes, int token,
 // past `loaded` become zeros, so no code of a token the pass may not see enters an MMA. With
 // several causal rows per block (p.mark_nan), tokens holding a NaN code are marked in the tile's
 // NaN mask (finish_tile).
-template <bool kRowGroups, Fp8Staging kStaging>
+template <bool kRowGroups, typename Addr, Fp8Staging kStaging>
 __device__ __forceinline__ void decode_fp8_tile(const MlaAttentionParams& p, int tid, int tile,
                                                 int loaded, const AttentionSmem& smem,
                                                 const Fp8Pieces<kStaging>& pieces) {
   std::uint32_t* nan_mask = smem.nan + (tile % 2) * 2;
+  unsigned char* kv_bytes = reinterpret_cast<unsigned char*>(smem.kv);
 #pragma unroll
   for (int k = 0; k < kFp8PiecesPerThread; ++k) {
     const int v = tid + k * kThreads;
@@ -678,16 +757,17 @@ __device__ __forceinline__ void decode_fp8_tile(const MlaAttentionParams& p, int
       hi = make_uint4(c.x, c.y, d.x, d.y);
       if (kRowGroups && p.mark_nan) mark_nan_codes(codes, token, nan_mask);
     }
-    uint4* dst = reinterpret_cast<uint4*>(smem.kv + token * kSmemRow + (v % kFp8RowPieces) * 16);
-    dst[0] = lo;
-    dst[1] = hi;
+    const int chunk = 2 * (v % kFp8RowPieces);  // 16 codes -> two 16-byte bf16 chunks
+    *reinterpret_cast<uint4*>(kv_bytes + Addr::template chunk<kTile>(token, chunk)) = lo;
+    *reinterpret_cast<uint4*>(kv_bytes + Addr::template chunk<kTile>(token, chunk + 1)) = hi;
   }
+  publish_tile_writes<Addr>();
 }
 
 // One tile's FP8 staging: wait for this thread's pieces, decode them after the barrier that frees
 // the bf16 tile, and (registers) fetch the next tile at once. Returns the slot of token tid of tile
 // + 2 (threads 0..63; loaded before the wait), which finish_tile stores.
-template <bool kRowGroups, Fp8Staging kStaging>
+template <bool kRowGroups, typename Addr, Fp8Staging kStaging>
 __device__ __forceinline__ std::int32_t stage_fp8_tile(const MlaAttentionParams& p,
                                                        const AttentionPass& pass, int tid, int tile,
                                                        int loaded, const AttentionSmem& smem,
@@ -695,7 +775,7 @@ __device__ __forceinline__ std::int32_t stage_fp8_tile(const MlaAttentionParams&
   const std::int32_t next_slot = tid < kTile ? tile_slot(p, pass, tile + 2, tid) : -1;
   pieces.wait();
   __syncthreads();  // everyone done with the previous tile's kv_s, p_s, sums and NaN mask
-  decode_fp8_tile<kRowGroups>(p, tid, tile, loaded, smem, pieces);
+  decode_fp8_tile<kRowGroups, Addr>(p, tid, tile, loaded, smem, pieces);
   if constexpr (kStaging == Fp8Staging::kRegisters) {
     fetch_fp8_tile(p, pass, smem, tid, tile + 1, pieces);
   }
@@ -709,7 +789,7 @@ __device__ __forceinline__ std::int32_t stage_fp8_tile(const MlaAttentionParams&
 // NaN as in the reference, and an earlier causal row of the pass, which does not see it, multiplies
 // zeros by its zero weight instead of NaN. Blocks of one row (!kRowGroups) mark nothing: their
 // mask is 0 at compile time and none of this runs.
-template <bool kRowGroups, Fp8Staging kStaging>
+template <bool kRowGroups, typename Addr, Fp8Staging kStaging>
 __device__ __forceinline__ std::uint64_t finish_tile(const MlaAttentionParams& p,
                                                      const AttentionPass& pass, int tid, int tile,
                                                      std::int32_t next_slot,
@@ -727,10 +807,12 @@ __device__ __forceinline__ std::uint64_t finish_tile(const MlaAttentionParams& p
     for (int v = tid; v < kTile * kBf16RowVectors; v += kThreads) {
       const int token = v / kBf16RowVectors;
       if ((nan_tokens >> token) & 1u) {
-        *reinterpret_cast<uint4*>(smem.kv + token * kSmemRow + (v % kBf16RowVectors) * 8) =
+        *reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(smem.kv) +
+                                  Addr::template chunk<kTile>(token, v % kBf16RowVectors)) =
             make_uint4(0, 0, 0, 0);
       }
     }
+    publish_tile_writes<Addr>();
     __syncthreads();
   }
   return nan_tokens;
@@ -747,7 +829,7 @@ __device__ __forceinline__ bool bf16x8_non_finite(const uint4 v) {
 // past `loaded` zeroed. One row per block: by cp.async, as this baseline always did. Several rows
 // (p.mark_nan): through registers, so that tokens holding a non-finite value can be marked in the
 // tile's NaN mask (as the FP8 path marks NaN codes).
-template <bool kRowGroups>
+template <bool kRowGroups, typename Addr>
 __device__ __forceinline__ void stage_bf16_tile(const MlaAttentionParams& p,
                                                 const AttentionPass& pass, int tid, int tile,
                                                 int loaded, const AttentionSmem& smem) {
@@ -757,7 +839,8 @@ __device__ __forceinline__ void stage_bf16_tile(const MlaAttentionParams& p,
   for (int v = tid; v < kTile * kBf16RowVectors; v += kThreads) {
     const int token = v / kBf16RowVectors;
     const int chunk = v % kBf16RowVectors;
-    uint4* dst = reinterpret_cast<uint4*>(smem.kv + token * kSmemRow + chunk * 8);
+    uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(smem.kv) +
+                                          Addr::template chunk<kTile>(token, chunk));
     if (token >= loaded) {
       *dst = make_uint4(0, 0, 0, 0);
       continue;
@@ -776,6 +859,7 @@ __device__ __forceinline__ void stage_bf16_tile(const MlaAttentionParams& p,
     ptx::cp_async_commit_group();
     ptx::cp_async_wait_group<0>();
   }
+  publish_tile_writes<Addr>();  // cp.async writes count as this thread's generic-proxy writes
 }
 
 // ---- attention: S = Q K^T ----------------------------------------------------------------------
@@ -953,12 +1037,14 @@ __device__ __forceinline__ RowRescale block_row_max(const float (&tile_max)[2],
 
 // P = exp2(s - m), rounded to bf16 into p_s for P.V; returns this warp's row sums of the
 // unrounded values (reduced over the quad).
-template <int kQkTiles>
+template <typename Addr, int kQkTiles>
 __device__ __forceinline__ void store_probabilities(const float (&s)[kQkTiles][4],
                                                     const float (&m_use)[2], int token0,
                                                     const ThreadRole& t, std::uint16_t* p_s,
                                                     float (&part_sum)[2]) {
   part_sum[0] = part_sum[1] = 0.f;
+  unsigned char* p_bytes = reinterpret_cast<unsigned char*>(p_s);
+  const int row0 = t.mt * 16 + t.group;
 #pragma unroll
   for (int j = 0; j < kQkTiles; ++j) {
     const float p0 = exp2f(s[j][0] - m_use[0]), p1 = exp2f(s[j][1] - m_use[0]);
@@ -966,9 +1052,9 @@ __device__ __forceinline__ void store_probabilities(const float (&s)[kQkTiles][4
     part_sum[0] += p0 + p1;
     part_sum[1] += p2 + p3;
     const int col = token0 + j * 8 + 2 * t.quad;
-    *reinterpret_cast<std::uint32_t*>(p_s + (t.mt * 16 + t.group) * kPRow + col) =
+    *reinterpret_cast<std::uint32_t*>(p_bytes + Addr::p_element(row0, col)) =
         ptx::cvt_rn_bf16x2_f32(p0, p1);
-    *reinterpret_cast<std::uint32_t*>(p_s + (t.mt * 16 + t.group + 8) * kPRow + col) =
+    *reinterpret_cast<std::uint32_t*>(p_bytes + Addr::p_element(row0 + 8, col)) =
         ptx::cvt_rn_bf16x2_f32(p2, p3);
   }
 #pragma unroll
@@ -1011,7 +1097,7 @@ __device__ __forceinline__ void rescale_accumulators(float (&acc)[kPvTiles][4],
 
 // One tile's step of the online softmax: from the raw dot products s of this warp's tokens to P
 // (bf16, in smem.p) and the running m, l and acc moved onto the new max.
-template <int kWn, int kQkTiles, int kPvTiles>
+template <int kWn, typename Addr, int kQkTiles, int kPvTiles>
 __device__ __forceinline__ void online_softmax_update(float (&s)[kQkTiles][4], int valid,
                                                       std::uint64_t nan_tokens, float score_scale,
                                                       int token0, const AttentionSmem& smem,
@@ -1021,7 +1107,8 @@ __device__ __forceinline__ void online_softmax_update(float (&s)[kQkTiles][4], i
   scale_mask_and_max(s, valid, nan_tokens, score_scale, token0, t.quad, tile_max);
   const RowRescale r = block_row_max<kWn>(tile_max, state.m, smem.max, t);
   float part_sum[2];
-  store_probabilities(s, r.m_use, token0, t, smem.p, part_sum);
+  store_probabilities<Addr>(s, r.m_use, token0, t, smem.p, part_sum);
+  publish_tile_writes<Addr>();  // P, read by wgmma after update_running_sum's barrier
   update_running_sum<kWn>(part_sum, r, smem.sum, t, state);
   rescale_accumulators(state.acc, r.alpha);
 }
@@ -1053,6 +1140,53 @@ __device__ __forceinline__ void pv_mma(float (&acc)[kPvTiles][4], const Attentio
       ptx::mma_m16n8k16_bf16_f32(acc[j + 1], a, b[2], b[3]);
     }
   }
+}
+
+// ---- attention: the same two products on wgmma (sm_90a) ---------------------------------------
+// Warpgroup g (warps 4 g .. 4 g + 3) of the 64-row block computes S for tokens 32 g .. 32 g + 31
+// and P.V for dims 256 g .. 256 g + 255, all 64 rows: the same split of the work as the mma.sync
+// kernel's (mt, wn) warps, so the softmax and the epilogue phases serve both unchanged.
+
+// S = Q K^T for the group's 32 tokens: 36 k16 steps of m64n32k16, Q (A) and K (B) both K-major in
+// their swizzled tiles (a k16 step is 32 bytes along a 128-byte row, a 64-column block 64 rows on).
+__device__ __forceinline__ void qk_scores_wgmma(float (&s)[4][4], const AttentionSmem& smem,
+                                                const ThreadRole& t) {
+  constexpr std::uint32_t kAtomGroup = 8 * Swizzled128Tiles::kRowBytes;  // 8 rows: 1024 bytes
+  constexpr std::uint32_t kQBlock = 64 * Swizzled128Tiles::kRowBytes;    // 64 M rows x 64 columns
+  constexpr std::uint32_t kKvBlock = kTile * Swizzled128Tiles::kRowBytes;
+  const std::uint32_t k_rows = smem.kv_address + t.wn * 32 * Swizzled128Tiles::kRowBytes;
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < kD / 16; ++ks) {
+    const std::uint32_t along = (ks % 4) * 32;  // k16 step inside the 64-column block
+    const std::uint64_t a =
+        ptx::wgmma_sw128_descriptor(smem.q_address + (ks / 4) * kQBlock + along, 0, kAtomGroup);
+    const std::uint64_t b =
+        ptx::wgmma_sw128_descriptor(k_rows + (ks / 4) * kKvBlock + along, 0, kAtomGroup);
+    ptx::wgmma_m64n32k16_bf16_f32(s, a, b, ks > 0);
+  }
+  ptx::wgmma_commit_group();
+  ptx::wgmma_wait_group<0>();
+}
+
+// acc += P V for the group's 256 dims: 4 k16 steps (16 tokens each) of m64n256k16, P (A) K-major,
+// V (B) the KV tile read MN-major: 64 dims per 128-byte row, the group's 4 column blocks 64 rows
+// apart (leading offset), 8-token groups 1024 bytes apart (stride offset).
+__device__ __forceinline__ void pv_wgmma(float (&acc)[32][4], const AttentionSmem& smem,
+                                         const ThreadRole& t) {
+  constexpr std::uint32_t kAtomGroup = 8 * Swizzled128Tiles::kRowBytes;
+  constexpr std::uint32_t kKvBlock = kTile * Swizzled128Tiles::kRowBytes;
+  const std::uint32_t v_dims = smem.kv_address + t.wn * 4 * kKvBlock;
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int kt = 0; kt < kTile / 16; ++kt) {
+    const std::uint64_t a = ptx::wgmma_sw128_descriptor(smem.p_address + kt * 32, 0, kAtomGroup);
+    const std::uint64_t b = ptx::wgmma_sw128_descriptor(
+        v_dims + kt * 16 * Swizzled128Tiles::kRowBytes, kKvBlock, kAtomGroup);
+    ptx::wgmma_m64n256k16_bf16_f32_b_mn(acc, a, b);
+  }
+  ptx::wgmma_commit_group();
+  ptx::wgmma_wait_group<0>();
 }
 
 // ---- attention: epilogue -----------------------------------------------------------------------
@@ -1117,13 +1251,16 @@ __device__ __forceinline__ void write_attention_output(const MlaAttentionParams&
 // One pass: the pass's rows and heads over the tiles of its split, from staging Q to the output.
 // q_loaded: the pass's Q in registers (one-row blocks load it before locating the pass), or
 // nullptr: staged here.
-template <int kMTiles, bool kBf16Pool>
+template <int kMTiles, bool kBf16Pool, MmaPath kPath>
 __device__ __forceinline__ void attend_pass(
     const MlaAttentionParams& p, const BlockWork& w, const AttentionPass& pass,
     AttentionSmem& tiles, const ThreadRole& t,
-    const OneRowQ<MlaSmemLayout<kMTiles, kBf16Pool>::kRows>* q_loaded) {
-  using Layout = MlaSmemLayout<kMTiles, kBf16Pool>;
+    const OneRowQ<AttentionSmemLayout<kMTiles, kBf16Pool, kPath>::kRows>* q_loaded) {
+  using Layout = AttentionSmemLayout<kMTiles, kBf16Pool, kPath>;
   using Tiling = AttentionWarpTiling<kMTiles>;
+  using Addr = TileAddressing<kPath>;
+  constexpr bool kWgmma = kPath == MmaPath::kWgmma;
+  static_assert(!kWgmma || kMTiles == 4, "wgmma blocks have 64 M rows");
   if (pass.tile_begin >= pass.tile_end) {  // an empty split (short rows): it contributes nothing
     write_empty_split<Layout::kRows>(p, w, pass, t.tid);
     return;
@@ -1143,7 +1280,7 @@ __device__ __forceinline__ void attend_pass(
   if (q_loaded != nullptr) {
     q_loaded->store(tiles.q, t.tid);
   } else {
-    stage_q<Layout::kRows>(p, w, pass, t.tid, tiles.q);
+    stage_q<Layout::kRows, Addr>(p, w, pass, t.tid, tiles.q);
   }
 
   SoftmaxState<Tiling::kPvTiles> state;
@@ -1158,43 +1295,64 @@ __device__ __forceinline__ void attend_pass(
     const int loaded = min(kTile, pass.range.readable - tile * kTile);
     std::int32_t next_slot = -1;
     if constexpr (!kBf16Pool) {
-      next_slot = stage_fp8_tile<kRowGroups>(p, pass, t.tid, tile, loaded, tiles, pieces);
+      next_slot = stage_fp8_tile<kRowGroups, Addr>(p, pass, t.tid, tile, loaded, tiles, pieces);
     } else {
-      stage_bf16_tile<kRowGroups>(p, pass, t.tid, tile, loaded, tiles);
+      stage_bf16_tile<kRowGroups, Addr>(p, pass, t.tid, tile, loaded, tiles);
     }
     __syncthreads();  // bf16 tile, its NaN mask and the next slot table ready
     const std::uint64_t nan_tokens =
-        finish_tile<kRowGroups>(p, pass, t.tid, tile, next_slot, tiles, pieces);
+        finish_tile<kRowGroups, Addr>(p, pass, t.tid, tile, next_slot, tiles, pieces);
 
     float s[Tiling::kQkTiles][4];
     const int token0 = t.wn * 8 * Tiling::kQkTiles;
-    if constexpr (kMTiles == 1) {
+    if constexpr (kWgmma) {
+      qk_scores_wgmma(s, tiles, t);
+    } else if constexpr (kMTiles == 1) {
       qk_scores_split_k(s, q_frag, tiles, t, token0);
     } else {
       qk_scores_two_chains(s, tiles, t, token0);
     }
-    online_softmax_update<Tiling::kWn>(s, visible - tile * kTile, nan_tokens, p.score_scale, token0,
-                                       tiles, t, state);
-    pv_mma(state.acc, tiles, t);
+    online_softmax_update<Tiling::kWn, Addr>(s, visible - tile * kTile, nan_tokens, p.score_scale,
+                                             token0, tiles, t, state);
+    if constexpr (kWgmma) {
+      pv_wgmma(state.acc, tiles, t);
+    } else {
+      pv_mma(state.acc, tiles, t);
+    }
   }
   write_attention_output(p, w, pass, t, state);
 }
 
+// Extra dynamic shared memory a block asks for so that it can start its tiles 1024-byte aligned
+// (wgmma's swizzle atoms); the mma.sync layouts need 128.
+template <MmaPath kPath>
+inline constexpr int kSmemAlignSlack = kPath == MmaPath::kWgmma ? 1024 : 0;
+
+template <MmaPath kPath>
+__device__ __forceinline__ unsigned char* aligned_tiles(unsigned char* smem) {
+  if constexpr (kPath == MmaPath::kWgmma) {
+    const std::uint32_t misalign = ptx::smem_address(smem) % 1024;
+    return smem + (misalign == 0 ? 0 : 1024 - misalign);
+  }
+  return smem;
+}
+
 // grid: row_groups * head_blocks * num_splits blocks (split fastest), kThreads threads, dynamic
-// shared memory MlaSmemLayout<kMTiles, kBf16Pool>::kBytes. A group's rows normally belong to one
-// request (one pass); a group that spans requests takes one pass per request.
-template <int kMTiles, bool kBf16Pool>
+// shared memory AttentionSmemLayout<kMTiles, kBf16Pool, kPath>::kBytes + kSmemAlignSlack<kPath>.
+// A group's rows normally belong to one request (one pass); a group that spans requests takes one
+// pass per request.
+template <int kMTiles, bool kBf16Pool, MmaPath kPath = MmaPath::kMmaSync>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     mla_attention_kernel(const __grid_constant__ MlaAttentionParams p) {
-  using Layout = MlaSmemLayout<kMTiles, kBf16Pool>;
+  using Layout = AttentionSmemLayout<kMTiles, kBf16Pool, kPath>;
   using Tiling = AttentionWarpTiling<kMTiles>;
   // The merge (split-KV) may launch once every block of this grid has got here, i.e. has started:
   // its blocks then take only what this grid leaves free of the SMs, and wait for this grid's
   // writes (griddepcontrol.wait) before reading them.
   ptx::griddepcontrol_launch_dependents();
   extern __shared__ __align__(128) unsigned char smem[];
-  AttentionSmem tiles = carve_attention_smem<Layout>(smem);
-  const ThreadRole t = thread_role<Tiling::kWn>();
+  AttentionSmem tiles = carve_attention_smem<Layout>(aligned_tiles<kPath>(smem));
+  const ThreadRole t = thread_role<Tiling::kWn, kPath>();
   const BlockWork work = locate_work(p);
   if constexpr (kMTiles != 4) {
     // One row per block (launcher), one pass. Its Q depends on the block index alone, so its loads
@@ -1202,14 +1360,25 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     // of a short row.
     OneRowQ<Layout::kRows> q;
     q.load(p, work, t.tid);
-    attend_pass<kMTiles, kBf16Pool>(p, work, locate_pass(p, work, work.row_begin), tiles, t, &q);
+    attend_pass<kMTiles, kBf16Pool, kPath>(p, work, locate_pass(p, work, work.row_begin), tiles, t,
+                                           &q);
   } else {
     for (int first = work.row_begin; first < work.row_end;) {
       const AttentionPass pass = locate_pass(p, work, first);
-      attend_pass<kMTiles, kBf16Pool>(p, work, pass, tiles, t, nullptr);
+      attend_pass<kMTiles, kBf16Pool, kPath>(p, work, pass, tiles, t, nullptr);
       first += pass.row_count;
     }
   }
+}
+
+// One thread writes 1 where this binary's code for the running GPU has wgmma (sm_90a code on an
+// sm_90 device), else 0: the launcher asks once before it picks MmaPath::kWgmma.
+__global__ void wgmma_probe_kernel(int* has_wgmma) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  *has_wgmma = 1;
+#else
+  *has_wgmma = 0;
+#endif
 }
 
 // ---- split-KV merge ----------------------------------------------------------------------------

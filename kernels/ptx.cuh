@@ -122,4 +122,139 @@ __device__ __forceinline__ void griddepcontrol_launch_dependents() {
 #endif
 }
 
+// ---- warpgroup tensor cores (sm_90a) -----------------------------------------------------------
+// wgmma.mma_async exists on sm_90a only (compiled where __CUDA_ARCH_FEAT_SM90_ALL is defined; the
+// other targets get a trap, and the launcher asks wgmma_available in kernels/mla_attention.cuh
+// before it picks a kernel that uses them). A warpgroup (4 consecutive warps, 128 threads) issues
+// each one together. Accumulator layout of m64nNk16 with fp32 D: warp w of the group holds rows
+// 16 w .. 16 w + 15, and its registers d[j][0..3] are the mma.m16n8 C fragment of columns
+// 8 j .. 8 j + 7 (rows group / group + 8, columns 2 quad + {0, 1}), as above.
+//
+// Shared-memory operands are described by a 64-bit matrix descriptor (PTX "Matrix Descriptor
+// Format"): start address, leading and stride byte offsets (all >> 4), and the swizzle mode. The
+// kernels use the 128-byte swizzle only: rows of 128 bytes (64 bf16) in 1024-byte atoms of 8 rows
+// whose 16-byte chunk c of row r sits at chunk c ^ (r % 8); atoms must start 1024-byte aligned.
+//   K-major operand (rows M or N, 64 k per 128-byte row): stride byte offset = the distance of
+//     8-row groups (1024 for dense atoms); the leading offset is unused. A k16 step inside the
+//     row is the start address plus 32 bytes.
+//   MN-major operand (rows k, 64 MN elements per 128-byte row): leading byte offset = the distance
+//     of 64-element MN blocks, stride byte offset = the distance of 8-row k groups.
+__device__ __forceinline__ std::uint64_t wgmma_sw128_descriptor(std::uint32_t smem_address,
+                                                                std::uint32_t leading_bytes,
+                                                                std::uint32_t stride_bytes) {
+  constexpr std::uint64_t kSwizzle128B = 1;
+  return static_cast<std::uint64_t>((smem_address >> 4) & 0x3FFF) |
+         (static_cast<std::uint64_t>((leading_bytes >> 4) & 0x3FFF) << 16) |
+         (static_cast<std::uint64_t>((stride_bytes >> 4) & 0x3FFF) << 32) | (kSwizzle128B << 62);
+}
+
+// fence.proxy.async.shared::cta: this thread's shared-memory writes (generic proxy) become visible
+// to the async proxy, which wgmma reads its shared operands through; a barrier then publishes them
+// to the warpgroups.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// wgmma.fence: orders this thread's register accesses to accumulators before the wgmma that
+// follow (needed before the first wgmma and whenever the registers were touched in between).
+__device__ __forceinline__ void wgmma_fence() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+// wgmma.commit_group: close the group of wgmma issued since the last commit.
+__device__ __forceinline__ void wgmma_commit_group() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+// wgmma.wait_group N: wait until at most kPending committed groups are in flight; the accumulators
+// of the finished ones may then be read.
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait_group() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+#endif
+}
+
+// wgmma.mma_async.m64n32k16.f32.bf16.bf16, both operands K-major in shared memory: d = a * b + d
+// (accumulate) or a * b (!accumulate), a 64 x 16, b 16 x 32.
+__device__ __forceinline__ void wgmma_m64n32k16_bf16_f32(float (&d)[4][4], std::uint64_t a_desc,
+                                                         std::uint64_t b_desc, bool accumulate) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred keep;\nsetp.ne.b32 keep, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+      "}, %16, %17, keep, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+      : "l"(a_desc), "l"(b_desc), "r"(static_cast<int>(accumulate)));
+#else
+  __trap();
+#endif
+}
+
+// wgmma.mma_async.m64n256k16.f32.bf16.bf16, a K-major, b MN-major (imm-trans-b = 1) in shared
+// memory: d += a * b, a 64 x 16, b 16 x 256.
+__device__ __forceinline__ void wgmma_m64n256k16_bf16_f32_b_mn(float (&d)[32][4],
+                                                               std::uint64_t a_desc,
+                                                               std::uint64_t b_desc) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred keep;\nsetp.ne.b32 keep, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+      "}, %128, %129, keep, 1, 1, 0, 1;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+        "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
+        "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
+        "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
+        "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
+        "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
+        "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
+        "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
+        "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
+        "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]),
+        "+f"(d[16][0]), "+f"(d[16][1]), "+f"(d[16][2]), "+f"(d[16][3]),
+        "+f"(d[17][0]), "+f"(d[17][1]), "+f"(d[17][2]), "+f"(d[17][3]),
+        "+f"(d[18][0]), "+f"(d[18][1]), "+f"(d[18][2]), "+f"(d[18][3]),
+        "+f"(d[19][0]), "+f"(d[19][1]), "+f"(d[19][2]), "+f"(d[19][3]),
+        "+f"(d[20][0]), "+f"(d[20][1]), "+f"(d[20][2]), "+f"(d[20][3]),
+        "+f"(d[21][0]), "+f"(d[21][1]), "+f"(d[21][2]), "+f"(d[21][3]),
+        "+f"(d[22][0]), "+f"(d[22][1]), "+f"(d[22][2]), "+f"(d[22][3]),
+        "+f"(d[23][0]), "+f"(d[23][1]), "+f"(d[23][2]), "+f"(d[23][3]),
+        "+f"(d[24][0]), "+f"(d[24][1]), "+f"(d[24][2]), "+f"(d[24][3]),
+        "+f"(d[25][0]), "+f"(d[25][1]), "+f"(d[25][2]), "+f"(d[25][3]),
+        "+f"(d[26][0]), "+f"(d[26][1]), "+f"(d[26][2]), "+f"(d[26][3]),
+        "+f"(d[27][0]), "+f"(d[27][1]), "+f"(d[27][2]), "+f"(d[27][3]),
+        "+f"(d[28][0]), "+f"(d[28][1]), "+f"(d[28][2]), "+f"(d[28][3]),
+        "+f"(d[29][0]), "+f"(d[29][1]), "+f"(d[29][2]), "+f"(d[29][3]),
+        "+f"(d[30][0]), "+f"(d[30][1]), "+f"(d[30][2]), "+f"(d[30][3]),
+        "+f"(d[31][0]), "+f"(d[31][1]), "+f"(d[31][2]), "+f"(d[31][3])
+      : "l"(a_desc), "l"(b_desc), "r"(1));
+#else
+  __trap();
+#endif
+}
+
 }  // namespace kvaudit::cuda::ptx
