@@ -246,15 +246,48 @@ Status launch_attention_kernel(const detail::MlaAttentionParams& params, long lo
   return cuda_status(cudaGetLastError(), "mla_attention_kernel launch");
 }
 
-// Four m16 tiles take wgmma where four_tile_mma_path says so (both pool elements, so that
-// cuda-cast-bf16 keeps running cuda-fp8's tiling and arithmetic).
+// The warp-specialized wgmma kernel (mla_attention_ws_kernel): same grid, 384 threads.
+template <bool kBf16Pool>
+Status configure_ws_kernel() {
+  constexpr int kBytes =
+      detail::WsSmemLayout::kBytes + detail::kSmemAlignSlack<detail::MmaPath::kWgmma>;
+  int device = 0;
+  int max_shared = 0;
+  KVAUDIT_TRY(cuda_status(cudaGetDevice(&device), "cudaGetDevice"));
+  KVAUDIT_TRY(cuda_status(
+      cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+      "cudaDeviceGetAttribute"));
+  if (max_shared < kBytes) {
+    return unsupported("launch_mla_attention",
+                       "the wgmma kernel needs " + std::to_string(kBytes) +
+                           " bytes of shared memory per block; this GPU allows " +
+                           std::to_string(max_shared));
+  }
+  return cuda_status(cudaFuncSetAttribute(detail::mla_attention_ws_kernel<kBf16Pool>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes),
+                     "cudaFuncSetAttribute");
+}
+
+template <bool kBf16Pool>
+Status launch_ws_kernel(const detail::MlaAttentionParams& params, long long blocks,
+                        cudaStream_t stream) {
+  static const Status configured = configure_ws_kernel<kBf16Pool>();
+  if (!configured.ok()) return configured.error();
+  detail::mla_attention_ws_kernel<kBf16Pool>
+      <<<static_cast<unsigned>(blocks), detail::kWsThreads,
+         detail::WsSmemLayout::kBytes + detail::kSmemAlignSlack<detail::MmaPath::kWgmma>,
+         stream>>>(params);
+  return cuda_status(cudaGetLastError(), "mla_attention_ws_kernel launch");
+}
+
+// Four m16 tiles take the warp-specialized wgmma kernel where four_tile_mma_path says so (both
+// pool elements, so that cuda-cast-bf16 keeps running cuda-fp8's tiling and arithmetic).
 template <int kMTiles, bool kBf16Pool>
 Status launch_attention_kernel_on_path(const detail::MlaAttentionParams& params, long long blocks,
                                        cudaStream_t stream) {
   if constexpr (kMTiles == 4) {
     if (four_tile_mma_path() == detail::MmaPath::kWgmma) {
-      return launch_attention_kernel<kMTiles, kBf16Pool, detail::MmaPath::kWgmma>(params, blocks,
-                                                                                  stream);
+      return launch_ws_kernel<kBf16Pool>(params, blocks, stream);
     }
   }
   return launch_attention_kernel<kMTiles, kBf16Pool, detail::MmaPath::kMmaSync>(params, blocks,

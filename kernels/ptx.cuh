@@ -122,6 +122,38 @@ __device__ __forceinline__ void griddepcontrol_launch_dependents() {
 #endif
 }
 
+// ---- named barriers and register reallocation -------------------------------------------------
+
+// bar.sync id, n: wait until n threads (a multiple of 32, counted per warp) have arrived at barrier
+// `id` (1..15; 0 is __syncthreads'), this thread included. Memory accesses before the barrier are
+// performed relative to the participating threads.
+__device__ __forceinline__ void bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// bar.arrive id, n: count this thread as arrived at barrier `id` without waiting (the producer side
+// of a producer / consumer hand-off whose consumers bar_sync on it).
+__device__ __forceinline__ void bar_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// setmaxnreg.{inc,dec}.sync.aligned.u32 N (sm_90a): a warpgroup raises or lowers its per-thread
+// register limit, so that warpgroups of one block with different work split the register file
+// unevenly (ptxas allocates the code after it within N). All warps of the group execute it.
+template <int kRegisters>
+__device__ __forceinline__ void setmaxnreg_inc() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+#endif
+}
+
+template <int kRegisters>
+__device__ __forceinline__ void setmaxnreg_dec() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+#endif
+}
+
 // ---- warpgroup tensor cores (sm_90a) -----------------------------------------------------------
 // wgmma.mma_async exists on sm_90a only (compiled where __CUDA_ARCH_FEAT_SM90_ALL is defined; the
 // other targets get a trap, and the launcher asks wgmma_available in kernels/mla_attention.cuh
