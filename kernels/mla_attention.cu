@@ -181,29 +181,28 @@ Status dispatch_m_tiles(int m_tiles, Launch&& launch) {
   }
 }
 
-// Tensor-core path of the four-m16-tile kernels (64 M rows): wgmma where this binary
-// has sm_90a code for the device (probed once by running wgmma_probe_kernel), else mma.sync.
-// KVAUDIT_CUDA_MMA=mma-sync forces mma.sync (A/B measurements, bisecting a wgmma doubt); any other
-// value, or none, leaves the choice to the probe.
+// Tensor-core path of the four-m16-tile kernels (64 M rows): wgmma where this binary has sm_90a
+// code for the device (probed once, by running wgmma_probe_kernel), else mma.sync. The
+// environment variable KVAUDIT_CUDA_MMA=mma-sync forces mma.sync (A/B measurements, bisecting a
+// doubt about the wgmma path, the [gpu] test that runs both); it is read at every launch, the
+// probe only once.
 bool probe_wgmma() {
   int* flag = nullptr;
   int has_wgmma = 0;
   if (cudaMalloc(&flag, sizeof(int)) != cudaSuccess) return false;
   detail::wgmma_probe_kernel<<<1, 1>>>(flag);
-  const bool copied = cudaGetLastError() == cudaSuccess &&
-                      cudaMemcpy(&has_wgmma, flag, sizeof(int), cudaMemcpyDeviceToHost) ==
-                          cudaSuccess;
+  const bool copied =
+      cudaGetLastError() == cudaSuccess &&
+      cudaMemcpy(&has_wgmma, flag, sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess;
   cudaFree(flag);
   return copied && has_wgmma == 1;
 }
 
 detail::MmaPath four_tile_mma_path() {
-  static const detail::MmaPath path = [] {
-    const char* forced = std::getenv("KVAUDIT_CUDA_MMA");
-    if (forced != nullptr && std::string(forced) == "mma-sync") return detail::MmaPath::kMmaSync;
-    return probe_wgmma() ? detail::MmaPath::kWgmma : detail::MmaPath::kMmaSync;
-  }();
-  return path;
+  static const bool has_wgmma = probe_wgmma();
+  const char* forced = std::getenv("KVAUDIT_CUDA_MMA");
+  if (forced != nullptr && std::string(forced) == "mma-sync") return detail::MmaPath::kMmaSync;
+  return has_wgmma ? detail::MmaPath::kWgmma : detail::MmaPath::kMmaSync;
 }
 
 // ---- launches ----------------------------------------------------------------------------------
@@ -227,10 +226,9 @@ Status configure_attention_kernel() {
                            " bytes of shared memory per block; this GPU allows " +
                            std::to_string(max_shared));
   }
-  return cuda_status(
-      cudaFuncSetAttribute(detail::mla_attention_kernel<kMTiles, kBf16Pool, kPath>,
-                           cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes),
-      "cudaFuncSetAttribute");
+  return cuda_status(cudaFuncSetAttribute(detail::mla_attention_kernel<kMTiles, kBf16Pool, kPath>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes),
+                     "cudaFuncSetAttribute");
 }
 
 template <int kMTiles, bool kBf16Pool, detail::MmaPath kPath>
@@ -246,52 +244,19 @@ Status launch_attention_kernel(const detail::MlaAttentionParams& params, long lo
   return cuda_status(cudaGetLastError(), "mla_attention_kernel launch");
 }
 
-// The warp-specialized wgmma kernel (mla_attention_ws_kernel): same grid, 384 threads.
-template <bool kBf16Pool>
-Status configure_ws_kernel() {
-  constexpr int kBytes =
-      detail::WsSmemLayout::kBytes + detail::kSmemAlignSlack<detail::MmaPath::kWgmma>;
-  int device = 0;
-  int max_shared = 0;
-  KVAUDIT_TRY(cuda_status(cudaGetDevice(&device), "cudaGetDevice"));
-  KVAUDIT_TRY(cuda_status(
-      cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
-      "cudaDeviceGetAttribute"));
-  if (max_shared < kBytes) {
-    return unsupported("launch_mla_attention",
-                       "the wgmma kernel needs " + std::to_string(kBytes) +
-                           " bytes of shared memory per block; this GPU allows " +
-                           std::to_string(max_shared));
-  }
-  return cuda_status(cudaFuncSetAttribute(detail::mla_attention_ws_kernel<kBf16Pool>,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes),
-                     "cudaFuncSetAttribute");
-}
-
-template <bool kBf16Pool>
-Status launch_ws_kernel(const detail::MlaAttentionParams& params, long long blocks,
-                        cudaStream_t stream) {
-  static const Status configured = configure_ws_kernel<kBf16Pool>();
-  if (!configured.ok()) return configured.error();
-  detail::mla_attention_ws_kernel<kBf16Pool>
-      <<<static_cast<unsigned>(blocks), detail::kWsThreads,
-         detail::WsSmemLayout::kBytes + detail::kSmemAlignSlack<detail::MmaPath::kWgmma>,
-         stream>>>(params);
-  return cuda_status(cudaGetLastError(), "mla_attention_ws_kernel launch");
-}
-
-// Four m16 tiles take the warp-specialized wgmma kernel where four_tile_mma_path says so (both
-// pool elements, so that cuda-cast-bf16 keeps running cuda-fp8's tiling and arithmetic).
+// Four m16 tiles take wgmma where four_tile_mma_path says so (both pool elements, so that
+// cuda-cast-bf16 keeps running cuda-fp8's tiling and arithmetic).
 template <int kMTiles, bool kBf16Pool>
 Status launch_attention_kernel_on_path(const detail::MlaAttentionParams& params, long long blocks,
                                        cudaStream_t stream) {
   if constexpr (kMTiles == 4) {
     if (four_tile_mma_path() == detail::MmaPath::kWgmma) {
-      return launch_ws_kernel<kBf16Pool>(params, blocks, stream);
+      return launch_attention_kernel<kMTiles, kBf16Pool, detail::MmaPath::kWgmma>(params, blocks,
+                                                                                  stream);
     }
   }
   return launch_attention_kernel<kMTiles, kBf16Pool, detail::MmaPath::kMmaSync>(params, blocks,
-                                                                               stream);
+                                                                                stream);
 }
 
 // The merge as a programmatic dependent of the attention kernel (cudaLaunchKernelEx with
@@ -396,6 +361,11 @@ long long elementwise_blocks(long long elements, long long max_blocks) {
 
 }  // namespace
 
+TensorCorePath mla_attention_64_row_path() {
+  return four_tile_mma_path() == detail::MmaPath::kWgmma ? TensorCorePath::kWgmma
+                                                         : TensorCorePath::kMmaSync;
+}
+
 std::size_t mla_attention_workspace_bytes(const MlaAttentionProblem& problem) {
   if (!check_problem(problem).ok()) return 0;
   const LaunchShape shape = launch_shape(problem);
@@ -419,8 +389,8 @@ Status launch_mla_attention(const MlaAttentionProblem& problem, void* workspace,
   }
   KVAUDIT_TRY(dispatch_pool_element(problem.pool_element, [&](auto bf16_pool) {
     return dispatch_m_tiles(shape.m_tiles, [&](auto m_tiles) {
-      return launch_attention_kernel_on_path<decltype(m_tiles)::value,
-                                             decltype(bf16_pool)::value>(params, blocks, stream);
+      return launch_attention_kernel_on_path<decltype(m_tiles)::value, decltype(bf16_pool)::value>(
+          params, blocks, stream);
     });
   }));
   if (shape.num_splits > 1) KVAUDIT_TRY(launch_merge_kernel(params, stream));

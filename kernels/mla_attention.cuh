@@ -31,9 +31,14 @@
 // keeps a split's NaN even when its weight underflows to 0.
 // Per tile: the 64 FP8 rows (576 bytes each) are fetched while the previous tile is computed
 // (Fp8Staging), decoded exactly once into one bf16 tile in shared memory, and that one tile serves
-// both Q.K^T (576 columns) and P.V (its first 512 columns) through mma.sync.m16n8k16 bf16 -> fp32.
-// Q.K^T sums its 576 columns in two halves (fp32, added at the end; with two or more m16 tiles,
-// even / odd 16-column chains): another fp32 summation order, same bound.
+// both Q.K^T (576 columns) and P.V (its first 512 columns) on the tensor cores, bf16 -> fp32:
+// mma.sync.m16n8k16 (one and two m16 tiles; four where sm_90a code is missing or
+// KVAUDIT_CUDA_MMA=mma-sync), or, for four m16 tiles on sm_90a, wgmma (MmaPath): warpgroup g
+// computes S for tokens 32 g .. + 31 (m64n32k16, 36 k steps) and P.V for dims 256 g .. + 255
+// (m64n256k16), Q, the tile and P in wgmma's 128-byte swizzled layout (Swizzled128Tiles).
+// mma.sync's Q.K^T sums its 576 columns in two halves (fp32, added at the end; with two or more
+// m16 tiles, even / odd 16-column chains), wgmma's in the tensor core's own order: other fp32
+// summation orders, same bound; every rounding point (P to bf16, the epilogue) is the same.
 //
 // Where the GPU differs from the CPU model, and by how much (the tests' tolerances):
 //   * tensor-core fp32 accumulation of the 576-term dot products and of P.V is not sequential fp32
@@ -59,9 +64,9 @@
 //     stage_fp8_tile      decode the fetched tile into the bf16 tile (NaN mask), fetch the next
 //     stage_bf16_tile     (bf16 pool) the bf16 rows into the tile (NaN mask)
 //     finish_tile         next slot table, (kBuffer) fetch the next tile, zero rows of NaN codes
-//     qk_scores_*         S = Q K^T (mma.sync), two variants of the warp tiling
+//     qk_scores_*         S = Q K^T (mma.sync: two variants of the warp tiling; wgmma)
 //     online_softmax_update  scale, mask, block row max, P = exp2(s - m) in bf16, l, rescale acc
-//     pv_mma              acc += P V (mma.sync, V = the tile's first 512 columns)
+//     pv_mma / pv_wgmma   acc += P V (V = the tile's first 512 columns)
 //   write_attention_output  out and lse, or the split's partial (out, lse)
 // and the merge: mla_merge_kernel (few splits: load_split_weights, sum_split_group) or
 // mla_merge_window_kernel (many: load_split_window, reduce_split_totals, sum_split_window), then
@@ -240,7 +245,8 @@ struct MlaSmemLayout {
 // Which tensor-core instructions a four-m16-tile block runs: mma.sync with ldmatrix operands
 // (every target), or wgmma reading both operands from shared memory (sm_90a; the launcher checks
 // wgmma_available). The math, its roundings and the tile order are the same; the order of the
-// fp32 additions inside a 576-term dot product or a 64-term P.V sum is the tensor core's either way.
+// fp32 additions inside a 576-term dot product or a 64-term P.V sum is the tensor core's either
+// way.
 enum class MmaPath { kMmaSync, kWgmma };
 
 // Where the bf16 tiles live in shared memory, as byte offsets of 16-byte chunks (8 bf16):
@@ -273,8 +279,7 @@ struct Swizzled128Tiles {
 };
 
 template <MmaPath kPath>
-using TileAddressing =
-    std::conditional_t<kPath == MmaPath::kWgmma, Swizzled128Tiles, PaddedTiles>;
+using TileAddressing = std::conditional_t<kPath == MmaPath::kWgmma, Swizzled128Tiles, PaddedTiles>;
 
 // Makes this thread's shared-memory tile writes visible to wgmma (before the publishing barrier).
 template <typename Addr>
@@ -979,18 +984,6 @@ struct SoftmaxState {
   }
 };
 
-// The barrier the threads that compute a tile meet at inside the online softmax: the whole block
-// (mla_attention_kernel), or the two consumer warpgroups of mla_attention_ws_kernel (named barrier
-// kConsumerBarrier; its producer warpgroup never waits there).
-inline constexpr int kConsumerThreads = 256;
-inline constexpr int kConsumerBarrier = 1;
-struct WholeBlock {
-  __device__ static void sync() { __syncthreads(); }
-};
-struct ConsumerGroups {
-  __device__ static void sync() { ptx::bar_sync(kConsumerBarrier, kConsumerThreads); }
-};
-
 // The tile's new row max and the factor that moves the running state onto it.
 struct RowRescale {
   float m_new[2];
@@ -1026,7 +1019,7 @@ __device__ __forceinline__ void scale_mask_and_max(float (&s)[kQkTiles][4], int 
 
 // The block's row max over the kWn warps of the m16 tile (through shared memory), and the
 // rescale of the running state onto it.
-template <int kWn, typename Barrier>
+template <int kWn>
 __device__ __forceinline__ RowRescale block_row_max(const float (&tile_max)[2],
                                                     const float (&m_run)[2], float* max_s,
                                                     const ThreadRole& t) {
@@ -1034,7 +1027,7 @@ __device__ __forceinline__ RowRescale block_row_max(const float (&tile_max)[2],
     max_s[(t.mt * 16 + t.group) * kWn + t.wn] = tile_max[0];
     max_s[(t.mt * 16 + t.group + 8) * kWn + t.wn] = tile_max[1];
   }
-  Barrier::sync();
+  __syncthreads();
   RowRescale r;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -1077,7 +1070,7 @@ __device__ __forceinline__ void store_probabilities(const float (&s)[kQkTiles][4
 }
 
 // l = l * alpha + (the block's row sum of the tile, warps in order), m = m_new.
-template <int kWn, typename Barrier, int kPvTiles>
+template <int kWn, int kPvTiles>
 __device__ __forceinline__ void update_running_sum(const float (&part_sum)[2], const RowRescale& r,
                                                    float* sum_s, const ThreadRole& t,
                                                    SoftmaxState<kPvTiles>& state) {
@@ -1085,7 +1078,7 @@ __device__ __forceinline__ void update_running_sum(const float (&part_sum)[2], c
     sum_s[(t.mt * 16 + t.group) * kWn + t.wn] = part_sum[0];
     sum_s[(t.mt * 16 + t.group + 8) * kWn + t.wn] = part_sum[1];
   }
-  Barrier::sync();
+  __syncthreads();
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float tile_sum = 0.f;
@@ -1109,7 +1102,7 @@ __device__ __forceinline__ void rescale_accumulators(float (&acc)[kPvTiles][4],
 
 // One tile's step of the online softmax: from the raw dot products s of this warp's tokens to P
 // (bf16, in smem.p) and the running m, l and acc moved onto the new max.
-template <int kWn, typename Addr, typename Barrier, int kQkTiles, int kPvTiles>
+template <int kWn, typename Addr, int kQkTiles, int kPvTiles>
 __device__ __forceinline__ void online_softmax_update(float (&s)[kQkTiles][4], int valid,
                                                       std::uint64_t nan_tokens, float score_scale,
                                                       int token0, const AttentionSmem& smem,
@@ -1117,11 +1110,11 @@ __device__ __forceinline__ void online_softmax_update(float (&s)[kQkTiles][4], i
                                                       SoftmaxState<kPvTiles>& state) {
   float tile_max[2];
   scale_mask_and_max(s, valid, nan_tokens, score_scale, token0, t.quad, tile_max);
-  const RowRescale r = block_row_max<kWn, Barrier>(tile_max, state.m, smem.max, t);
+  const RowRescale r = block_row_max<kWn>(tile_max, state.m, smem.max, t);
   float part_sum[2];
   store_probabilities<Addr>(s, r.m_use, token0, t, smem.p, part_sum);
   publish_tile_writes<Addr>();  // P, read by wgmma after update_running_sum's barrier
-  update_running_sum<kWn, Barrier>(part_sum, r, smem.sum, t, state);
+  update_running_sum<kWn>(part_sum, r, smem.sum, t, state);
   rescale_accumulators(state.acc, r.alpha);
 }
 
@@ -1324,8 +1317,8 @@ __device__ __forceinline__ void attend_pass(
     } else {
       qk_scores_two_chains(s, tiles, t, token0);
     }
-    online_softmax_update<Tiling::kWn, Addr, WholeBlock>(s, visible - tile * kTile, nan_tokens,
-                                                         p.score_scale, token0, tiles, t, state);
+    online_softmax_update<Tiling::kWn, Addr>(s, visible - tile * kTile, nan_tokens, p.score_scale,
+                                             token0, tiles, t, state);
     if constexpr (kWgmma) {
       pv_wgmma(state.acc, tiles, t);
     } else {
@@ -1378,303 +1371,6 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     for (int first = work.row_begin; first < work.row_end;) {
       const AttentionPass pass = locate_pass(p, work, first);
       attend_pass<kMTiles, kBf16Pool, kPath>(p, work, pass, tiles, t, nullptr);
-      first += pass.row_count;
-    }
-  }
-}
-
-// ---- attention: the warp-specialized wgmma kernel (sm_90a) -------------------------------------
-// mla_attention_ws_kernel runs the 64-row blocks (four m16 tiles: decode at more than 32 heads,
-// prefill and extend) on three warpgroups: a producer (warps 8-11) fills one of two bf16 KV tiles
-// (FP8 codes loaded into its registers a tile ahead, decoded exactly, NaN-code rows zeroed as
-// finish_tile does) while the two consumer warpgroups (warps 0-7, the same (mt, wn) roles as the
-// wgmma phases above) run S = Q K^T, the online softmax and P.V on the other. The decode on the
-// CUDA cores and the products on the tensor cores overlap instead of taking turns. Hand-off by
-// named barriers, per buffer b: kFullBarrier0 + b (producer arrives, consumers wait) and
-// kEmptyBarrier0 + b (consumers arrive after their P.V, the producer waits before refilling b).
-// Shared memory: Q, two KV tiles and P (swizzled, 1024-aligned) fill 224 KiB of the 227.
-// The math, rounding points and tile order are those of mla_attention_kernel.
-inline constexpr int kProducerThreads = 128;
-inline constexpr int kWsThreads = kConsumerThreads + kProducerThreads;  // 384
-inline constexpr int kFullBarrier0 = 2;                                 // 2, 3
-inline constexpr int kEmptyBarrier0 = 4;                                // 4, 5
-inline constexpr int kProducerBarrier = 6;
-// Register split (setmaxnreg): 256 consumer threads x 184 + 128 producer threads x 120 = 62,464
-// of the 64,512 the launch holds (384 x 168), so the consumers' raise never waits on the producer.
-// Neither side spills in its loop at this split (cuobjdump: no STL/LDL in the consumers, 8 in the
-// producer's pass set-up); 208 / 80 spilled the producer's 72 registers of FP8 pieces.
-inline constexpr int kConsumerRegisters = 184;
-inline constexpr int kProducerRegisters = 120;
-// 16-byte FP8 pieces per producer thread and tile: piece v = q + k * 128 (q the producer thread).
-inline constexpr int kWsPiecesPerThread = kTile * kFp8RowPieces / kProducerThreads;  // 18
-static_assert(kTile * kFp8RowPieces % kProducerThreads == 0, "FP8 tile split over the producer");
-
-struct WsSmemLayout {
-  static constexpr int kRows = 64;
-  static constexpr int kWn = AttentionWarpTiling<4>::kWn;
-  static constexpr int kKvTileBytes = kTile * kD * 2;
-  static constexpr int kQOffset = 0;
-  static constexpr int kKvOffset = kQOffset + kRows * kD * 2;  // buffers 0 and 1
-  static constexpr int kPOffset = kKvOffset + 2 * kKvTileBytes;
-  static constexpr int kMaxOffset = kPOffset + kRows * kTile * 2;
-  static constexpr int kSumOffset = kMaxOffset + kRows * kWn * 4;
-  static constexpr int kSPartOffset = kSumOffset + kRows * kWn * 4;
-  static constexpr int kSlotOffset = kSPartOffset;  // none: producer threads hold their slots
-  static constexpr int kNanOffset = kSlotOffset;     // [2 buffers][2] u32
-  static constexpr int kBufferOffset = kNanOffset + 2 * 8;        // no FP8 buffer
-  static constexpr int kBytes = kBufferOffset;
-  static_assert(kKvOffset % 1024 == 0 && kKvTileBytes % 1024 == 0 && kPOffset % 1024 == 0,
-                "swizzle atoms are 1024-aligned");
-  static_assert(kBytes + 1024 <= 227 * 1024, "shared memory of one block exceeds the sm_90 limit");
-};
-
-__device__ __forceinline__ void producer_sync() {
-  ptx::bar_sync(kProducerBarrier, kProducerThreads);
-}
-
-// The view of the block's tiles with kv pointing at bf16 buffer b.
-__device__ __forceinline__ AttentionSmem kv_buffer_view(const AttentionSmem& tiles, int b) {
-  AttentionSmem view = tiles;
-  view.kv = tiles.kv + b * (WsSmemLayout::kKvTileBytes / 2);
-  view.kv_address = tiles.kv_address + b * WsSmemLayout::kKvTileBytes;
-  return view;
-}
-
-// Tokens of buffer b's tile holding a NaN code (0 unless the pass marks them).
-__device__ __forceinline__ std::uint64_t buffer_nan_tokens(const AttentionSmem& tiles, int b) {
-  const std::uint32_t* mask = tiles.nan + b * 2;
-  return mask[0] | (static_cast<std::uint64_t>(mask[1]) << 32);
-}
-
-// ---- producer ----
-// Producer thread q works on one token of each tile, token = 32 (warp % 2) + lane, and on one half
-// of its 36 16-byte FP8 pieces, half = warp / 2 (uniform over a warp): pieces 18 half .. + 17, 288
-// contiguous bytes of the row. Its piece indices are then compile-time constants (no per-piece
-// index math kept in registers: with pieces spread as tid + k * threads, ptxas kept 18 sets of it
-// live and spilled), it looks up its own token's slot, and one store instruction of a warp covers
-// 32 rows of one chunk, which the swizzle spreads over all eight 16-byte bank groups.
-struct ProducerRole {
-  int q;      // 0 .. 127
-  int token;  // of each tile
-  int half;   // of the row's pieces
-};
-
-__device__ __forceinline__ ProducerRole producer_role(int q) {
-  ProducerRole r;
-  r.q = q;
-  r.token = 32 * ((q / 32) % 2) + q % 32;
-  r.half = q / 64;
-  return r;
-}
-
-// This producer thread's FP8 pieces of one tile, loaded a tile ahead of their decode.
-struct ProducerPieces {
-  uint4 codes[kWsPiecesPerThread];
-};
-
-// Loads the thread's pieces of the row in `slot` (zeros where there is none: -1).
-__device__ __forceinline__ void load_producer_pieces(const MlaAttentionParams& p,
-                                                     const ProducerRole& r, std::int32_t slot,
-                                                     ProducerPieces& pieces) {
-  const uint4* row = reinterpret_cast<const uint4*>(p.pool + static_cast<std::int64_t>(slot) * kD) +
-                     r.half * kWsPiecesPerThread;
-#pragma unroll
-  for (int k = 0; k < kWsPiecesPerThread; ++k) {
-    pieces.codes[k] = slot >= 0 ? __ldg(row + k) : make_uint4(0, 0, 0, 0);
-  }
-}
-
-// Decodes pieces kHalf * 18 .. + 17 of the thread's token into the bf16 tile at kv_bytes (zeros
-// past `loaded`), marking the token in nan_mask when `mark` and a code is NaN.
-template <int kHalf>
-__device__ __forceinline__ void decode_producer_half(const ProducerPieces& pieces, int token,
-                                                     bool visible, bool mark,
-                                                     unsigned char* kv_bytes,
-                                                     std::uint32_t* nan_mask) {
-  unsigned char* row = kv_bytes + token * Swizzled128Tiles::kRowBytes;
-  const int phase = token % 8;
-#pragma unroll
-  for (int k = 0; k < kWsPiecesPerThread; ++k) {
-    constexpr int kFirstChunk = 2 * kHalf * kWsPiecesPerThread;
-    const int chunk = kFirstChunk + 2 * k;  // compile-time
-    uint4 lo = make_uint4(0, 0, 0, 0), hi = make_uint4(0, 0, 0, 0);
-    if (visible) {
-      const uint4 codes = pieces.codes[k];
-      const uint2 a = e4m3x4_to_bf16x4(codes.x), b = e4m3x4_to_bf16x4(codes.y);
-      const uint2 c = e4m3x4_to_bf16x4(codes.z), d = e4m3x4_to_bf16x4(codes.w);
-      lo = make_uint4(a.x, a.y, b.x, b.y);
-      hi = make_uint4(c.x, c.y, d.x, d.y);
-      if (mark) mark_nan_codes(codes, token, nan_mask);
-    }
-    unsigned char* block = row + (chunk / 8) * kTile * Swizzled128Tiles::kRowBytes;
-    *reinterpret_cast<uint4*>(block + (((chunk % 8) ^ phase) * 16)) = lo;
-    *reinterpret_cast<uint4*>(block + ((((chunk + 1) % 8) ^ phase) * 16)) = hi;
-  }
-}
-
-__device__ __forceinline__ void decode_producer_pieces(const ProducerPieces& pieces,
-                                                       const ProducerRole& r, int loaded, bool mark,
-                                                       unsigned char* kv_bytes,
-                                                       std::uint32_t* nan_mask) {
-  const bool visible = r.token < loaded;
-  if (r.half == 0) {  // uniform over the warp
-    decode_producer_half<0>(pieces, r.token, visible, mark, kv_bytes, nan_mask);
-  } else {
-    decode_producer_half<1>(pieces, r.token, visible, mark, kv_bytes, nan_mask);
-  }
-}
-
-// bf16 pool (cuda-cast-bf16, fp8-read-as-bf16): the tile's rows copied into the swizzled tile as
-// stage_bf16_tile does (cp.async; through registers when marking non-finite values).
-__device__ __forceinline__ void copy_bf16_tile(const MlaAttentionParams& p,
-                                               const AttentionPass& pass, int q, int tile,
-                                               int loaded, bool mark, unsigned char* kv_bytes,
-                                               std::uint32_t* nan_mask) {
-  for (int v = q; v < kTile * kBf16RowVectors; v += kProducerThreads) {
-    const int token = v / kBf16RowVectors;
-    uint4* dst = reinterpret_cast<uint4*>(
-        kv_bytes + Swizzled128Tiles::chunk<kTile>(token, v % kBf16RowVectors));
-    if (token >= loaded) {
-      *dst = make_uint4(0, 0, 0, 0);
-      continue;
-    }
-    const std::int32_t slot = slot_of(p, pass.range, tile * kTile + token);
-    const std::uint8_t* src =
-        p.pool + (static_cast<std::int64_t>(slot) * kD) * 2 + (v % kBf16RowVectors) * 16;
-    if (mark) {
-      const uint4 value = __ldg(reinterpret_cast<const uint4*>(src));
-      if (bf16x8_non_finite(value)) atomicOr(nan_mask + token / 32, 1u << (token % 32));
-      *dst = value;
-    } else {
-      ptx::cp_async_cg_16(ptx::smem_address(dst), src);
-    }
-  }
-  ptx::cp_async_commit_group();
-  ptx::cp_async_wait_group<0>();
-}
-
-// Fills buffer counter % 2 with `tile` and hands it to the consumers: wait until they are done
-// with the buffer's previous tile, clear its NaN mask, decode (or copy), zero the rows of tokens
-// holding a NaN code (as finish_tile), publish to the async proxy, arrive at its full barrier.
-template <bool kBf16Pool>
-__device__ __forceinline__ void produce_tile(const MlaAttentionParams& p,
-                                             const AttentionPass& pass, const AttentionSmem& tiles,
-                                             const ProducerRole& r, int tile, int counter,
-                                             const ProducerPieces& pieces) {
-  const int b = counter % 2;
-  const bool mark = p.mark_nan != 0;  // uniform
-  if (counter >= 2) ptx::bar_sync(kEmptyBarrier0 + b, kWsThreads);
-  std::uint32_t* nan_mask = tiles.nan + b * 2;
-  if (mark) {
-    if (r.q < 2) nan_mask[r.q] = 0;
-    producer_sync();
-  }
-  unsigned char* kv_bytes =
-      reinterpret_cast<unsigned char*>(tiles.kv) + b * WsSmemLayout::kKvTileBytes;
-  const int loaded = min(kTile, pass.range.readable - tile * kTile);
-  if constexpr (kBf16Pool) {
-    copy_bf16_tile(p, pass, r.q, tile, loaded, mark, kv_bytes, nan_mask);
-  } else {
-    decode_producer_pieces(pieces, r, loaded, mark, kv_bytes, nan_mask);
-  }
-  if (mark) {
-    producer_sync();  // every row decoded, the mask complete
-    const std::uint64_t nan_tokens = buffer_nan_tokens(tiles, b);
-    if (nan_tokens != 0) {
-      for (int v = r.q; v < kTile * kBf16RowVectors; v += kProducerThreads) {
-        const int token = v / kBf16RowVectors;
-        if ((nan_tokens >> token) & 1u) {
-          *reinterpret_cast<uint4*>(
-              kv_bytes + Swizzled128Tiles::chunk<kTile>(token, v % kBf16RowVectors)) =
-              make_uint4(0, 0, 0, 0);
-        }
-      }
-    }
-  }
-  ptx::fence_proxy_async_shared();
-  ptx::bar_arrive(kFullBarrier0 + b, kWsThreads);
-}
-
-// The producer's side of one pass: its token's slot two tiles ahead, its pieces one tile ahead.
-template <bool kBf16Pool>
-__device__ __forceinline__ void produce_pass(const MlaAttentionParams& p, const AttentionPass& pass,
-                                             const AttentionSmem& tiles, const ProducerRole& r,
-                                             int& counter) {
-  std::int32_t next_slot = tile_slot(p, pass, pass.tile_begin + 1, r.token);
-  ProducerPieces pieces;
-  if constexpr (!kBf16Pool) {
-    load_producer_pieces(p, r, tile_slot(p, pass, pass.tile_begin, r.token), pieces);
-  }
-  for (int tile = pass.tile_begin; tile < pass.tile_end; ++tile, ++counter) {
-    const std::int32_t slot_after = tile_slot(p, pass, tile + 2, r.token);
-    produce_tile<kBf16Pool>(p, pass, tiles, r, tile, counter, pieces);
-    if constexpr (!kBf16Pool) load_producer_pieces(p, r, next_slot, pieces);
-    next_slot = slot_after;
-  }
-}
-
-// ---- consumers ----
-
-// The consumers' side of one pass: Q staged, then per tile S, softmax and P.V on the buffer the
-// producer filled, the buffer released after P.V, the output written.
-__device__ __forceinline__ void consume_pass(const MlaAttentionParams& p, const BlockWork& w,
-                                             const AttentionPass& pass, const AttentionSmem& tiles,
-                                             const ThreadRole& t, int& counter) {
-  ConsumerGroups::sync();  // a previous pass's Q.K^T is done with Q
-  stage_q<WsSmemLayout::kRows, Swizzled128Tiles>(p, w, pass, t.tid, tiles.q);
-  ConsumerGroups::sync();
-  SoftmaxState<AttentionWarpTiling<4>::kPvTiles> state;
-  state.init();
-  const int visible = m_tile_visible(p, pass, t.mt);
-  const int token0 = t.wn * 32;
-  for (int tile = pass.tile_begin; tile < pass.tile_end; ++tile, ++counter) {
-    const int b = counter % 2;
-    ptx::bar_sync(kFullBarrier0 + b, kWsThreads);
-    const std::uint64_t nan_tokens = p.mark_nan ? buffer_nan_tokens(tiles, b) : 0;
-    const AttentionSmem view = kv_buffer_view(tiles, b);
-    float s[4][4];
-    qk_scores_wgmma(s, view, t);
-    online_softmax_update<WsSmemLayout::kWn, Swizzled128Tiles, ConsumerGroups>(
-        s, visible - tile * kTile, nan_tokens, p.score_scale, token0, view, t, state);
-    pv_wgmma(state.acc, view, t);
-    ptx::bar_arrive(kEmptyBarrier0 + b, kWsThreads);
-  }
-  write_attention_output(p, w, pass, t, state);
-}
-
-// grid as mla_attention_kernel<4, kBf16Pool>; kWsThreads threads, dynamic shared memory
-// WsSmemLayout::kBytes + kSmemAlignSlack<MmaPath::kWgmma>.
-template <bool kBf16Pool>
-__global__ void __launch_bounds__(kWsThreads, 1)
-    mla_attention_ws_kernel(const __grid_constant__ MlaAttentionParams p) {
-  ptx::griddepcontrol_launch_dependents();  // as mla_attention_kernel
-  extern __shared__ __align__(128) unsigned char smem[];
-  AttentionSmem tiles = carve_attention_smem<WsSmemLayout>(aligned_tiles<MmaPath::kWgmma>(smem));
-  tiles.set_tile_addresses();
-  const BlockWork work = locate_work(p);
-  int counter = 0;  // tiles handed over so far: buffer counter % 2
-  if (threadIdx.x >= kConsumerThreads) {
-    ptx::setmaxnreg_dec<kProducerRegisters>();
-    const ProducerRole r = producer_role(threadIdx.x - kConsumerThreads);
-    for (int first = work.row_begin; first < work.row_end;) {
-      const AttentionPass pass = locate_pass(p, work, first);
-      if (pass.tile_begin < pass.tile_end) produce_pass<kBf16Pool>(p, pass, tiles, r, counter);
-      first += pass.row_count;
-    }
-    // Take the consumers' releases of the last two tiles, so that no barrier is left half-arrived.
-    for (int c = counter; c < counter + 2; ++c) {
-      if (c >= 2) ptx::bar_sync(kEmptyBarrier0 + c % 2, kWsThreads);
-    }
-  } else {
-    ptx::setmaxnreg_inc<kConsumerRegisters>();
-    const ThreadRole t = thread_role<WsSmemLayout::kWn, MmaPath::kWgmma>();
-    for (int first = work.row_begin; first < work.row_end;) {
-      const AttentionPass pass = locate_pass(p, work, first);
-      if (pass.tile_begin < pass.tile_end) {
-        consume_pass(p, work, pass, tiles, t, counter);
-      } else {
-        write_empty_split<WsSmemLayout::kRows>(p, work, pass, t.tid);
-      }
       first += pass.row_count;
     }
   }

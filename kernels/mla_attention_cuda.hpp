@@ -57,6 +57,13 @@ struct MlaAttentionProblem {
   float* lse = nullptr;
 };
 
+// The tensor-core instructions of the 64-row blocks (decode above 32 heads, prefill and extend)
+// on the current device: wgmma where the binary has sm_90a code for it, else mma.sync (also when
+// the environment sets KVAUDIT_CUDA_MMA=mma-sync, read at every launch). The other blocks always
+// run mma.sync.
+enum class TensorCorePath { kMmaSync, kWgmma };
+TensorCorePath mla_attention_64_row_path();
+
 // Scratch for split-KV partial (out, lse); sized by mla_attention_workspace_bytes.
 std::size_t mla_attention_workspace_bytes(const MlaAttentionProblem& problem);
 

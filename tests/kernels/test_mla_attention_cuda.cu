@@ -22,9 +22,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <iostream>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -346,6 +348,87 @@ TEST_CASE("cuda-fp8 long context (split-KV merge) matches the exact reference", 
   const BuiltCase b = build(c);
   const Outputs got = run_backend(*backend, b);
   check_against_reference(c, b, got);
+}
+
+// Sets KVAUDIT_CUDA_MMA for the scope (the launcher reads it at every launch) and restores it.
+class ScopedMmaPath {
+ public:
+  explicit ScopedMmaPath(const char* value) {
+    if (const char* old = std::getenv(kName); old != nullptr) saved_ = old;
+    if (value != nullptr) {
+      setenv(kName, value, 1);
+    } else {
+      unsetenv(kName);
+    }
+  }
+  ~ScopedMmaPath() {
+    if (saved_.has_value()) {
+      setenv(kName, saved_->c_str(), 1);
+    } else {
+      unsetenv(kName);
+    }
+  }
+  ScopedMmaPath(const ScopedMmaPath&) = delete;
+  ScopedMmaPath& operator=(const ScopedMmaPath&) = delete;
+
+ private:
+  static constexpr const char* kName = "KVAUDIT_CUDA_MMA";
+  std::optional<std::string> saved_;
+};
+
+// The 64-row blocks (decode above 32 heads, prefill) run wgmma on an sm_90 device when the build
+// has sm_90a code, mma.sync when forced or elsewhere: both paths must match the reference, and the
+// dispatch must take the path it says.
+TEST_CASE("cuda-fp8 64-row blocks match the reference on both tensor-core paths",
+          "[gpu][cuda-fp8]") {
+  KVAUDIT_REQUIRE_GPU();
+  int device = 0, major = 0, minor = 0;
+  REQUIRE(cudaGetDevice(&device) == cudaSuccess);
+  REQUIRE(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess);
+  REQUIRE(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess);
+  auto backend = make(false);
+  std::vector<AttentionCase> cases;
+  for (const int page : {1, 64}) {
+    AttentionCase decode;
+    decode.heads = 128;
+    decode.page_size = page;
+    decode.contexts = {1000, 64, 4096};
+    decode.q_lens = {1, 1, 1};
+    decode.kv_scale = 0.37f;
+    decode.seed = 700 + page;
+    cases.push_back(decode);
+    // 16 heads: blocks of 4 causal rows x 16 heads; 40 heads: one row x 64 heads per block.
+    for (const int heads : {16, 40}) {
+      AttentionCase prefill;
+      prefill.heads = heads;
+      prefill.page_size = page;
+      prefill.contexts = {300, 77};
+      prefill.q_lens = {200, 77};
+      prefill.kv_scale = 0.0123f;
+      prefill.value_sigma = 0.05f;
+      prefill.seed = 800 + page + heads;
+      cases.push_back(prefill);
+    }
+  }
+  for (const char* forced : {static_cast<const char*>(nullptr), "mma-sync"}) {
+    const ScopedMmaPath scope(forced);
+    const kvaudit::cuda::TensorCorePath path = kvaudit::cuda::mla_attention_64_row_path();
+    if (forced != nullptr) {
+      CHECK(path == kvaudit::cuda::TensorCorePath::kMmaSync);
+    } else {
+#if defined(KVAUDIT_CUDA_SM90A)
+      CHECK((path == kvaudit::cuda::TensorCorePath::kWgmma) == (major == 9 && minor == 0));
+#else
+      CHECK(path == kvaudit::cuda::TensorCorePath::kMmaSync);
+#endif
+    }
+    INFO("path " << (path == kvaudit::cuda::TensorCorePath::kWgmma ? "wgmma" : "mma.sync"));
+    for (const auto& c : cases) {
+      const BuiltCase b = build(c);
+      const Outputs got = run_backend(*backend, b);
+      check_against_reference(c, b, got);
+    }
+  }
 }
 
 // One request of 132 tiles: on a 132-SM H100/H200 the launcher gives it 132 one-tile splits, more
