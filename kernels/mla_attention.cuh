@@ -257,6 +257,16 @@ enum class MmaPath { kMmaSync, kWgmma };
 //                    chunk c of row r at chunk c ^ (r % 8) of its block's row; P [64, 64] is one
 //                    such block. Written by generic stores, read by wgmma through the async proxy,
 //                    so each writer fences (kAsyncProxy) before the barrier that publishes them.
+//
+// Each also says which 16-byte FP8 piece of a tile (token, piece column 0..35) is thread tid's k-th
+// (k < kFp8PiecesPerThread = 9), and stores its decoded chunks:
+//   PaddedTiles      piece v = tid + 256 k in row order (v / 36, v % 36).
+//   Swizzled128Tiles warp w, lane l: k < 8 piece l of token 8 w + k (a warp loads 512 contiguous
+//                    bytes of a row), k = 8 piece 32 + l % 4 of token 8 w + l / 4. Lane l then
+//                    always decodes the same columns, so the chunk offsets are per-lane constants
+//                    and the unrolled k (the row-order map made ptxas keep 18 of them and spill),
+//                    and lanes of odd 64-column blocks store a piece's high chunk first, so that
+//                    one store instruction covers all eight 16-byte bank groups of a row.
 struct PaddedTiles {
   static constexpr bool kAsyncProxy = false;
   template <int kRows>
@@ -264,6 +274,15 @@ struct PaddedTiles {
     return row * kSmemRow * 2 + chunk * 16;
   }
   __device__ static constexpr int p_element(int row, int col) { return (row * kPRow + col) * 2; }
+  __device__ static int piece_token(int tid, int k) { return (tid + k * kThreads) / kFp8RowPieces; }
+  __device__ static int piece_column(int tid, int k) {
+    return (tid + k * kThreads) % kFp8RowPieces;
+  }
+  __device__ static void store_piece(unsigned char* kv_bytes, int tid, int k, uint4 lo, uint4 hi) {
+    const int token = piece_token(tid, k), chunk = 2 * piece_column(tid, k);
+    *reinterpret_cast<uint4*>(kv_bytes + PaddedTiles::chunk<kTile>(token, chunk)) = lo;
+    *reinterpret_cast<uint4*>(kv_bytes + PaddedTiles::chunk<kTile>(token, chunk + 1)) = hi;
+  }
 };
 
 struct Swizzled128Tiles {
@@ -275,6 +294,35 @@ struct Swizzled128Tiles {
   }
   __device__ static constexpr int p_element(int row, int col) {
     return row * kRowBytes + (((col / 8) ^ (row % 8)) * 16) + (col % 8) * 2;
+  }
+  static constexpr int kRowTokens = kTile / kWarps;  // 8 tokens per warp
+  static_assert(kFp8PiecesPerThread == kRowTokens + 1, "8 full-row pieces + 1 tail piece");
+  __device__ static int piece_token(int tid, int k) {
+    const unsigned warp = static_cast<unsigned>(tid) / 32, lane = static_cast<unsigned>(tid) % 32;
+    return static_cast<int>(kRowTokens * warp + (k < kRowTokens ? k : lane / 4));
+  }
+  __device__ static int piece_column(int tid, int k) {
+    const unsigned lane = static_cast<unsigned>(tid) % 32;
+    return static_cast<int>(k < kRowTokens ? lane : 32 + lane % 4);
+  }
+  __device__ static void store_piece(unsigned char* kv_bytes, int tid, int k, uint4 lo, uint4 hi) {
+    const unsigned warp = static_cast<unsigned>(tid) / 32, lane = static_cast<unsigned>(tid) % 32;
+    const bool tail = k >= kRowTokens;
+    const unsigned token = kRowTokens * warp + (tail ? lane / 4 : static_cast<unsigned>(k));
+    const unsigned chunk = tail ? 64 + 2 * (lane % 4) : 2 * lane;
+    const unsigned phase = tail ? lane / 4 : static_cast<unsigned>(k) % 8;  // token % 8
+    unsigned char* row = kv_bytes + (chunk / 8) * kTile * kRowBytes + token * kRowBytes;
+    unsigned lo_at = ((chunk % 8) ^ phase) * 16, hi_at = (((chunk + 1) % 8) ^ phase) * 16;
+    if (!tail && (chunk / 8) % 2 == 1) {  // high chunk first: swap the values and their places
+      const uint4 value = lo;
+      lo = hi;
+      hi = value;
+      const unsigned at = lo_at;
+      lo_at = hi_at;
+      hi_at = at;
+    }
+    *reinterpret_cast<uint4*>(row + lo_at) = lo;
+    *reinterpret_cast<uint4*>(row + hi_at) = hi;
   }
 };
 
@@ -692,7 +740,7 @@ struct Fp8Pieces<Fp8Staging::kBuffer> {
 };
 
 // Fetches this thread's pieces of `tile` (slot table slot[tile % 2]); nothing past the split.
-template <Fp8Staging kStaging>
+template <typename Addr, Fp8Staging kStaging>
 __device__ __forceinline__ void fetch_fp8_tile(const MlaAttentionParams& p,
                                                const AttentionPass& pass, const AttentionSmem& smem,
                                                int tid, int tile, Fp8Pieces<kStaging>& pieces) {
@@ -700,11 +748,11 @@ __device__ __forceinline__ void fetch_fp8_tile(const MlaAttentionParams& p,
     const std::int32_t* slots = smem.slot + (tile % 2) * kTile;
 #pragma unroll
     for (int k = 0; k < kFp8PiecesPerThread; ++k) {
-      const int v = tid + k * kThreads;
-      const std::int32_t slot = slots[v / kFp8RowPieces];
+      const std::int32_t slot = slots[Addr::piece_token(tid, k)];
       if (slot >= 0) {
-        pieces.fetch(k, p.pool + static_cast<std::int64_t>(slot) * kD + (v % kFp8RowPieces) * 16,
-                     smem, tid);
+        pieces.fetch(
+            k, p.pool + static_cast<std::int64_t>(slot) * kD + Addr::piece_column(tid, k) * 16,
+            smem, tid);
       }
     }
   }
@@ -712,7 +760,7 @@ __device__ __forceinline__ void fetch_fp8_tile(const MlaAttentionParams& p,
 }
 
 // Slot tables of the pass's first two tiles, NaN masks cleared, the first tile fetched.
-template <Fp8Staging kStaging>
+template <typename Addr, Fp8Staging kStaging>
 __device__ __forceinline__ void start_fp8_fetch(const MlaAttentionParams& p,
                                                 const AttentionPass& pass,
                                                 const AttentionSmem& smem, int tid,
@@ -724,7 +772,7 @@ __device__ __forceinline__ void start_fp8_fetch(const MlaAttentionParams& p,
   }
   if (tid < 4) smem.nan[tid] = 0;
   __syncthreads();
-  fetch_fp8_tile(p, pass, smem, tid, pass.tile_begin, pieces);
+  fetch_fp8_tile<Addr>(p, pass, smem, tid, pass.tile_begin, pieces);
 }
 
 // Marks `token` in the NaN mask when one of the 16 codes is a NaN code (0x7F or 0xFF): the OR of
@@ -751,8 +799,7 @@ __device__ __forceinline__ void decode_fp8_tile(const MlaAttentionParams& p, int
   unsigned char* kv_bytes = reinterpret_cast<unsigned char*>(smem.kv);
 #pragma unroll
   for (int k = 0; k < kFp8PiecesPerThread; ++k) {
-    const int v = tid + k * kThreads;
-    const int token = v / kFp8RowPieces;
+    const int token = Addr::piece_token(tid, k);
     uint4 lo = make_uint4(0, 0, 0, 0), hi = make_uint4(0, 0, 0, 0);
     if (token < loaded) {
       const uint4 codes = pieces.piece(k, smem, tid);
@@ -762,9 +809,7 @@ __device__ __forceinline__ void decode_fp8_tile(const MlaAttentionParams& p, int
       hi = make_uint4(c.x, c.y, d.x, d.y);
       if (kRowGroups && p.mark_nan) mark_nan_codes(codes, token, nan_mask);
     }
-    const int chunk = 2 * (v % kFp8RowPieces);  // 16 codes -> two 16-byte bf16 chunks
-    *reinterpret_cast<uint4*>(kv_bytes + Addr::template chunk<kTile>(token, chunk)) = lo;
-    *reinterpret_cast<uint4*>(kv_bytes + Addr::template chunk<kTile>(token, chunk + 1)) = hi;
+    Addr::store_piece(kv_bytes, tid, k, lo, hi);  // 16 codes -> two 16-byte bf16 chunks
   }
   publish_tile_writes<Addr>();
 }
@@ -782,7 +827,7 @@ __device__ __forceinline__ std::int32_t stage_fp8_tile(const MlaAttentionParams&
   __syncthreads();  // everyone done with the previous tile's kv_s, p_s, sums and NaN mask
   decode_fp8_tile<kRowGroups, Addr>(p, tid, tile, loaded, smem, pieces);
   if constexpr (kStaging == Fp8Staging::kRegisters) {
-    fetch_fp8_tile(p, pass, smem, tid, tile + 1, pieces);
+    fetch_fp8_tile<Addr>(p, pass, smem, tid, tile + 1, pieces);
   }
   return next_slot;
 }
@@ -802,7 +847,7 @@ __device__ __forceinline__ std::uint64_t finish_tile(const MlaAttentionParams& p
                                                      Fp8Pieces<kStaging>& pieces) {
   if (tid < kTile) smem.slot[(tile % 2) * kTile + tid] = next_slot;
   if constexpr (kStaging == Fp8Staging::kBuffer) {
-    fetch_fp8_tile(p, pass, smem, tid, tile + 1, pieces);
+    fetch_fp8_tile<Addr>(p, pass, smem, tid, tile + 1, pieces);
   }
   if constexpr (!kRowGroups) return 0;
   const std::uint32_t* mask = smem.nan + (tile % 2) * 2;
@@ -1277,7 +1322,7 @@ __device__ __forceinline__ void attend_pass(
   // The first tile's fetch goes out before Q is staged, so that Q's loads overlap it instead of
   // delaying the page-table lookup it waits for (a short row's latency is that chain).
   if constexpr (!kBf16Pool) {
-    start_fp8_fetch(p, pass, tiles, t.tid, pieces);
+    start_fp8_fetch<Addr>(p, pass, tiles, t.tid, pieces);
   } else if (t.tid < 4) {
     tiles.nan[t.tid] = 0;  // ordered before the first tile's writes by stage_bf16_tile's barrier
   }
