@@ -46,6 +46,9 @@ elif nvidia-smi -L >/dev/null 2>&1; then
   capability=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1)
   [[ $capability =~ ^([0-9]+)\.([0-9])$ ]] && cuda_arch="${BASH_REMATCH[1]}${BASH_REMATCH[2]}"
   why="a GPU is present (nvidia-smi -L)${cuda_arch:+, sm_$cuda_arch}"
+  # sm_90 (H100/H200) builds its "a" target: the 64-row attention blocks use wgmma, which only
+  # sm_90a code has (without it they fall back to mma.sync).
+  [[ $cuda_arch == 90 ]] && cuda_arch=90a
 else
   cuda=OFF
   why="no GPU found (nvidia-smi -L fails); KVAUDIT_CUDA=ON builds the CUDA backends anyway"
