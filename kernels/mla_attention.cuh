@@ -243,9 +243,10 @@ struct MlaSmemLayout {
 };
 
 // Which tensor-core instructions a four-m16-tile block runs: mma.sync with ldmatrix operands
-// (every target), or wgmma reading both operands from shared memory (sm_90a; the launcher checks
-// wgmma_available). The math, its roundings and the tile order are the same; the order of the
-// fp32 additions inside a 576-term dot product or a 64-term P.V sum is the tensor core's either
+// (every target), or wgmma reading both operands from shared memory (sm_90a; the launcher runs
+// wgmma_probe_kernel once to learn whether the device got that code, four_tile_mma_path in
+// kernels/mla_attention.cu). The math, its roundings and the tile order are the same; the order of
+// the fp32 additions inside a 576-term dot product or a 64-term P.V sum is the tensor core's either
 // way.
 enum class MmaPath { kMmaSync, kWgmma };
 
@@ -355,7 +356,8 @@ struct WgmmaSmemLayout {
   static constexpr int kBytes = kBufferOffset + (kFp8Buffer ? kFp8TileBytes : 0);
   static_assert(kKvOffset % 1024 == 0 && kPOffset % 1024 == 0, "swizzle atoms are 1024-aligned");
   static_assert(kBufferOffset % 16 == 0, "cp.async destinations are 16-byte aligned");
-  static_assert(kBytes <= 227 * 1024, "shared memory of one block exceeds the sm_90 limit");
+  // + 1024: the block aligns its tiles itself (kSmemAlignSlack).
+  static_assert(kBytes + 1024 <= 227 * 1024, "shared memory of one block exceeds the sm_90 limit");
 };
 
 template <int kMTiles, bool kBf16Pool, MmaPath kPath>

@@ -1,4 +1,5 @@
-// Inline-PTX wrappers of the sm_80+ instructions the CUDA kernels use (sm_90 is the target): one
+// Inline-PTX wrappers of the sm_80+ instructions the CUDA kernels use (sm_90a is the target, whose
+// wgmma the 64-row attention blocks use; everything else runs on sm_89+): one
 // function per instruction, named after it, so that the kernels read as the algorithm and every
 // asm statement sits in one place (CUTLASS arch/, FlashInfer mma.cuh / cp_async.cuh). Device code
 // only; includable from any .cu file without defining kernels.
@@ -124,11 +125,11 @@ __device__ __forceinline__ void griddepcontrol_launch_dependents() {
 
 // ---- warpgroup tensor cores (sm_90a) -----------------------------------------------------------
 // wgmma.mma_async exists on sm_90a only (compiled where __CUDA_ARCH_FEAT_SM90_ALL is defined; the
-// other targets get a trap, and the launcher asks wgmma_available in kernels/mla_attention.cuh
-// before it picks a kernel that uses them). A warpgroup (4 consecutive warps, 128 threads) issues
-// each one together. Accumulator layout of m64nNk16 with fp32 D: warp w of the group holds rows
-// 16 w .. 16 w + 15, and its registers d[j][0..3] are the mma.m16n8 C fragment of columns
-// 8 j .. 8 j + 7 (rows group / group + 8, columns 2 quad + {0, 1}), as above.
+// other targets get a trap, and the launcher runs wgmma_probe_kernel (kernels/mla_attention.cuh)
+// once before it picks a kernel that uses them). A warpgroup (4 consecutive warps, 128 threads)
+// issues each one together. Accumulator layout of m64nNk16 with fp32 D: warp w of the group holds
+// rows 16 w .. 16 w + 15, and its registers d[j][0..3] are the mma.m16n8 C fragment of columns 8 j
+// .. 8 j + 7 (rows group / group + 8, columns 2 quad + {0, 1}), as above.
 //
 // Shared-memory operands are described by a 64-bit matrix descriptor (PTX "Matrix Descriptor
 // Format"): start address, leading and stride byte offsets (all >> 4), and the swizzle mode. The
