@@ -213,7 +213,7 @@ detail::MmaPath four_tile_mma_path() {
 // internal error (the H100/H200/B200 class allows 227 KiB).
 template <int kMTiles, bool kBf16Pool, detail::MmaPath kPath>
 Status configure_attention_kernel() {
-  using Layout = detail::AttentionSmemLayout<kMTiles, kBf16Pool, kPath>;
+  using Layout = detail::MlaSmemLayout<kMTiles, kBf16Pool, kPath>;
   constexpr int kBytes = Layout::kBytes + detail::kSmemAlignSlack<kPath>;
   int device = 0;
   int max_shared = 0;
@@ -235,7 +235,7 @@ Status configure_attention_kernel() {
 template <int kMTiles, bool kBf16Pool, detail::MmaPath kPath>
 Status launch_attention_kernel(const detail::MlaAttentionParams& params, long long blocks,
                                cudaStream_t stream) {
-  using Layout = detail::AttentionSmemLayout<kMTiles, kBf16Pool, kPath>;
+  using Layout = detail::MlaSmemLayout<kMTiles, kBf16Pool, kPath>;
   // Once per process (kvaudit uses device 0 only), not on every launch: the bench times launches.
   static const Status configured = configure_attention_kernel<kMTiles, kBf16Pool, kPath>();
   if (!configured.ok()) return configured.error();

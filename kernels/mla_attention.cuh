@@ -218,18 +218,36 @@ inline constexpr Fp8Staging kFp8StagingOf =
     kMTiles == 4 ? Fp8Staging::kBuffer : Fp8Staging::kRegisters;
 inline constexpr int kFp8TileBytes = kTile * kD;
 
+// Which tensor-core instructions a four-m16-tile block runs: mma.sync with ldmatrix operands
+// (every target), or wgmma reading both operands from shared memory (sm_90a; the launcher runs
+// wgmma_probe_kernel once to learn whether the device got that code, four_tile_mma_path in
+// kernels/mla_attention.cu). The math, its roundings and the tile order are the same; the order of
+// the fp32 additions inside a 576-term dot product or a 64-term P.V sum is the tensor core's either
+// way.
+enum class MmaPath { kMmaSync, kWgmma };
+
+// Extra dynamic shared memory a block asks for so that it can start its tiles 1024-byte aligned
+// (wgmma's swizzle atoms); the mma.sync layouts need 128.
+template <MmaPath kPath>
+inline constexpr int kSmemAlignSlack = kPath == MmaPath::kWgmma ? 1024 : 0;
+
 // Shared-memory carve-up of one attention block; the launcher sizes the dynamic allocation with
-// it.
-template <int kMTiles, bool kBf16Pool>
+// it (kBytes + kSmemAlignSlack<kPath>). Q, the KV tile and P take padded rows for mma.sync
+// (PaddedTiles below) and dense 128-byte-swizzled rows at 1024-byte aligned offsets for wgmma
+// (Swizzled128Tiles: the swizzle is a function of the address).
+template <int kMTiles, bool kBf16Pool, MmaPath kPath = MmaPath::kMmaSync>
 struct MlaSmemLayout {
+  static constexpr bool kWgmma = kPath == MmaPath::kWgmma;
   static constexpr int kRows = 16 * kMTiles;
   static constexpr int kWn = AttentionWarpTiling<kMTiles>::kWn;
   static constexpr int kKSplit = AttentionWarpTiling<kMTiles>::kKSplit;
   static constexpr bool kFp8Buffer = !kBf16Pool && kFp8StagingOf<kMTiles> == Fp8Staging::kBuffer;
+  static constexpr int kRowBytes = (kWgmma ? kD : kSmemRow) * 2;  // Q and KV rows
+  static constexpr int kPRowBytes = (kWgmma ? kTile : kPRow) * 2;
   static constexpr int kQOffset = 0;
-  static constexpr int kKvOffset = kQOffset + kRows * kSmemRow * 2;
-  static constexpr int kPOffset = kKvOffset + kTile * kSmemRow * 2;
-  static constexpr int kMaxOffset = kPOffset + kRows * kPRow * 2;
+  static constexpr int kKvOffset = kQOffset + kRows * kRowBytes;
+  static constexpr int kPOffset = kKvOffset + kTile * kRowBytes;
+  static constexpr int kMaxOffset = kPOffset + kRows * kPRowBytes;
   static constexpr int kSumOffset = kMaxOffset + kRows * kWn * 4;
   // Partial scores of the k parts (one m16 tile): [kKSplit][16][kSRow] fp32.
   static constexpr int kSPartOffset = kSumOffset + kRows * kWn * 4;
@@ -238,17 +256,12 @@ struct MlaSmemLayout {
   static constexpr int kNanOffset = kSlotOffset + 2 * kTile * 4;
   static constexpr int kBufferOffset = kNanOffset + 2 * 8;
   static constexpr int kBytes = kBufferOffset + (kFp8Buffer ? kFp8TileBytes : 0);
+  static_assert(!kWgmma || (kMTiles == 4 && kKvOffset % 1024 == 0 && kPOffset % 1024 == 0),
+                "wgmma blocks: 64 rows, swizzle atoms 1024-aligned");
   static_assert(kBufferOffset % 16 == 0, "cp.async destinations are 16-byte aligned");
-  static_assert(kBytes <= 227 * 1024, "shared memory of one block exceeds the sm_90 limit");
+  static_assert(kBytes + kSmemAlignSlack<kPath> <= 227 * 1024,
+                "shared memory of one block exceeds the sm_90 limit");
 };
-
-// Which tensor-core instructions a four-m16-tile block runs: mma.sync with ldmatrix operands
-// (every target), or wgmma reading both operands from shared memory (sm_90a; the launcher runs
-// wgmma_probe_kernel once to learn whether the device got that code, four_tile_mma_path in
-// kernels/mla_attention.cu). The math, its roundings and the tile order are the same; the order of
-// the fp32 additions inside a 576-term dot product or a 64-term P.V sum is the tensor core's either
-// way.
-enum class MmaPath { kMmaSync, kWgmma };
 
 // Where the bf16 tiles live in shared memory, as byte offsets of 16-byte chunks (8 bf16):
 //   PaddedTiles      rows of kSmemRow (Q, KV) or kPRow (P) elements: the 16-byte pad puts the 8
@@ -335,34 +348,6 @@ template <typename Addr>
 __device__ __forceinline__ void publish_tile_writes() {
   if constexpr (Addr::kAsyncProxy) ptx::fence_proxy_async_shared();
 }
-
-// Shared memory of the wgmma block (64 M rows): Q, the KV tile and P in the swizzled layout at
-// 1024-byte aligned offsets (the swizzle is a function of the address), then the same small arrays
-// (and, FP8 pool, the same buffer) as MlaSmemLayout<4, kBf16Pool>.
-template <bool kBf16Pool>
-struct WgmmaSmemLayout {
-  static constexpr int kRows = 64;
-  static constexpr int kWn = AttentionWarpTiling<4>::kWn;
-  static constexpr bool kFp8Buffer = !kBf16Pool;
-  static constexpr int kQOffset = 0;
-  static constexpr int kKvOffset = kQOffset + kRows * kD * 2;
-  static constexpr int kPOffset = kKvOffset + kTile * kD * 2;
-  static constexpr int kMaxOffset = kPOffset + kRows * kTile * 2;
-  static constexpr int kSumOffset = kMaxOffset + kRows * kWn * 4;
-  static constexpr int kSPartOffset = kSumOffset + kRows * kWn * 4;
-  static constexpr int kSlotOffset = kSPartOffset;
-  static constexpr int kNanOffset = kSlotOffset + 2 * kTile * 4;
-  static constexpr int kBufferOffset = kNanOffset + 2 * 8;
-  static constexpr int kBytes = kBufferOffset + (kFp8Buffer ? kFp8TileBytes : 0);
-  static_assert(kKvOffset % 1024 == 0 && kPOffset % 1024 == 0, "swizzle atoms are 1024-aligned");
-  static_assert(kBufferOffset % 16 == 0, "cp.async destinations are 16-byte aligned");
-  // + 1024: the block aligns its tiles itself (kSmemAlignSlack).
-  static_assert(kBytes + 1024 <= 227 * 1024, "shared memory of one block exceeds the sm_90 limit");
-};
-
-template <int kMTiles, bool kBf16Pool, MmaPath kPath>
-using AttentionSmemLayout = std::conditional_t<kPath == MmaPath::kWgmma, WgmmaSmemLayout<kBf16Pool>,
-                                               MlaSmemLayout<kMTiles, kBf16Pool>>;
 
 // ---- KV write and pool cast -------------------------------------------------------------------
 
@@ -1307,8 +1292,8 @@ template <int kMTiles, bool kBf16Pool, MmaPath kPath>
 __device__ __forceinline__ void attend_pass(
     const MlaAttentionParams& p, const BlockWork& w, const AttentionPass& pass,
     AttentionSmem& tiles, const ThreadRole& t,
-    const OneRowQ<AttentionSmemLayout<kMTiles, kBf16Pool, kPath>::kRows>* q_loaded) {
-  using Layout = AttentionSmemLayout<kMTiles, kBf16Pool, kPath>;
+    const OneRowQ<MlaSmemLayout<kMTiles, kBf16Pool, kPath>::kRows>* q_loaded) {
+  using Layout = MlaSmemLayout<kMTiles, kBf16Pool, kPath>;
   using Tiling = AttentionWarpTiling<kMTiles>;
   using Addr = TileAddressing<kPath>;
   constexpr bool kWgmma = kPath == MmaPath::kWgmma;
@@ -1375,11 +1360,6 @@ __device__ __forceinline__ void attend_pass(
   write_attention_output(p, w, pass, t, state);
 }
 
-// Extra dynamic shared memory a block asks for so that it can start its tiles 1024-byte aligned
-// (wgmma's swizzle atoms); the mma.sync layouts need 128.
-template <MmaPath kPath>
-inline constexpr int kSmemAlignSlack = kPath == MmaPath::kWgmma ? 1024 : 0;
-
 template <MmaPath kPath>
 __device__ __forceinline__ unsigned char* aligned_tiles(unsigned char* smem) {
   if constexpr (kPath == MmaPath::kWgmma) {
@@ -1390,13 +1370,13 @@ __device__ __forceinline__ unsigned char* aligned_tiles(unsigned char* smem) {
 }
 
 // grid: row_groups * head_blocks * num_splits blocks (split fastest), kThreads threads, dynamic
-// shared memory AttentionSmemLayout<kMTiles, kBf16Pool, kPath>::kBytes + kSmemAlignSlack<kPath>.
+// shared memory MlaSmemLayout<kMTiles, kBf16Pool, kPath>::kBytes + kSmemAlignSlack<kPath>.
 // A group's rows normally belong to one request (one pass); a group that spans requests takes one
 // pass per request.
 template <int kMTiles, bool kBf16Pool, MmaPath kPath = MmaPath::kMmaSync>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     mla_attention_kernel(const __grid_constant__ MlaAttentionParams p) {
-  using Layout = AttentionSmemLayout<kMTiles, kBf16Pool, kPath>;
+  using Layout = MlaSmemLayout<kMTiles, kBf16Pool, kPath>;
   using Tiling = AttentionWarpTiling<kMTiles>;
   // The merge (split-KV) may launch once every block of this grid has got here, i.e. has started:
   // its blocks then take only what this grid leaves free of the SMs, and wait for this grid's
