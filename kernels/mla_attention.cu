@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <type_traits>
 
@@ -202,7 +203,7 @@ bool probe_wgmma() {
 detail::MmaPath four_tile_mma_path() {
   static const bool has_wgmma = probe_wgmma();
   const char* forced = std::getenv("KVAUDIT_CUDA_MMA");
-  if (forced != nullptr && std::string(forced) == "mma-sync") return detail::MmaPath::kMmaSync;
+  if (forced != nullptr && std::strcmp(forced, "mma-sync") == 0) return detail::MmaPath::kMmaSync;
   return has_wgmma ? detail::MmaPath::kWgmma : detail::MmaPath::kMmaSync;
 }
 

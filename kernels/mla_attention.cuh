@@ -1296,8 +1296,7 @@ __device__ __forceinline__ void attend_pass(
   using Layout = MlaSmemLayout<kMTiles, kBf16Pool, kPath>;
   using Tiling = AttentionWarpTiling<kMTiles>;
   using Addr = TileAddressing<kPath>;
-  constexpr bool kWgmma = kPath == MmaPath::kWgmma;
-  static_assert(!kWgmma || kMTiles == 4, "wgmma blocks have 64 M rows");
+  constexpr bool kWgmma = kPath == MmaPath::kWgmma;  // 64 rows (MlaSmemLayout asserts it)
   if (pass.tile_begin >= pass.tile_end) {  // an empty split (short rows): it contributes nothing
     write_empty_split<Layout::kRows>(p, w, pass, t.tid);
     return;

@@ -306,29 +306,36 @@ TEST_CASE("cuda-fp8 decode matches the exact reference across heads, contexts an
   }
 }
 
+// Prefill and extend cases: a fresh prompt, an extend by 37 rows, a request without rows, a
+// 1-token prompt. 1 and 16 heads: blocks of 4 causal rows x 16 heads; 40 and 128 heads: one row x
+// 64 heads per block (40: the second block's last 24 heads are padding rows).
+namespace {
+
+std::vector<AttentionCase> prefill_cases() {
+  std::vector<AttentionCase> v;
+  for (const int heads : {1, 16, 40, 128}) {
+    for (const int page : {1, 64}) {
+      AttentionCase c;
+      c.heads = heads;
+      c.page_size = page;
+      c.contexts = {100, 300, 0, 1};
+      c.q_lens = {100, 37, 0, 1};
+      c.kv_scale = 0.0123f;
+      c.value_sigma = 0.05f;
+      c.seed = 100 + heads + page;
+      v.push_back(c);
+    }
+  }
+  return v;
+}
+
+}  // namespace
+
 TEST_CASE("cuda-fp8 prefill and extend (causal rows) match the exact reference",
           "[gpu][cuda-fp8]") {
   KVAUDIT_REQUIRE_GPU();
   auto backend = make(false);
-  const std::vector<AttentionCase> cases = [] {
-    std::vector<AttentionCase> v;
-    // 40 heads: two blocks of 32, the second half empty (padding rows of an m16 tile pair).
-    for (const int heads : {1, 16, 40, 128}) {
-      for (const int page : {1, 64}) {
-        AttentionCase c;
-        c.heads = heads;
-        c.page_size = page;
-        c.contexts = {100, 300, 0, 1};  // fresh prompt, extend by 37 rows, skipped, 1-token prompt
-        c.q_lens = {100, 37, 0, 1};
-        c.kv_scale = 0.0123f;
-        c.value_sigma = 0.05f;
-        c.seed = 100 + heads + page;
-        v.push_back(c);
-      }
-    }
-    return v;
-  }();
-  for (const auto& c : cases) {
+  for (const auto& c : prefill_cases()) {
     const BuiltCase b = build(c);
     const Outputs got = run_backend(*backend, b);
     check_against_reference(c, b, got);
@@ -387,7 +394,7 @@ TEST_CASE("cuda-fp8 64-row blocks match the reference on both tensor-core paths"
   REQUIRE(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess);
   REQUIRE(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess);
   auto backend = make(false);
-  std::vector<AttentionCase> cases;
+  std::vector<AttentionCase> cases = prefill_cases();  // all of them run in 64-row blocks
   for (const int page : {1, 64}) {
     AttentionCase decode;
     decode.heads = 128;
@@ -397,18 +404,6 @@ TEST_CASE("cuda-fp8 64-row blocks match the reference on both tensor-core paths"
     decode.kv_scale = 0.37f;
     decode.seed = 700 + page;
     cases.push_back(decode);
-    // 16 heads: blocks of 4 causal rows x 16 heads; 40 heads: one row x 64 heads per block.
-    for (const int heads : {16, 40}) {
-      AttentionCase prefill;
-      prefill.heads = heads;
-      prefill.page_size = page;
-      prefill.contexts = {300, 77};
-      prefill.q_lens = {200, 77};
-      prefill.kv_scale = 0.0123f;
-      prefill.value_sigma = 0.05f;
-      prefill.seed = 800 + page + heads;
-      cases.push_back(prefill);
-    }
   }
   for (const char* forced : {static_cast<const char*>(nullptr), "mma-sync"}) {
     const ScopedMmaPath scope(forced);
