@@ -79,6 +79,28 @@ __device__ __forceinline__ void mma_m16n8k16_bf16_f32(float (&d)[4], const std::
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32: the k8 shape (a: 2 registers, rows group
+// and group + 8, columns 2 quad + {0, 1}; b: 1 register, k 2 quad + {0, 1} of column group).
+__device__ __forceinline__ void mma_m16n8k8_bf16_f32(float (&d)[4], std::uint32_t a0,
+                                                     std::uint32_t a1, std::uint32_t b0) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(b0));
+}
+
+// movmatrix.sync.aligned.m8n8.trans.b16: transposes an 8x8 b16 matrix held by the warp in the
+// fragment layout (lane 4 row + c holds elements (row, 2c) and (row, 2c + 1)) without shared
+// memory: lane 4 r + c receives elements (2c, r) and (2c + 1, r) of the source (sm_75+).
+__device__ __forceinline__ std::uint32_t movmatrix_m8n8_trans(std::uint32_t fragment) {
+  std::uint32_t transposed;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n"
+               : "=r"(transposed)
+               : "r"(fragment));
+  return transposed;
+}
+
 // ---- conversions -------------------------------------------------------------------------------
 
 // cvt.rn.bf16x2.f32: two fp32 -> two bf16, round to nearest even (NaN stays NaN); `lo` goes to
