@@ -5,8 +5,10 @@
 // Grid of the attention kernel: row_groups * head_blocks * num_splits blocks of 256 threads, one
 // block per (group of rows_per_block query rows, block of heads, split of the rows' 64-token
 // tiles), one block per SM. Shapes (choose_rows_and_heads):
-//   decode, H <= 16: kMTiles = 1, one row x 16 heads (8 warps split Q.K^T into 4 token quarters x
-//     2 k halves with Q fragments in registers, P.V into 8 dim slices; ~104 KiB shared memory);
+//   decode, H <= 16: one row x 16 heads; a split of >= 8 tiles runs mla_decode_registers_kernel
+//     (each warp keeps 64 columns of every token of a tile in registers, ~39 KiB shared memory),
+//     a shorter one kMTiles = 1 (8 warps split Q.K^T into 4 token quarters x 2 k halves with Q
+//     fragments in registers, P.V into 8 dim slices; ~104 KiB shared memory);
 //   decode, H <= 32: kMTiles = 2, one row x 32 heads (~116 KiB);
 //   decode, H > 32: kMTiles = 4, one row x 64 heads, ceil(H / 64) head blocks (~193 KiB);
 //   prefill / extend (rows >= 2 x requests), H <= 32: kMTiles = 4, 4 (or 2) consecutive causal
@@ -39,6 +41,7 @@
 
 #include "kernels/mla_attention.cuh"
 #include "kernels/mla_attention_cuda.hpp"
+#include "kernels/mla_decode_registers.cuh"
 
 namespace kvaudit::cuda {
 
@@ -100,12 +103,15 @@ void choose_rows_and_heads(const MlaAttentionProblem& problem, LaunchShape& shap
 // Rows shorter than max_kv_len get empty splits, which exit at once.
 constexpr int kSplitOverheadTiles = 3;
 
+int max_kv_tiles(const MlaAttentionProblem& problem) {
+  return std::max(1, (problem.max_kv_len + mla::kKvTileTokens - 1) / mla::kKvTileTokens);
+}
+
 LaunchShape launch_shape(const MlaAttentionProblem& problem) {
   LaunchShape shape;
   choose_rows_and_heads(problem, shape);
   const long long base = static_cast<long long>(shape.row_groups) * shape.head_blocks;
-  const int max_tiles =
-      std::max(1, (problem.max_kv_len + mla::kKvTileTokens - 1) / mla::kKvTileTokens);
+  const int max_tiles = max_kv_tiles(problem);
   const long long slots = static_cast<long long>(device_multiprocessors()) * detail::kBlocksPerSm;
   if (base <= 0 || base >= slots) return shape;
   long long best_cost = -1;
@@ -246,11 +252,45 @@ Status launch_attention_kernel(const detail::MlaAttentionParams& params, long lo
   return cuda_status(cudaGetLastError(), "mla_attention_kernel launch");
 }
 
+// Blocks of one m16 tile (decode, H <= 16): mla_decode_registers_kernel (the KV tile in registers,
+// kernels/mla_decode_registers.cuh) when a split holds at least kRegisterTileMinTiles tiles, else
+// mla_attention_kernel<1, ...> (the tile through shared memory). KVAUDIT_CUDA_DECODE16=shared-tile
+// or =registers forces one (A/B measurements, the [gpu] test that runs both); read at every launch.
+enum class Decode16Kernel { kSharedTile, kRegisterTile };
+constexpr int kRegisterTileMinTiles = 8;
+
+Decode16Kernel decode16_kernel(const LaunchShape& shape, int max_tiles) {
+  const char* forced = std::getenv("KVAUDIT_CUDA_DECODE16");
+  if (forced != nullptr && std::strcmp(forced, "shared-tile") == 0) {
+    return Decode16Kernel::kSharedTile;
+  }
+  if (forced != nullptr && std::strcmp(forced, "registers") == 0) {
+    return Decode16Kernel::kRegisterTile;
+  }
+  const int tiles_per_split = (max_tiles + shape.num_splits - 1) / shape.num_splits;
+  return tiles_per_split >= kRegisterTileMinTiles ? Decode16Kernel::kRegisterTile
+                                                  : Decode16Kernel::kSharedTile;
+}
+
+template <bool kBf16Pool>
+Status launch_decode_registers_kernel(const detail::MlaAttentionParams& params, long long blocks,
+                                      cudaStream_t stream) {
+  detail::mla_decode_registers_kernel<kBf16Pool>
+      <<<static_cast<unsigned>(blocks), detail::kThreads, detail::RegisterTileLayout::kBytes,
+         stream>>>(params);
+  return cuda_status(cudaGetLastError(), "mla_decode_registers_kernel launch");
+}
+
 // Four m16 tiles take wgmma where four_tile_mma_path says so (both pool elements, so that
 // cuda-cast-bf16 keeps running cuda-fp8's tiling and arithmetic).
 template <int kMTiles, bool kBf16Pool>
 Status launch_attention_kernel_on_path(const detail::MlaAttentionParams& params, long long blocks,
-                                       cudaStream_t stream) {
+                                       Decode16Kernel decode16, cudaStream_t stream) {
+  if constexpr (kMTiles == 1) {
+    if (decode16 == Decode16Kernel::kRegisterTile) {
+      return launch_decode_registers_kernel<kBf16Pool>(params, blocks, stream);
+    }
+  }
   if constexpr (kMTiles == 4) {
     if (four_tile_mma_path() == detail::MmaPath::kWgmma) {
       return launch_attention_kernel<kMTiles, kBf16Pool, detail::MmaPath::kWgmma>(params, blocks,
@@ -389,10 +429,11 @@ Status launch_mla_attention(const MlaAttentionProblem& problem, void* workspace,
   if (blocks > 0x7FFFFFFFLL) {
     return unsupported(kWhere, "grid of " + std::to_string(blocks) + " blocks");
   }
+  const Decode16Kernel decode16 = decode16_kernel(shape, max_kv_tiles(problem));
   KVAUDIT_TRY(dispatch_pool_element(problem.pool_element, [&](auto bf16_pool) {
     return dispatch_m_tiles(shape.m_tiles, [&](auto m_tiles) {
       return launch_attention_kernel_on_path<decltype(m_tiles)::value, decltype(bf16_pool)::value>(
-          params, blocks, stream);
+          params, blocks, decode16, stream);
     });
   }));
   if (shape.num_splits > 1) KVAUDIT_TRY(launch_merge_kernel(params, stream));

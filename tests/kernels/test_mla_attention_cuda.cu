@@ -357,29 +357,30 @@ TEST_CASE("cuda-fp8 long context (split-KV merge) matches the exact reference", 
   check_against_reference(c, b, got);
 }
 
-// Sets KVAUDIT_CUDA_MMA for the scope (the launcher reads it at every launch) and restores it.
-class ScopedMmaPath {
+// Sets an environment variable the launcher reads at every launch (KVAUDIT_CUDA_MMA,
+// KVAUDIT_CUDA_DECODE16) for the scope, or unsets it (nullptr), and restores it after.
+class ScopedEnv {
  public:
-  explicit ScopedMmaPath(const char* value) {
-    if (const char* old = std::getenv(kName); old != nullptr) saved_ = old;
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name_); old != nullptr) saved_ = old;
     if (value != nullptr) {
-      setenv(kName, value, 1);
+      setenv(name_, value, 1);
     } else {
-      unsetenv(kName);
+      unsetenv(name_);
     }
   }
-  ~ScopedMmaPath() {
+  ~ScopedEnv() {
     if (saved_.has_value()) {
-      setenv(kName, saved_->c_str(), 1);
+      setenv(name_, saved_->c_str(), 1);
     } else {
-      unsetenv(kName);
+      unsetenv(name_);
     }
   }
-  ScopedMmaPath(const ScopedMmaPath&) = delete;
-  ScopedMmaPath& operator=(const ScopedMmaPath&) = delete;
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
 
  private:
-  static constexpr const char* kName = "KVAUDIT_CUDA_MMA";
+  const char* name_;
   std::optional<std::string> saved_;
 };
 
@@ -406,7 +407,7 @@ TEST_CASE("cuda-fp8 64-row blocks match the reference on both tensor-core paths"
     cases.push_back(decode);
   }
   for (const char* forced : {static_cast<const char*>(nullptr), "mma-sync"}) {
-    const ScopedMmaPath scope(forced);
+    const ScopedEnv scope("KVAUDIT_CUDA_MMA", forced);
     const kvaudit::cuda::TensorCorePath path = kvaudit::cuda::mla_attention_64_row_path();
     if (forced != nullptr) {
       CHECK(path == kvaudit::cuda::TensorCorePath::kMmaSync);
@@ -418,6 +419,46 @@ TEST_CASE("cuda-fp8 64-row blocks match the reference on both tensor-core paths"
 #endif
     }
     INFO("path " << (path == kvaudit::cuda::TensorCorePath::kWgmma ? "wgmma" : "mma.sync"));
+    for (const auto& c : cases) {
+      const BuiltCase b = build(c);
+      const Outputs got = run_backend(*backend, b);
+      check_against_reference(c, b, got);
+    }
+  }
+}
+
+// Decode blocks of at most 16 heads run one of two kernels (the launcher picks by tiles per split):
+// the KV tile through shared memory, or in registers (kernels/mla_decode_registers.cuh). Each,
+// forced, must match the reference on short and long rows, partial tiles, both page sizes, fewer
+// than 16 heads, and with and without split-KV.
+TEST_CASE("cuda-fp8 decode of <= 16 heads matches the reference on both tile kernels",
+          "[gpu][cuda-fp8]") {
+  KVAUDIT_REQUIRE_GPU();
+  auto backend = make(false);
+  std::vector<AttentionCase> cases;
+  std::uint32_t seed = 800;
+  for (const int heads : {1, 9, 16}) {
+    for (const int page : {1, 64}) {
+      AttentionCase c;
+      c.heads = heads;
+      c.page_size = page;
+      c.contexts = {1, 63, 1000, 4096 + 5, 0, 20000};
+      c.q_lens = {1, 1, 1, 1, 0, 1};
+      c.kv_scale = (seed % 2) ? 0.37f : 1.7f;
+      c.seed = seed++;
+      cases.push_back(c);
+    }
+  }
+  AttentionCase wide;  // 160 requests: more blocks than SMs, no split-KV
+  wide.heads = 16;
+  wide.page_size = 64;
+  wide.contexts = std::vector<int>(160, 700);
+  wide.q_lens = std::vector<int>(160, 1);
+  wide.seed = seed++;
+  cases.push_back(wide);
+  for (const char* kernel : {"shared-tile", "registers"}) {
+    const ScopedEnv scope("KVAUDIT_CUDA_DECODE16", kernel);
+    INFO("decode kernel " << kernel);
     for (const auto& c : cases) {
       const BuiltCase b = build(c);
       const Outputs got = run_backend(*backend, b);
@@ -495,6 +536,10 @@ TEST_CASE("cuda-fp8 saturates writes at +-448 and attends on the saturated codes
 
 TEST_CASE("cuda-cast-bf16 agrees with cuda-fp8", "[gpu][cuda-cast-bf16]") {
   KVAUDIT_REQUIRE_GPU();
+  // Both decode kernels of <= 16 heads take both pool elements.
+  const char* kernel = GENERATE(as<const char*>{}, "shared-tile", "registers");
+  const ScopedEnv scope("KVAUDIT_CUDA_DECODE16", kernel);
+  INFO("decode kernel " << kernel);
   auto fp8 = make(false);
   auto cast = make(true);
   for (const int heads : {16, 128}) {
@@ -631,6 +676,9 @@ TEST_CASE("cuda-fp8 injects every fault (and --reciprocal-scale) as cpu-fp8 does
 TEST_CASE("cuda-fp8 propagates a NaN code in a visible token, as the reference does",
           "[gpu][cuda-fp8]") {
   KVAUDIT_REQUIRE_GPU();
+  const char* kernel = GENERATE(as<const char*>{}, "shared-tile", "registers");
+  const ScopedEnv scope("KVAUDIT_CUDA_DECODE16", kernel);
+  INFO("decode kernel " << kernel);
   auto backend = make(false);
   AttentionCase c;
   c.heads = 16;
