@@ -49,11 +49,17 @@ __device__ __forceinline__ std::uint32_t e4m3x2_to_bf16x2(std::uint16_t codes) {
   return ptx::cvt_rn_bf16x2_f32(lo, hi);
 }
 
+__device__ __forceinline__ std::uint32_t f16x2_to_bf16x2(std::uint32_t halves) {
+  float lo, hi;
+  ptx::cvt_f32_f16x2(halves, lo, hi);
+  return ptx::cvt_rn_bf16x2_f32(lo, hi);
+}
+
+// Four codes (byte n = code n) -> two bf16x2 (codes 0, 1 and 2, 3), exactly as e4m3x2_to_bf16x2.
 __device__ __forceinline__ uint2 e4m3x4_to_bf16x4(std::uint32_t codes) {
-  uint2 r;
-  r.x = e4m3x2_to_bf16x2(static_cast<std::uint16_t>(codes & 0xFFFF));
-  r.y = e4m3x2_to_bf16x2(static_cast<std::uint16_t>(codes >> 16));
-  return r;
+  std::uint32_t lo, hi;
+  ptx::cvt_rn_f16x2_e4m3x4(codes, lo, hi);
+  return make_uint2(f16x2_to_bf16x2(lo), f16x2_to_bf16x2(hi));
 }
 
 // Bit 7 of byte n is set where code n of `codes` is a NaN code (its low 7 bits all ones): adding 1

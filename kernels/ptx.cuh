@@ -119,6 +119,16 @@ __device__ __forceinline__ std::uint32_t cvt_rn_f16x2_e4m3x2(std::uint16_t codes
   return halves;
 }
 
+// The same for four codes: the low and the high code pair of `codes` into two f16x2, each half
+// taken as a 16-bit operand of the 32-bit register (so no shift extracts the high pair).
+__device__ __forceinline__ void cvt_rn_f16x2_e4m3x4(std::uint32_t codes, std::uint32_t& lo,
+                                                    std::uint32_t& hi) {
+  asm("{ .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n"
+      " cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+      : "=r"(lo), "=r"(hi)
+      : "r"(codes));
+}
+
 // mov.b32 {l, h} + cvt.f32.f16: unpack an f16x2 register into two fp32 (exact widening).
 __device__ __forceinline__ void cvt_f32_f16x2(std::uint32_t halves, float& lo, float& hi) {
   asm("{ .reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;\n}\n"

@@ -245,6 +245,27 @@ __global__ void decode_all_codes_kernel(std::uint32_t* out) {
       static_cast<std::uint16_t>((2 * i) | ((2 * i + 1) << 8)));
 }
 
+// Thread i (256 threads) decodes the word of codes i, i + 1, i + 2, i + 3 (mod 256, byte n = code
+// i + n) with e4m3x4_to_bf16x4, so every code passes through every byte position once.
+__global__ void decode_all_codes_x4_kernel(uint2* out) {
+  const unsigned i = threadIdx.x;
+  const std::uint32_t word = (i & 0xFFu) | (((i + 1) & 0xFFu) << 8) | (((i + 2) & 0xFFu) << 16) |
+                             (((i + 3) & 0xFFu) << 24);
+  out[i] = kvaudit::cuda::detail::e4m3x4_to_bf16x4(word);
+}
+
+// The bf16 bits of a decoded code agree with the host codec (NaN codes: any NaN).
+void check_decoded_code(int code, std::uint16_t bits) {
+  const float value = kvaudit::bf16_to_float(bits);
+  const float expected = kvaudit::e4m3_decode(static_cast<std::uint8_t>(code));
+  INFO("code 0x" << std::hex << code);
+  if (kvaudit::e4m3_is_nan(static_cast<std::uint8_t>(code))) {
+    CHECK(std::isnan(value));
+  } else {
+    CHECK(kvaudit::float_bits(value) == kvaudit::float_bits(expected));  // sign of zero too
+  }
+}
+
 }  // namespace
 
 TEST_CASE("device e4m3 -> bf16 decode is exact for all 256 codes", "[gpu][fp8]") {
@@ -256,15 +277,26 @@ TEST_CASE("device e4m3 -> bf16 decode is exact for all 256 codes", "[gpu][fp8]")
   REQUIRE(cudaMemcpy(got, d_out, sizeof got, cudaMemcpyDeviceToHost) == cudaSuccess);
   cudaFree(d_out);
   for (int code = 0; code < 256; ++code) {
-    const std::uint16_t bits =
-        static_cast<std::uint16_t>(code % 2 ? got[code / 2] >> 16 : got[code / 2] & 0xFFFF);
-    const float value = kvaudit::bf16_to_float(bits);
-    const float expected = kvaudit::e4m3_decode(static_cast<std::uint8_t>(code));
-    INFO("code 0x" << std::hex << code);
-    if (kvaudit::e4m3_is_nan(static_cast<std::uint8_t>(code))) {
-      CHECK(std::isnan(value));
-    } else {
-      CHECK(kvaudit::float_bits(value) == kvaudit::float_bits(expected));  // sign of zero too
+    check_decoded_code(
+        code, static_cast<std::uint16_t>(code % 2 ? got[code / 2] >> 16 : got[code / 2] & 0xFFFF));
+  }
+}
+
+TEST_CASE("device e4m3x4 -> bf16x4 decode is exact for every code in every byte position",
+          "[gpu][fp8]") {
+  KVAUDIT_REQUIRE_GPU();
+  uint2* d_out = nullptr;
+  REQUIRE(cudaMalloc(&d_out, 256 * sizeof(uint2)) == cudaSuccess);
+  decode_all_codes_x4_kernel<<<1, 256>>>(d_out);
+  uint2 got[256];
+  REQUIRE(cudaMemcpy(got, d_out, sizeof got, cudaMemcpyDeviceToHost) == cudaSuccess);
+  cudaFree(d_out);
+  for (int i = 0; i < 256; ++i) {
+    const std::uint32_t halves[4] = {got[i].x & 0xFFFFu, got[i].x >> 16, got[i].y & 0xFFFFu,
+                                     got[i].y >> 16};
+    for (int n = 0; n < 4; ++n) {
+      INFO("thread " << i << ", byte " << n);
+      check_decoded_code((i + n) % 256, static_cast<std::uint16_t>(halves[n]));
     }
   }
 }
