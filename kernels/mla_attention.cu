@@ -282,8 +282,9 @@ Status launch_decode_registers_kernel(const detail::MlaAttentionParams& params, 
   return cuda_status(cudaGetLastError(), "mla_decode_registers_kernel launch");
 }
 
-// Four m16 tiles take wgmma where four_tile_mma_path says so (both pool elements, so that
-// cuda-cast-bf16 keeps running cuda-fp8's tiling and arithmetic).
+// One m16 tile takes the register-tile kernel where decode16 says so, four m16 tiles wgmma where
+// four_tile_mma_path says so; both pool elements alike, so that cuda-cast-bf16 keeps running
+// cuda-fp8's tiling and arithmetic.
 template <int kMTiles, bool kBf16Pool>
 Status launch_attention_kernel_on_path(const detail::MlaAttentionParams& params, long long blocks,
                                        Decode16Kernel decode16, cudaStream_t stream) {

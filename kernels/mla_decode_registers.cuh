@@ -132,15 +132,18 @@ struct RegisterQ {
 };
 
 // The codes of this lane's part of one tile, fetched a tile ahead: for token 8 i + group, its 16
-// nope columns (16 FP8 codes, or 16 bf16 values of a bf16 pool) and its 2 rope columns. Tokens
-// without a slot (past the split or the readable range) are zeros.
+// nope columns (16 FP8 codes, or 16 bf16 values of a bf16 pool) and its 2 rope columns. A token
+// without a slot (past the split or the readable range) reads slot 0 and counts as zeros when
+// decoded (present[i]): no branch guards a load, and nothing uses a loaded register before the
+// decode (zeroing right after the load made the compiler wait for it, so the fetch a tile ahead
+// became a wait on every tile: reports/h200-kernels-limit/experiments/11-register-tile-decode.txt).
 template <bool kBf16Pool>
 struct RegisterCodes {
   static constexpr int kNopeVectors = kBf16Pool ? 2 : 1;  // 16-byte vectors per token
   static constexpr int kElementBytes = kBf16Pool ? 2 : 1;
   uint4 nope[kRegTokenTiles][kNopeVectors];
   std::uint32_t rope[kRegTokenTiles];
-  bool present[kRegTokenTiles];
+  bool present[kRegTokenTiles];  // the token has a slot
 
   __device__ __forceinline__ void fetch(const MlaAttentionParams& p, const std::int32_t* slots,
                                         const RegisterLane& l) {
