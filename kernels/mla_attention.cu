@@ -257,7 +257,8 @@ Status launch_attention_kernel(const detail::MlaAttentionParams& params, long lo
 // kernels/mla_decode_registers.cuh) when a split holds at least kRegisterTileMinTiles tiles, else
 // mla_attention_kernel<1, ...> (the tile through shared memory). KVAUDIT_CUDA_DECODE16=shared-tile
 // or =registers forces one (A/B measurements, the [gpu] test that runs both); read at every launch.
-enum class Decode16Kernel { kSharedTile, kRegisterTile };
+// The threshold is the crossover measured on the H200 (registers / shared-tile time 1.01-1.08 at
+// 1-4 tiles per split, 0.975-0.994 at 8, 0.87 from 128 on: reports/bench-h200.md).
 constexpr int kRegisterTileMinTiles = 8;
 
 Decode16Kernel decode16_kernel(const LaunchShape& shape, int max_tiles) {
@@ -408,6 +409,13 @@ long long elementwise_blocks(long long elements, long long max_blocks) {
 TensorCorePath mla_attention_64_row_path() {
   return four_tile_mma_path() == detail::MmaPath::kWgmma ? TensorCorePath::kWgmma
                                                          : TensorCorePath::kMmaSync;
+}
+
+Decode16Kernel mla_attention_decode16_kernel(const MlaAttentionProblem& problem) {
+  if (!check_problem(problem).ok()) return Decode16Kernel::kNone;
+  const LaunchShape shape = launch_shape(problem);
+  if (shape.m_tiles != 1) return Decode16Kernel::kNone;
+  return decode16_kernel(shape, max_kv_tiles(problem));
 }
 
 std::size_t mla_attention_workspace_bytes(const MlaAttentionProblem& problem) {

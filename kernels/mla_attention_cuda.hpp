@@ -64,6 +64,14 @@ struct MlaAttentionProblem {
 enum class TensorCorePath { kMmaSync, kWgmma };
 TensorCorePath mla_attention_64_row_path();
 
+// The kernel that runs a problem's blocks of at most 16 heads (decode): the KV tile in registers
+// when each block streams at least 8 of the 64-token tiles, else through shared memory (the
+// register-tile kernel's first tile is slower, every later one faster; docs/kernels.md);
+// KVAUDIT_CUDA_DECODE16=shared-tile or =registers forces one (read at every launch). kNone: the
+// problem has no such blocks (more than 16 heads, prefill and extend) or is unsupported.
+enum class Decode16Kernel { kNone, kSharedTile, kRegisterTile };
+Decode16Kernel mla_attention_decode16_kernel(const MlaAttentionProblem& problem);
+
 // Scratch for split-KV partial (out, lse); sized by mla_attention_workspace_bytes.
 std::size_t mla_attention_workspace_bytes(const MlaAttentionProblem& problem);
 

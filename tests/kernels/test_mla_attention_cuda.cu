@@ -467,6 +467,49 @@ TEST_CASE("cuda-fp8 decode of <= 16 heads matches the reference on both tile ker
   }
 }
 
+// Which of the two kernels a 16-head decode runs: one tile per block can only take the shared-tile
+// kernel, 64 requests of 128 tiles (two 64-tile splits on a 132-SM GPU, never fewer than 8 tiles a
+// block on any GPU of fewer than 1,000 SMs) the register-tile one; 32 heads and prefill have no
+// such blocks; the environment forces either.
+TEST_CASE("the launcher picks the register-tile decode kernel for long splits only",
+          "[gpu][cuda-fp8]") {
+  KVAUDIT_REQUIRE_GPU();
+  using kvaudit::cuda::Decode16Kernel;
+  const auto problem = [](int batch, int rows, int heads, int max_kv_len) {
+    kvaudit::cuda::MlaAttentionProblem p;
+    p.batch = batch;
+    p.num_rows = rows;
+    p.num_heads = heads;
+    p.page_size = 64;
+    p.num_slots = 1 << 20;
+    p.max_kv_len = max_kv_len;
+    return p;
+  };
+  const ScopedEnv unset("KVAUDIT_CUDA_DECODE16", nullptr);
+  CHECK(kvaudit::cuda::mla_attention_decode16_kernel(problem(1, 1, 16, 64)) ==
+        Decode16Kernel::kSharedTile);
+  CHECK(kvaudit::cuda::mla_attention_decode16_kernel(problem(64, 64, 16, 8192)) ==
+        Decode16Kernel::kRegisterTile);
+  CHECK(kvaudit::cuda::mla_attention_decode16_kernel(problem(64, 64, 9, 8192)) ==
+        Decode16Kernel::kRegisterTile);
+  CHECK(kvaudit::cuda::mla_attention_decode16_kernel(problem(64, 64, 32, 8192)) ==
+        Decode16Kernel::kNone);
+  CHECK(kvaudit::cuda::mla_attention_decode16_kernel(problem(1, 4096, 16, 4096)) ==
+        Decode16Kernel::kNone);  // prefill: 64-row blocks
+  CHECK(kvaudit::cuda::mla_attention_decode16_kernel(problem(1, 1, 200, 64)) ==
+        Decode16Kernel::kNone);  // unsupported
+  {
+    const ScopedEnv forced("KVAUDIT_CUDA_DECODE16", "registers");
+    CHECK(kvaudit::cuda::mla_attention_decode16_kernel(problem(1, 1, 16, 64)) ==
+          Decode16Kernel::kRegisterTile);
+  }
+  {
+    const ScopedEnv forced("KVAUDIT_CUDA_DECODE16", "shared-tile");
+    CHECK(kvaudit::cuda::mla_attention_decode16_kernel(problem(64, 64, 16, 8192)) ==
+          Decode16Kernel::kSharedTile);
+  }
+}
+
 // One request of 132 tiles: on a 132-SM H100/H200 the launcher gives it 132 one-tile splits, more
 // than the wide merge's threads hold in registers (8 per split group of 16): the last 4 are read
 // after the barrier. Two requests of at most 15 tiles: 15 splits, the narrow merge.
