@@ -280,6 +280,16 @@ void compare(const char* against, const AttentionCase& c, const BuiltCase& b, co
   CHECK(failures == 0);
 }
 
+// Each case built, run on `backend` and checked against the exact reference.
+void check_cases_against_reference(kvaudit::Backend& backend,
+                                   const std::vector<AttentionCase>& cases) {
+  for (const auto& c : cases) {
+    const BuiltCase b = build(c);
+    const Outputs got = run_backend(backend, b);
+    check_against_reference(c, b, got);
+  }
+}
+
 }  // namespace
 
 TEST_CASE("cuda-fp8 decode matches the exact reference across heads, contexts and pages",
@@ -335,11 +345,7 @@ TEST_CASE("cuda-fp8 prefill and extend (causal rows) match the exact reference",
           "[gpu][cuda-fp8]") {
   KVAUDIT_REQUIRE_GPU();
   auto backend = make(false);
-  for (const auto& c : prefill_cases()) {
-    const BuiltCase b = build(c);
-    const Outputs got = run_backend(*backend, b);
-    check_against_reference(c, b, got);
-  }
+  check_cases_against_reference(*backend, prefill_cases());
 }
 
 TEST_CASE("cuda-fp8 long context (split-KV merge) matches the exact reference", "[gpu][cuda-fp8]") {
@@ -419,11 +425,7 @@ TEST_CASE("cuda-fp8 64-row blocks match the reference on both tensor-core paths"
 #endif
     }
     INFO("path " << (path == kvaudit::cuda::TensorCorePath::kWgmma ? "wgmma" : "mma.sync"));
-    for (const auto& c : cases) {
-      const BuiltCase b = build(c);
-      const Outputs got = run_backend(*backend, b);
-      check_against_reference(c, b, got);
-    }
+    check_cases_against_reference(*backend, cases);
   }
 }
 
@@ -459,11 +461,7 @@ TEST_CASE("cuda-fp8 decode of <= 16 heads matches the reference on both tile ker
   for (const char* kernel : {"shared-tile", "registers"}) {
     const ScopedEnv scope("KVAUDIT_CUDA_DECODE16", kernel);
     INFO("decode kernel " << kernel);
-    for (const auto& c : cases) {
-      const BuiltCase b = build(c);
-      const Outputs got = run_backend(*backend, b);
-      check_against_reference(c, b, got);
-    }
+    check_cases_against_reference(*backend, cases);
   }
 }
 
