@@ -40,19 +40,18 @@ struct DeviceE4m3Rounding {
   }
 };
 
-// Two e4m3 codes (low byte first) -> two bf16 (low half first), exactly: e4m3 -> f16 is exact
-// (cvt.rn.f16x2.e4m3x2), f16 -> f32 exact, and every e4m3 value is a bf16 value, so the final
-// rounding is exact too. NaN codes stay NaN.
-__device__ __forceinline__ std::uint32_t e4m3x2_to_bf16x2(std::uint16_t codes) {
-  float lo, hi;
-  ptx::cvt_f32_f16x2(ptx::cvt_rn_f16x2_e4m3x2(codes), lo, hi);
-  return ptx::cvt_rn_bf16x2_f32(lo, hi);
-}
-
+// Two f16 (an f16x2 register, low half first) holding e4m3 values -> the same two values as bf16:
+// f16 -> f32 is exact and every e4m3 value is a bf16 value, so the rounding to bf16 is exact.
 __device__ __forceinline__ std::uint32_t f16x2_to_bf16x2(std::uint32_t halves) {
   float lo, hi;
   ptx::cvt_f32_f16x2(halves, lo, hi);
   return ptx::cvt_rn_bf16x2_f32(lo, hi);
+}
+
+// Two e4m3 codes (low byte first) -> two bf16 (low half first), exactly: e4m3 -> f16 is exact
+// (cvt.rn.f16x2.e4m3x2), then f16x2_to_bf16x2. NaN codes stay NaN.
+__device__ __forceinline__ std::uint32_t e4m3x2_to_bf16x2(std::uint16_t codes) {
+  return f16x2_to_bf16x2(ptx::cvt_rn_f16x2_e4m3x2(codes));
 }
 
 // Four codes (byte n = code n) -> two bf16x2 (codes 0, 1 and 2, 3), exactly as e4m3x2_to_bf16x2.

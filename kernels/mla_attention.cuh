@@ -746,17 +746,24 @@ __device__ __forceinline__ void fetch_fp8_tile(const MlaAttentionParams& p,
   pieces.commit();
 }
 
+// Slot tables ([2, kTile] int32, tile t in table t % 2) of the pass's first two tiles, by threads
+// 0 .. kTile - 1; read after the caller's next barrier. Both FP8 kernels start this way.
+__device__ __forceinline__ void store_first_slot_tables(const MlaAttentionParams& p,
+                                                        const AttentionPass& pass,
+                                                        std::int32_t* slot, int tid) {
+  if (tid < kTile) {
+    slot[(pass.tile_begin % 2) * kTile + tid] = tile_slot(p, pass, pass.tile_begin, tid);
+    slot[((pass.tile_begin + 1) % 2) * kTile + tid] = tile_slot(p, pass, pass.tile_begin + 1, tid);
+  }
+}
+
 // Slot tables of the pass's first two tiles, NaN masks cleared, the first tile fetched.
 template <typename Addr, Fp8Staging kStaging>
 __device__ __forceinline__ void start_fp8_fetch(const MlaAttentionParams& p,
                                                 const AttentionPass& pass,
                                                 const AttentionSmem& smem, int tid,
                                                 Fp8Pieces<kStaging>& pieces) {
-  if (tid < kTile) {
-    smem.slot[(pass.tile_begin % 2) * kTile + tid] = tile_slot(p, pass, pass.tile_begin, tid);
-    smem.slot[((pass.tile_begin + 1) % 2) * kTile + tid] =
-        tile_slot(p, pass, pass.tile_begin + 1, tid);
-  }
+  store_first_slot_tables(p, pass, smem.slot, tid);
   if (tid < 4) smem.nan[tid] = 0;
   __syncthreads();
   fetch_fp8_tile<Addr>(p, pass, smem, tid, pass.tile_begin, pieces);
@@ -1016,6 +1023,21 @@ struct SoftmaxState {
   }
 };
 
+// How one row's running state moves onto its new max m_new (m_run: the max before the tile):
+// m_use = m_new, or 0 for a row whose scores are all -inf (it stays all zero), and alpha =
+// exp2(m_run - m_use), 0 before the first tile. Both decode kernels' softmax steps use it.
+struct RowShift {
+  float m_use;
+  float alpha;
+};
+
+__device__ __forceinline__ RowShift shift_row(float m_run, float m_new) {
+  RowShift r;
+  r.m_use = m_new == -INFINITY ? 0.f : m_new;
+  r.alpha = m_run == -INFINITY ? 0.f : exp2f(m_run - r.m_use);
+  return r;
+}
+
 // The tile's new row max and the factor that moves the running state onto it.
 struct RowRescale {
   float m_new[2];
@@ -1065,9 +1087,10 @@ __device__ __forceinline__ RowRescale block_row_max(const float (&tile_max)[2],
   for (int h = 0; h < 2; ++h) {
     float m = m_run[h];
     for (int w = 0; w < kWn; ++w) m = fmaxf(m, max_s[(t.mt * 16 + t.group + 8 * h) * kWn + w]);
+    const RowShift shift = shift_row(m_run[h], m);
     r.m_new[h] = m;
-    r.m_use[h] = m == -INFINITY ? 0.f : m;  // a row whose scores are all -inf stays all zero
-    r.alpha[h] = m_run[h] == -INFINITY ? 0.f : exp2f(m_run[h] - r.m_use[h]);
+    r.m_use[h] = shift.m_use;
+    r.alpha[h] = shift.alpha;
   }
   return r;
 }
@@ -1228,6 +1251,13 @@ __device__ __forceinline__ void pv_wgmma(float (&acc)[32][4], const AttentionSme
 
 // ---- attention: epilogue -----------------------------------------------------------------------
 
+// lse of a row from its running max m (base 2) and sum l: base2_lse for a split's partial (the
+// merge's input), natural_lse for out (the model's lse: (m + log2 l) ln 2).
+__device__ __forceinline__ float base2_lse(float m, float l) { return m + log2f(l); }
+__device__ __forceinline__ float natural_lse(float m, float l) {
+  return base2_lse(m, l) * 0.69314718055994531f;
+}
+
 // out = bf16(acc * (kv_scale / l)), lse = (m + log2 l) * ln 2, for row h (0: group, 1: group + 8).
 template <int kPvTiles>
 __device__ __forceinline__ void store_output_row(const MlaAttentionParams& p, std::int64_t out_row,
@@ -1241,7 +1271,7 @@ __device__ __forceinline__ void store_output_row(const MlaAttentionParams& p, st
         ptx::cvt_rn_bf16x2_f32(state.acc[j][2 * h] * factor, state.acc[j][2 * h + 1] * factor);
   }
   if (t.wn == 0 && t.quad == 0) {
-    p.lse[out_row] = (state.m[h] + log2f(state.l[h])) * 0.69314718055994531f;
+    p.lse[out_row] = natural_lse(state.m[h], state.l[h]);
   }
 }
 
@@ -1258,7 +1288,7 @@ __device__ __forceinline__ void store_partial_row(const MlaAttentionParams& p,
     *reinterpret_cast<float2*>(out + j * 8) =
         make_float2(state.acc[j][2 * h] * inverse, state.acc[j][2 * h + 1] * inverse);
   }
-  if (t.wn == 0 && t.quad == 0) p.partial_lse[part_row] = state.m[h] + log2f(state.l[h]);
+  if (t.wn == 0 && t.quad == 0) p.partial_lse[part_row] = base2_lse(state.m[h], state.l[h]);
 }
 
 template <int kPvTiles>
@@ -1610,7 +1640,7 @@ __device__ __forceinline__ void write_merged_row(const MlaMergeParams& p, std::i
       make_uint2(ptx::cvt_rn_bf16x2_f32(sum.x * factor, sum.y * factor),
                  ptx::cvt_rn_bf16x2_f32(sum.z * factor, sum.w * factor));
   if (writes_lse && lane == 0) {
-    p.lse[row_head] = (lse_max + log2f(weight_sum)) * 0.69314718055994531f;
+    p.lse[row_head] = natural_lse(lse_max, weight_sum);
   }
 }
 

@@ -272,8 +272,8 @@ __device__ __forceinline__ void register_softmax(const RegisterTileSmem& smem,
     tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, x));
   }
   const float m_new = fmaxf(state.m, tile_max);
-  const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row all -inf stays all zero
-  const float alpha = state.m == -INFINITY ? 0.f : exp2f(state.m - m_use);
+  const RowShift shift = shift_row(state.m, m_new);
+  const float m_use = shift.m_use, alpha = shift.alpha;
   float p[4];
   float part_sum = 0.f;
 #pragma unroll
@@ -346,7 +346,7 @@ __device__ __forceinline__ void register_write_output(const MlaAttentionParams& 
       uint4* out = reinterpret_cast<uint4*>(p.out + out_row * kDc + l.nope_col());
       out[0] = make_uint4(v[0], v[1], v[2], v[3]);
       out[1] = make_uint4(v[4], v[5], v[6], v[7]);
-      if (l.warp == 0 && l.quad == 0) p.lse[out_row] = (m + log2f(sum)) * 0.69314718055994531f;
+      if (l.warp == 0 && l.quad == 0) p.lse[out_row] = natural_lse(m, sum);
     } else {
       const std::int64_t part_row =
           (static_cast<std::int64_t>(w.row_begin) * p.num_splits + w.split) * p.num_heads + head;
@@ -357,7 +357,7 @@ __device__ __forceinline__ void register_write_output(const MlaAttentionParams& 
         out[n / 2] = make_float4(acc[n][2 * h] * inverse, acc[n][2 * h + 1] * inverse,
                                  acc[n + 1][2 * h] * inverse, acc[n + 1][2 * h + 1] * inverse);
       }
-      if (l.warp == 0 && l.quad == 0) p.partial_lse[part_row] = m + log2f(sum);
+      if (l.warp == 0 && l.quad == 0) p.partial_lse[part_row] = base2_lse(m, sum);
     }
   }
 }
@@ -379,11 +379,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     write_empty_split<16>(p, work, pass, l.tid);
     return;
   }
-  if (l.tid < kTile) {
-    smem.slot[(pass.tile_begin % 2) * kTile + l.tid] = tile_slot(p, pass, pass.tile_begin, l.tid);
-    smem.slot[((pass.tile_begin + 1) % 2) * kTile + l.tid] =
-        tile_slot(p, pass, pass.tile_begin + 1, l.tid);
-  }
+  store_first_slot_tables(p, pass, smem.slot, l.tid);
   __syncthreads();
   RegisterCodes<kBf16Pool> codes;
   codes.fetch(p, smem.slot + (pass.tile_begin % 2) * kTile, l);
