@@ -378,6 +378,33 @@ detail::MlaAttentionParams attention_params(const MlaAttentionProblem& problem,
   return params;
 }
 
+// The host plan (MlaAttentionProblem::host_*): every row of a problem of at most kMaxPlannedRows
+// rows located on the host by the kernels' own rule (detail::row_range), unless the caller gave no
+// host copies or KVAUDIT_CUDA_HOST_PLAN=off (read at every launch, as KVAUDIT_CUDA_MMA is).
+bool host_plan_disabled() {
+  const char* setting = std::getenv("KVAUDIT_CUDA_HOST_PLAN");
+  return setting != nullptr && std::strcmp(setting, "off") == 0;
+}
+
+bool host_plan_applies(const MlaAttentionProblem& problem) {
+  return problem.host_qo_indptr != nullptr && problem.host_kv_indptr != nullptr &&
+         problem.host_kv_last_page_len != nullptr && problem.num_rows <= detail::kMaxPlannedRows &&
+         !host_plan_disabled();
+}
+
+void plan_rows_on_host(const MlaAttentionProblem& problem, detail::MlaAttentionParams& params) {
+  params.planned_rows = 0;
+  if (!host_plan_applies(problem)) return;
+  for (int row = 0; row < problem.num_rows; ++row) {
+    detail::PlannedRow& planned = params.planned[row];
+    planned.range = detail::row_range(problem.host_qo_indptr, problem.host_kv_indptr,
+                                      problem.host_kv_last_page_len, problem.batch,
+                                      problem.page_size, problem.read_masked_tail, row);
+    planned.request_row_end = problem.host_qo_indptr[planned.range.request + 1];
+  }
+  params.planned_rows = problem.num_rows;
+}
+
 // Split-KV: the partial (out, lse) live in the caller's workspace, [rows, splits, H, Dc] fp32
 // then [rows, splits, H] fp32.
 Status assign_workspace(const MlaAttentionProblem& problem, const LaunchShape& shape,
@@ -418,6 +445,10 @@ Decode16Kernel mla_attention_decode16_kernel(const MlaAttentionProblem& problem)
   return decode16_kernel(shape, max_kv_tiles(problem));
 }
 
+bool mla_attention_host_planned(const MlaAttentionProblem& problem) {
+  return check_problem(problem).ok() && host_plan_applies(problem);
+}
+
 std::size_t mla_attention_workspace_bytes(const MlaAttentionProblem& problem) {
   if (!check_problem(problem).ok()) return 0;
   const LaunchShape shape = launch_shape(problem);
@@ -431,6 +462,7 @@ Status launch_mla_attention(const MlaAttentionProblem& problem, void* workspace,
   if (problem.num_rows == 0 || problem.batch == 0) return ok_status();
   const LaunchShape shape = launch_shape(problem);
   detail::MlaAttentionParams params = attention_params(problem, shape);
+  plan_rows_on_host(problem, params);
   if (shape.num_splits > 1) {
     KVAUDIT_TRY(assign_workspace(problem, shape, workspace, workspace_bytes, params));
   }

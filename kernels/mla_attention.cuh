@@ -116,6 +116,55 @@ inline constexpr int kBlocksPerSm = 1;
 
 // ---- parameters, one struct per kernel ---------------------------------------------------------
 
+// ---- where a query row's tokens are (kvdump-v1), on the device and in the launcher's host plan --
+
+struct RowRange {
+  int request;
+  std::int64_t kv_begin;  // first entry of the request in kv_indices
+  int visible;            // tokens this row sees: positions 0 .. visible - 1
+  int readable;           // tokens loaded: `visible`, or (fault) the request's whole pages
+};
+
+// The request owning `row` is the last b with qo_indptr[b] <= row (requests without rows skipped).
+// A request of P pages whose last page holds L tokens has kv_len = (P - 1) page_size + L tokens
+// (0 without pages); its i-th of R rows sees positions 0 .. kv_len - R + i. One rule for the
+// kernels (device arrays) and the launcher's host plan (host copies of the same arrays).
+__host__ __device__ __forceinline__ RowRange row_range(const std::int32_t* qo_indptr,
+                                                       const std::int32_t* kv_indptr,
+                                                       const std::int32_t* kv_last_page_len,
+                                                       int batch, int page_size,
+                                                       bool read_masked_tail, int row) {
+  int lo = 0, hi = batch;  // answer in [lo, hi)
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (qo_indptr[mid] <= row) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  while (lo + 1 < batch && qo_indptr[lo + 1] <= row) ++lo;
+  RowRange r;
+  r.request = lo;
+  r.kv_begin = kv_indptr[lo];
+  const int pages = kv_indptr[lo + 1] - kv_indptr[lo];
+  const int kv_len = pages == 0 ? 0 : (pages - 1) * page_size + kv_last_page_len[lo];
+  const int rows_of_request = qo_indptr[lo + 1] - qo_indptr[lo];
+  r.visible = kv_len - rows_of_request + (row - qo_indptr[lo]) + 1;
+  r.readable = read_masked_tail ? pages * page_size : r.visible;
+  return r;
+}
+
+// Query rows the launcher may locate on the host and pass in the launch parameters (16 x 32
+// bytes): a decode of up to 16 requests then starts its page-table lookup without first reading
+// the request arrays, one cold memory round trip (~1 us on the H200) off a short row's latency.
+inline constexpr int kMaxPlannedRows = 16;
+
+struct PlannedRow {
+  RowRange range;
+  int request_row_end;  // qo_indptr[range.request + 1]: where the request's rows end
+};
+
 // mla_attention_kernel: one block per (query row, block of 16 * kMTiles heads, split).
 struct MlaAttentionParams {
   using QElement = std::uint16_t;  // bf16 bits
@@ -144,6 +193,8 @@ struct MlaAttentionParams {
   float* lse;
   float* partial_out;  // used when num_splits > 1
   float* partial_lse;
+  int planned_rows;  // rows 0 .. planned_rows - 1 are located by `planned`, the others in memory
+  PlannedRow planned[kMaxPlannedRows];
 };
 
 // mla_merge_kernel: MergeShape::kDimChunks blocks per (query row, head), combining the num_splits
@@ -415,34 +466,12 @@ __global__ void cast_pool_kernel(const __grid_constant__ CastPoolParams p) {
 
 // ---- attention: where a block works ------------------------------------------------------------
 
-struct RowRange {
-  int request;
-  std::int64_t kv_begin;  // first entry of the request in kv_indices
-  int visible;            // tokens this row sees: positions 0 .. visible - 1
-  int readable;           // tokens loaded: `visible`, or (fault) the request's whole pages
-};
-
+// The row's request and tokens: from the host plan's launch parameters where the launcher made
+// one (p.planned_rows), else from the request arrays in memory (one dependent round trip).
 __device__ __forceinline__ RowRange locate_row(const MlaAttentionParams& p, int row) {
-  // Request owning `row`: the last b with qo_indptr[b] <= row (requests without rows skipped).
-  int lo = 0, hi = p.batch;  // answer in [lo, hi)
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (p.qo_indptr[mid] <= row) {
-      lo = mid;
-    } else {
-      hi = mid;
-    }
-  }
-  while (lo + 1 < p.batch && p.qo_indptr[lo + 1] <= row) ++lo;
-  RowRange r;
-  r.request = lo;
-  r.kv_begin = p.kv_indptr[lo];
-  const int pages = p.kv_indptr[lo + 1] - p.kv_indptr[lo];
-  const int kv_len = pages == 0 ? 0 : (pages - 1) * p.page_size + p.kv_last_page_len[lo];
-  const int rows_of_request = p.qo_indptr[lo + 1] - p.qo_indptr[lo];
-  r.visible = kv_len - rows_of_request + (row - p.qo_indptr[lo]) + 1;
-  r.readable = p.read_masked_tail ? pages * p.page_size : r.visible;
-  return r;
+  if (row < p.planned_rows) return p.planned[row].range;
+  return row_range(p.qo_indptr, p.kv_indptr, p.kv_last_page_len, p.batch, p.page_size,
+                   p.read_masked_tail != 0, row);
 }
 
 __device__ __forceinline__ std::int32_t slot_of(const MlaAttentionParams& p, const RowRange& r,
@@ -491,7 +520,9 @@ __device__ __forceinline__ AttentionPass locate_pass(const MlaAttentionParams& p
   AttentionPass pass;
   pass.first_row = first_row;
   const RowRange first = locate_row(p, first_row);
-  pass.row_count = min(w.row_end, p.qo_indptr[first.request + 1]) - first_row;
+  const int request_row_end = first_row < p.planned_rows ? p.planned[first_row].request_row_end
+                                                         : p.qo_indptr[first.request + 1];
+  pass.row_count = min(w.row_end, request_row_end) - first_row;
   pass.first_visible = first.visible;
   pass.range = first;
   pass.range.visible = first.visible + pass.row_count - 1;

@@ -368,6 +368,9 @@ MlaAttentionProblem CudaMlaBackend::attention_problem(const StepLayerInput& inpu
   problem.kv_indptr = indices.kv_indptr;
   problem.kv_indices = indices.kv_indices;
   problem.kv_last_page_len = indices.kv_last_page_len;
+  problem.host_qo_indptr = input.step.qo_indptr.data();  // what `indices` holds on the device
+  problem.host_kv_indptr = input.step.kv_indptr.data();
+  problem.host_kv_last_page_len = input.step.kv_last_page_len.data();
   problem.batch = input.step.batch_size();
   problem.num_rows = input.step.num_rows();
   problem.num_heads = attrs.num_heads;

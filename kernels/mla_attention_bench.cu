@@ -320,12 +320,18 @@ Status fill_case(const GpuCase& config, const GpuBenchOptions& options, const Ho
   return ok_status();
 }
 
-cuda::MlaAttentionProblem case_problem(const GpuCase& config, const DeviceCase& d) {
+// The device arrays and, for the launcher's host plan, the host table they were copied from (it
+// outlives the problem: both live in run_gpu_case).
+cuda::MlaAttentionProblem case_problem(const GpuCase& config, const HostPageTable& table,
+                                       const DeviceCase& d) {
   cuda::MlaAttentionProblem problem;
   problem.qo_indptr = d.qo_indptr.as<std::int32_t>();
   problem.kv_indptr = d.kv_indptr.as<std::int32_t>();
   problem.kv_indices = d.kv_indices.as<std::int32_t>();
   problem.kv_last_page_len = d.last_page_len.as<std::int32_t>();
+  problem.host_qo_indptr = table.qo_indptr.data();
+  problem.host_kv_indptr = table.kv_indptr.data();
+  problem.host_kv_last_page_len = table.last_page_len.data();
   problem.batch = config.batch;
   problem.num_rows = static_cast<int>(config.num_rows());
   problem.num_heads = config.num_heads;
@@ -442,7 +448,7 @@ Result<GpuCaseResult> run_gpu_case(const GpuCase& config, const GpuBenchOptions&
   DeviceCase d;
   KVAUDIT_TRY(allocate_case(config, options, table, d));
   KVAUDIT_TRY(fill_case(config, options, table, d, se.stream()));
-  const cuda::MlaAttentionProblem problem = case_problem(config, d);
+  const cuda::MlaAttentionProblem problem = case_problem(config, table, d);
 
   std::vector<std::uint16_t> out_fp8;
   KVAUDIT_TRY(time_fp8(config, options, copy_gbps, problem, d, se, result, out_fp8));

@@ -31,6 +31,15 @@ struct MlaAttentionProblem {
   const std::int32_t* kv_indptr = nullptr;         // [batch + 1]
   const std::int32_t* kv_indices = nullptr;        // [nnz_pages]
   const std::int32_t* kv_last_page_len = nullptr;  // [batch]
+  // Optional host copies of the three request arrays above, holding the same values (all three or
+  // none). With them, a problem of at most 16 query rows is located on the host, and each row's
+  // request, first kv_indices entry and token count travel in the launch parameters (a host-side
+  // plan, as FlashInfer's plan() reads host indptr): its blocks skip one dependent read of the
+  // request arrays from memory. The plan is taken at launch: a captured CUDA graph keeps it, as it
+  // keeps the grid that max_kv_len sized. KVAUDIT_CUDA_HOST_PLAN=off ignores them (A/B runs).
+  const std::int32_t* host_qo_indptr = nullptr;
+  const std::int32_t* host_kv_indptr = nullptr;
+  const std::int32_t* host_kv_last_page_len = nullptr;
   int batch = 0;
   int num_rows = 0;
   int num_heads = 0;
@@ -71,6 +80,10 @@ TensorCorePath mla_attention_64_row_path();
 // problem has no such blocks (more than 16 heads, prefill and extend) or is unsupported.
 enum class Decode16Kernel { kNone, kSharedTile, kRegisterTile };
 Decode16Kernel mla_attention_decode16_kernel(const MlaAttentionProblem& problem);
+
+// Whether launch_mla_attention locates the problem's rows on the host (the host_* arrays given, at
+// most 16 rows, KVAUDIT_CUDA_HOST_PLAN not "off") rather than in the kernels.
+bool mla_attention_host_planned(const MlaAttentionProblem& problem);
 
 // Scratch for split-KV partial (out, lse); sized by mla_attention_workspace_bytes.
 std::size_t mla_attention_workspace_bytes(const MlaAttentionProblem& problem);

@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <iostream>
 #include <memory>
 #include <numeric>
@@ -506,6 +507,87 @@ TEST_CASE("the launcher picks the register-tile decode kernel for long splits on
     CHECK(kvaudit::cuda::mla_attention_decode16_kernel(problem(64, 64, 16, 8192)) ==
           Decode16Kernel::kSharedTile);
   }
+}
+
+// The launcher's host plan (rows located on the host, passed in the launch parameters) changes
+// where a block finds its request and tokens, not what it computes: with it and without it
+// (KVAUDIT_CUDA_HOST_PLAN=off) the same kernels run the same sums, so out and lse agree to the
+// bit. The cases cover what the rule must get right: requests without rows or without pages,
+// partial last pages, causal rows of one request (4 per block) and groups of rows that span
+// requests, all within the plan's 16 rows, and the masked-nan-leak fault (which reads a request's
+// whole last page: the plan's `readable`).
+TEST_CASE("cuda-fp8 gives the same bits with and without the host plan", "[gpu][cuda-fp8]") {
+  KVAUDIT_REQUIRE_GPU();
+  std::vector<AttentionCase> cases;
+  for (const int heads : {16, 128}) {
+    for (const int page : {1, 64}) {
+      AttentionCase decode;
+      decode.heads = heads;
+      decode.page_size = page;
+      decode.contexts = {4101, 0, 1, 700, 64};
+      decode.q_lens = {1, 0, 1, 1, 1};
+      decode.seed = 1000 + heads + page;
+      cases.push_back(decode);
+      AttentionCase extend = decode;
+      extend.contexts = {40, 0, 3, 300};
+      extend.q_lens = {5, 0, 3, 7};  // 15 rows: row groups of 4 span requests
+      extend.seed += 1;
+      cases.push_back(extend);
+    }
+  }
+  kvaudit::BackendOptions leak;
+  leak.injection = "masked-nan-leak";
+  for (const auto& options : {kvaudit::BackendOptions{}, leak}) {
+    INFO("injection '" << options.injection << "'");
+    for (const auto& c : cases) {
+      INFO(c.name());
+      const BuiltCase b = build(c);
+      auto planned = kvaudit::cuda::make_cuda_fp8_backend(options);
+      REQUIRE(planned.ok());
+      const Outputs with_plan = run_backend(**planned, b);
+      Outputs without_plan;
+      {
+        const ScopedEnv off("KVAUDIT_CUDA_HOST_PLAN", "off");
+        auto located = kvaudit::cuda::make_cuda_fp8_backend(options);
+        REQUIRE(located.ok());
+        without_plan = run_backend(**located, b);
+      }
+      CHECK(with_plan.out.out_bf16 == without_plan.out.out_bf16);
+      CHECK(std::equal(with_plan.out.lse.begin(), with_plan.out.lse.end(),
+                       without_plan.out.lse.begin(), without_plan.out.lse.end(),
+                       [](float x, float y) { return std::memcmp(&x, &y, sizeof x) == 0; }));
+      if (options.injection.empty()) check_against_reference(c, b, with_plan);
+    }
+  }
+}
+
+// When the launcher plans on the host: all three host arrays, at most 16 rows, not switched off.
+TEST_CASE("the launcher plans on the host only with host arrays and at most 16 rows",
+          "[gpu][cuda-fp8]") {
+  KVAUDIT_REQUIRE_GPU();
+  const std::vector<std::int32_t> indptr(18, 0), last(17, 1);
+  const auto problem = [&](int rows) {
+    kvaudit::cuda::MlaAttentionProblem p;
+    p.batch = rows;
+    p.num_rows = rows;
+    p.num_heads = 16;
+    p.page_size = 64;
+    p.num_slots = 1 << 20;
+    p.max_kv_len = 64;
+    p.host_qo_indptr = indptr.data();
+    p.host_kv_indptr = indptr.data();
+    p.host_kv_last_page_len = last.data();
+    return p;
+  };
+  const ScopedEnv unset("KVAUDIT_CUDA_HOST_PLAN", nullptr);
+  CHECK(kvaudit::cuda::mla_attention_host_planned(problem(1)));
+  CHECK(kvaudit::cuda::mla_attention_host_planned(problem(16)));
+  CHECK_FALSE(kvaudit::cuda::mla_attention_host_planned(problem(17)));
+  auto no_lengths = problem(1);
+  no_lengths.host_kv_last_page_len = nullptr;
+  CHECK_FALSE(kvaudit::cuda::mla_attention_host_planned(no_lengths));
+  const ScopedEnv off("KVAUDIT_CUDA_HOST_PLAN", "off");
+  CHECK_FALSE(kvaudit::cuda::mla_attention_host_planned(problem(1)));
 }
 
 // One request of 132 tiles: on a 132-SM H100/H200 the launcher gives it 132 one-tile splits, more
