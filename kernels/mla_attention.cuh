@@ -157,7 +157,8 @@ __host__ __device__ __forceinline__ RowRange row_range(const std::int32_t* qo_in
 
 // Query rows the launcher may locate on the host and pass in the launch parameters (16 x 32
 // bytes): a decode of up to 16 requests then starts its page-table lookup without first reading
-// the request arrays, one cold memory round trip (~1 us on the H200) off a short row's latency.
+// the request arrays, one cold memory round trip off a short row's latency (0.5-0.9 us at batch 1
+// on the H200, reports/h200-kernels-limit/experiments/12-host-plan.txt).
 inline constexpr int kMaxPlannedRows = 16;
 
 struct PlannedRow {
