@@ -18,6 +18,9 @@
 // splits), a programmatic dependent launch, combines the partial (out, lse) exactly. Runtime ->
 // compile-time dispatch happens here only, one axis at a time (pool element, m16 tiles per block;
 // the write rule through dispatch_kv_write_rule), each with a default that is `unsupported`.
+// Host plan (plan_rows_on_host): given host copies of the request arrays, a problem of at most
+// kMaxPlannedRows rows has its rows located here, by the kernels' own rule, and passed in the
+// launch parameters, so that its blocks start at the page-table lookup.
 //
 // Measured on an H200 (reports/bench-h200.md, 2026-12-01, kernel c634bf3; kvaudit bench, L2
 // evicted between launches, copy 4229 GB/s in the same run): decode B=64, ctx=8192, H=16, page 64:

@@ -114,8 +114,6 @@ static_assert(kTile * kFp8RowPieces % kThreads == 0, "FP8 tile split over the th
 // batch 1 (reports/bench-h200.md, reports/h200-kernels-limit/experiments/7-scaled-f16.patch).
 inline constexpr int kBlocksPerSm = 1;
 
-// ---- parameters, one struct per kernel ---------------------------------------------------------
-
 // ---- where a query row's tokens are (kvdump-v1), on the device and in the launcher's host plan --
 
 struct RowRange {
@@ -165,6 +163,8 @@ struct PlannedRow {
   RowRange range;
   int request_row_end;  // qo_indptr[range.request + 1]: where the request's rows end
 };
+
+// ---- parameters, one struct per kernel ---------------------------------------------------------
 
 // mla_attention_kernel: one block per (query row, block of 16 * kMTiles heads, split).
 struct MlaAttentionParams {
