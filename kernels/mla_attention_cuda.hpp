@@ -35,8 +35,10 @@ struct MlaAttentionProblem {
   // none). With them, a problem of at most 16 query rows is located on the host, and each row's
   // request, first kv_indices entry and token count travel in the launch parameters (a host-side
   // plan, as FlashInfer's plan() reads host indptr): its blocks skip one dependent read of the
-  // request arrays from memory. The plan is taken at launch: a captured CUDA graph keeps it, as it
-  // keeps the grid that max_kv_len sized. KVAUDIT_CUDA_HOST_PLAN=off ignores them (A/B runs).
+  // request arrays from memory. The plan is taken at launch and travels by value: a CUDA graph
+  // captured with it replays the captured rows whatever the device arrays hold later, so leave
+  // these null when capturing a graph that is replayed with other requests.
+  // KVAUDIT_CUDA_HOST_PLAN=off ignores them (A/B runs).
   const std::int32_t* host_qo_indptr = nullptr;
   const std::int32_t* host_kv_indptr = nullptr;
   const std::int32_t* host_kv_last_page_len = nullptr;
