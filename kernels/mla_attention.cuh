@@ -212,6 +212,14 @@ struct MlaMergeParams {
   float kv_scale;
 };
 
+// Row of the split-KV partials ([num_rows, num_splits, H], times Dc in partial_out) that holds
+// query row `row`, split `split`, head `head`: the layout the attention kernels write and the merge
+// reads, in one place.
+__device__ __forceinline__ std::int64_t partial_row(std::int64_t row, int num_splits, int split,
+                                                    int num_heads, int head) {
+  return (row * num_splits + split) * num_heads + head;
+}
+
 // kv_write_fp8_kernel / kv_write_bf16_kernel: a grid-stride loop over [num_rows, row_width].
 template <typename PoolElementT>
 struct KvWriteParams {
@@ -644,8 +652,7 @@ __device__ __forceinline__ void write_empty_split(const MlaAttentionParams& p, c
     for (int m = tid; m < kRows; m += kThreads) {
       const MRow r = m_row(p, w, pass, m);
       if (r.active) {
-        p.partial_lse[(static_cast<std::int64_t>(r.row) * p.num_splits + w.split) * p.num_heads +
-                      r.head] = -INFINITY;
+        p.partial_lse[partial_row(r.row, p.num_splits, w.split, p.num_heads, r.head)] = -INFINITY;
       }
     }
   }
@@ -1338,8 +1345,7 @@ __device__ __forceinline__ void write_attention_output(const MlaAttentionParams&
     if (p.num_splits == 1) {
       store_output_row(p, out_row, h, dim0, t, state);
     } else {
-      const std::int64_t part_row =
-          (static_cast<std::int64_t>(r.row) * p.num_splits + w.split) * p.num_heads + r.head;
+      const std::int64_t part_row = partial_row(r.row, p.num_splits, w.split, p.num_heads, r.head);
       store_partial_row(p, part_row, h, dim0, t, state);
     }
   }
@@ -1513,7 +1519,7 @@ inline constexpr int kWideMergeMinSplits = 16;
 
 __device__ __forceinline__ std::int64_t merge_part_row(const MlaMergeParams& p, std::int64_t row,
                                                        int head, int split) {
-  return (row * p.num_splits + split) * p.num_heads + head;
+  return partial_row(row, p.num_splits, split, p.num_heads, head);
 }
 
 // The weight of a split, or -1 for an empty one (lse = -inf). A NaN lse (a split that saw a NaN

@@ -349,7 +349,7 @@ __device__ __forceinline__ void register_write_output(const MlaAttentionParams& 
       if (l.warp == 0 && l.quad == 0) p.lse[out_row] = natural_lse(m, sum);
     } else {
       const std::int64_t part_row =
-          (static_cast<std::int64_t>(w.row_begin) * p.num_splits + w.split) * p.num_heads + head;
+          partial_row(w.row_begin, p.num_splits, w.split, p.num_heads, head);
       const float inverse = 1.f / sum;
       float4* out = reinterpret_cast<float4*>(p.partial_out + part_row * kDc + l.nope_col());
 #pragma unroll
