@@ -77,16 +77,25 @@ struct LaunchShape {
   int row_groups = 0;
   int head_blocks = 1;
   int num_splits = 1;
+  bool longest_first = false;  // row groups in reverse order (choose_rows_and_heads)
 };
 
 // Rows and heads per block. Decode (about one row per request): one row, its heads in 1, 2 or 4
 // m16 tiles (16, 32, 64 heads per block). Prefill and extend (two or more rows per request on
 // average), at most 32 heads: 64 M rows of 4 (or 2) consecutive query rows, so that each decoded
 // KV tile serves four times the rows. The pool element does not enter: a bf16 pool cast from the
-// FP8 one runs the same tiling and gives the same bits.
+// FP8 one runs the same tiling and gives the same bits. Prefill and extend run their row groups
+// longest first (detail::locate_work), unless KVAUDIT_CUDA_LONGEST_FIRST=off (A/B measurements,
+// the [gpu] test that runs both; read at every launch): the same bits either way.
+bool longest_first_disabled() {
+  const char* setting = std::getenv("KVAUDIT_CUDA_LONGEST_FIRST");
+  return setting != nullptr && std::strcmp(setting, "off") == 0;
+}
+
 void choose_rows_and_heads(const MlaAttentionProblem& problem, LaunchShape& shape) {
   const int heads16 = (problem.num_heads + 15) / 16 * 16;
   const bool many_rows_per_request = problem.num_rows >= 2 * problem.batch;
+  shape.longest_first = many_rows_per_request && !longest_first_disabled();
   // The kernel takes row groups with four m16 tiles only (kRowGroups in mla_attention_kernel).
   if (many_rows_per_request && heads16 <= 32) {
     shape.m_tiles = 4;
@@ -372,6 +381,7 @@ detail::MlaAttentionParams attention_params(const MlaAttentionProblem& problem,
   params.block_heads = shape.block_heads;
   params.read_masked_tail = problem.read_masked_tail ? 1 : 0;
   params.mark_nan = shape.rows_per_block > 1 && !problem.read_masked_tail ? 1 : 0;
+  params.longest_first = shape.longest_first ? 1 : 0;
   params.score_scale = score_scale_of(problem);
   params.kv_scale = problem.kv_scale;
   params.pool = static_cast<const std::uint8_t*>(problem.pool);
@@ -451,6 +461,10 @@ Decode16Kernel mla_attention_decode16_kernel(const MlaAttentionProblem& problem)
 
 bool mla_attention_host_planned(const MlaAttentionProblem& problem) {
   return check_problem(problem).ok() && host_plan_applies(problem);
+}
+
+bool mla_attention_longest_first(const MlaAttentionProblem& problem) {
+  return check_problem(problem).ok() && launch_shape(problem).longest_first;
 }
 
 std::size_t mla_attention_workspace_bytes(const MlaAttentionProblem& problem) {

@@ -23,12 +23,13 @@
 // contiguous range of 64-token tiles) of the tokens the group's last row sees. Each KV tile is
 // loaded and decoded once per block and serves all M rows; a row masks the tokens past its own
 // causal length with -inf. Tokens no row of the block may see are never loaded: their shared-memory
-// rows are zeroed. With several rows per block, a NaN code is found when its tile is decoded (a
-// per-tile mask of tokens): its bf16 row is zeroed, and a row that sees the token gets a NaN score
-// for it, so out and lse become NaN as in the reference, while an earlier row of the same block
-// (which does not see it) never multiplies a NaN by its zero weight (0 * NaN would leak it). With
-// one row per block every loaded token is visible and a NaN code propagates by itself. The merge
-// keeps a split's NaN even when its weight underflows to 0.
+// rows are zeroed. Prefill and extend grids take their row groups longest first (locate_work).
+// With several rows per block, a NaN code is found when its tile is decoded (a per-tile mask of
+// tokens): its bf16 row is zeroed, and a row that sees the token gets a NaN score for it, so out
+// and lse become NaN as in the reference, while an earlier row of the same block (which does not
+// see it) never multiplies a NaN by its zero weight (0 * NaN would leak it). With one row per
+// block every loaded token is visible and a NaN code propagates by itself. The merge keeps a
+// split's NaN even when its weight underflows to 0.
 // Per tile: the 64 FP8 rows (576 bytes each) are fetched while the previous tile is computed
 // (Fp8Staging), decoded exactly once into one bf16 tile in shared memory, and that one tile serves
 // both Q.K^T (576 columns) and P.V (its first 512 columns) on the tensor cores, bf16 -> fp32:
@@ -185,6 +186,7 @@ struct MlaAttentionParams {
   int block_heads;     // heads per row in a block: M = rows_per_block * block_heads = 16 * kMTiles
   int read_masked_tail;  // fault masked-nan-leak: load the last page's unused slots too
   int mark_nan;          // rows_per_block > 1, not masked-nan-leak: NaN masks (finish_tile)
+  int longest_first;     // prefill / extend: row groups in reverse order (locate_work)
   float score_scale;     // fp32(sm_scale * kv_scale * log2 e)
   float kv_scale;
   const std::uint8_t* pool;
@@ -498,12 +500,18 @@ struct BlockWork {
   int row_end;
 };
 
-// grid: row_groups * head_blocks * num_splits blocks, split fastest.
+// grid: row_groups * head_blocks * num_splits blocks, split fastest. With longest_first (prefill
+// and extend) the row groups go in reverse: a request's causal rows see more tokens the later
+// they are, and the GPU starts blocks in index order, so the longest blocks start first and the
+// shortest fill the last wave (longest-processing-time-first scheduling) instead of the longest
+// running alone at the end. Which block computes what changes, not what it computes.
 __device__ __forceinline__ BlockWork locate_work(const MlaAttentionParams& p) {
   BlockWork w;
   w.split = blockIdx.x % p.num_splits;
   const int head_block = (blockIdx.x / p.num_splits) % p.head_blocks;
-  const int group = blockIdx.x / (p.num_splits * p.head_blocks);
+  const int group_index = blockIdx.x / (p.num_splits * p.head_blocks);
+  const int row_groups = (p.num_rows + p.rows_per_block - 1) / p.rows_per_block;
+  const int group = p.longest_first ? row_groups - 1 - group_index : group_index;
   w.head0 = head_block * p.block_heads;
   w.row_begin = group * p.rows_per_block;
   w.row_end = min(p.num_rows, w.row_begin + p.rows_per_block);

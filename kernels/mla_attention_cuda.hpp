@@ -87,6 +87,10 @@ Decode16Kernel mla_attention_decode16_kernel(const MlaAttentionProblem& problem)
 // most 16 rows, KVAUDIT_CUDA_HOST_PLAN not "off") rather than in the kernels.
 bool mla_attention_host_planned(const MlaAttentionProblem& problem);
 
+// Whether launch_mla_attention starts the problem's row groups longest first (prefill and extend:
+// at least two rows per request on average; KVAUDIT_CUDA_LONGEST_FIRST not "off"). Same results.
+bool mla_attention_longest_first(const MlaAttentionProblem& problem);
+
 // Scratch for split-KV partial (out, lse); sized by mla_attention_workspace_bytes.
 std::size_t mla_attention_workspace_bytes(const MlaAttentionProblem& problem);
 

@@ -365,7 +365,8 @@ TEST_CASE("cuda-fp8 long context (split-KV merge) matches the exact reference", 
 }
 
 // Sets an environment variable the launcher reads at every launch (KVAUDIT_CUDA_MMA,
-// KVAUDIT_CUDA_DECODE16) for the scope, or unsets it (nullptr), and restores it after.
+// KVAUDIT_CUDA_DECODE16, KVAUDIT_CUDA_HOST_PLAN, KVAUDIT_CUDA_LONGEST_FIRST) for the scope, or
+// unsets it (nullptr), and restores it after.
 class ScopedEnv {
  public:
   ScopedEnv(const char* name, const char* value) : name_(name) {
@@ -588,6 +589,84 @@ TEST_CASE("the launcher plans on the host only with host arrays and at most 16 r
   CHECK_FALSE(kvaudit::cuda::mla_attention_host_planned(no_lengths));
   const ScopedEnv off("KVAUDIT_CUDA_HOST_PLAN", "off");
   CHECK_FALSE(kvaudit::cuda::mla_attention_host_planned(problem(1)));
+}
+
+// Prefill and extend start their row groups longest first (detail::locate_work maps block b to row
+// group G - 1 - b): which block computes a group changes, not the sums it runs, so out and lse
+// agree to the bit with KVAUDIT_CUDA_LONGEST_FIRST=off. The cases: 4 rows of 16 heads and 2 rows of
+// 32 heads per block (a last group of fewer rows), one row of 128 heads in two head blocks, and
+// extend steps whose groups span requests, with and without the masked-nan-leak fault.
+TEST_CASE("cuda-fp8 gives the same bits with row groups longest first and in order",
+          "[gpu][cuda-fp8]") {
+  KVAUDIT_REQUIRE_GPU();
+  std::vector<AttentionCase> cases;
+  std::uint32_t seed = 1400;
+  for (const int heads : {16, 32, 128}) {
+    AttentionCase prefill;
+    prefill.heads = heads;
+    prefill.page_size = 64;
+    prefill.contexts = {heads == 128 ? 150 : 301};
+    prefill.q_lens = prefill.contexts;
+    prefill.seed = seed++;
+    cases.push_back(prefill);
+    AttentionCase extend;
+    extend.heads = heads;
+    extend.page_size = heads == 32 ? 1 : 64;
+    extend.contexts = {700, 0, 35, 200};
+    extend.q_lens = {9, 0, 35, 6};
+    extend.seed = seed++;
+    cases.push_back(extend);
+  }
+  kvaudit::BackendOptions leak;
+  leak.injection = "masked-nan-leak";
+  const auto same_bits = [](float x, float y) { return std::memcmp(&x, &y, sizeof x) == 0; };
+  for (const auto& options : {kvaudit::BackendOptions{}, leak}) {
+    for (const auto& c : cases) {
+      INFO(c.name() << ", injection '" << options.injection << "'");
+      const BuiltCase b = build(c);
+      auto longest = kvaudit::cuda::make_cuda_fp8_backend(options);
+      REQUIRE(longest.ok());
+      const Outputs reversed = run_backend(**longest, b);
+      Outputs in_order;
+      {
+        const ScopedEnv off("KVAUDIT_CUDA_LONGEST_FIRST", "off");
+        auto forward = kvaudit::cuda::make_cuda_fp8_backend(options);
+        REQUIRE(forward.ok());
+        in_order = run_backend(**forward, b);
+      }
+      CHECK(reversed.out.out_bf16 == in_order.out.out_bf16);
+      CHECK(std::equal(reversed.out.lse.begin(), reversed.out.lse.end(), in_order.out.lse.begin(),
+                       in_order.out.lse.end(), same_bits));
+      if (options.injection.empty()) check_against_reference(c, b, reversed);
+    }
+  }
+}
+
+// Longest first: at least two rows per request on average (prefill, extend), not decode, and not
+// when turned off.
+TEST_CASE("the launcher starts row groups longest first for prefill and extend only",
+          "[gpu][cuda-fp8]") {
+  KVAUDIT_REQUIRE_GPU();
+  const auto problem = [](int batch, int rows, int heads) {
+    kvaudit::cuda::MlaAttentionProblem p;
+    p.batch = batch;
+    p.num_rows = rows;
+    p.num_heads = heads;
+    p.page_size = 64;
+    p.num_slots = 1 << 20;
+    p.max_kv_len = 4096;
+    return p;
+  };
+  using kvaudit::cuda::mla_attention_longest_first;
+  const ScopedEnv unset("KVAUDIT_CUDA_LONGEST_FIRST", nullptr);
+  CHECK(mla_attention_longest_first(problem(1, 4096, 16)));
+  CHECK(mla_attention_longest_first(problem(1, 4096, 128)));
+  CHECK(mla_attention_longest_first(problem(8, 16, 32)));
+  CHECK_FALSE(mla_attention_longest_first(problem(64, 64, 16)));    // decode
+  CHECK_FALSE(mla_attention_longest_first(problem(8, 15, 16)));     // under 2 rows per request
+  CHECK_FALSE(mla_attention_longest_first(problem(1, 4096, 200)));  // unsupported
+  const ScopedEnv off("KVAUDIT_CUDA_LONGEST_FIRST", "off");
+  CHECK_FALSE(mla_attention_longest_first(problem(1, 4096, 16)));
 }
 
 // One request of 132 tiles: on a 132-SM H100/H200 the launcher gives it 132 one-tile splits, more
