@@ -467,6 +467,54 @@ TEST_CASE("cuda-fp8 decode of <= 16 heads matches the reference on both tile ker
   }
 }
 
+namespace {
+
+// A problem for the launcher's shape queries (no arrays: they only size the launch).
+kvaudit::cuda::MlaAttentionProblem shape_problem(int batch, int rows, int heads, int max_kv_len) {
+  kvaudit::cuda::MlaAttentionProblem p;
+  p.batch = batch;
+  p.num_rows = rows;
+  p.num_heads = heads;
+  p.page_size = 64;
+  p.num_slots = 1 << 20;
+  p.max_kv_len = max_kv_len;
+  return p;
+}
+
+// Each case on cuda-fp8 as the launcher runs it and with the launcher setting `variable` = "off"
+// (a change of where blocks find their work, not of what they compute), with and without the
+// masked-nan-leak fault: out and lse must agree to the bit, and (without the fault) match the
+// reference.
+void check_same_bits_with_setting_off(const char* variable,
+                                      const std::vector<AttentionCase>& cases) {
+  kvaudit::BackendOptions leak;
+  leak.injection = "masked-nan-leak";
+  const auto same_bits = [](float x, float y) { return std::memcmp(&x, &y, sizeof x) == 0; };
+  const auto run_fp8 = [](const kvaudit::BackendOptions& options, const BuiltCase& b) {
+    auto backend = kvaudit::cuda::make_cuda_fp8_backend(options);
+    if (!backend.ok()) FAIL(backend.error().message());
+    return run_backend(**backend, b);
+  };
+  for (const auto& options : {kvaudit::BackendOptions{}, leak}) {
+    for (const auto& c : cases) {
+      INFO(c.name() << ", injection '" << options.injection << "', " << variable << "=off");
+      const BuiltCase b = build(c);
+      const Outputs as_launched = run_fp8(options, b);
+      Outputs off;
+      {
+        const ScopedEnv scope(variable, "off");
+        off = run_fp8(options, b);
+      }
+      CHECK(as_launched.out.out_bf16 == off.out.out_bf16);
+      CHECK(std::equal(as_launched.out.lse.begin(), as_launched.out.lse.end(), off.out.lse.begin(),
+                       off.out.lse.end(), same_bits));
+      if (options.injection.empty()) check_against_reference(c, b, as_launched);
+    }
+  }
+}
+
+}  // namespace
+
 // Which of the two kernels a 16-head decode runs: one tile per block can only take the shared-tile
 // kernel, 64 requests of 128 tiles (two 64-tile splits on a 132-SM GPU, never fewer than 8 tiles a
 // block on any GPU of fewer than 1,000 SMs) the register-tile one; 32 heads and prefill have no
@@ -475,16 +523,7 @@ TEST_CASE("the launcher picks the register-tile decode kernel for long splits on
           "[gpu][cuda-fp8]") {
   KVAUDIT_REQUIRE_GPU();
   using kvaudit::cuda::Decode16Kernel;
-  const auto problem = [](int batch, int rows, int heads, int max_kv_len) {
-    kvaudit::cuda::MlaAttentionProblem p;
-    p.batch = batch;
-    p.num_rows = rows;
-    p.num_heads = heads;
-    p.page_size = 64;
-    p.num_slots = 1 << 20;
-    p.max_kv_len = max_kv_len;
-    return p;
-  };
+  const auto problem = shape_problem;
   const ScopedEnv unset("KVAUDIT_CUDA_DECODE16", nullptr);
   CHECK(kvaudit::cuda::mla_attention_decode16_kernel(problem(1, 1, 16, 64)) ==
         Decode16Kernel::kSharedTile);
@@ -536,30 +575,7 @@ TEST_CASE("cuda-fp8 gives the same bits with and without the host plan", "[gpu][
       cases.push_back(extend);
     }
   }
-  kvaudit::BackendOptions leak;
-  leak.injection = "masked-nan-leak";
-  for (const auto& options : {kvaudit::BackendOptions{}, leak}) {
-    INFO("injection '" << options.injection << "'");
-    for (const auto& c : cases) {
-      INFO(c.name());
-      const BuiltCase b = build(c);
-      auto planned = kvaudit::cuda::make_cuda_fp8_backend(options);
-      REQUIRE(planned.ok());
-      const Outputs with_plan = run_backend(**planned, b);
-      Outputs without_plan;
-      {
-        const ScopedEnv off("KVAUDIT_CUDA_HOST_PLAN", "off");
-        auto located = kvaudit::cuda::make_cuda_fp8_backend(options);
-        REQUIRE(located.ok());
-        without_plan = run_backend(**located, b);
-      }
-      CHECK(with_plan.out.out_bf16 == without_plan.out.out_bf16);
-      CHECK(std::equal(with_plan.out.lse.begin(), with_plan.out.lse.end(),
-                       without_plan.out.lse.begin(), without_plan.out.lse.end(),
-                       [](float x, float y) { return std::memcmp(&x, &y, sizeof x) == 0; }));
-      if (options.injection.empty()) check_against_reference(c, b, with_plan);
-    }
-  }
+  check_same_bits_with_setting_off("KVAUDIT_CUDA_HOST_PLAN", cases);
 }
 
 // When the launcher plans on the host: all three host arrays, at most 16 rows, not switched off.
@@ -617,29 +633,7 @@ TEST_CASE("cuda-fp8 gives the same bits with row groups longest first and in ord
     extend.seed = seed++;
     cases.push_back(extend);
   }
-  kvaudit::BackendOptions leak;
-  leak.injection = "masked-nan-leak";
-  const auto same_bits = [](float x, float y) { return std::memcmp(&x, &y, sizeof x) == 0; };
-  for (const auto& options : {kvaudit::BackendOptions{}, leak}) {
-    for (const auto& c : cases) {
-      INFO(c.name() << ", injection '" << options.injection << "'");
-      const BuiltCase b = build(c);
-      auto longest = kvaudit::cuda::make_cuda_fp8_backend(options);
-      REQUIRE(longest.ok());
-      const Outputs reversed = run_backend(**longest, b);
-      Outputs in_order;
-      {
-        const ScopedEnv off("KVAUDIT_CUDA_LONGEST_FIRST", "off");
-        auto forward = kvaudit::cuda::make_cuda_fp8_backend(options);
-        REQUIRE(forward.ok());
-        in_order = run_backend(**forward, b);
-      }
-      CHECK(reversed.out.out_bf16 == in_order.out.out_bf16);
-      CHECK(std::equal(reversed.out.lse.begin(), reversed.out.lse.end(), in_order.out.lse.begin(),
-                       in_order.out.lse.end(), same_bits));
-      if (options.injection.empty()) check_against_reference(c, b, reversed);
-    }
-  }
+  check_same_bits_with_setting_off("KVAUDIT_CUDA_LONGEST_FIRST", cases);
 }
 
 // Longest first: at least two rows per request on average (prefill, extend), not decode, and not
@@ -648,14 +642,7 @@ TEST_CASE("the launcher starts row groups longest first for prefill and extend o
           "[gpu][cuda-fp8]") {
   KVAUDIT_REQUIRE_GPU();
   const auto problem = [](int batch, int rows, int heads) {
-    kvaudit::cuda::MlaAttentionProblem p;
-    p.batch = batch;
-    p.num_rows = rows;
-    p.num_heads = heads;
-    p.page_size = 64;
-    p.num_slots = 1 << 20;
-    p.max_kv_len = 4096;
-    return p;
+    return shape_problem(batch, rows, heads, 4096);
   };
   using kvaudit::cuda::mla_attention_longest_first;
   const ScopedEnv unset("KVAUDIT_CUDA_LONGEST_FIRST", nullptr);
