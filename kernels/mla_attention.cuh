@@ -504,7 +504,8 @@ struct BlockWork {
 // and extend) the row groups go in reverse: a request's causal rows see more tokens the later
 // they are, and the GPU starts blocks in index order, so the longest blocks start first and the
 // shortest fill the last wave (longest-processing-time-first scheduling) instead of the longest
-// running alone at the end. Which block computes what changes, not what it computes.
+// running alone at the end (across the requests of a batch the order is simply reversed, which
+// sorts no lengths). Which block computes what changes, not what it computes.
 __device__ __forceinline__ BlockWork locate_work(const MlaAttentionParams& p) {
   BlockWork w;
   w.split = blockIdx.x % p.num_splits;
