@@ -323,7 +323,8 @@ Status launch_attention_kernel_on_path(const detail::MlaAttentionParams& params,
 // programmatic stream serialization, sm_90): it launches once every attention block has started
 // (each signals griddepcontrol.launch_dependents first), takes only what they leave free of the
 // SMs, and waits for their writes (griddepcontrol.wait) before reading the partials. Few splits:
-// mla_merge_kernel<NarrowMerge>; from kWideMergeMinSplits on, mla_merge_window_kernel<WideMerge>.
+// mla_merge_kernel<NarrowMerge>; from kWideMergeMinSplits on, mla_merge_window_kernel<WideMerge>;
+// from kLongMergeMinSplits on, mla_merge_window_kernel<LongMerge> (a window of 8 splits a thread).
 template <typename Kernel>
 Status launch_merge_grid(Kernel kernel, const detail::MlaMergeParams& params, long long blocks,
                          int threads, std::size_t shared_bytes, cudaStream_t stream) {
@@ -351,6 +352,11 @@ Status launch_merge_kernel(const detail::MlaAttentionParams& attention, cudaStre
   params.kv_scale = attention.kv_scale;
   const long long row_heads = static_cast<long long>(attention.num_rows) * attention.num_heads;
   const std::size_t shared_bytes = static_cast<std::size_t>(params.num_splits) * sizeof(float);
+  if (params.num_splits >= detail::kLongMergeMinSplits) {
+    using Shape = detail::LongMerge;
+    return launch_merge_grid(detail::mla_merge_window_kernel<Shape>, params,
+                             row_heads * Shape::kDimChunks, Shape::kThreads, shared_bytes, stream);
+  }
   if (params.num_splits >= detail::kWideMergeMinSplits) {
     using Shape = detail::WideMerge;
     return launch_merge_grid(detail::mla_merge_window_kernel<Shape>, params,

@@ -1508,23 +1508,31 @@ __global__ void wgmma_probe_kernel(int* has_wgmma) {
 //     lse values, and this thread's first kWindow partial outs into registers), one barrier, then
 //     each warp reduces L and sum_i w_i itself (lane j: splits j, j + 32, ... in order, then a
 //     fixed butterfly: the same bits in every warp). The few-splits layout spent 2.3 us after its
-//     wait on a one-row decode's 64 splits on the H200 (clock64 stamps), in its serial steps.
+//     wait on a one-row decode's 64 splits on the H200 (clock64 stamps), in its serial steps;
+//   more splits than WideMerge holds before its barrier (64), mla_merge_window_kernel<LongMerge>:
+//     the same with a window of 8 (128 splits in registers; a one-row decode of 65-132 tiles). On
+//     the H200 it took a one-row decode of ctx 8192 (128 splits) from 17.5 to 15.6-16.2 us and of
+//     ctx 32768 from 24.8 to 23.2 us; with 16 splits the larger window cost 1 us (its registers
+//     leave fewer merge blocks per SM), hence the three shapes
+//     (reports/h200-kernels-limit/experiments/16-merge-window.txt).
 // The merge's shape: kDimChunks blocks per (row, head), each kDimGroups float4 lanes of dims times
-// kGroups split groups (kDimChunks * kDimGroups * 4 = 512 dims).
-template <int kDimChunksT, int kGroupsT>
+// kGroups split groups (kDimChunks * kDimGroups * 4 = 512 dims); kWindow partial outs a thread of
+// the window kernel loads before its barrier (splits group, group + kGroups, ...; the rest after
+// it).
+template <int kDimChunksT, int kGroupsT, int kWindowT = 4>
 struct MergeShape {
   static constexpr int kDimChunks = kDimChunksT;
   static constexpr int kDimGroups = kDc / 4 / kDimChunks;
   static constexpr int kGroups = kGroupsT;
   static constexpr int kThreads = kDimGroups * kGroups;
-  // Partial outs a thread of the window kernel loads before its barrier (a one-row decode's 64
-  // splits over 16 groups: 4; more splits are read after it).
-  static constexpr int kWindow = 4;
+  static constexpr int kWindow = kWindowT;
   static_assert(kThreads == 512, "merge blocks of 512 threads");
 };
-using WideMerge = MergeShape<4, 16>;   // many splits (a one-row decode: 64 of them)
-using NarrowMerge = MergeShape<1, 4>;  // few splits: one block per (row, head)
+using WideMerge = MergeShape<4, 16>;     // many splits (a one-row decode: 64 of them)
+using LongMerge = MergeShape<4, 16, 8>;  // more than WideMerge's window holds (65 .. 128 in it)
+using NarrowMerge = MergeShape<1, 4>;    // few splits: one block per (row, head)
 inline constexpr int kWideMergeMinSplits = 16;
+inline constexpr int kLongMergeMinSplits = WideMerge::kWindow * WideMerge::kGroups + 1;  // 65
 
 __device__ __forceinline__ std::int64_t merge_part_row(const MlaMergeParams& p, std::int64_t row,
                                                        int head, int split) {

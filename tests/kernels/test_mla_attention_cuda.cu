@@ -657,14 +657,16 @@ TEST_CASE("the launcher starts row groups longest first for prefill and extend o
 }
 
 // One request of 132 tiles: on a 132-SM H100/H200 the launcher gives it 132 one-tile splits, more
-// than the wide merge's threads hold in registers (8 per split group of 16): the last 4 are read
-// after the barrier. Two requests of at most 15 tiles: 15 splits, the narrow merge.
+// than the long merge's threads hold in registers (8 per split group of 16): the last 4 are read
+// after the barrier. 65 tiles: the long merge within its window; 64: the wide merge's whole window
+// (4 per group). Two requests of at most 15 tiles: 15 splits, the narrow merge.
 TEST_CASE("cuda-fp8 split-KV merge beyond the merge's register window matches the reference",
           "[gpu][cuda-fp8]") {
   KVAUDIT_REQUIRE_GPU();
   auto backend = make(false);
   for (const std::vector<int>& contexts :
-       {std::vector<int>{132 * 64}, std::vector<int>{131 * 64 + 5}, std::vector<int>{900, 500}}) {
+       {std::vector<int>{132 * 64}, std::vector<int>{131 * 64 + 5}, std::vector<int>{64 * 64 + 1},
+        std::vector<int>{64 * 64}, std::vector<int>{900, 500}}) {
     AttentionCase c;
     c.heads = 16;
     c.page_size = 64;
