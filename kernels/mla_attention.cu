@@ -22,19 +22,19 @@
 // kMaxPlannedRows rows has its rows located here, by the kernels' own rule, and passed in the
 // launch parameters, so that its blocks start at the page-table lookup.
 //
-// Measured on an H200 (reports/bench-h200.md, 2026-12-02, kernel a51f0c5; kvaudit bench, L2
-// evicted between launches, copy 4251 GB/s in the same run): decode B=64, ctx=8192, H=16, page 64:
-// 146.7 us = 48% of copy (target 80%; 166 us on the shared-tile kernel); H=128: 310.9 us (235
-// TFLOP/s, wgmma; 395 us on mma.sync); prefill B=1, 4096 x 4096: 1343 us (217 TFLOP/s; 1490 us
+// Measured on an H200 (reports/bench-h200.md, 2026-12-02, kernel 96192d2; kvaudit bench, L2
+// evicted between launches, copy 4230 GB/s in the same run): decode B=64, ctx=8192, H=16, page 64:
+// 147 us = 49% of copy (target 80%; 166 us on the shared-tile kernel); H=128: 312 us (234
+// TFLOP/s, wgmma; 395 us on mma.sync); prefill B=1, 4096 x 4096: 1347 us (217 TFLOP/s; 1490 us
 // with the row groups in row order, and in that order 1849 us on mma.sync); B=1, ctx=4096, seed
-// pool: 13.0-13.4 us with the host plan, 14.2 without (target 12); faster than FlashInfer 0.6.18's
-// FP8 MLA (fa3) on every case of the grid (1.40x to 8.8x). What limits it (ncu, phase ablations):
-// latency everywhere (8 warps per SM issuing in 34-41% of cycles; per tile decode, Q.K^T, softmax
-// and P.V run one after another between block barriers; the FP8 decode is about a third of the
-// work); at batch 1, two kernels' launch and release, the page table -> KV chain and Q's late
-// arrival (reports/h200-kernels-limit/experiments/12-host-plan.txt; a merge by thread-block
-// clusters instead of the second kernel was slower, experiments/13-cluster-merge.txt). A
-// warp-specialized producer / consumer version and a decode interleaved with Q.K^T were measured
+// pool: 13.0-13.6 us with the host plan, 14.2 without (target 12); B=1, ctx=8192: 15.3 us; faster
+// than FlashInfer 0.6.18's FP8 MLA (fa3) on every case of the grid (1.46x to 8.0x). What limits it
+// (ncu, phase ablations): latency everywhere (8 warps per SM issuing in 34-41% of cycles; per tile
+// decode, Q.K^T, softmax and P.V run one after another between block barriers; the FP8 decode is
+// about a third of the work); at batch 1, two kernels' launch and release, the page table -> KV
+// chain and Q's late arrival (reports/h200-kernels-limit/experiments/12-host-plan.txt; a merge by
+// thread-block clusters instead of the second kernel was slower, experiments/13-cluster-merge.txt).
+// A warp-specialized producer / consumer version and a decode interleaved with Q.K^T were measured
 // slower (reports/h200-kernels-limit/experiments/9-wgmma.txt), 16 warps per register-tile block no
 // faster (experiments/11-register-tile-decode.txt).
 #include <cuda_runtime.h>
