@@ -72,6 +72,14 @@ int device_multiprocessors() {
   return count;
 }
 
+// The launcher's settings from the environment (KVAUDIT_CUDA_MMA, KVAUDIT_CUDA_DECODE16,
+// KVAUDIT_CUDA_HOST_PLAN, KVAUDIT_CUDA_LONGEST_FIRST; docs/gpu.md), read at every launch so that a
+// test or an A/B run can switch them within one process: whether `variable` is set to `value`.
+bool env_setting_is(const char* variable, const char* value) {
+  const char* setting = std::getenv(variable);
+  return setting != nullptr && std::strcmp(setting, value) == 0;
+}
+
 struct LaunchShape {
   int m_tiles = 1;
   int block_heads = 16;    // heads per row in a block (a multiple of 16)
@@ -89,15 +97,11 @@ struct LaunchShape {
 // FP8 one runs the same tiling and gives the same bits. Prefill and extend run their row groups
 // longest first (detail::locate_work), unless KVAUDIT_CUDA_LONGEST_FIRST=off (A/B measurements,
 // the [gpu] test that runs both; read at every launch): the same bits either way.
-bool longest_first_disabled() {
-  const char* setting = std::getenv("KVAUDIT_CUDA_LONGEST_FIRST");
-  return setting != nullptr && std::strcmp(setting, "off") == 0;
-}
-
 void choose_rows_and_heads(const MlaAttentionProblem& problem, LaunchShape& shape) {
   const int heads16 = (problem.num_heads + 15) / 16 * 16;
   const bool many_rows_per_request = problem.num_rows >= 2 * problem.batch;
-  shape.longest_first = many_rows_per_request && !longest_first_disabled();
+  shape.longest_first =
+      many_rows_per_request && !env_setting_is("KVAUDIT_CUDA_LONGEST_FIRST", "off");
   // The kernel takes row groups with four m16 tiles only (kRowGroups in mla_attention_kernel).
   if (many_rows_per_request && heads16 <= 32) {
     shape.m_tiles = 4;
@@ -224,8 +228,7 @@ bool probe_wgmma() {
 
 detail::MmaPath four_tile_mma_path() {
   static const bool has_wgmma = probe_wgmma();
-  const char* forced = std::getenv("KVAUDIT_CUDA_MMA");
-  if (forced != nullptr && std::strcmp(forced, "mma-sync") == 0) return detail::MmaPath::kMmaSync;
+  if (env_setting_is("KVAUDIT_CUDA_MMA", "mma-sync")) return detail::MmaPath::kMmaSync;
   return has_wgmma ? detail::MmaPath::kWgmma : detail::MmaPath::kMmaSync;
 }
 
@@ -277,13 +280,8 @@ Status launch_attention_kernel(const detail::MlaAttentionParams& params, long lo
 constexpr int kRegisterTileMinTiles = 8;
 
 Decode16Kernel decode16_kernel(const LaunchShape& shape, int max_tiles) {
-  const char* forced = std::getenv("KVAUDIT_CUDA_DECODE16");
-  if (forced != nullptr && std::strcmp(forced, "shared-tile") == 0) {
-    return Decode16Kernel::kSharedTile;
-  }
-  if (forced != nullptr && std::strcmp(forced, "registers") == 0) {
-    return Decode16Kernel::kRegisterTile;
-  }
+  if (env_setting_is("KVAUDIT_CUDA_DECODE16", "shared-tile")) return Decode16Kernel::kSharedTile;
+  if (env_setting_is("KVAUDIT_CUDA_DECODE16", "registers")) return Decode16Kernel::kRegisterTile;
   const int tiles_per_split = (max_tiles + shape.num_splits - 1) / shape.num_splits;
   return tiles_per_split >= kRegisterTileMinTiles ? Decode16Kernel::kRegisterTile
                                                   : Decode16Kernel::kSharedTile;
@@ -325,16 +323,18 @@ Status launch_attention_kernel_on_path(const detail::MlaAttentionParams& params,
 // SMs, and waits for their writes (griddepcontrol.wait) before reading the partials. Few splits:
 // mla_merge_kernel<NarrowMerge>; from kWideMergeMinSplits on, mla_merge_window_kernel<WideMerge>;
 // from kLongMergeMinSplits on, mla_merge_window_kernel<LongMerge> (a window of 8 splits a thread).
-template <typename Kernel>
-Status launch_merge_grid(Kernel kernel, const detail::MlaMergeParams& params, long long blocks,
-                         int threads, std::size_t shared_bytes, cudaStream_t stream) {
+// grid: Shape::kDimChunks blocks of Shape::kThreads per (row, head); dynamic shared memory: one
+// float per split.
+template <typename Shape, typename Kernel>
+Status launch_merge_grid(Kernel kernel, const detail::MlaMergeParams& params, long long row_heads,
+                         cudaStream_t stream) {
   cudaLaunchAttribute dependency{};
   dependency.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   dependency.val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(blocks));
-  config.blockDim = dim3(static_cast<unsigned>(threads));
-  config.dynamicSmemBytes = shared_bytes;
+  config.gridDim = dim3(static_cast<unsigned>(row_heads * Shape::kDimChunks));
+  config.blockDim = dim3(static_cast<unsigned>(Shape::kThreads));
+  config.dynamicSmemBytes = static_cast<std::size_t>(params.num_splits) * sizeof(float);
   config.stream = stream;
   config.attrs = &dependency;
   config.numAttrs = 1;
@@ -351,20 +351,17 @@ Status launch_merge_kernel(const detail::MlaAttentionParams& attention, cudaStre
   params.num_splits = attention.num_splits;
   params.kv_scale = attention.kv_scale;
   const long long row_heads = static_cast<long long>(attention.num_rows) * attention.num_heads;
-  const std::size_t shared_bytes = static_cast<std::size_t>(params.num_splits) * sizeof(float);
+  using detail::LongMerge, detail::WideMerge, detail::NarrowMerge;
   if (params.num_splits >= detail::kLongMergeMinSplits) {
-    using Shape = detail::LongMerge;
-    return launch_merge_grid(detail::mla_merge_window_kernel<Shape>, params,
-                             row_heads * Shape::kDimChunks, Shape::kThreads, shared_bytes, stream);
+    return launch_merge_grid<LongMerge>(detail::mla_merge_window_kernel<LongMerge>, params,
+                                        row_heads, stream);
   }
   if (params.num_splits >= detail::kWideMergeMinSplits) {
-    using Shape = detail::WideMerge;
-    return launch_merge_grid(detail::mla_merge_window_kernel<Shape>, params,
-                             row_heads * Shape::kDimChunks, Shape::kThreads, shared_bytes, stream);
+    return launch_merge_grid<WideMerge>(detail::mla_merge_window_kernel<WideMerge>, params,
+                                        row_heads, stream);
   }
-  using Shape = detail::NarrowMerge;
-  return launch_merge_grid(detail::mla_merge_kernel<Shape>, params, row_heads * Shape::kDimChunks,
-                           Shape::kThreads, shared_bytes, stream);
+  return launch_merge_grid<NarrowMerge>(detail::mla_merge_kernel<NarrowMerge>, params, row_heads,
+                                        stream);
 }
 
 std::size_t partial_rows(const MlaAttentionProblem& problem, const LaunchShape& shape) {
@@ -403,15 +400,10 @@ detail::MlaAttentionParams attention_params(const MlaAttentionProblem& problem,
 // The host plan (MlaAttentionProblem::host_*): every row of a problem of at most kMaxPlannedRows
 // rows located on the host by the kernels' own rule (detail::row_range), unless the caller gave no
 // host copies or KVAUDIT_CUDA_HOST_PLAN=off (read at every launch, as KVAUDIT_CUDA_MMA is).
-bool host_plan_disabled() {
-  const char* setting = std::getenv("KVAUDIT_CUDA_HOST_PLAN");
-  return setting != nullptr && std::strcmp(setting, "off") == 0;
-}
-
 bool host_plan_applies(const MlaAttentionProblem& problem) {
   return problem.host_qo_indptr != nullptr && problem.host_kv_indptr != nullptr &&
          problem.host_kv_last_page_len != nullptr && problem.num_rows <= detail::kMaxPlannedRows &&
-         !host_plan_disabled();
+         !env_setting_is("KVAUDIT_CUDA_HOST_PLAN", "off");
 }
 
 void plan_rows_on_host(const MlaAttentionProblem& problem, detail::MlaAttentionParams& params) {
