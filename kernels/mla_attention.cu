@@ -10,7 +10,8 @@
 //     a shorter one kMTiles = 1 (8 warps split Q.K^T into 4 token quarters x 2 k halves with Q
 //     fragments in registers, P.V into 8 dim slices; ~104 KiB shared memory);
 //   decode, H <= 32: kMTiles = 2, one row x 32 heads (~116 KiB);
-//   decode, H > 32: kMTiles = 4, one row x 64 heads, ceil(H / 64) head blocks (~193 KiB);
+//   decode, H > 32: kMTiles = 4, one row x 64 heads, ceil(H / 64) head blocks (~193 KiB with
+//     mma.sync, ~207 KiB with wgmma, whose two warpgroups trade partial scores through 16 KiB);
 //   prefill / extend (rows >= 2 x requests), H <= 32: kMTiles = 4, 4 (or 2) consecutive causal
 //     rows x 16 (or 32) heads sharing each decoded KV tile.
 // Split-KV (flash-decoding): when the blocks alone leave SMs idle, each row group's tiles are split

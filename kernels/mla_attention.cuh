@@ -35,11 +35,13 @@
 // both Q.K^T (576 columns) and P.V (its first 512 columns) on the tensor cores, bf16 -> fp32:
 // mma.sync.m16n8k16 (one and two m16 tiles; four where sm_90a code is missing or
 // KVAUDIT_CUDA_MMA=mma-sync), or, for four m16 tiles on sm_90a, wgmma (MmaPath): warpgroup g
-// computes S for tokens 32 g .. + 31 (m64n32k16, 36 k steps) and P.V for dims 256 g .. + 255
-// (m64n256k16), Q, the tile and P in wgmma's 128-byte swizzled layout (Swizzled128Tiles).
-// mma.sync's Q.K^T sums its 576 columns in two halves (fp32, added at the end; with two or more
-// m16 tiles, even / odd 16-column chains), wgmma's in the tensor core's own order: other fp32
-// summation orders, same bound; every rounding point (P to bf16, the epilogue) is the same.
+// computes S over columns 288 g .. + 287 for all 64 tokens (m64n64k16, 18 k steps), keeps tokens
+// 32 g .. + 31 with the other group's half added through shared memory, and P.V for dims
+// 256 g .. + 255 (m64n256k16), Q, the tile and P in wgmma's 128-byte swizzled layout
+// (Swizzled128Tiles). mma.sync's Q.K^T sums its 576 columns in two halves (fp32, added at the end;
+// with two or more m16 tiles, even / odd 16-column chains), wgmma's each 288-column half in the
+// tensor core's own order, then the two halves in fp32: other fp32 summation orders, same bound;
+// every rounding point (P to bf16, the epilogue) is the same.
 //
 // Where the GPU differs from the CPU model, and by how much (the tests' tolerances):
 //   * tensor-core fp32 accumulation of the 576-term dot products and of P.V is not sequential fp32
@@ -317,7 +319,9 @@ struct MlaSmemLayout {
   // Slot tables of two tiles, NaN-code masks of two tiles (64 bits each), the FP8 buffer.
   static constexpr int kNanOffset = kSlotOffset + 2 * kTile * 4;
   static constexpr int kBufferOffset = kNanOffset + 2 * 8;
-  static constexpr int kBytes = kBufferOffset + (kFp8Buffer ? kFp8TileBytes : 0);
+  // wgmma: the two warpgroups' partial scores of each other's tokens (qk_scores_wgmma).
+  static constexpr int kSExchangeOffset = kBufferOffset + (kFp8Buffer ? kFp8TileBytes : 0);
+  static constexpr int kBytes = kSExchangeOffset + (kWgmma ? 2 * 4 * 128 * 16 : 0);
   static_assert(!kWgmma || (kMTiles == 4 && kKvOffset % 1024 == 0 && kPOffset % 1024 == 0),
                 "wgmma blocks: 64 rows, swizzle atoms 1024-aligned");
   static_assert(kBufferOffset % 16 == 0, "cp.async destinations are 16-byte aligned");
@@ -625,6 +629,7 @@ struct AttentionSmem {
   float* s_part;
   std::uint32_t* nan;
   unsigned char* buffer;
+  float4* s_exchange;
   // 32-bit shared addresses of q, kv and p (ldmatrix operands), set by set_tile_addresses.
   std::uint32_t q_address;
   std::uint32_t kv_address;
@@ -649,6 +654,7 @@ __device__ __forceinline__ AttentionSmem carve_attention_smem(unsigned char* sme
   s.s_part = reinterpret_cast<float*>(smem + Layout::kSPartOffset);
   s.nan = reinterpret_cast<std::uint32_t*>(smem + Layout::kNanOffset);
   s.buffer = smem + Layout::kBufferOffset;
+  s.s_exchange = reinterpret_cast<float4*>(smem + Layout::kSExchangeOffset);
   return s;
 }
 
@@ -1251,30 +1257,59 @@ __device__ __forceinline__ void pv_mma(float (&acc)[kPvTiles][4], const Attentio
 }
 
 // ---- attention: the same two products on wgmma (sm_90a) ---------------------------------------
-// Warpgroup g (warps 4 g .. 4 g + 3) of the 64-row block computes S for tokens 32 g .. 32 g + 31
+// Warpgroup g (warps 4 g .. 4 g + 3) of the 64-row block ends with S for tokens 32 g .. 32 g + 31
 // and P.V for dims 256 g .. 256 g + 255, all 64 rows: the same split of the work as the mma.sync
 // kernel's (mt, wn) warps, so the softmax and the epilogue phases serve both unchanged.
 
-// S = Q K^T for the group's 32 tokens: 36 k16 steps of m64n32k16, Q (A) and K (B) both K-major in
-// their swizzled tiles (a k16 step is 32 bytes along a 128-byte row, a 64-column block 64 rows on).
+// S = Q K^T for the group's 32 tokens. Warpgroup g multiplies all 64 tokens over its half of the
+// 576 columns (18 k16 steps of m64n64k16 from step 18 g: Q's half and the tile each read once per
+// tile), then the halves meet in shared memory: g keeps tokens 32 g .. 32 g + 31 (the softmax's
+// split) and adds the other group's partial sums of them (one fp32 addition, the same in both
+// groups: commutative). Q (A) and K (B) are K-major in their swizzled tiles (a k16 step is 32
+// bytes along a 128-byte row, a 64-column block 64 rows on).
 __device__ __forceinline__ void qk_scores_wgmma(float (&s)[4][4], const AttentionSmem& smem,
                                                 const ThreadRole& t) {
   constexpr std::uint32_t kAtomGroup = 8 * Swizzled128Tiles::kRowBytes;  // 8 rows: 1024 bytes
   constexpr std::uint32_t kQBlock = 64 * Swizzled128Tiles::kRowBytes;    // 64 M rows x 64 columns
   constexpr std::uint32_t kKvBlock = kTile * Swizzled128Tiles::kRowBytes;
-  const std::uint32_t k_rows = smem.kv_address + t.wn * 32 * Swizzled128Tiles::kRowBytes;
+  constexpr int kGroupSteps = kD / 16 / 2;  // 18 k16 steps per warpgroup
+  float d[kTile / 8][4];
   ptx::wgmma_fence();
 #pragma unroll
-  for (int ks = 0; ks < kD / 16; ++ks) {
+  for (int step = 0; step < kGroupSteps; ++step) {
+    const int ks = t.wn * kGroupSteps + step;
     const std::uint32_t along = (ks % 4) * 32;  // k16 step inside the 64-column block
     const std::uint64_t a =
         ptx::wgmma_sw128_descriptor(smem.q_address + (ks / 4) * kQBlock + along, 0, kAtomGroup);
     const std::uint64_t b =
-        ptx::wgmma_sw128_descriptor(k_rows + (ks / 4) * kKvBlock + along, 0, kAtomGroup);
-    ptx::wgmma_m64n32k16_bf16_f32(s, a, b, ks > 0);
+        ptx::wgmma_sw128_descriptor(smem.kv_address + (ks / 4) * kKvBlock + along, 0, kAtomGroup);
+    ptx::wgmma_m64n64k16_bf16_f32(d, a, b, step > 0);
   }
   ptx::wgmma_commit_group();
   ptx::wgmma_wait_group<0>();
+  // s_exchange [2 groups][4 n8 tiles][128 threads] float4: a thread and its twin in the other
+  // group (same warp of the group, same lane) hold the same rows and columns.
+  const int slot = t.tid % 128;
+  const bool first = t.wn == 0;
+  float4* sent = smem.s_exchange + t.wn * 4 * 128;
+  const float4* received = smem.s_exchange + (1 - t.wn) * 4 * 128;
+  // (selected element by element: a reference to one of two register arrays would put d in
+  // local memory)
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {  // the other group's tokens
+    float o[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[e] = first ? d[4 + j][e] : d[j][e];
+    sent[j * 128 + slot] = make_float4(o[0], o[1], o[2], o[3]);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float4 v = received[j * 128 + slot];
+    const float other[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[j][e] = (first ? d[j][e] : d[4 + j][e]) + other[e];
+  }
 }
 
 // acc += P V for the group's 256 dims: 4 k16 steps (16 tokens each) of m64n256k16, P (A) K-major,

@@ -214,19 +214,23 @@ __device__ __forceinline__ void wgmma_wait_group() {
 #endif
 }
 
-// wgmma.mma_async.m64n32k16.f32.bf16.bf16, both operands K-major in shared memory: d = a * b + d
-// (accumulate) or a * b (!accumulate), a 64 x 16, b 16 x 32.
-__device__ __forceinline__ void wgmma_m64n32k16_bf16_f32(float (&d)[4][4], std::uint64_t a_desc,
+// wgmma.mma_async.m64n64k16.f32.bf16.bf16, both operands K-major in shared memory: d = a * b + d
+// (accumulate) or a * b (!accumulate), a 64 x 16, b 16 x 64.
+__device__ __forceinline__ void wgmma_m64n64k16_bf16_f32(float (&d)[8][4], std::uint64_t a_desc,
                                                          std::uint64_t b_desc, bool accumulate) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile(
-      "{\n.reg .pred keep;\nsetp.ne.b32 keep, %18, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
-      "}, %16, %17, keep, 1, 1, 0, 0;\n}\n"
+      "{\n.reg .pred keep;\nsetp.ne.b32 keep, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, %32, %33, keep, 1, 1, 0, 0;\n}\n"
       : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
         "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
+        "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
+        "+f"(d[7][2]), "+f"(d[7][3])
       : "l"(a_desc), "l"(b_desc), "r"(static_cast<int>(accumulate)));
 #else
   __trap();
