@@ -409,6 +409,11 @@ struct Swizzled128Tiles {
 template <MmaPath kPath>
 using TileAddressing = std::conditional_t<kPath == MmaPath::kWgmma, Swizzled128Tiles, PaddedTiles>;
 
+// A thread's last FP8 piece of a tile: in Swizzled128Tiles, 16 of a token's 64 rope codes, which
+// land in the bf16 tile's last 64-column block (columns 512..575). Q.K^T reads that block, P.V does
+// not, so the wgmma blocks decode the next tile's rope pieces into it while P.V runs.
+inline constexpr int kTailPiece = kFp8PiecesPerThread - 1;
+
 // Makes this thread's shared-memory tile writes visible to wgmma (before the publishing barrier).
 template <typename Addr>
 __device__ __forceinline__ void publish_tile_writes() {
@@ -835,18 +840,19 @@ __device__ __forceinline__ void mark_nan_codes(const uint4 codes, int token,
   }
 }
 
-// Decodes this thread's pieces of `tile` into the bf16 tile (exactly; NaN codes stay NaN). Rows
-// past `loaded` become zeros, so no code of a token the pass may not see enters an MMA. With
-// several causal rows per block (p.mark_nan), tokens holding a NaN code are marked in the tile's
-// NaN mask (finish_tile).
-template <bool kRowGroups, typename Addr, Fp8Staging kStaging>
+// Decodes this thread's pieces kFirst .. kEnd - 1 of `tile` into the bf16 tile (exactly; NaN codes
+// stay NaN). Rows past `loaded` become zeros, so no code of a token the pass may not see enters an
+// MMA. With several causal rows per block (p.mark_nan), tokens holding a NaN code are marked in the
+// tile's NaN mask (finish_tile).
+template <bool kRowGroups, typename Addr, Fp8Staging kStaging, int kFirst = 0,
+          int kEnd = kFp8PiecesPerThread>
 __device__ __forceinline__ void decode_fp8_tile(const MlaAttentionParams& p, int tid, int tile,
                                                 int loaded, const AttentionSmem& smem,
                                                 const Fp8Pieces<kStaging>& pieces) {
   std::uint32_t* nan_mask = smem.nan + (tile % 2) * 2;
   unsigned char* kv_bytes = reinterpret_cast<unsigned char*>(smem.kv);
 #pragma unroll
-  for (int k = 0; k < kFp8PiecesPerThread; ++k) {
+  for (int k = kFirst; k < kEnd; ++k) {
     const int token = Addr::piece_token(tid, k);
     uint4 lo = make_uint4(0, 0, 0, 0), hi = make_uint4(0, 0, 0, 0);
     if (token < loaded) {
@@ -864,8 +870,10 @@ __device__ __forceinline__ void decode_fp8_tile(const MlaAttentionParams& p, int
 
 // One tile's FP8 staging: wait for this thread's pieces, decode them after the barrier that frees
 // the bf16 tile, and (registers) fetch the next tile at once. Returns the slot of token tid of tile
-// + 2 (threads 0..63; loaded before the wait), which finish_tile stores.
-template <bool kRowGroups, typename Addr, Fp8Staging kStaging>
+// + 2 (threads 0..63; loaded before the wait), which finish_tile stores. kRopeAhead: the rope piece
+// (the last, kTailPiece) of every tile after the pass's first was decoded during the previous
+// tile's P.V (decode_rope_ahead).
+template <bool kRowGroups, typename Addr, Fp8Staging kStaging, bool kRopeAhead>
 __device__ __forceinline__ std::int32_t stage_fp8_tile(const MlaAttentionParams& p,
                                                        const AttentionPass& pass, int tid, int tile,
                                                        int loaded, const AttentionSmem& smem,
@@ -873,7 +881,14 @@ __device__ __forceinline__ std::int32_t stage_fp8_tile(const MlaAttentionParams&
   const std::int32_t next_slot = tid < kTile ? tile_slot(p, pass, tile + 2, tid) : -1;
   pieces.wait();
   __syncthreads();  // everyone done with the previous tile's kv_s, p_s, sums and NaN mask
-  decode_fp8_tile<kRowGroups, Addr>(p, tid, tile, loaded, smem, pieces);
+  if constexpr (kRopeAhead) {
+    decode_fp8_tile<kRowGroups, Addr, kStaging, 0, kTailPiece>(p, tid, tile, loaded, smem, pieces);
+    if (tile == pass.tile_begin) {
+      decode_fp8_tile<kRowGroups, Addr, kStaging, kTailPiece>(p, tid, tile, loaded, smem, pieces);
+    }
+  } else {
+    decode_fp8_tile<kRowGroups, Addr>(p, tid, tile, loaded, smem, pieces);
+  }
   if constexpr (kStaging == Fp8Staging::kRegisters) {
     fetch_fp8_tile<Addr>(p, pass, smem, tid, tile + 1, pieces);
   }
@@ -1314,9 +1329,10 @@ __device__ __forceinline__ void qk_scores_wgmma(float (&s)[4][4], const Attentio
 
 // acc += P V for the group's 256 dims: 4 k16 steps (16 tokens each) of m64n256k16, P (A) K-major,
 // V (B) the KV tile read MN-major: 64 dims per 128-byte row, the group's 4 column blocks 64 rows
-// apart (leading offset), 8-token groups 1024 bytes apart (stride offset).
-__device__ __forceinline__ void pv_wgmma(float (&acc)[32][4], const AttentionSmem& smem,
-                                         const ThreadRole& t) {
+// apart (leading offset), 8-token groups 1024 bytes apart (stride offset). Issued and committed
+// only: acc may be read after the caller's wgmma_wait_group<0>.
+__device__ __forceinline__ void issue_pv_wgmma(float (&acc)[32][4], const AttentionSmem& smem,
+                                               const ThreadRole& t) {
   constexpr std::uint32_t kAtomGroup = 8 * Swizzled128Tiles::kRowBytes;
   constexpr std::uint32_t kKvBlock = kTile * Swizzled128Tiles::kRowBytes;
   const std::uint32_t v_dims = smem.kv_address + t.wn * 4 * kKvBlock;
@@ -1329,7 +1345,6 @@ __device__ __forceinline__ void pv_wgmma(float (&acc)[32][4], const AttentionSme
     ptx::wgmma_m64n256k16_bf16_f32_b_mn(acc, a, b);
   }
   ptx::wgmma_commit_group();
-  ptx::wgmma_wait_group<0>();
 }
 
 // ---- attention: epilogue -----------------------------------------------------------------------
@@ -1416,6 +1431,7 @@ __device__ __forceinline__ void attend_pass(
   __syncthreads();  // a previous pass of this block is done with Q and the slot tables
   constexpr Fp8Staging kStaging = kBf16Pool ? Fp8Staging::kRegisters : kFp8StagingOf<kMTiles>;
   constexpr bool kRowGroups = kMTiles == 4;  // only these blocks take several rows (launcher)
+  constexpr bool kRopeAhead = kWgmma && !kBf16Pool;  // (the rope pieces during P.V)
   Fp8Pieces<kStaging> pieces;
   // The first tile's fetch goes out before Q is staged, so that Q's loads overlap it instead of
   // delaying the page-table lookup it waits for (a short row's latency is that chain).
@@ -1443,7 +1459,8 @@ __device__ __forceinline__ void attend_pass(
     const int loaded = min(kTile, pass.range.readable - tile * kTile);
     std::int32_t next_slot = -1;
     if constexpr (!kBf16Pool) {
-      next_slot = stage_fp8_tile<kRowGroups, Addr>(p, pass, t.tid, tile, loaded, tiles, pieces);
+      next_slot = stage_fp8_tile<kRowGroups, Addr, kStaging, kRopeAhead>(p, pass, t.tid, tile,
+                                                                         loaded, tiles, pieces);
     } else {
       stage_bf16_tile<kRowGroups, Addr>(p, pass, t.tid, tile, loaded, tiles);
     }
@@ -1463,7 +1480,17 @@ __device__ __forceinline__ void attend_pass(
     online_softmax_update<Tiling::kWn, Addr>(s, visible - tile * kTile, nan_tokens, p.score_scale,
                                              token0, tiles, t, state);
     if constexpr (kWgmma) {
-      pv_wgmma(state.acc, tiles, t);
+      issue_pv_wgmma(state.acc, tiles, t);
+      // While the tensor cores run P.V (wgmma is asynchronous), the ALUs decode the next tile's
+      // rope pieces into the block of the bf16 tile that P.V does not read (Q.K^T is done with it:
+      // qk_scores_wgmma's barrier).
+      if (kRopeAhead && tile + 1 < pass.tile_end) {
+        pieces.wait();
+        decode_fp8_tile<kRowGroups, Addr, kStaging, kTailPiece>(
+            p, t.tid, tile + 1, min(kTile, pass.range.readable - (tile + 1) * kTile), tiles,
+            pieces);
+      }
+      ptx::wgmma_wait_group<0>();
     } else {
       pv_mma(state.acc, tiles, t);
     }
