@@ -1215,6 +1215,9 @@ __device__ __forceinline__ void update_running_sum(const float (&part_sum)[2], c
 template <int kPvTiles>
 __device__ __forceinline__ void rescale_accumulators(float (&acc)[kPvTiles][4],
                                                      const float (&alpha)[2]) {
+  // alpha = exp2(0) = 1 exactly where the tile did not raise the row's max (most tiles after the
+  // first few): the products would change no bit, so a warp whose alphas are all 1 skips them.
+  if (__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) return;
 #pragma unroll
   for (int j = 0; j < kPvTiles; ++j) {
     acc[j][0] *= alpha[0];

@@ -293,17 +293,8 @@ __device__ __forceinline__ void register_softmax(const RegisterTileSmem& smem,
 // group (elements 0, 1) and group + 8 (2, 3).
 __device__ __forceinline__ void register_pv(float (&acc)[8][4], const RegisterTile& tile,
                                             const RegisterTileSmem& smem, const RegisterLane& l) {
-  const float alpha0 = smem.alpha[l.group], alpha1 = smem.alpha[l.group + 8];
-  // Multiplying by 1 changes no bit: a warp whose 16 heads all kept their max skips the rescale.
-  if (!__all_sync(0xffffffffu, alpha0 == 1.f && alpha1 == 1.f)) {
-#pragma unroll
-    for (int n = 0; n < 8; ++n) {
-      acc[n][0] *= alpha0;
-      acc[n][1] *= alpha0;
-      acc[n][2] *= alpha1;
-      acc[n][3] *= alpha1;
-    }
-  }
+  const float alpha[2] = {smem.alpha[l.group], smem.alpha[l.group + 8]};
+  rescale_accumulators(acc, alpha);  // (skipped by a warp whose 16 heads all kept their max)
   const int a_row = (l.lane % 8) + 8 * ((l.lane / 8) % 2);
   const std::uint32_t a_addr = smem.p_address + (a_row * kPRow + 8 * (l.lane / 16)) * 2;
 #pragma unroll
