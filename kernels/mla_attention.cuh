@@ -66,10 +66,11 @@
 //   per 64-token tile:
 //     stage_fp8_tile      decode the fetched tile into the bf16 tile (NaN mask), fetch the next
 //     stage_bf16_tile     (bf16 pool) the bf16 rows into the tile (NaN mask)
-//     finish_tile         next slot table, (kBuffer) fetch the next tile, zero rows of NaN codes
+//     finish_tile         next slot table, zero rows of NaN codes
 //     qk_scores_*         S = Q K^T (mma.sync: two variants of the warp tiling; wgmma)
 //     online_softmax_update  scale, mask, block row max, P = exp2(s - m) in bf16, l, rescale acc
-//     pv_mma / pv_wgmma   acc += P V (V = the tile's first 512 columns)
+//     pv_mma / issue_pv_wgmma  acc += P V (V = the tile's first 512 columns); on wgmma the next
+//                         tile's rope pieces are decoded meanwhile
 //   write_attention_output  out and lse, or the split's partial (out, lse)
 // and the merge: mla_merge_kernel (few splits: load_split_weights, sum_split_group) or
 // mla_merge_window_kernel (many: load_split_window, reduce_split_totals, sum_split_window), then
@@ -869,7 +870,7 @@ __device__ __forceinline__ void decode_fp8_tile(const MlaAttentionParams& p, int
 }
 
 // One tile's FP8 staging: wait for this thread's pieces, decode them after the barrier that frees
-// the bf16 tile, and (registers) fetch the next tile at once. Returns the slot of token tid of tile
+// the bf16 tile, and fetch the next tile at once. Returns the slot of token tid of tile
 // + 2 (threads 0..63; loaded before the wait), which finish_tile stores. kRopeAhead: the rope piece
 // (the last, kTailPiece) of every tile after the pass's first was decoded during the previous
 // tile's P.V (decode_rope_ahead).
@@ -889,29 +890,25 @@ __device__ __forceinline__ std::int32_t stage_fp8_tile(const MlaAttentionParams&
   } else {
     decode_fp8_tile<kRowGroups, Addr>(p, tid, tile, loaded, smem, pieces);
   }
-  if constexpr (kStaging == Fp8Staging::kRegisters) {
-    fetch_fp8_tile<Addr>(p, pass, smem, tid, tile + 1, pieces);
-  }
+  // The next tile goes out at once, into this thread's registers or its own slots of the buffer,
+  // which it has just read (so no barrier is waited for first).
+  fetch_fp8_tile<Addr>(p, pass, smem, tid, tile + 1, pieces);
   return next_slot;
 }
 
-// After the barrier that publishes tile `tile`: its NaN mask, the next tile's mask cleared, the
-// slot table of tile + 2 stored (in tile's place: every thread has read it), and (kBuffer) tile + 1
-// fetched into the buffer just decoded. Tokens in the mask have their bf16 rows zeroed: a row that
-// sees such a token gets a NaN score for it (online_softmax_update), which makes its out and lse
-// NaN as in the reference, and an earlier causal row of the pass, which does not see it, multiplies
-// zeros by its zero weight instead of NaN. Blocks of one row (!kRowGroups) mark nothing: their
-// mask is 0 at compile time and none of this runs.
-template <bool kRowGroups, typename Addr, Fp8Staging kStaging>
+// After the barrier that publishes tile `tile`: its NaN mask, the next tile's mask cleared, and the
+// slot table of tile + 2 stored (in tile's place: every thread has read it). Tokens in the mask
+// have their bf16 rows zeroed: a row that sees such a token gets a NaN score for it
+// (online_softmax_update), which makes its out and lse NaN as in the reference, and an earlier
+// causal row of the pass, which does not see it, multiplies zeros by its zero weight instead of
+// NaN. Blocks of one row (!kRowGroups) mark nothing: their mask is 0 at compile time and none of
+// this runs.
+template <bool kRowGroups, typename Addr>
 __device__ __forceinline__ std::uint64_t finish_tile(const MlaAttentionParams& p,
                                                      const AttentionPass& pass, int tid, int tile,
                                                      std::int32_t next_slot,
-                                                     const AttentionSmem& smem,
-                                                     Fp8Pieces<kStaging>& pieces) {
+                                                     const AttentionSmem& smem) {
   if (tid < kTile) smem.slot[(tile % 2) * kTile + tid] = next_slot;
-  if constexpr (kStaging == Fp8Staging::kBuffer) {
-    fetch_fp8_tile<Addr>(p, pass, smem, tid, tile + 1, pieces);
-  }
   if constexpr (!kRowGroups) return 0;
   const std::uint32_t* mask = smem.nan + (tile % 2) * 2;
   const std::uint64_t nan_tokens = mask[0] | (static_cast<std::uint64_t>(mask[1]) << 32);
@@ -1469,7 +1466,7 @@ __device__ __forceinline__ void attend_pass(
     }
     __syncthreads();  // bf16 tile, its NaN mask and the next slot table ready
     const std::uint64_t nan_tokens =
-        finish_tile<kRowGroups, Addr>(p, pass, t.tid, tile, next_slot, tiles, pieces);
+        finish_tile<kRowGroups, Addr>(p, pass, t.tid, tile, next_slot, tiles);
 
     float s[Tiling::kQkTiles][4];
     const int token0 = t.wn * 8 * Tiling::kQkTiles;
