@@ -615,27 +615,6 @@ __device__ __forceinline__ ThreadRole thread_role() {
   return t;
 }
 
-// The named barrier of the warps that hold the same 16 rows (the kWn warps of m16 tile t.mt; on
-// wgmma a warp and its twin in the other warpgroup): the row max and the wgmma score exchange pass
-// only between them. Barrier 0 is __syncthreads'.
-template <int kThreadCount>
-__device__ __forceinline__ void sync_row_warps(const ThreadRole& t) {
-  switch (t.mt) {  // uniform over the warps that meet; immediate barrier ids
-    case 0:
-      ptx::named_barrier_sync<1, kThreadCount>();
-      break;
-    case 1:
-      ptx::named_barrier_sync<2, kThreadCount>();
-      break;
-    case 2:
-      ptx::named_barrier_sync<3, kThreadCount>();
-      break;
-    default:
-      ptx::named_barrier_sync<4, kThreadCount>();
-      break;
-  }
-}
-
 // The block's shared memory (MlaSmemLayout), with the 32-bit addresses ldmatrix takes:
 //   q      : [kRows, kSmemRow] bf16   Q rows [q_nope (512) | q_pe (64)], zero past H
 //   kv     : [kTile, kSmemRow] bf16   the decoded KV tile: K for Q.K^T, its first 512 columns V
@@ -1168,7 +1147,7 @@ __device__ __forceinline__ RowRescale block_row_max(const float (&tile_max)[2],
     max_s[(t.mt * 16 + t.group) * kWn + t.wn] = tile_max[0];
     max_s[(t.mt * 16 + t.group + 8) * kWn + t.wn] = tile_max[1];
   }
-  sync_row_warps<kWn * 32>(t);  // the kWn warps of this m16 tile
+  __syncthreads();
   RowRescale r;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -1338,7 +1317,7 @@ __device__ __forceinline__ void qk_scores_wgmma(float (&s)[4][4], const Attentio
     for (int e = 0; e < 4; ++e) o[e] = first ? d[4 + j][e] : d[j][e];
     sent[j * 128 + slot] = make_float4(o[0], o[1], o[2], o[3]);
   }
-  sync_row_warps<64>(t);  // this warp and its twin in the other group
+  __syncthreads();
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const float4 v = received[j * 128 + slot];

@@ -155,14 +155,6 @@ __device__ __forceinline__ void griddepcontrol_launch_dependents() {
 #endif
 }
 
-// bar.sync id, threads: the warps of `threads` threads (a multiple of 32) that meet at barrier `id`
-// wait for each other, with the ordering of shared memory __syncthreads gives (which is barrier 0).
-// For exchanges between a few warps, so that they do not wait for the whole block.
-template <int kId, int kThreadCount>
-__device__ __forceinline__ void named_barrier_sync() {
-  asm volatile("bar.sync %0, %1;\n" ::"n"(kId), "n"(kThreadCount) : "memory");
-}
-
 // ---- warpgroup tensor cores (sm_90a) -----------------------------------------------------------
 // wgmma.mma_async exists on sm_90a only (compiled where __CUDA_ARCH_FEAT_SM90_ALL is defined; the
 // other targets get a trap, and the launcher runs wgmma_probe_kernel (kernels/mla_attention.cuh)
