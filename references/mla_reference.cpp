@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <boost/multiprecision/cpp_bin_float.hpp>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -359,9 +360,24 @@ class DoubleDoubleKernel {
   std::vector<double> acc_lo_;
 };
 
+// The number type of an accumulation tag: Boost's for the multiprecision tags (kept out of the
+// header), the type itself otherwise.
+template <class Acc>
+struct NumberOf {
+  using type = Acc;
+};
+template <>
+struct NumberOf<Float50> {
+  using type = boost::multiprecision::cpp_bin_float_50;
+};
+template <>
+struct NumberOf<Float100> {
+  using type = boost::multiprecision::cpp_bin_float_100;
+};
+
 template <class Acc>
 struct KernelFor {
-  using type = NaiveKernel<Acc>;
+  using type = NaiveKernel<typename NumberOf<Acc>::type>;
 };
 template <>
 struct KernelFor<dd::DoubleDouble> {

@@ -32,13 +32,13 @@
 //       --cpu-only` on the GPU machine's 16-core Xeon, 2026-12-01): 1.02e7 rows*heads*tokens per
 //       second on 16 threads, 2.3x slower than a plain binary64 loop over the same step
 //       (x86-64-v3 clones of the hot loops where the CPU has AVX2 + FMA).
-//   Float50 / Float100 (boost::multiprecision::cpp_bin_float_50/_100) — the same formulas
-//       evaluated naively in the multiprecision type; slow; they check the default.
+//   Float50 / Float100 (tags for boost::multiprecision::cpp_bin_float_50/_100, which
+//       references/mla_reference.cpp maps them to, so that Boost stays out of this header) — the
+//       same formulas evaluated naively in the multiprecision type; slow; they check the default.
 //   double — the same naive formulas in binary64; its error (~|s| * 2^-53 in the scores) is
 //       what the tests show the default avoids.
 #pragma once
 
-#include <boost/multiprecision/cpp_bin_float.hpp>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -52,8 +52,10 @@
 
 namespace kvaudit {
 
-using Float50 = boost::multiprecision::cpp_bin_float_50;
-using Float100 = boost::multiprecision::cpp_bin_float_100;
+// Accumulation in Boost.Multiprecision's cpp_bin_float_50 / cpp_bin_float_100 (50 and 100 decimal
+// digits): tags, defined with the Boost types in references/mla_reference.cpp.
+struct Float50;
+struct Float100;
 
 // The KV rows the reference reads: element (slot, j) = double(row(slot)[j]) * scale(), exactly.
 // Rows are stored as floats, which holds every kvdump KV value without loss (e4m3 values, bf16

@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 
 #include <bit>
+#include <boost/multiprecision/cpp_bin_float.hpp>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdlib>
@@ -331,21 +332,22 @@ TEST_CASE("a sparse row attends to exactly its listed tokens, in position order"
 void exact_attention_100(const std::vector<std::vector<double>>& keys, const float* q_nope,
                          const float* q_pe, int dc, int dr, double sm_scale,
                          std::vector<double>& out, double& lse) {
-  std::vector<Float100> s(keys.size());
+  using Boost100 = boost::multiprecision::cpp_bin_float_100;
+  std::vector<Boost100> s(keys.size());
   for (std::size_t t = 0; t < keys.size(); ++t) {
-    Float100 dot = 0;
-    for (int j = 0; j < dc; ++j) dot += Float100(q_nope[j]) * Float100(keys[t][j]);
-    for (int j = 0; j < dr; ++j) dot += Float100(q_pe[j]) * Float100(keys[t][dc + j]);
-    s[t] = Float100(sm_scale) * dot;
+    Boost100 dot = 0;
+    for (int j = 0; j < dc; ++j) dot += Boost100(q_nope[j]) * Boost100(keys[t][j]);
+    for (int j = 0; j < dr; ++j) dot += Boost100(q_pe[j]) * Boost100(keys[t][dc + j]);
+    s[t] = Boost100(sm_scale) * dot;
   }
-  Float100 m = s[0];
+  Boost100 m = s[0];
   for (const auto& v : s) m = v > m ? v : m;
-  Float100 l = 0;
-  std::vector<Float100> acc(static_cast<std::size_t>(dc), Float100(0));
+  Boost100 l = 0;
+  std::vector<Boost100> acc(static_cast<std::size_t>(dc), Boost100(0));
   for (std::size_t t = 0; t < keys.size(); ++t) {
-    const Float100 e = exp(s[t] - m);
+    const Boost100 e = exp(s[t] - m);
     l += e;
-    for (int d = 0; d < dc; ++d) acc[d] += e * Float100(keys[t][d]);
+    for (int d = 0; d < dc; ++d) acc[d] += e * Boost100(keys[t][d]);
   }
   out.resize(static_cast<std::size_t>(dc));
   for (int d = 0; d < dc; ++d) out[d] = static_cast<double>(acc[d] / l);
