@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "src/report/diagnosis_report.hpp"
+#include "src/report/json_layout.hpp"
 #include "src/report/report_summary.hpp"
 #include "src/report/svg_chart.hpp"
 #include "src/verdict/signoff.hpp"
@@ -210,35 +211,17 @@ void failures_section(Html& html, const CheckRun& run) {
   put(html, "</section>\n");
 }
 
-std::string json_text(const nlohmann::json& value) {
-  return value.is_string() ? value.get<std::string>()
-                           : value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
-}
-
-// A table of an array of objects: one row per object, one column per key (first-seen order).
-void object_table(Html& html, const nlohmann::json& array, const char* css_class) {
-  std::vector<std::string> columns;
-  for (const nlohmann::json& item : array) {
-    for (const auto& [key, value] : item.items()) {
-      if (std::find(columns.begin(), columns.end(), key) == columns.end()) columns.push_back(key);
-    }
-  }
+// A table of an array of objects (json_layout.hpp).
+void json_table(Html& html, const JsonTable& table, const char* css_class) {
   put(html, "<table class=\"{}\"><tr>", css_class);
-  for (const std::string& column : columns) put(html, "<th>{}</th>", esc(column));
+  for (const std::string& column : table.columns) put(html, "<th>{}</th>", esc(column));
   put(html, "</tr>");
-  for (const nlohmann::json& item : array) {
+  for (const std::vector<std::string>& row : table.rows) {
     put(html, "<tr>");
-    for (const std::string& column : columns) {
-      put(html, "<td>{}</td>", item.contains(column) ? esc(json_text(item.at(column))) : "");
-    }
+    for (const std::string& text : row) put(html, "<td>{}</td>", esc(text));
     put(html, "</tr>");
   }
   put(html, "</table>");
-}
-
-bool is_array_of_objects(const nlohmann::json& value) {
-  return value.is_array() && !value.empty() &&
-         std::all_of(value.begin(), value.end(), [](const auto& item) { return item.is_object(); });
 }
 
 // The convention-mismatch diagnosis and the server's pool cost (diagnosis_report.hpp), shown when
@@ -568,20 +551,14 @@ void dump_section(Html& html, const CheckRun& run) {
   put(html, "<tr><th>path</th><td><code>{}</code></td></tr>", esc(run.dump_path));
   put(html, "<tr><th>SHA-256</th><td><code>{}</code></td></tr>",
       esc(run.dump_sha256.empty() ? "not computed" : run.dump_sha256));
-  std::vector<std::pair<std::string, const nlohmann::json*>> listings;
-  if (run.dump_summary.is_object()) {
-    for (const auto& [key, value] : run.dump_summary.items()) {
-      if (is_array_of_objects(value)) {
-        listings.emplace_back(key, &value);
-      } else {
-        put(html, "<tr><th>{}</th><td>{}</td></tr>", esc(key), esc(json_text(value)));
-      }
-    }
+  const JsonObjectLayout layout = json_object_layout(run.dump_summary, JsonListings::kAsTables);
+  for (const auto& [key, text] : layout.fields) {
+    put(html, "<tr><th>{}</th><td>{}</td></tr>", esc(key), esc(text));
   }
   put(html, "</table>");
-  for (const auto& [key, value] : listings) {
-    put(html, "<h3>{}</h3>", esc(key));
-    object_table(html, *value, "dump-listing");
+  for (const JsonTable& table : layout.tables) {
+    put(html, "<h3>{}</h3>", esc(table.name));
+    json_table(html, table, "dump-listing");
   }
   put(html, "</section>\n");
 }
@@ -650,10 +627,12 @@ void provenance_section(Html& html, const ReportModel& model) {
     }
     put(html, "</table>");
   }
-  if (run.backend_description.is_object() && !run.backend_description.empty()) {
+  const JsonObjectLayout backend =
+      json_object_layout(run.backend_description, JsonListings::kAsFields);
+  if (!backend.fields.empty()) {
     put(html, "<h3>Backend description</h3><table>");
-    for (const auto& [key, value] : run.backend_description.items()) {
-      put(html, "<tr><th>{}</th><td class=\"mono\">{}</td></tr>", esc(key), esc(json_text(value)));
+    for (const auto& [key, text] : backend.fields) {
+      put(html, "<tr><th>{}</th><td class=\"mono\">{}</td></tr>", esc(key), esc(text));
     }
     put(html, "</table>");
   }

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "src/report/diagnosis_report.hpp"
+#include "src/report/json_layout.hpp"
 #include "src/report/report.hpp"
 #include "src/report/report_summary.hpp"
 #include "src/verdict/signoff.hpp"
@@ -57,47 +58,27 @@ std::string cell(const std::string& text) {
 
 std::string code(const std::string& text) { return fmt::format("`{}`", cell(text)); }
 
-std::string json_value_text(const nlohmann::json& value) {
-  if (value.is_string()) return value.get<std::string>();
-  return value.dump();
-}
-
+// A free-form object's fields as a key/value table (json_layout.hpp).
 void key_value_table(Markdown& md, const nlohmann::json& object) {
-  if (!object.is_object() || object.empty()) {
+  const JsonObjectLayout layout = json_object_layout(object, JsonListings::kAsFields);
+  if (layout.fields.empty()) {
     append(md, "(none recorded)\n\n");
     return;
   }
   append(md, "| key | value |\n| --- | --- |\n");
-  for (const auto& [key, value] : object.items()) {
-    append(md, "| {} | {} |\n", cell(key), cell(json_value_text(value)));
-  }
+  for (const auto& [key, text] : layout.fields) append(md, "| {} | {} |\n", cell(key), cell(text));
   append(md, "\n");
 }
 
-bool is_array_of_objects(const nlohmann::json& value) {
-  return value.is_array() && !value.empty() &&
-         std::all_of(value.begin(), value.end(),
-                     [](const nlohmann::json& item) { return item.is_object(); });
-}
-
-// One row per object, one column per key (in first-seen order).
-void array_table(Markdown& md, const nlohmann::json& array) {
-  std::vector<std::string> columns;
-  for (const nlohmann::json& item : array) {
-    for (const auto& [key, value] : item.items()) {
-      if (std::find(columns.begin(), columns.end(), key) == columns.end()) columns.push_back(key);
-    }
-  }
+void json_table(Markdown& md, const JsonTable& table) {
   append(md, "|");
-  for (const std::string& column : columns) append(md, " {} |", cell(column));
+  for (const std::string& column : table.columns) append(md, " {} |", cell(column));
   append(md, "\n|");
-  for (std::size_t i = 0; i < columns.size(); ++i) append(md, " --- |");
+  for (std::size_t i = 0; i < table.columns.size(); ++i) append(md, " --- |");
   append(md, "\n");
-  for (const nlohmann::json& item : array) {
+  for (const std::vector<std::string>& row : table.rows) {
     append(md, "|");
-    for (const std::string& column : columns) {
-      append(md, " {} |", item.contains(column) ? cell(json_value_text(item[column])) : "");
-    }
+    for (const std::string& text : row) append(md, " {} |", cell(text));
     append(md, "\n");
   }
   append(md, "\n");
@@ -138,20 +119,12 @@ void dump_section(Markdown& md, const CheckRun& run) {
   append(md, "| SHA-256 | {} |\n",
          code(run.dump_sha256.empty() ? "not computed" : run.dump_sha256));
   // Scalars go in the table; arrays of objects (layers, steps) get a table of their own.
-  std::vector<std::pair<std::string, const nlohmann::json*>> listings;
-  if (run.dump_summary.is_object()) {
-    for (const auto& [key, value] : run.dump_summary.items()) {
-      if (is_array_of_objects(value)) {
-        listings.emplace_back(key, &value);
-      } else {
-        append(md, "| {} | {} |\n", cell(key), cell(json_value_text(value)));
-      }
-    }
-  }
+  const JsonObjectLayout layout = json_object_layout(run.dump_summary, JsonListings::kAsTables);
+  for (const auto& [key, text] : layout.fields) append(md, "| {} | {} |\n", cell(key), cell(text));
   append(md, "\n");
-  for (const auto& [key, value] : listings) {
-    append(md, "### {}\n\n", cell(key));
-    array_table(md, *value);
+  for (const JsonTable& table : layout.tables) {
+    append(md, "### {}\n\n", cell(table.name));
+    json_table(md, table);
   }
 }
 

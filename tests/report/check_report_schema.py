@@ -12,7 +12,8 @@
 4. The prose document agrees: every key the schema names appears in docs/report-schema.md (as
    `key`, or "key" in a JSON-like listing), and the document names the schema file as the authority.
 5. With --kvaudit, fresh reports from this build validate: `kvaudit check` of shipped dumps (a
-   passing sign-off run, a failing run with a diagnosis), a shard's part (--shard I/N --json, with
+   passing sign-off run, a run with unmeasured sites, a failing kernel with its first divergence
+   and diagnosis), a shard's part (--shard I/N --json, with
    its `shard` block) and the `kvaudit merge` of two parts, so that a key the writer gains or
    changes without the schema fails here.
 Exits 0 when all hold, 1 naming every failure. Needs python3-jsonschema (scripts/setup.sh).
@@ -112,6 +113,9 @@ def fresh_reports(source, kvaudit, tmp):
          "--report", str(tmp / "glm5_page1")], {0})
     run([kvaudit, "check", str(datasets / "page64_nan.h5"), "--threads", "2", "--backend",
          "cpu-fp8", "--report", str(tmp / "page64_nan")], {0, 1})
+    # A failing kernel (an injected scale mismatch): first divergence, diagnosis findings.
+    run([kvaudit, "check", str(datasets / "glm5_page1.h5"), "--threads", "2", "--backend",
+         "cpu-fp8", "--inject", "scale-mismatch", "--report", str(tmp / "scale_mismatch")], {1})
     parts = []
     for index in range(2):
         part = tmp / f"part-{index}.json"
@@ -120,6 +124,7 @@ def fresh_reports(source, kvaudit, tmp):
         parts.append(str(part))
     run([kvaudit, "merge", *parts, "--json", str(tmp / "merged.json")], {0, 1})
     return [tmp / "glm5_page1/report.json", tmp / "page64_nan/report.json",
+            tmp / "scale_mismatch/report.json",
             *map(pathlib.Path, parts), tmp / "merged.json"]
 
 
