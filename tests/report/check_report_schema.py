@@ -22,6 +22,7 @@ import argparse
 import copy
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -99,33 +100,37 @@ def check_prose(source, schema, failures):
         failures.append(f"{PROSE} does not point to {SCHEMA}")
 
 
-def run(command, expect):
+# Runs a command; an unexpected exit status is a failure (and the rest still runs, so that a
+# report the reader refuses is also validated against the schema).
+def run(command, expect, failures):
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode not in expect:
-        raise RuntimeError(f"{' '.join(command)}: exit {result.returncode}\n{result.stderr[-2000:]}")
+        failures.append(f"{' '.join(command)}: exit {result.returncode}\n{result.stderr[-2000:]}")
 
 
-def fresh_reports(source, kvaudit, tmp):
-    tmp.mkdir(parents=True, exist_ok=True)
+def fresh_reports(source, kvaudit, tmp, failures):
+    shutil.rmtree(tmp, ignore_errors=True)  # nothing left from an earlier run
+    tmp.mkdir(parents=True)
     datasets = source / "datasets"
     signoff = ["--signoff", "--signed-by", "schema test", "--model", "GLM-5"]
     run([kvaudit, "check", str(datasets / "glm5_page1.h5"), "--threads", "2", *signoff,
-         "--report", str(tmp / "glm5_page1")], {0})
+         "--report", str(tmp / "glm5_page1")], {0}, failures)
     run([kvaudit, "check", str(datasets / "page64_nan.h5"), "--threads", "2", "--backend",
-         "cpu-fp8", "--report", str(tmp / "page64_nan")], {0, 1})
+         "cpu-fp8", "--report", str(tmp / "page64_nan")], {0, 1}, failures)
     # A failing kernel (an injected scale mismatch): first divergence, diagnosis findings.
     run([kvaudit, "check", str(datasets / "glm5_page1.h5"), "--threads", "2", "--backend",
-         "cpu-fp8", "--inject", "scale-mismatch", "--report", str(tmp / "scale_mismatch")], {1})
+         "cpu-fp8", "--inject", "scale-mismatch", "--report", str(tmp / "scale_mismatch")], {1},
+        failures)
     parts = []
     for index in range(2):
         part = tmp / f"part-{index}.json"
         run([kvaudit, "check", str(datasets / "saturated_page16.h5"), "--threads", "2",
-             "--shard", f"{index}/2", "--json", str(part)], {0, 1})
+             "--shard", f"{index}/2", "--json", str(part)], {0, 1}, failures)
         parts.append(str(part))
-    run([kvaudit, "merge", *parts, "--json", str(tmp / "merged.json")], {0, 1})
-    return [tmp / "glm5_page1/report.json", tmp / "page64_nan/report.json",
-            tmp / "scale_mismatch/report.json",
-            *map(pathlib.Path, parts), tmp / "merged.json"]
+    run([kvaudit, "merge", *parts, "--json", str(tmp / "merged.json")], {0, 1}, failures)
+    written = [tmp / "glm5_page1/report.json", tmp / "page64_nan/report.json",
+               tmp / "scale_mismatch/report.json", *map(pathlib.Path, parts), tmp / "merged.json"]
+    return [path for path in written if path.exists()]
 
 
 def main():
@@ -148,7 +153,8 @@ def main():
         check_schema_can_fail(validator, committed[0], failures)
     check_prose(args.source, schema, failures)
     if args.kvaudit:
-        validate_files(validator, fresh_reports(args.source, args.kvaudit, args.tmp), failures)
+        fresh = fresh_reports(args.source, args.kvaudit, args.tmp, failures)
+        validate_files(validator, fresh, failures)
     for failure in failures:
         print(f"check_report_schema: {failure}", file=sys.stderr)
     return 1 if failures else 0
