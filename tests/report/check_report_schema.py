@@ -139,7 +139,12 @@ def main():
     parser.add_argument("--kvaudit", help="a kvaudit binary: also validate fresh reports")
     parser.add_argument("--tmp", type=pathlib.Path, help="where the fresh reports go")
     args = parser.parse_args()
-    import jsonschema  # python3-jsonschema
+    try:
+        import jsonschema  # python3-jsonschema
+    except ImportError:
+        print("check_report_schema: python3-jsonschema is not installed (scripts/setup.sh installs "
+              "it)", file=sys.stderr)
+        return 1
 
     schema = json.loads((args.source / SCHEMA).read_text())
     jsonschema.Draft202012Validator.check_schema(schema)
