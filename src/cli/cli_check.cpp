@@ -33,6 +33,7 @@
 #include "src/report/repro.hpp"
 #include "src/report/save_outputs.hpp"
 #include "src/verdict/policy.hpp"
+#include "src/verdict/report_model.hpp"
 
 namespace kvaudit {
 namespace {
@@ -319,11 +320,9 @@ Result<CheckOutputs> open_outputs(const CheckOptions& options) {
 // --report, --emit-repro into their temporaries, then every output into place.
 Status write_outputs(const CheckOptions& options, const DumpReader& reader, const CheckRun& run,
                      const ShardInfo* shard, CheckOutputs& outputs) {
-  // Strings from the dump (model, producer) may not be UTF-8: replace bad bytes, don't throw.
   if (outputs.json) {
     const nlohmann::json doc = shard != nullptr ? part_to_json(run, *shard) : to_json(run);
-    KVAUDIT_TRY(outputs.json->write(
-        doc.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n"));
+    KVAUDIT_TRY(outputs.json->write(report_json_text(doc)));
   }
   if (outputs.report) KVAUDIT_TRY(write_report_dir(outputs.report->staging_path(), run));
   if (outputs.repro) KVAUDIT_TRY(emit_repro(options, outputs.repro->temp_path(), reader, run));

@@ -18,6 +18,7 @@
 #include "src/core/output_file.hpp"
 #include "src/report/report.hpp"
 #include "src/verdict/merge.hpp"
+#include "src/verdict/report_model.hpp"
 #include "src/verdict/shard.hpp"
 
 namespace kvaudit {
@@ -51,8 +52,7 @@ Status write_outputs(const MergeOptions& options, const CheckRun& run) {
     KVAUDIT_ASSIGN_OR_RETURN(AtomicOutputFile file,
                              AtomicOutputFile::create(options.json_file, "--json"));
     json_file.emplace(std::move(file));
-    KVAUDIT_TRY(json_file->write(
-        to_json(run).dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n"));
+    KVAUDIT_TRY(json_file->write(report_json_text(to_json(run))));
   }
   if (!options.report_dir.empty()) {
     KVAUDIT_ASSIGN_OR_RETURN(AtomicOutputDirectory dir,

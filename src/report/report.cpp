@@ -180,38 +180,28 @@ void print_check_table(std::ostream& out, const CheckRun& run, bool with_timing)
   out << verdict_summary(run) << "\n";
 }
 
+namespace {
+
+Status write_text(const std::filesystem::path& path, const std::string& text) {
+  std::ofstream out(path);
+  out << text;
+  if (!out) return bad_input(path.string(), "cannot write the report");
+  return ok_status();
+}
+
+}  // namespace
+
 Status write_report_dir(const std::filesystem::path& dir, const CheckRun& run) {
-  if (!is_complete(run.provenance)) {
-    // report.json and report.md name the same moment: fill the provenance once, for both.
-    CheckRun completed = run;
-    completed.provenance = completed_provenance(run.provenance);
-    return write_report_dir(dir, completed);
-  }
   std::error_code error;
   std::filesystem::create_directories(dir, error);
   if (error) {
     return bad_input(dir.string(), "cannot create the report directory: " + error.message());
   }
-  const std::filesystem::path json_path = dir / kReportFiles[0];
-  {
-    std::ofstream out(json_path);
-    // Strings from the dump (model, producer) may not be UTF-8: replace bad bytes, don't throw.
-    out << to_json(run).dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
-    if (!out) return bad_input(json_path.string(), "cannot write the report");
-  }
-  const std::filesystem::path md_path = dir / kReportFiles[1];
-  {
-    std::ofstream out(md_path);
-    out << render_markdown(run);
-    if (!out) return bad_input(md_path.string(), "cannot write the report");
-  }
-  const std::filesystem::path html_path = dir / kReportFiles[2];
-  {
-    std::ofstream out(html_path);
-    out << render_html(run);
-    if (!out) return bad_input(html_path.string(), "cannot write the report");
-  }
-  return ok_status();
+  // report.json, report.md and report.html render one model: the same provenance and digest.
+  const ReportModel model = make_report_model(run);
+  KVAUDIT_TRY(write_text(dir / kReportFiles[0], report_json_text(to_json(model))));
+  KVAUDIT_TRY(write_text(dir / kReportFiles[1], render_markdown(model)));
+  return write_text(dir / kReportFiles[2], render_html(model));
 }
 
 }  // namespace kvaudit

@@ -10,6 +10,7 @@
 
 #include "src/core/result.hpp"
 #include "src/verdict/check_result.hpp"
+#include "src/verdict/report_model.hpp"
 
 namespace kvaudit {
 
@@ -43,13 +44,15 @@ void print_timing(std::ostream& out, const CheckRun& run);
 // with quantization or total error unmeasured, " - sign-off incomplete: <what, which layers>".
 std::string verdict_summary(const CheckRun& run);
 
-// report.md's text, from the run alone (report.json is to_json(run)): the verdict, the sign-off
-// block, the summary a person signs, the failures with their likely cause, the diagnosis, the
-// details, then the appendices (policy, dump, backend, timing, provenance).
+// report.md's text, from the report model alone (report.json is to_json(model),
+// src/verdict/report_model.hpp): the verdict, the sign-off block, the summary a person signs, the
+// failures with their likely cause, the diagnosis, the details, then the appendices (policy, dump,
+// backend, timing, provenance). The run's overload makes the model.
+std::string render_markdown(const ReportModel& model);
 std::string render_markdown(const CheckRun& run);
 
-// Creates `dir` (and parents) and writes report.json (to_json(run), pretty-printed), report.md and
-// report.html, all with the same provenance (empty fields filled once, from this process).
+// Creates `dir` (and parents) and writes report.json (report_json_text), report.md and report.html,
+// all from one report model (make_report_model: the same provenance, filled once).
 Status write_report_dir(const std::filesystem::path& dir, const CheckRun& run);
 // The files write_report_dir writes (for a staging directory's signal-time cleanup).
 inline constexpr std::array<const char*, 3> kReportFiles = {"report.json", "report.md",

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "src/report/diagnosis_report.hpp"
+#include "src/report/json_layout.hpp"
 #include "src/report/report_summary.hpp"
 #include "src/report/svg_chart.hpp"
 #include "src/verdict/signoff.hpp"
@@ -105,18 +106,19 @@ std::string result_tooltip(const CheckRun& run, const ComparisonResult& r) {
 // ---- the top: verdict, sign-off, summary, failures, diagnosis ----------------------------------
 
 // "48 comparisons measured over 3 layers x 4 steps (kernel 12, cache 12, ...)".
-std::string rests_on_text(const CheckRun& run) {
+std::string rests_on_text(const ReportModel& model) {
+  const CheckRun& run = model.run;
   std::map<Comparison, int> per;
   for (const ComparisonResult& r : run.comparisons) ++per[r.comparison];
   std::vector<std::string> parts;
   for (const Comparison c : all_comparisons()) {
     if (per.count(c) != 0) parts.push_back(fmt::format("{} {}", comparison_name(c), per[c]));
   }
-  const RunCounts counts = count_results(run);
+  const RunCounts& counts = model.counts;
   const std::string unmeasured =
       counts.unmeasured == 0 ? "nothing left unmeasured"
                              : fmt::format("{} step-layer comparisons not measured: {}",
-                                           counts.unmeasured, gaps_headline(measurement_gaps(run)));
+                                           counts.unmeasured, gaps_headline(model.unmeasured));
   return fmt::format(
       "Rests on {} comparisons measured over {} layers x {} steps ({}) and {} cache integrity "
       "checks, judged with policy {}; {}.",
@@ -124,9 +126,10 @@ std::string rests_on_text(const CheckRun& run) {
       counts.integrity_checks, run.policy.name, unmeasured);
 }
 
-void verdict_header(Html& html, const CheckRun& run) {
-  const bool pass = run.pass();
-  const RunCounts counts = count_results(run);
+void verdict_header(Html& html, const ReportModel& model) {
+  const CheckRun& run = model.run;
+  const bool pass = model.pass;
+  const RunCounts& counts = model.counts;
   put(html, "<header class=\"verdict {}\" id=\"verdict\"><h1>{}</h1>", pass ? "pass" : "fail",
       pass ? "PASS" : "FAIL");
   put(html,
@@ -140,9 +143,9 @@ void verdict_header(Html& html, const CheckRun& run) {
       counts.integrity_checks, counts.integrity_failed);
   if (gaps_fail_run(run)) {
     put(html, "<p><strong>Sign-off incomplete:</strong> {}.</p>",
-        esc(gaps_headline(measurement_gaps(run))));
+        esc(gaps_headline(model.unmeasured)));
   }
-  put(html, "<p class=\"muted\">{}</p>", esc(rests_on_text(run)));
+  put(html, "<p class=\"muted\">{}</p>", esc(rests_on_text(model)));
   if (run.first_divergence) {
     const Divergence& d = *run.first_divergence;
     put(html, "<p>First divergence ({}): step {} layer {} request {} row {} head {}: {}</p>",
@@ -151,23 +154,20 @@ void verdict_header(Html& html, const CheckRun& run) {
   put(html, "</header>\n");
 }
 
-void signoff_block(Html& html, const nlohmann::json& report) {
-  const nlohmann::json& signoff = report.at("signoff");
-  if (!signoff.is_object()) return;
-  auto text = [&signoff](const char* key) {
-    const nlohmann::json value = signoff.value(key, nlohmann::json());
-    return value.is_string() ? esc(value.get<std::string>()) : std::string("(not given)");
+void signoff_block(Html& html, const std::optional<SignOffRecord>& signoff) {
+  if (!signoff) return;
+  auto text = [](const std::string& given) {
+    return given.empty() ? std::string("(not given)") : esc(given);
   };
   put(html, "<section id=\"signoff\"><h2>Sign-off</h2><table>");
   put(html, "<tr><th>signed by</th><td>{}</td></tr><tr><th>model</th><td>{}</td></tr>",
-      text("signed_by"), text("model"));
-  put(html, "<tr><th>deployment</th><td>{}</td></tr>", text("deployment"));
+      text(signoff->signer.signed_by), text(signoff->signer.model));
+  put(html, "<tr><th>deployment</th><td>{}</td></tr>", text(signoff->signer.deployment));
   put(html,
       "<tr><th>report digest (SHA-256)</th><td><code class=\"digest\">{}</code></td></tr>"
       "</table><p class=\"small muted\">The digest covers report.json beside this file: {}. "
       "Check it with <code>kvaudit verify-report DIR</code>.</p></section>\n",
-      esc(signoff.at("digest").at("value").get<std::string>()),
-      esc(signoff.at("digest").at("covers").get<std::string>()));
+      esc(signoff->digest.value), esc(signoff->digest.covers));
 }
 
 std::string badge(LineState state) {
@@ -211,35 +211,17 @@ void failures_section(Html& html, const CheckRun& run) {
   put(html, "</section>\n");
 }
 
-std::string json_text(const nlohmann::json& value) {
-  return value.is_string() ? value.get<std::string>()
-                           : value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
-}
-
-// A table of an array of objects: one row per object, one column per key (first-seen order).
-void object_table(Html& html, const nlohmann::json& array, const char* css_class) {
-  std::vector<std::string> columns;
-  for (const nlohmann::json& item : array) {
-    for (const auto& [key, value] : item.items()) {
-      if (std::find(columns.begin(), columns.end(), key) == columns.end()) columns.push_back(key);
-    }
-  }
+// A table of an array of objects (json_layout.hpp).
+void json_table(Html& html, const JsonTable& table, const char* css_class) {
   put(html, "<table class=\"{}\"><tr>", css_class);
-  for (const std::string& column : columns) put(html, "<th>{}</th>", esc(column));
+  for (const std::string& column : table.columns) put(html, "<th>{}</th>", esc(column));
   put(html, "</tr>");
-  for (const nlohmann::json& item : array) {
+  for (const std::vector<std::string>& row : table.rows) {
     put(html, "<tr>");
-    for (const std::string& column : columns) {
-      put(html, "<td>{}</td>", item.contains(column) ? esc(json_text(item.at(column))) : "");
-    }
+    for (const std::string& text : row) put(html, "<td>{}</td>", esc(text));
     put(html, "</tr>");
   }
   put(html, "</table>");
-}
-
-bool is_array_of_objects(const nlohmann::json& value) {
-  return value.is_array() && !value.empty() &&
-         std::all_of(value.begin(), value.end(), [](const auto& item) { return item.is_object(); });
 }
 
 // The convention-mismatch diagnosis and the server's pool cost (diagnosis_report.hpp), shown when
@@ -388,8 +370,8 @@ std::vector<bool> prefill_steps(const CheckRun& run, const std::vector<int>& ste
   return shaded;
 }
 
-void step_chart_section(Html& html, const CheckRun& run) {
-  const std::vector<StepSummary> summaries = summarize_steps(run);
+void step_chart_section(Html& html, const CheckRun& run,
+                        const std::vector<StepSummary>& summaries) {
   LogChart chart;
   chart.title = "Worst rel_l2 over the layers, step by step";
   chart.id = "steps";
@@ -498,8 +480,7 @@ Timeline integrity_timeline(const CheckRun& run) {
   return timeline;
 }
 
-void integrity_section(Html& html, const CheckRun& run) {
-  const RunCounts counts = count_results(run);
+void integrity_section(Html& html, const CheckRun& run, const RunCounts& counts) {
   put(html, "<section id=\"integrity\"><h2>Cache integrity</h2>");
   if (counts.integrity_checks == 0) {
     put(html, "<p>No integrity checks ran (no backend pool and no captured pool).</p></section>\n");
@@ -570,20 +551,14 @@ void dump_section(Html& html, const CheckRun& run) {
   put(html, "<tr><th>path</th><td><code>{}</code></td></tr>", esc(run.dump_path));
   put(html, "<tr><th>SHA-256</th><td><code>{}</code></td></tr>",
       esc(run.dump_sha256.empty() ? "not computed" : run.dump_sha256));
-  std::vector<std::pair<std::string, const nlohmann::json*>> listings;
-  if (run.dump_summary.is_object()) {
-    for (const auto& [key, value] : run.dump_summary.items()) {
-      if (is_array_of_objects(value)) {
-        listings.emplace_back(key, &value);
-      } else {
-        put(html, "<tr><th>{}</th><td>{}</td></tr>", esc(key), esc(json_text(value)));
-      }
-    }
+  const JsonObjectLayout layout = json_object_layout(run.dump_summary, JsonListings::kAsTables);
+  for (const auto& [key, text] : layout.fields) {
+    put(html, "<tr><th>{}</th><td>{}</td></tr>", esc(key), esc(text));
   }
   put(html, "</table>");
-  for (const auto& [key, value] : listings) {
-    put(html, "<h3>{}</h3>", esc(key));
-    object_table(html, *value, "dump-listing");
+  for (const JsonTable& table : layout.tables) {
+    put(html, "<h3>{}</h3>", esc(table.name));
+    json_table(html, table, "dump-listing");
   }
   put(html, "</section>\n");
 }
@@ -609,8 +584,9 @@ void policy_table(Html& html, const Policy& policy) {
       short_number(policy.rel_floor), esc(policy.rel_floor_derivation));
 }
 
-void provenance_section(Html& html, const CheckRun& run) {
-  const Provenance p = completed_provenance(run.provenance);
+void provenance_section(Html& html, const ReportModel& model) {
+  const CheckRun& run = model.run;
+  const Provenance& p = run.provenance;  // completed by make_report_model
   put(html, "<section id=\"provenance\"><h2>Provenance</h2><table>");
   const std::pair<const char*, std::string> rows[] = {
       {"dump", run.dump_path},
@@ -628,7 +604,7 @@ void provenance_section(Html& html, const CheckRun& run) {
   }
   put(html, "</table>");
   if (!run.certification.empty()) {
-    const CertificationMaxima maxima = certification_maxima(run.certification);
+    const CertificationMaxima& maxima = model.certification_maxima;
     put(html,
         "<p>Reference certified on this run: at {} sample sites R8 of one (row, head) recomputed "
         "in 50 digits; largest deviation {} (out, relative) and {} (lse, absolute), bound "
@@ -651,10 +627,12 @@ void provenance_section(Html& html, const CheckRun& run) {
     }
     put(html, "</table>");
   }
-  if (run.backend_description.is_object() && !run.backend_description.empty()) {
+  const JsonObjectLayout backend =
+      json_object_layout(run.backend_description, JsonListings::kAsFields);
+  if (!backend.fields.empty()) {
     put(html, "<h3>Backend description</h3><table>");
-    for (const auto& [key, value] : run.backend_description.items()) {
-      put(html, "<tr><th>{}</th><td class=\"mono\">{}</td></tr>", esc(key), esc(json_text(value)));
+    for (const auto& [key, text] : backend.fields) {
+      put(html, "<tr><th>{}</th><td class=\"mono\">{}</td></tr>", esc(key), esc(text));
     }
     put(html, "</table>");
   }
@@ -681,27 +659,29 @@ const std::vector<Comparison>& heatmap_comparisons() {
   return kShown;
 }
 
-std::string render_html(const CheckRun& run) {
-  const nlohmann::json report = to_json(run);
+std::string render_html(const CheckRun& run) { return render_html(make_report_model(run)); }
+
+std::string render_html(const ReportModel& model) {
+  const CheckRun& run = model.run;
   Html html;
   put(html,
       "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><meta name=\"viewport\" "
       "content=\"width=device-width, initial-scale=1\"><title>kvaudit {}: {} on {}</title>"
       "<style>{}</style></head><body><main>\n",
-      run.pass() ? "PASS" : "FAIL", esc(backend_text(run)), esc(run.dump_path), kStyle);
-  verdict_header(html, run);
-  signoff_block(html, report);
+      model.pass ? "PASS" : "FAIL", esc(backend_text(run)), esc(run.dump_path), kStyle);
+  verdict_header(html, model);
+  signoff_block(html, model.signoff);
   summary_section(html, run);
   failures_section(html, run);
   diagnosis_section(html, run);
   heatmap_section(html, run);
   layer_chart_section(html, run);
-  step_chart_section(html, run);
-  integrity_section(html, run);
+  step_chart_section(html, run, model.steps);
+  integrity_section(html, run, model.counts);
   worst_section(html, run);
   notes_section(html, run);
   dump_section(html, run);
-  provenance_section(html, run);
+  provenance_section(html, model);
   put(html, "</main></body></html>\n");
   return fmt::to_string(html);
 }

@@ -16,10 +16,12 @@
 #include <string>
 
 #include "src/verdict/check_result.hpp"
+#include "src/verdict/report_model.hpp"
 
 namespace kvaudit {
 
-// The page, from the run alone (like render_markdown).
+// The page, from the report model alone (like render_markdown); the run's overload makes the model.
+std::string render_html(const ReportModel& model);
 std::string render_html(const CheckRun& run);
 
 // The heatmaps' comparisons, in page order: kernel, cache, quantization, total. Each heatmap has

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "src/report/diagnosis_report.hpp"
+#include "src/report/json_layout.hpp"
 #include "src/report/report.hpp"
 #include "src/report/report_summary.hpp"
 #include "src/verdict/signoff.hpp"
@@ -57,64 +58,45 @@ std::string cell(const std::string& text) {
 
 std::string code(const std::string& text) { return fmt::format("`{}`", cell(text)); }
 
-std::string json_value_text(const nlohmann::json& value) {
-  if (value.is_string()) return value.get<std::string>();
-  return value.dump();
-}
-
+// A free-form object's fields as a key/value table (json_layout.hpp).
 void key_value_table(Markdown& md, const nlohmann::json& object) {
-  if (!object.is_object() || object.empty()) {
+  const JsonObjectLayout layout = json_object_layout(object, JsonListings::kAsFields);
+  if (layout.fields.empty()) {
     append(md, "(none recorded)\n\n");
     return;
   }
   append(md, "| key | value |\n| --- | --- |\n");
-  for (const auto& [key, value] : object.items()) {
-    append(md, "| {} | {} |\n", cell(key), cell(json_value_text(value)));
-  }
+  for (const auto& [key, text] : layout.fields) append(md, "| {} | {} |\n", cell(key), cell(text));
   append(md, "\n");
 }
 
-bool is_array_of_objects(const nlohmann::json& value) {
-  return value.is_array() && !value.empty() &&
-         std::all_of(value.begin(), value.end(),
-                     [](const nlohmann::json& item) { return item.is_object(); });
-}
-
-// One row per object, one column per key (in first-seen order).
-void array_table(Markdown& md, const nlohmann::json& array) {
-  std::vector<std::string> columns;
-  for (const nlohmann::json& item : array) {
-    for (const auto& [key, value] : item.items()) {
-      if (std::find(columns.begin(), columns.end(), key) == columns.end()) columns.push_back(key);
-    }
-  }
+void json_table(Markdown& md, const JsonTable& table) {
   append(md, "|");
-  for (const std::string& column : columns) append(md, " {} |", cell(column));
+  for (const std::string& column : table.columns) append(md, " {} |", cell(column));
   append(md, "\n|");
-  for (std::size_t i = 0; i < columns.size(); ++i) append(md, " --- |");
+  for (std::size_t i = 0; i < table.columns.size(); ++i) append(md, " --- |");
   append(md, "\n");
-  for (const nlohmann::json& item : array) {
+  for (const std::vector<std::string>& row : table.rows) {
     append(md, "|");
-    for (const std::string& column : columns) {
-      append(md, " {} |", item.contains(column) ? cell(json_value_text(item[column])) : "");
-    }
+    for (const std::string& text : row) append(md, " {} |", cell(text));
     append(md, "\n");
   }
   append(md, "\n");
 }
 
-void verdict_section(Markdown& md, const CheckRun& run) {
-  const RunCounts counts = count_results(run);
+void verdict_section(Markdown& md, const ReportModel& model) {
+  const CheckRun& run = model.run;
+  const RunCounts& counts = model.counts;
   append(md, "# kvaudit check report\n\n");
   append(md, "**Verdict: {}** — policy {}, backend {}: {} comparisons, {} failed",
-         run.pass() ? "PASS" : "FAIL", code(run.policy.name), code(backend_text(run)),
+         model.pass ? "PASS" : "FAIL", code(run.policy.name), code(backend_text(run)),
          counts.comparisons, counts.failed);
   if (counts.failed_report_only > 0) {
     append(md, " (and {} failed report-only)", counts.failed_report_only);
   }
   append(md, "; {} integrity checks, {} failed.\n\n", counts.integrity_checks,
          counts.integrity_failed);
-  const std::vector<MeasurementGap> gaps = measurement_gaps(run);
+  const std::vector<MeasurementGap>& gaps = model.unmeasured;
   if (!gaps.empty()) {
     append(md, "**{}:** {}.\n\n",
            run.policy.quantization_sets_exit ? "Sign-off incomplete" : "Not measured",
@@ -137,20 +119,12 @@ void dump_section(Markdown& md, const CheckRun& run) {
   append(md, "| SHA-256 | {} |\n",
          code(run.dump_sha256.empty() ? "not computed" : run.dump_sha256));
   // Scalars go in the table; arrays of objects (layers, steps) get a table of their own.
-  std::vector<std::pair<std::string, const nlohmann::json*>> listings;
-  if (run.dump_summary.is_object()) {
-    for (const auto& [key, value] : run.dump_summary.items()) {
-      if (is_array_of_objects(value)) {
-        listings.emplace_back(key, &value);
-      } else {
-        append(md, "| {} | {} |\n", cell(key), cell(json_value_text(value)));
-      }
-    }
-  }
+  const JsonObjectLayout layout = json_object_layout(run.dump_summary, JsonListings::kAsTables);
+  for (const auto& [key, text] : layout.fields) append(md, "| {} | {} |\n", cell(key), cell(text));
   append(md, "\n");
-  for (const auto& [key, value] : listings) {
-    append(md, "### {}\n\n", cell(key));
-    array_table(md, *value);
+  for (const JsonTable& table : layout.tables) {
+    append(md, "### {}\n\n", cell(table.name));
+    json_table(md, table);
   }
 }
 
@@ -325,8 +299,7 @@ void step_row(Markdown& md, const StepSummary& s) {
          nonfinite(Comparison::kCache), s.pass ? "PASS" : "**FAIL**");
 }
 
-void steps_section(Markdown& md, const CheckRun& run) {
-  const std::vector<StepSummary> steps = summarize_steps(run);
+void steps_section(Markdown& md, const std::vector<StepSummary>& steps) {
   if (steps.empty()) return;
   append(md, "## Across steps\n\n");
   append(md,
@@ -356,13 +329,14 @@ std::string passing_counts_text(const CheckRun& run) {
   return fmt::format("{}", fmt::join(parts, ", "));
 }
 
-void integrity_section(Markdown& md, const CheckRun& run) {
+void integrity_section(Markdown& md, const ReportModel& model) {
+  const CheckRun& run = model.run;
   append(md, "## Cache integrity\n\n");
   if (run.integrity.empty()) {
     append(md, "No integrity checks ran (no backend pool to check, or no step).\n\n");
     return;
   }
-  const RunCounts counts = count_results(run);
+  const RunCounts& counts = model.counts;
   append(md, "{} checks, {} failed. Passing checks are counted, not listed: {}.\n\n",
          counts.integrity_checks, counts.integrity_failed, passing_counts_text(run));
   if (counts.integrity_failed == 0) return;
@@ -410,13 +384,14 @@ void timing_section(Markdown& md, const CheckRun& run) {
 }
 
 // The reference's certification on this run (src/replay/certification.hpp).
-void certification_section(Markdown& md, const CheckRun& run) {
+void certification_section(Markdown& md, const ReportModel& model) {
+  const CheckRun& run = model.run;
   append(md, "## Appendix: reference certification\n\n");
   if (run.certification.empty()) {
     append(md, "Not certified on this run (`--certify 0`, or no step with query rows).\n\n");
     return;
   }
-  const CertificationMaxima maxima = certification_maxima(run.certification);
+  const CertificationMaxima& maxima = model.certification_maxima;
   append(md,
          "At {} sample sites R8 of one (row, head) was recomputed in 50 decimal digits (Boost "
          "cpp_bin_float_50): the reference deviates by at most {} (out, relative to the row's "
@@ -433,8 +408,8 @@ void certification_section(Markdown& md, const CheckRun& run) {
 }
 
 void provenance_section(Markdown& md, const CheckRun& run) {
-  // report.json's provenance keys, in its (alphabetical) order.
-  const Provenance provenance = completed_provenance(run.provenance);
+  // report.json's provenance keys, in its (alphabetical) order; completed by make_report_model.
+  const Provenance& provenance = run.provenance;
   append(md, "## Provenance\n\n| key | value |\n| --- | --- |\n");
   append(md, "| command_line | {} |\n", cell(provenance.command_line));
   append(md, "| date | {} |\n", cell(provenance.date_utc));
@@ -491,23 +466,20 @@ void summary_section(Markdown& md, const CheckRun& run) {
 }
 
 // Under --signoff: who signed for what, and the digest that binds this report to report.json.
-void signoff_block(Markdown& md, const nlohmann::json& report) {
-  const nlohmann::json& signoff = report.at("signoff");
-  if (!signoff.is_object()) return;
-  auto text = [&signoff](const char* key) {
-    return signoff.value(key, nlohmann::json()).is_string()
-               ? cell(signoff.at(key).get<std::string>())
-               : std::string("(not given)");
+void signoff_block(Markdown& md, const std::optional<SignOffRecord>& signoff) {
+  if (!signoff) return;
+  auto text = [](const std::string& given) {
+    return given.empty() ? std::string("(not given)") : cell(given);
   };
   append(md, "## Sign-off\n\n| field | value |\n| --- | --- |\n");
-  append(md, "| signed by | {} |\n| model | {} |\n| deployment | {} |\n", text("signed_by"),
-         text("model"), text("deployment"));
-  append(md, "| report digest (SHA-256) | {} |\n\n",
-         code(signoff.at("digest").at("value").get<std::string>()));
+  append(md, "| signed by | {} |\n| model | {} |\n| deployment | {} |\n",
+         text(signoff->signer.signed_by), text(signoff->signer.model),
+         text(signoff->signer.deployment));
+  append(md, "| report digest (SHA-256) | {} |\n\n", code(signoff->digest.value));
   append(md,
          "The digest covers report.json beside this file: {}. Check it with `kvaudit "
          "verify-report DIR`.\n\n",
-         signoff.at("digest").at("covers").get<std::string>());
+         signoff->digest.covers);
 }
 
 void failures_section(Markdown& md, const CheckRun& run) {
@@ -524,24 +496,26 @@ void failures_section(Markdown& md, const CheckRun& run) {
 
 }  // namespace
 
-std::string render_markdown(const CheckRun& run) {
-  const nlohmann::json report = to_json(run);
+std::string render_markdown(const CheckRun& run) { return render_markdown(make_report_model(run)); }
+
+std::string render_markdown(const ReportModel& model) {
+  const CheckRun& run = model.run;
   Markdown md;
-  verdict_section(md, run);
-  signoff_block(md, report);
+  verdict_section(md, model);
+  signoff_block(md, model.signoff);
   summary_section(md, run);
   failures_section(md, run);
   append(md, "{}", render_diagnosis_markdown(run));
   signoff_section(md, run);
-  steps_section(md, run);
+  steps_section(md, model.steps);
   results_section(md, run);
-  integrity_section(md, run);
+  integrity_section(md, model);
   notes_section(md, run);
   policy_section(md, run.policy);
   dump_section(md, run);
   backend_section(md, run);
   timing_section(md, run);
-  certification_section(md, run);
+  certification_section(md, model);
   provenance_section(md, run);
   return fmt::to_string(md);
 }

@@ -1,7 +1,7 @@
 // What one `kvaudit check` run found: comparisons per (step, layer), integrity findings per
 // (step, layer), the first divergence, notes, and the verdict. Produced by the replay
-// (src/replay/replay.cpp) through the run judge (src/verdict/run_judge.hpp), written out by
-// to_json (report.json) and rendered by the reports (src/report/report.cpp).
+// (src/replay/replay.cpp) through the run judge (src/verdict/run_judge.hpp); reported through
+// src/verdict/report_model.hpp (report.json written and read in report_json.cpp).
 #pragma once
 
 #include <cstdint>
@@ -325,9 +325,9 @@ std::vector<StepSummary> summarize_steps(const CheckRun& run);
 // None while no captured pool differs from the replay (no captured_cache comparison was made).
 std::optional<CapturedPoolCost> captured_pool_cost(const CheckRun& run);
 
-nlohmann::json to_json(const CheckRun& run);  // the report.json schema (docs/report-schema.md)
+nlohmann::json to_json(const CheckRun& run);  // to_json(make_report_model(run)), report_model.hpp
 
-// The inverse of to_json: report.json read back into the run (src/verdict/check_result_json.cpp).
+// The inverse of to_json: report.json read back into the run (src/verdict/report_json.cpp).
 // Keys to_json derives from the run (verdict, counts, steps, worst, max_abs_over_ref_max, the
 // throughput, version) are not read; every other key is, and an unknown key is refused, so that a
 // key added to to_json without its reader fails the round-trip test. `where` names the file in
