@@ -85,9 +85,9 @@
 #include <type_traits>
 
 #include "kernels/fp8_e4m3_device.cuh"
+#include "kernels/kv_write_rules.hpp"
 #include "kernels/mla_attention_model.hpp"
 #include "kernels/ptx.cuh"
-#include "src/backend/injection.hpp"
 #include "src/core/fp8_e4m3.hpp"
 
 namespace kvaudit::cuda::detail {
@@ -426,7 +426,7 @@ __device__ __forceinline__ void publish_tile_writes() {
 // The elementwise kernels read their inputs through __ldg (ld.global.nc): the inputs are read-only
 // for the kernel's lifetime, which a params struct cannot state with __restrict__.
 
-// One new_kv row as the shared write rules read it (kv_write_code, src/backend/injection.hpp):
+// One new_kv row as the shared write rules read it (kv_write_code, kernels/kv_write_rules.hpp):
 // bf16 bits in device memory, widened exactly to fp32.
 struct Bf16RowView {
   const std::uint16_t* bits;
@@ -440,7 +440,7 @@ struct Bf16RowView {
 // pool[slot_i, c] = kv_write_code<kRule>(new_kv[i, :], c), slot_i = slots[i], or with kWrapSlot
 // (slots[i] + slot_offset) mod num_slots: the kvdump rule (kDivide, what launch_kv_write runs),
 // the --reciprocal-scale option and the write faults, each case written once in
-// src/backend/injection.hpp for this kernel and the CPU model.
+// kernels/kv_write_rules.hpp for this kernel and the CPU model.
 template <KvWriteRule kRule, bool kWrapSlot>
 __global__ void kv_write_fp8_kernel(const __grid_constant__ KvWriteParams<std::uint8_t> p) {
   const std::int64_t total = static_cast<std::int64_t>(p.num_rows) * p.row_width;

@@ -2,11 +2,12 @@
 """Checks that #include dependencies follow kvaudit's pipeline, from the command line down to the
 codec, and that no file includes itself through a chain (a cycle).
 
-    core  <-  format  <-  backend  <-  kernels
+    core  <-  kernels (device code and the pure CPU model of its arithmetic: core only)
+    core  <-  format  <-  backend (format, kernels: adapts the kernels to dumps)
                   ^  \\<-  references
                   |  \\<-  verdict
     replay (references, verdict, backend)  <-  report  <-  cli
-    tools (kernels, references, verdict)                 <-  cli
+    tools (kernels, backend, references, verdict)        <-  cli
 
 A folder may include itself and the folders listed for it in ALLOWED, nothing else. Prints every
 offending include as FILE:LINE: includes PATH (stage -> stage) and exits 1; exits 0 when clean.
@@ -25,9 +26,9 @@ if len(sys.argv) <= 1:
 ALLOWED = {
     "core": set(),
     "format": {"core"},
-    "backend": {"core", "format"},
+    "backend": {"core", "format", "kernels"},
     "references": {"core", "format"},
-    "kernels": {"core", "format", "backend"},
+    "kernels": {"core"},
     "verdict": {"core", "format"},
     "replay": {"core", "format", "backend", "references", "verdict"},
     "report": {"core", "format", "backend", "verdict", "replay"},

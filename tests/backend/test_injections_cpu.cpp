@@ -12,9 +12,9 @@
 #include <sstream>
 #include <string>
 
-#include "kernels/injection_matrix.hpp"
 #include "kvaudit_test_config.hpp"  // KVAUDIT_BINARY, KVAUDIT_SOURCE_DIR, KVAUDIT_TEST_TMPDIR
 #include "src/backend/injection.hpp"
+#include "tests/backend/injection_matrix.hpp"
 
 namespace {
 

@@ -1,5 +1,5 @@
 // The cpu-fp8 backend: CPU model of the FP8 MLA attention kernels (math and rounding points in
-// kernels/mla_attention_cpu.hpp and kernels/mla_attention_model.hpp).
+// src/backend/mla_attention_cpu.hpp and kernels/mla_attention_model.hpp).
 //
 // Work is split over (query row, block of heads) units, claimed from an atomic counter. A unit
 // walks its row's visible tokens one 64-token tile at a time (the GPU's tile, mla::kKvTileTokens),
@@ -12,7 +12,7 @@
 // the tile decode, qk_scores, online_softmax_update, rescale_and_accumulate_pv, the epilogue), and
 // write_new_kv applies the write rules of src/backend/injection.hpp that the CUDA write kernel
 // applies.
-#include "kernels/mla_attention_cpu.hpp"
+#include "src/backend/mla_attention_cpu.hpp"
 
 #include <fmt/format.h>
 
@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "kernels/mla_attention_model.hpp"
-#include "kernels/mla_attention_operands.hpp"
+#include "src/backend/mla_attention_operands.hpp"
 #include "src/core/fp8_e4m3.hpp"
 #include "src/core/parallel_for.hpp"
 #include "src/format/step_indices.hpp"

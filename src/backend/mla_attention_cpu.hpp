@@ -21,7 +21,7 @@
 //
 // Any Dc/Dr is accepted (the CUDA kernels are specialised for 512 + 64; small widths keep tests
 // fast). Error against the exact attention on the same pool (R8) is dominated by the two bf16
-// roundings (P and out, 2^-8 relative each); tests/kernels/test_mla_attention_cpu.cpp derives the
+// roundings (P and out, 2^-8 relative each); tests/backend/test_mla_attention_cpu.cpp derives the
 // full bound.
 #pragma once
 

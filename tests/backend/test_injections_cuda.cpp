@@ -3,8 +3,8 @@
 // same checks must catch them. Runs the kvaudit binary; skipped by name where no device exists.
 #include <catch2/catch.hpp>
 
-#include "kernels/injection_matrix.hpp"
 #include "src/backend/injection.hpp"
+#include "tests/backend/injection_matrix.hpp"
 #include "tests/gpu_skip.hpp"
 
 TEST_CASE("cuda-fp8: every injected fault on every shipped dump is caught by its check",
