@@ -1,8 +1,8 @@
 // The KV write rules: how a new_kv row becomes the codes of an fp8 pool slot, under kvdump's rule,
 // the harness's --reciprocal-scale option, or one of the write faults of src/backend/injection.hpp
-// (which maps an injection onto its rule). Host/device functions: the CPU model (write_new_kv,
+// (which maps an injection onto its rule). Host/device functions: the cpu-fp8 write (write_new_kv,
 // src/backend/mla_attention_cpu.cpp) and the CUDA write kernel (kv_write_fp8_kernel,
-// kernels/mla_attention.cuh) both apply kv_write_code, so each rule is written once.
+// kernels/mla_attention/kv_write.cuh) both apply kv_write_code, so each rule is written once.
 // Math, element c of a row x ([D] values, their bf16 bits) with scale s:
 //   kDivide          e4m3_rne_satfinite(fp32(x_c) / s)
 //   kReciprocal      e4m3_rne_satfinite(x_c * fp32(1 / s))
