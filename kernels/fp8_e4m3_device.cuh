@@ -29,7 +29,7 @@ __device__ __forceinline__ std::uint8_t kvdump_quantize_reciprocal_device(float 
 }
 
 // The two kvdump roundings for the write rules shared with the host (kv_write_code in
-// src/backend/injection.hpp): the device's cvt.rn.satfinite.e4m3x2.f32 where the host uses the
+// kernels/kv_write_rules.hpp): the device's cvt.rn.satfinite.e4m3x2.f32 where the host uses the
 // software codec (HostE4m3Rounding); tests/core/test_fp8_e4m3_cuda.cu shows they agree.
 struct DeviceE4m3Rounding {
   __device__ __forceinline__ static std::uint8_t divide(float value, float kv_scale) {

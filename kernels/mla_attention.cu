@@ -1,6 +1,9 @@
 // Host launcher of the CUDA MLA attention family: the only place that chooses grid shapes and
 // template arguments (device code in kernels/mla_attention.cuh, the math it computes in
-// kernels/mla_attention_model.hpp).
+// kernels/mla_attention_model.hpp). It instantiates the production kernels only: the fault variant
+// masked-nan-leak (AttentionFault::kMaskedNanLeak) is instantiated in
+// kernels/mla_attention_faults.cu, which this launcher calls for it
+// (scripts/check_fault_free_kernels.py checks the two objects).
 //
 // Grid of the attention kernel: row_groups * head_blocks * num_splits blocks of 256 threads, one
 // block per (group of rows_per_block query rows, block of heads, split of the rows' 64-token
@@ -49,18 +52,14 @@
 
 #include "kernels/mla_attention.cuh"
 #include "kernels/mla_attention_cuda.hpp"
+#include "kernels/mla_attention_launch.cuh"
 #include "kernels/mla_decode_registers.cuh"
 
 namespace kvaudit::cuda {
 
 namespace {
 
-constexpr const char* kWhere = "cuda mla_attention";
-
-Status cuda_status(cudaError_t status, const char* what) {
-  if (status == cudaSuccess) return ok_status();
-  return internal_error(kWhere, std::string(what) + ": " + cudaGetErrorString(status));
-}
+using namespace launch;  // kWhere, cuda_status, the dispatch and the launch of one instantiation
 
 int device_multiprocessors() {
   int device = 0;
@@ -177,39 +176,6 @@ float score_scale_of(const MlaAttentionProblem& problem) {
                             static_cast<double>(problem.kv_scale) * mla::kLog2e);
 }
 
-// ---- runtime -> compile-time dispatch, one axis at a time (FlashInfer DISPATCH_*) -------------
-// Each calls `launch` with the axis' value as a compile-time constant; a value without a kernel
-// is `unsupported`, never a launch of the wrong instantiation.
-
-// Pool element: the FP8 pool read directly, or a bf16 pool (cuda-cast-bf16, fp8-read-as-bf16).
-template <typename Launch>
-Status dispatch_pool_element(PoolElement element, Launch&& launch) {
-  switch (element) {
-    case PoolElement::kFp8E4m3:
-      return launch(std::bool_constant<false>{});
-    case PoolElement::kBf16:
-      return launch(std::bool_constant<true>{});
-  }
-  return unsupported(kWhere,
-                     "no kernel for pool element " + std::to_string(static_cast<int>(element)));
-}
-
-// m16 tiles of (row, head) pairs per block: 1, 2 or 4.
-template <typename Launch>
-Status dispatch_m_tiles(int m_tiles, Launch&& launch) {
-  switch (m_tiles) {
-    case 1:
-      return launch(std::integral_constant<int, 1>{});
-    case 2:
-      return launch(std::integral_constant<int, 2>{});
-    case 4:
-      return launch(std::integral_constant<int, 4>{});
-    default:
-      return unsupported(kWhere,
-                         "no kernel for " + std::to_string(m_tiles) + " m16 tiles per block");
-  }
-}
-
 // Tensor-core path of the four-m16-tile kernels (64 M rows): wgmma where this binary has sm_90a
 // code for the device (probed once, by running wgmma_probe_kernel), else mma.sync. The
 // environment variable KVAUDIT_CUDA_MMA=mma-sync forces mma.sync (A/B measurements, bisecting a
@@ -235,43 +201,6 @@ detail::MmaPath four_tile_mma_path() {
 
 // ---- launches ----------------------------------------------------------------------------------
 
-// The shared-memory opt-in of one instantiation, with the device's limit checked first: sm_89 and
-// sm_120 allow 99 KiB per block, less than a tile needs, which is unsupported rather than an
-// internal error (the H100/H200/B200 class allows 227 KiB).
-template <int kMTiles, bool kBf16Pool, detail::MmaPath kPath>
-Status configure_attention_kernel() {
-  using Layout = detail::MlaSmemLayout<kMTiles, kBf16Pool, kPath>;
-  constexpr int kBytes = Layout::kBytes + detail::kSmemAlignSlack<kPath>;
-  int device = 0;
-  int max_shared = 0;
-  KVAUDIT_TRY(cuda_status(cudaGetDevice(&device), "cudaGetDevice"));
-  KVAUDIT_TRY(cuda_status(
-      cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
-      "cudaDeviceGetAttribute"));
-  if (static_cast<long long>(max_shared) < static_cast<long long>(kBytes)) {
-    return unsupported("launch_mla_attention",
-                       "the kernel needs " + std::to_string(kBytes) +
-                           " bytes of shared memory per block; this GPU allows " +
-                           std::to_string(max_shared));
-  }
-  return cuda_status(cudaFuncSetAttribute(detail::mla_attention_kernel<kMTiles, kBf16Pool, kPath>,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes),
-                     "cudaFuncSetAttribute");
-}
-
-template <int kMTiles, bool kBf16Pool, detail::MmaPath kPath>
-Status launch_attention_kernel(const detail::MlaAttentionParams& params, long long blocks,
-                               cudaStream_t stream) {
-  using Layout = detail::MlaSmemLayout<kMTiles, kBf16Pool, kPath>;
-  // Once per process (kvaudit uses device 0 only), not on every launch: the bench times launches.
-  static const Status configured = configure_attention_kernel<kMTiles, kBf16Pool, kPath>();
-  if (!configured.ok()) return configured.error();
-  detail::mla_attention_kernel<kMTiles, kBf16Pool, kPath>
-      <<<static_cast<unsigned>(blocks), detail::kThreads,
-         Layout::kBytes + detail::kSmemAlignSlack<kPath>, stream>>>(params);
-  return cuda_status(cudaGetLastError(), "mla_attention_kernel launch");
-}
-
 // Blocks of one m16 tile (decode, H <= 16): mla_decode_registers_kernel (the KV tile in registers,
 // kernels/mla_decode_registers.cuh) when a split holds at least kRegisterTileMinTiles tiles, else
 // mla_attention_kernel<1, ...> (the tile through shared memory). KVAUDIT_CUDA_DECODE16=shared-tile
@@ -286,36 +215,6 @@ Decode16Kernel decode16_kernel(const LaunchShape& shape, int max_tiles) {
   const int tiles_per_split = (max_tiles + shape.num_splits - 1) / shape.num_splits;
   return tiles_per_split >= kRegisterTileMinTiles ? Decode16Kernel::kRegisterTile
                                                   : Decode16Kernel::kSharedTile;
-}
-
-template <bool kBf16Pool>
-Status launch_decode_registers_kernel(const detail::MlaAttentionParams& params, long long blocks,
-                                      cudaStream_t stream) {
-  detail::mla_decode_registers_kernel<kBf16Pool>
-      <<<static_cast<unsigned>(blocks), detail::kThreads, detail::RegisterTileLayout::kBytes,
-         stream>>>(params);
-  return cuda_status(cudaGetLastError(), "mla_decode_registers_kernel launch");
-}
-
-// One m16 tile takes the register-tile kernel where decode16 says so, four m16 tiles wgmma where
-// four_tile_mma_path says so; both pool elements alike, so that cuda-cast-bf16 keeps running
-// cuda-fp8's tiling and arithmetic.
-template <int kMTiles, bool kBf16Pool>
-Status launch_attention_kernel_on_path(const detail::MlaAttentionParams& params, long long blocks,
-                                       Decode16Kernel decode16, cudaStream_t stream) {
-  if constexpr (kMTiles == 1) {
-    if (decode16 == Decode16Kernel::kRegisterTile) {
-      return launch_decode_registers_kernel<kBf16Pool>(params, blocks, stream);
-    }
-  }
-  if constexpr (kMTiles == 4) {
-    if (four_tile_mma_path() == detail::MmaPath::kWgmma) {
-      return launch_attention_kernel<kMTiles, kBf16Pool, detail::MmaPath::kWgmma>(params, blocks,
-                                                                                  stream);
-    }
-  }
-  return launch_attention_kernel<kMTiles, kBf16Pool, detail::MmaPath::kMmaSync>(params, blocks,
-                                                                                stream);
 }
 
 // The merge as a programmatic dependent of the attention kernel (cudaLaunchKernelEx with
@@ -385,7 +284,6 @@ detail::MlaAttentionParams attention_params(const MlaAttentionProblem& problem,
   params.head_blocks = shape.head_blocks;
   params.rows_per_block = shape.rows_per_block;
   params.block_heads = shape.block_heads;
-  params.read_masked_tail = problem.read_masked_tail ? 1 : 0;
   params.mark_nan = shape.rows_per_block > 1 && !problem.read_masked_tail ? 1 : 0;
   params.longest_first = shape.longest_first ? 1 : 0;
   params.score_scale = score_scale_of(problem);
@@ -491,12 +389,14 @@ Status launch_mla_attention(const MlaAttentionProblem& problem, void* workspace,
     return unsupported(kWhere, "grid of " + std::to_string(blocks) + " blocks");
   }
   const Decode16Kernel decode16 = decode16_kernel(shape, max_kv_tiles(problem));
-  KVAUDIT_TRY(dispatch_pool_element(problem.pool_element, [&](auto bf16_pool) {
-    return dispatch_m_tiles(shape.m_tiles, [&](auto m_tiles) {
-      return launch_attention_kernel_on_path<decltype(m_tiles)::value, decltype(bf16_pool)::value>(
-          params, blocks, decode16, stream);
-    });
-  }));
+  if (problem.read_masked_tail) {
+    // Fault masked-nan-leak: its own kernel instantiations, in kernels/mla_attention_faults.cu.
+    KVAUDIT_TRY(launch_masked_nan_leak_attention(problem.pool_element, shape.m_tiles, params,
+                                                 blocks, decode16, four_tile_mma_path, stream));
+  } else {
+    KVAUDIT_TRY(launch_attention_blocks<detail::AttentionFault::kNone>(
+        problem.pool_element, shape.m_tiles, params, blocks, decode16, four_tile_mma_path, stream));
+  }
   if (shape.num_splits > 1) KVAUDIT_TRY(launch_merge_kernel(params, stream));
   return ok_status();
 }

@@ -1,6 +1,7 @@
 // Host-side API of the CUDA MLA attention family (kernels/mla_attention.cu launches, device code
 // in kernels/mla_attention.cuh). Plain C++: includable from .cpp files; pointers are device
-// pointers unless named host_.
+// pointers unless named host_. The backends built on it (cuda-fp8, cuda-cast-bf16) are in
+// src/backend/mla_attention_cuda_backend.hpp.
 //
 // Shapes (H = num_heads, Dc = 512, Dr = 64, D = 576, S = slots = num_pages * page_size):
 //   q_nope : [num_rows, H, Dc] bf16 bits     q_pe : [num_rows, H, Dr] bf16 bits
@@ -15,8 +16,7 @@
 #include <optional>
 #include <string>
 
-#include "src/backend/backend.hpp"
-#include "src/backend/injection.hpp"
+#include "kernels/kv_write_rules.hpp"
 #include "src/core/result.hpp"
 
 typedef struct CUstream_st* cudaStream_t;
@@ -57,7 +57,8 @@ struct MlaAttentionProblem {
   // the CPU model (mla_score_scale) rounds it.
   float score_scale = 0.f;
   PoolElement pool_element = PoolElement::kFp8E4m3;
-  // Fault injection masked-nan-leak only (src/backend/injection.hpp): also load the rest of each
+  // Fault injection masked-nan-leak only (src/backend/injection.hpp; its kernels are separate
+  // instantiations, kernels/mla_attention_faults.cu): also load the rest of each
   // request's last page (slots no row may see) and mask those tokens by a zero weight, as a kernel
   // that masks by multiplying would; NaN codes there then reach the output (0 * NaN).
   bool read_masked_tail = false;
@@ -106,7 +107,7 @@ Status launch_kv_write(const std::uint16_t* new_kv, const std::int32_t* new_kv_s
                        cudaStream_t stream);
 
 // Write rules besides the kvdump one: the harness's named --reciprocal-scale option and the write
-// faults, defined once in src/backend/injection.hpp for the CUDA write kernel and the CPU model.
+// faults, defined once in kernels/kv_write_rules.hpp for the CUDA write kernel and the CPU model.
 using kvaudit::KvWriteRule;
 
 // launch_kv_write for an fp8 pool under `rule`; slot_offset 1 writes slot (s + 1) mod num_slots
@@ -120,19 +121,5 @@ Status launch_kv_write_rule(const std::uint16_t* new_kv, const std::int32_t* new
 // buffer ([S, D], values without kv_scale: e4m3 -> bf16 is exact).
 Status launch_cast_pool_to_bf16(const std::uint8_t* pool, std::int64_t num_elements,
                                 std::uint16_t* pool_bf16, cudaStream_t stream);
-
-// Backends for `kvaudit check` (src/cli/backend_registry.cpp dispatches to these).
-Result<std::unique_ptr<Backend>> make_cuda_fp8_backend(const BackendOptions& options);
-Result<std::unique_ptr<Backend>> make_cuda_cast_bf16_backend(const BackendOptions& options);
-
-// Device bytes a cuda-* backend holds, by role: the FP8 (or bf16) pool it attends on, a bf16 copy
-// of the whole pool (cuda-cast-bf16 only), and everything else (indices, q, new_kv, out/lse,
-// split-KV workspace: sized by the step, never by the pool). nullopt for other backends.
-struct CudaBackendAllocations {
-  std::size_t pool_bytes = 0;
-  std::size_t pool_bf16_bytes = 0;
-  std::size_t other_bytes = 0;
-};
-std::optional<CudaBackendAllocations> cuda_backend_allocations(const Backend& backend);
 
 }  // namespace kvaudit::cuda

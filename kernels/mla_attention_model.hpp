@@ -1,5 +1,5 @@
 // What the FP8 MLA attention kernels compute, and where they round: shared by the CUDA kernels
-// (kernels/mla_attention.cuh) and their CPU model (kernels/mla_attention_cpu.cpp), so that the
+// (kernels/mla_attention.cuh) and their CPU model (src/backend/mla_attention_cpu.cpp), so that the
 // two cannot drift.
 //
 // Per query row i, head h, over its visible tokens t (codes c_t, r_t of the FP8 pool, decoded
@@ -15,11 +15,11 @@
 //
 // A bf16 pool is the same with the bf16 values in place of decoded codes and kv_scale = 1.
 //
-// Grouped pools (kvdump v1.1 per_token_group; kernels/mla_attention_operands.hpp): the slots the
-// rows read are dequantized to bf16 first, latent element j of token t as
-// bf16(fp32(code_tj * scale_t,j/group)), the RoPE part as its bf16 value or
-// bf16(fp32(code * kv_scale)) (FlashInfer's ckv_scale_arr rule), and attended as a bf16 pool with
-// kv_scale = 1. Sparse rows (topk_indices) attend over their listed tokens in increasing position.
+// Grouped pools (kvdump v1.1 per_token_group; src/backend/mla_attention_operands.hpp): the slots
+// the rows read are dequantized to bf16 first, latent element j of token t as bf16(fp32(code_tj *
+// scale_t,j/group)), the RoPE part as its bf16 value or bf16(fp32(code * kv_scale)) (FlashInfer's
+// ckv_scale_arr rule), and attended as a bf16 pool with kv_scale = 1. Sparse rows (topk_indices)
+// attend over their listed tokens in increasing position.
 #pragma once
 
 #include <cstdint>

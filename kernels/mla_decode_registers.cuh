@@ -41,7 +41,7 @@
 // left out, so the two stay bit-identical.
 #pragma once
 
-#include "kernels/mla_attention.cuh"
+#include "kernels/mla_attention/kernel.cuh"
 
 namespace kvaudit::cuda::detail {
 
@@ -355,7 +355,8 @@ __device__ __forceinline__ void register_write_output(const MlaAttentionParams& 
 
 // grid: row_groups * head_blocks * num_splits blocks (split fastest; rows_per_block = 1,
 // block_heads = 16), kThreads threads, RegisterTileLayout::kBytes of dynamic shared memory.
-template <bool kBf16Pool>
+// kFault as for mla_attention_kernel (kernels/mla_attention/kernel.cuh).
+template <bool kBf16Pool, AttentionFault kFault = AttentionFault::kNone>
 __global__ void __launch_bounds__(kThreads, 1)
     mla_decode_registers_kernel(const __grid_constant__ MlaAttentionParams p) {
   ptx::griddepcontrol_launch_dependents();  // as mla_attention_kernel: the merge may launch
@@ -365,7 +366,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const BlockWork work = locate_work(p);
   RegisterQ q;
   q.load(p, work, l);
-  const AttentionPass pass = locate_pass(p, work, work.row_begin);
+  const AttentionPass pass = locate_pass<kFault>(p, work, work.row_begin);
   if (pass.tile_begin >= pass.tile_end) {  // an empty split: it contributes nothing
     write_empty_split<16>(p, work, pass, l.tid);
     return;

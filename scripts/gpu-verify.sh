@@ -42,7 +42,7 @@ for dump in datasets/*.h5; do
 done
 
 echo "== injections: every injection on every shipped dump, cpu-fp8 and cuda-fp8"
-# The [gpu] test above asserts the cuda-fp8 half (tests/kernels/injection_matrix.hpp); this table
+# The [gpu] test above asserts the cuda-fp8 half (tests/backend/injection_matrix.hpp); this table
 # is the record: backend, injection, dump, exit status, the first line that names the fault.
 printf 'backend\tinjection\tdump\texit\tevidence\n' >"$out/injections.tsv"
 for backend in cpu-fp8 cuda-fp8; do

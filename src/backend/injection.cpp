@@ -99,22 +99,6 @@ const InjectionInfo& injection_info(Injection injection) {
   return kNoInjection;
 }
 
-const char* kv_write_rule_name(KvWriteRule rule) {
-  switch (rule) {
-    case KvWriteRule::kDivide:
-      return "divide";
-    case KvWriteRule::kReciprocal:
-      return "reciprocal";
-    case KvWriteRule::kRoundTowardZero:
-      return "round-toward-zero";
-    case KvWriteRule::kNoSaturation:
-      return "no-saturation";
-    case KvWriteRule::kBf16Bytes:
-      return "bf16-bytes";
-  }
-  return "unknown";
-}
-
 float power_of_two_scale(float kv_scale) {
   const float rounded = std::exp2(std::round(std::log2(kv_scale)));
   // A scale that already is a power of two would make the fault a no-op: read with twice it.

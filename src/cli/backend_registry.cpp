@@ -7,12 +7,12 @@
 
 #include <string>
 
-#include "kernels/mla_attention_cpu.hpp"
 #include "src/backend/exec_backend.hpp"
 #include "src/backend/exec_session.hpp"
+#include "src/backend/mla_attention_cpu.hpp"
 
-#if defined(KVAUDIT_HAVE_CUDA) && __has_include("kernels/mla_attention_cuda.hpp")
-#include "kernels/mla_attention_cuda.hpp"
+#if defined(KVAUDIT_HAVE_CUDA) && __has_include("src/backend/mla_attention_cuda_backend.hpp")
+#include "src/backend/mla_attention_cuda_backend.hpp"
 #define KVAUDIT_HAVE_CUDA_BACKENDS 1
 #endif
 

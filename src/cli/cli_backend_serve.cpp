@@ -3,7 +3,7 @@
 // for testing the protocol: `check DUMP --backend exec:cpu-fp8 --backend-command "kvaudit
 // backend-serve cpu-fp8"` must give the report and outputs of `--backend cpu-fp8`, and the
 // difference in wall time is the protocol's overhead. In a CUDA build the CUDA backends also
-// answer `bench` requests with kvaudit's own bench harness (kernels/mla_attention_bench.hpp), so
+// answer `bench` requests with kvaudit's own bench harness (src/tools/mla_attention_bench.hpp), so
 // `bench --peer exec:cuda-fp8 --peer-command "kvaudit backend-serve cuda-fp8"` checks the peer
 // plumbing on a GPU (its time over cuda-fp8's should be about 1).
 //
@@ -17,11 +17,11 @@
 #include <memory>
 #include <string>
 
-#include "kernels/mla_attention_bench.hpp"
 #include "src/backend/exec_server.hpp"
 #include "src/cli/backend_registry.hpp"
 #include "src/cli/cli.hpp"
 #include "src/tools/bench_peer.hpp"
+#include "src/tools/mla_attention_bench.hpp"
 
 namespace kvaudit {
 namespace {

@@ -1,7 +1,7 @@
 // `kvaudit bench`: times the CUDA MLA kernels (cuda-fp8 against the seed's cuda-cast-bf16 path)
 // over the grid of src/tools/bench_grid.hpp, with the device-to-device copy bandwidth of the same
 // run as the yardstick, and measures the CPU reference's throughput. What is counted per case:
-// kernels/mla_attention_bench.hpp; the CPU step: src/tools/bench_cpu.hpp.
+// src/tools/mla_attention_bench.hpp; the CPU step: src/tools/bench_cpu.hpp.
 //
 // Without a usable GPU (none present, or a build without CUDA) the GPU part is skipped with the
 // reason and the CPU part still runs (exit 0), unless GPU cases were asked for explicitly
@@ -26,7 +26,6 @@
 #include <string>
 #include <vector>
 
-#include "kernels/mla_attention_bench.hpp"
 #include "src/backend/exec_protocol.hpp"
 #include "src/backend/exec_session.hpp"
 #include "src/cli/backend_registry.hpp"
@@ -37,6 +36,7 @@
 #include "src/tools/bench_cpu.hpp"
 #include "src/tools/bench_grid.hpp"
 #include "src/tools/bench_peer.hpp"
+#include "src/tools/mla_attention_bench.hpp"
 
 namespace kvaudit {
 namespace {

@@ -72,11 +72,11 @@ enum class ScaleRule : std::uint8_t {
 enum class SmScaleRule : std::uint8_t { kAsIs, kOne, kTimesLog2e };
 // How the pool's bytes are decoded (an FP8 pool; a bf16 pool is always read as stored).
 enum class PoolRead : std::uint8_t {
-  kAsStored,     // e4m3fn codes (or bf16 values)
-  kE5m2,         // each byte as an e5m2 code (Inf and NaN codes included)
-  kBf16Bytes,    // the byte buffer addressed as a [S, D] bf16 array, as the fp8-read-as-bf16
-                 // injection reads it (kernels/mla_attention_cpu.cpp): element j of slot t is the
-                 // little-endian bf16 at bytes 2 (t D + j), 2 (t D + j) + 1; 0 past the buffer
+  kAsStored,   // e4m3fn codes (or bf16 values)
+  kE5m2,       // each byte as an e5m2 code (Inf and NaN codes included)
+  kBf16Bytes,  // the byte buffer addressed as a [S, D] bf16 array, as the fp8-read-as-bf16
+               // injection reads it (src/backend/mla_attention_cpu.cpp): element j of slot t is the
+               // little-endian bf16 at bytes 2 (t D + j), 2 (t D + j) + 1; 0 past the buffer
   kDequantBf16,  // each element dequantized in bf16 arithmetic: bf16(e4m3(code) * bf16(s)), the
                  // scale s = kv_scale folded into the row (multipliers a = b = 1); FlashInfer's
                  // FP8 MLA kernels (0.6.x) repack FP8 tiles to bf16 this way (__hmul2)

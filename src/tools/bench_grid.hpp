@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/mla_attention_bench.hpp"
+#include "src/tools/mla_attention_bench.hpp"
 
 namespace kvaudit::bench {
 

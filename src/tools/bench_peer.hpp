@@ -3,7 +3,7 @@
 // case the bench times, in the same run, next to cuda-fp8, the cast path and the copy. Plain C++
 // (no CUDA): the request, the reply, the ratios and the table cells are tested everywhere.
 //
-// Per case (kernels/mla_attention_bench.hpp for the counting):
+// Per case (src/tools/mla_attention_bench.hpp for the counting):
 //   peer GB/s         = KV bytes / peer median time
 //   peer copy ratio   = peer GB/s / the copy bandwidth of the same run
 //   peer / cuda-fp8   = peer median time / cuda-fp8 median time  (> 1: the peer is slower)
@@ -16,8 +16,8 @@
 #include <optional>
 #include <string>
 
-#include "kernels/mla_attention_bench.hpp"
 #include "src/core/result.hpp"
+#include "src/tools/mla_attention_bench.hpp"
 
 namespace kvaudit::bench {
 

@@ -14,10 +14,10 @@
 #include <set>
 #include <string>
 
-#include "kernels/mla_attention_bench.hpp"
 #include "kvaudit_test_config.hpp"  // KVAUDIT_BINARY, KVAUDIT_SOURCE_DIR, KVAUDIT_TEST_TMPDIR
 #include "src/tools/bench_cpu.hpp"
 #include "src/tools/bench_grid.hpp"
+#include "src/tools/mla_attention_bench.hpp"
 #include "tests/gpu_skip.hpp"
 
 namespace {

@@ -33,12 +33,13 @@
 #include <string>
 #include <vector>
 
-#include "kernels/mla_attention_cpu.hpp"
 #include "kernels/mla_attention_cuda.hpp"
 #include "kernels/mla_attention_model.hpp"
 #include "references/mla_reference.hpp"
 #include "src/backend/backend.hpp"
 #include "src/backend/injection.hpp"
+#include "src/backend/mla_attention_cpu.hpp"
+#include "src/backend/mla_attention_cuda_backend.hpp"
 #include "src/core/fp8_e4m3.hpp"
 #include "src/format/kvdump.hpp"
 #include "tests/gpu_skip.hpp"

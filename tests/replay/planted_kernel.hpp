@@ -20,8 +20,8 @@
 #include <string>
 #include <vector>
 
-#include "kernels/mla_attention_cpu.hpp"
 #include "src/backend/backend.hpp"
+#include "src/backend/mla_attention_cpu.hpp"
 #include "src/core/fp8_e4m3.hpp"
 #include "src/replay/diagnosis.hpp"  // Hypothesis: the labels only
 #include "tests/replay/check_dumps.hpp"

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/mla_attention_cpu.hpp"
+#include "src/backend/mla_attention_cpu.hpp"
 #include "src/core/fp8_e4m3.hpp"
 #include "src/report/golden.hpp"
 #include "src/report/golden_compare.hpp"

@@ -1,4 +1,4 @@
-// Device side of `kvaudit bench` (API and what is counted: kernels/mla_attention_bench.hpp).
+// Device side of `kvaudit bench` (API and what is counted: src/tools/mla_attention_bench.hpp).
 //
 // Per case: a pool of random valid e4m3 codes (sign, exponent field 0..8, any mantissa: values
 // in (-3.75, 3.75), never the NaN codes 0x7F / 0xFF), bf16 queries uniform in [-1, 1), pages
@@ -16,14 +16,14 @@
 #include <string>
 #include <vector>
 
-#include "kernels/mla_attention_bench.hpp"
 #include "kernels/mla_attention_cuda.hpp"
 #include "kernels/mla_attention_model.hpp"
+#include "src/tools/mla_attention_bench.hpp"
 
 namespace kvaudit::bench {
 namespace {
 
-constexpr const char* kWhere = "kernels/mla_attention_bench.cu";
+constexpr const char* kWhere = "src/tools/mla_attention_bench.cu";
 
 Error cuda_error(const char* call, cudaError_t status) {
   return internal_error(kWhere, std::string(call) + ": " + cudaGetErrorString(status));

@@ -21,8 +21,9 @@
 
 #include "kernels/mla_attention_cuda.hpp"
 #include "kernels/mla_attention_model.hpp"
-#include "kernels/mla_attention_operands.hpp"
 #include "src/backend/injection.hpp"
+#include "src/backend/mla_attention_cuda_backend.hpp"
+#include "src/backend/mla_attention_operands.hpp"
 #include "src/core/cuda_device.hpp"
 #include "src/core/fp8_e4m3.hpp"
 #include "src/format/step_indices.hpp"
@@ -228,8 +229,8 @@ class CudaMlaBackend final : public Backend {
 
   // validate, stage the inputs on the host, upload, write the step's KV, attend (on the FP8 pool,
   // or a bf16 view of it), download out, lse and the pool. kvdump v1.1 forms
-  // (kernels/mla_attention_operands.hpp): sparse rows attend over attention_view's step after the
-  // writes; a per_token_group pool is written on the host (the v1.1 rule) and its dequantized
+  // (src/backend/mla_attention_operands.hpp): sparse rows attend over attention_view's step after
+  // the writes; a per_token_group pool is written on the host (the v1.1 rule) and its dequantized
   // bf16 rows are attended on the device.
   Result<AttentionOutput> run_step(const StepLayerInput& input, KvPool& pool) override;
 

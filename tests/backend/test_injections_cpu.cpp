@@ -14,7 +14,7 @@
 
 #include "kvaudit_test_config.hpp"  // KVAUDIT_BINARY, KVAUDIT_SOURCE_DIR, KVAUDIT_TEST_TMPDIR
 #include "src/backend/injection.hpp"
-#include "tests/kernels/injection_matrix.hpp"
+#include "tests/backend/injection_matrix.hpp"
 
 namespace {
 

@@ -1,4 +1,4 @@
-// Tests of the cpu-fp8 backend (kernels/mla_attention_cpu.hpp) and the backend registry.
+// Tests of the cpu-fp8 backend (src/backend/mla_attention_cpu.hpp) and the backend registry.
 //
 // Against the exact attention on the pool the backend wrote (R8, references/mla_reference.hpp),
 // with a tolerance derived from where the model rounds (u = 2^-24 fp32, 2^-8 bf16; base-2 scores
@@ -29,10 +29,10 @@
 #include <limits>
 #include <vector>
 
-#include "kernels/mla_attention_cpu.hpp"
 #include "kernels/mla_attention_model.hpp"
 #include "references/mla_reference.hpp"
 #include "src/backend/backend.hpp"
+#include "src/backend/mla_attention_cpu.hpp"
 #include "src/cli/backend_registry.hpp"
 #include "tests/references/mla_test_case.hpp"
 

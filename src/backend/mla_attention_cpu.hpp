@@ -1,27 +1,12 @@
-// The CPU model of the FP8 MLA attention kernels (the `cpu-fp8` backend): the same algorithm and
-// the same rounding points as kernels/mla_attention_model.hpp describes for the CUDA kernels, in
-// plain C++, so CI without a GPU exercises everything and the GPU tests have a twin to compare
-// with. Math, per query row i, head h, over the row's visible tokens t (kvdump-v1 causal rule):
-//   q      = bf16(q)                     (exact for bf16 inputs)
-//   c_t,r_t= the pool row decoded exactly, without kv_scale (e4m3 value, or bf16 value)
-//   dot_t  = fp32 sum over j = 0..D-1 in index order of q_j * k_tj  (each product is exact in
-//            fp32: bf16 x e4m3 has 8 + 4 significant bits, bf16 x bf16 8 + 8)
-//   s_t    = fp32(dot_t * score_scale),  score_scale = fp32(double(sm_scale) * kv_scale * log2 e)
-//   online softmax over tiles of mla::kKvTileTokens (64) token positions, in token order, base 2:
-//     m' = max(m, max_t s_t), alpha = exp2f(m - m') (0 for the first tile), p_t = exp2f(s_t - m')
-//     l  = l * alpha + (sum_t p_t, sequential)          (fp32, unrounded p)
-//     acc = acc * alpha, then acc += bf16(p_t) * c_t for t in order   (fp32; the product is exact)
-//   out = bf16(acc * (kv_scale / l)),  lse = (m + log2f(l)) * fp32(ln 2)  (natural log).
-// Shapes:
-//   q_nope : [num_rows, num_heads, kv_lora_rank]   q_pe : [num_rows, num_heads, qk_rope_head_dim]
-//   pool   : [num_slots, kv_lora_rank + qk_rope_head_dim] (codes or bf16 bits)
-//   out    : [num_rows, num_heads, kv_lora_rank] bf16 bits   lse : [num_rows, num_heads] fp32
-// Tokens a row does not see are never read: NaN codes in masked, unused or past-the-end slots
-// cannot reach an output (they are skipped, never multiplied by zero).
+// The `cpu-fp8` backend: the CPU model of the FP8 MLA attention kernels
+// (kernels/mla_attention_cpu_model.hpp states its math and rounding points) adapted to a dump: the
+// kvdump write rule (or a write fault) on the backend's KvPool, then attention over the step's
+// operands. Tokens a row does not see are never read: NaN codes in masked, unused or past-the-end
+// slots cannot reach an output (they are skipped, never multiplied by zero).
 //
 // Any Dc/Dr is accepted (the CUDA kernels are specialised for 512 + 64; small widths keep tests
 // fast). Error against the exact attention on the same pool (R8) is dominated by the two bf16
-// roundings (P and out, 2^-8 relative each); tests/kernels/test_mla_attention_cpu.cpp derives the
+// roundings (P and out, 2^-8 relative each); tests/backend/test_mla_attention_cpu.cpp derives the
 // full bound.
 #pragma once
 
@@ -30,6 +15,7 @@
 #include <span>
 #include <string_view>
 
+#include "kernels/mla_attention_cpu_model.hpp"  // mla_score_scale
 #include "src/backend/backend.hpp"
 #include "src/backend/injection.hpp"
 #include "src/core/result.hpp"
@@ -47,9 +33,6 @@ struct MlaAttentionCpuOptions {
   int threads = 0;  // 0: std::thread::hardware_concurrency()
   Injection injection = Injection::kNone;
 };
-
-// score_scale = fp32(sm_scale * kv_scale * log2 e): the double product, rounded once to float.
-float mla_score_scale(double sm_scale, float kv_scale);
 
 // The kvdump write rule for a step: row i of new_kv ([Nq, D]) goes to slot new_kv_slots[i] as
 // e4m3_rne_satfinite(fp32(v) / kv_scale) (or v * fp32(1 / kv_scale) with reciprocal_scale); a

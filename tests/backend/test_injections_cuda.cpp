@@ -4,8 +4,8 @@
 #include <catch2/catch.hpp>
 
 #include "src/backend/injection.hpp"
+#include "tests/backend/injection_matrix.hpp"
 #include "tests/gpu_skip.hpp"
-#include "tests/kernels/injection_matrix.hpp"
 
 TEST_CASE("cuda-fp8: every injected fault on every shipped dump is caught by its check",
           "[gpu][injection][cli]") {

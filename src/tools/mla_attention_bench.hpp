@@ -1,4 +1,4 @@
-// Timing harness for the CUDA MLA attention family (kernels/mla_attention_bench.cu), in plain
+// Timing harness for the CUDA MLA attention family (src/tools/mla_attention_bench.cu), in plain
 // C++ so that src/cli/cli_bench.cpp can include it in every build. The functions that touch the
 // device exist only when kvaudit is built with CUDA (KVAUDIT_HAVE_CUDA); the case arithmetic
 // below is inline and builds everywhere.

@@ -1,5 +1,5 @@
 // The kernels' operands per kvdump form (see mla_attention_operands.hpp).
-#include "kernels/mla_attention_operands.hpp"
+#include "src/backend/mla_attention_operands.hpp"
 
 #include <vector>
 
