@@ -44,6 +44,30 @@ fi
 configure=(cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DKVAUDIT_TESTS=ON)
 [[ -n ${KVAUDIT_CUDA:-} ]] && configure+=("-DKVAUDIT_CUDA=$KVAUDIT_CUDA")
 
+# cuobjdump, for the CTest fault_free_kernels (the production kernels' device code holds no fault
+# variant): a CUDA toolkit that ships without it (the minimal 13.0 install here has nvcc, ptxas and
+# fatbinary only) gets NVIDIA's PyPI wheel of it in the Python venv. Any 13.x cuobjdump reads what
+# nvcc 13.0 writes.
+venv_python=${KVAUDIT_PYTHON_VENV:-build/python-venv}/bin/python
+venv_cuobjdump() {
+  "$venv_python" - <<'PY' 2>/dev/null || true
+import pathlib
+import nvidia
+print(next(iter(sorted(p for root in nvidia.__path__ for p in pathlib.Path(root).glob("cu*/bin/cuobjdump"))), ""))
+PY
+}
+if command -v nvcc >/dev/null && ! command -v cuobjdump >/dev/null &&
+    [[ ! -x /usr/local/cuda/bin/cuobjdump && ${KVAUDIT_CUDA:-ON} != OFF ]]; then
+  cuobjdump=$(venv_cuobjdump)
+  if [[ -z $cuobjdump ]]; then
+    phase "installing cuobjdump (nvidia-cuda-cuobjdump, PyPI) into the Python venv"
+    "$venv_python" -m pip install -q nvidia-cuda-cuobjdump==13.2.51 ||
+      echo "run-tests: cuobjdump could not be installed; fault_free_kernels will say skipped" >&2
+    cuobjdump=$(venv_cuobjdump)
+  fi
+  [[ -n $cuobjdump ]] && configure+=("-DKVAUDIT_CUOBJDUMP=$cuobjdump")
+fi
+
 phase "clang-format check of every C++ and CUDA source"
 mapfile -t sources < <(find src kernels references tests -type f \
   \( -name '*.cpp' -o -name '*.hpp' -o -name '*.cu' -o -name '*.cuh' \) 2>/dev/null | sort)
