@@ -206,7 +206,7 @@ detail::MmaPath four_tile_mma_path() {
 // mla_attention_kernel<1, ...> (the tile through shared memory). KVAUDIT_CUDA_DECODE16=shared-tile
 // or =registers forces one (A/B measurements, the [gpu] test that runs both); read at every launch.
 // The threshold is the crossover measured on the H200 (registers / shared-tile time 1.01-1.08 at
-// 1-4 tiles per split, 0.975-0.994 at 8, 0.87 from 128 on: reports/bench-h200.md).
+// 1-4 tiles per split, 0.975-0.994 at 8, 0.87 from 128 on: docs/kernel-experiments.md, round 11).
 constexpr int kRegisterTileMinTiles = 8;
 
 Decode16Kernel decode16_kernel(const LaunchShape& shape, int max_tiles) {

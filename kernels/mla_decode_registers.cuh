@@ -136,7 +136,7 @@ struct RegisterQ {
 // without a slot (past the split or the readable range) reads slot 0 and counts as zeros when
 // decoded (present[i]): no branch guards a load, and nothing uses a loaded register before the
 // decode (zeroing right after the load made the compiler wait for it, so the fetch a tile ahead
-// became a wait on every tile: reports/h200-kernels-limit/experiments/11-register-tile-decode.txt).
+// became a wait on every tile: docs/kernel-experiments.md, round 11).
 template <bool kBf16Pool>
 struct RegisterCodes {
   static constexpr int kNopeVectors = kBf16Pool ? 2 : 1;  // 16-byte vectors per token

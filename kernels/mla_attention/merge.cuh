@@ -36,7 +36,7 @@ namespace kvaudit::cuda::detail {
 //     the H200 it took a one-row decode of ctx 8192 (128 splits) from 17.5 to 15.6-16.2 us and of
 //     ctx 32768 from 24.8 to 23.2 us; with 16 splits the larger window cost 1 us (its registers
 //     leave fewer merge blocks per SM), hence the three shapes
-//     (reports/h200-kernels-limit/experiments/16-merge-window.txt).
+//     (docs/kernel-experiments.md, round 16).
 // The merge's shape: kDimChunks blocks per (row, head), each kDimGroups float4 lanes of dims times
 // kGroups split groups (kDimChunks * kDimGroups * 4 = 512 dims); kWindow partial outs a thread of
 // the window kernel loads before its barrier (splits group, group + kGroups, ...; the rest after

@@ -43,7 +43,7 @@ static_assert(kTile * kFp8RowPieces % kThreads == 0, "FP8 tile split over the th
 // per block (128 registers, spills), a three-tile cp.async ring, decoding by bit placement instead
 // of cvt and swizzled decode stores were each no faster or slower, and f16 operands scaled by
 // powers of two (exact, a third fewer instructions) 1.3% faster at 16 heads but 7.5% slower at
-// batch 1 (reports/bench-h200.md, reports/h200-kernels-limit/experiments/7-scaled-f16.patch).
+// batch 1 (docs/kernel-experiments.md, rounds 1-3 and 7).
 inline constexpr int kBlocksPerSm = 1;
 
 // ---- where a query row's tokens are (kvdump-v1), on the device and in the launcher's host plan --
@@ -88,7 +88,7 @@ __host__ __device__ __forceinline__ RowRange row_range(const std::int32_t* qo_in
 // Query rows the launcher may locate on the host and pass in the launch parameters (16 x 32
 // bytes): a decode of up to 16 requests then starts its page-table lookup without first reading
 // the request arrays, one cold memory round trip off a short row's latency (0.5-0.9 us at batch 1
-// on the H200, reports/h200-kernels-limit/experiments/12-host-plan.txt).
+// on the H200, docs/kernel-experiments.md, round 12).
 inline constexpr int kMaxPlannedRows = 16;
 
 struct PlannedRow {

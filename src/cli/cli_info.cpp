@@ -47,7 +47,7 @@ void register_info_command(CLI::App& app, CommandRunner& runner) {
   auto options = std::make_shared<InfoOptions>();
   CLI::App* cmd = add_command(
       app, "info",
-      {"Validate a kvdump v1 file completely and summarise it.",
+      {"Validate a kvdump v1 or v1.1 file completely and summarise it.",
        "Every rule of the format's Errors section is checked (docs/kvdump-v1.md). The summary: "
        "model and producer; shapes (H, Dc, Dr, page_size, num_pages, slots, kv_dtype, "
        "sm_scale); per layer its layer_id, kv_scale, whether kv_source is present and the NaN "
