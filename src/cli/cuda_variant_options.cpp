@@ -13,9 +13,8 @@
 namespace kvaudit {
 namespace {
 
-constexpr const char* kGroup =
-    "CUDA kernel variant (cuda-fp8, cuda-cast-bf16, bench; recorded in report.json and golden "
-    "files)";
+// Group headings are not wrapped: short.
+constexpr const char* kGroup = "CUDA kernel variant";
 
 // An option whose value is one of `names`, stored by `set` (which parses it: the validator has
 // already refused anything else; an empty value is left to refuse_empty_values' message).
@@ -48,8 +47,10 @@ void add_cuda_variant_options(CLI::App& cmd, CudaVariantOptions& options) {
           [&v](const std::string& text) {
             if (const auto choice = parse_mma_choice(text)) v.mma = *choice;
           },
-          "Tensor-core instructions of the 64-row blocks (decode above 32 heads, prefill and "
-          "extend): auto runs wgmma where this kvaudit has sm_90a code and the device runs it, "
+          "For cuda-fp8, cuda-cast-bf16 and bench; the choice is recorded in report.json and "
+          "golden files (backend_description.kernel_variant). Tensor-core instructions of the "
+          "64-row blocks (decode above 32 heads, prefill and extend): auto runs wgmma where this "
+          "kvaudit has sm_90a code and the device runs it, "
           "else mma.sync; mma-sync forces mma.sync everywhere. Another summation order: results "
           "agree within the kernel error bound, not bit for bit (default: auto)"),
       add_choice(

@@ -71,7 +71,7 @@ void check_refused(const Outcome& outcome, const std::string& line) {
 
 }  // namespace
 
-TEST_CASE("--cuda-* options: a bad value is one line naming the option and the valid values",
+TEST_CASE("cuda variant options: a bad value is one line naming the option and the valid values",
           "[cli][cuda-variant]") {
   const std::string dump = shipped_dump();
   check_refused(run_kvaudit("check " + dump + " --backend cuda-fp8 --cuda-mma wgmma"),
@@ -100,7 +100,7 @@ TEST_CASE("--cuda-* options: a bad value is one line naming the option and the v
                 "kvaudit: backend-serve --cuda-longest-first: 'true' is not one of on, off");
 }
 
-TEST_CASE("--cuda-* options with a backend that is not a CUDA one are refused",
+TEST_CASE("cuda variant options with a backend that is not a CUDA one are refused",
           "[cli][cuda-variant]") {
   const std::string dump = shipped_dump();
   check_refused(run_kvaudit("check " + dump + " --backend cpu-fp8 --cuda-mma mma-sync"),
@@ -131,7 +131,7 @@ TEST_CASE("--cuda-* options with a backend that is not a CUDA one are refused",
                 "cuda-cast-bf16); --backend is cpu-fp8");
 }
 
-TEST_CASE("--help of every command that runs the CUDA kernels teaches the --cuda-* options",
+TEST_CASE("cuda variant options: the help of every command that runs the CUDA kernels teaches them",
           "[cli][cuda-variant]") {
   for (const char* command : {"check", "golden record", "golden check", "bench", "backend-serve"}) {
     INFO(command);
@@ -141,7 +141,8 @@ TEST_CASE("--help of every command that runs the CUDA kernels teaches the --cuda
     for (const char* text :
          {"--cuda-mma auto|mma-sync", "--cuda-decode16 auto|shared-tile|registers",
           "--cuda-host-plan on|off", "--cuda-longest-first on|off", "Bit-identical results",
-          "within the kernel error bound", "recorded in report.json and golden files"}) {
+          "within the kernel error bound",
+          "recorded in report.json and golden files (backend_description.kernel_variant)"}) {
       CHECK_THAT(text_of_help, Catch::Matchers::Contains(text));
     }
   }
