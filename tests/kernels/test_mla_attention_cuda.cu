@@ -456,6 +456,8 @@ TEST_CASE("cuda-fp8 decode of <= 16 heads matches the reference on both tile ker
        {kvaudit::Decode16Choice::kSharedTile, kvaudit::Decode16Choice::kRegisters}) {
     INFO("--cuda-decode16 " << kvaudit::decode16_choice_name(kernel));
     auto backend = make(false, with_decode16(kernel));
+    CHECK(backend->describe()["kernel_variant"]["decode16"] ==
+          std::string(kvaudit::decode16_choice_name(kernel)));
     check_cases_against_reference(*backend, cases);
   }
 }
