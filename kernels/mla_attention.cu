@@ -26,27 +26,15 @@
 // kMaxPlannedRows rows has its rows located here, by the kernels' own rule, and passed in the
 // launch parameters, so that its blocks start at the page-table lookup.
 //
-// Measured on an H200 (reports/bench-h200.md, 2026-12-02, kernel 96192d2; kvaudit bench, L2
-// evicted between launches, copy 4230 GB/s in the same run): decode B=64, ctx=8192, H=16, page 64:
-// 147 us = 49% of copy (target 80%; 166 us on the shared-tile kernel); H=128: 312 us (234
-// TFLOP/s, wgmma; 395 us on mma.sync); prefill B=1, 4096 x 4096: 1347 us (217 TFLOP/s; 1490 us
-// with the row groups in row order, and in that order 1849 us on mma.sync); B=1, ctx=4096, seed
-// pool: 13.0-13.6 us with the host plan, 14.2 without (target 12); B=1, ctx=8192: 15.3 us; faster
-// than FlashInfer 0.6.18's FP8 MLA (fa3) on every case of the grid (1.46x to 8.0x). What limits it
-// (ncu, phase ablations): latency everywhere (8 warps per SM issuing in 34-41% of cycles; per tile
-// decode, Q.K^T, softmax and P.V run one after another between block barriers; the FP8 decode is
-// about a third of the work); at batch 1, two kernels' launch and release, the page table -> KV
-// chain and Q's late arrival (reports/h200-kernels-limit/experiments/12-host-plan.txt; a merge by
-// thread-block clusters instead of the second kernel was slower, experiments/13-cluster-merge.txt).
-// A warp-specialized producer / consumer version and a decode interleaved with Q.K^T were measured
-// slower (reports/h200-kernels-limit/experiments/9-wgmma.txt), 16 warps per register-tile block no
-// faster (experiments/11-register-tile-decode.txt).
+// Kernel variant (MlaAttentionProblem::variant, kernels/mla_attention_variant.hpp): every choice
+// between kernels that compute the same attention (wgmma or mma.sync, the 16-head decode kernel,
+// the host plan, the row groups' order) is made in the section "Kernel variant" below, from the
+// problem, the device and the variant the caller passes; nothing is read from the environment.
+// Measured times and what limits them: reports/bench-h200.md, docs/kernels.md.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 #include <type_traits>
 
@@ -72,14 +60,6 @@ int device_multiprocessors() {
   return count;
 }
 
-// The launcher's settings from the environment (KVAUDIT_CUDA_MMA, KVAUDIT_CUDA_DECODE16,
-// KVAUDIT_CUDA_HOST_PLAN, KVAUDIT_CUDA_LONGEST_FIRST; docs/gpu.md), read at every launch so that a
-// test or an A/B run can switch them within one process: whether `variable` is set to `value`.
-bool env_setting_is(const char* variable, const char* value) {
-  const char* setting = std::getenv(variable);
-  return setting != nullptr && std::strcmp(setting, value) == 0;
-}
-
 struct LaunchShape {
   int m_tiles = 1;
   int block_heads = 16;    // heads per row in a block (a multiple of 16)
@@ -90,18 +70,88 @@ struct LaunchShape {
   bool longest_first = false;  // row groups in reverse order (choose_rows_and_heads)
 };
 
+// ---- Kernel variant: every choice between kernels of the same attention, made here only -------
+// Each is a function of the problem, the device and problem.variant (CudaKernelVariant, chosen
+// once on the command line: --cuda-mma, --cuda-decode16, --cuda-host-plan, --cuda-longest-first).
+// host_plan and longest_first change no bit of the results; mma and decode16 run other kernels
+// (another summation order), within the kernel error bound.
+
+// Prefill and extend (two or more rows per request on average) start their row groups longest
+// first (detail::locate_work) unless variant.longest_first is off (A/B measurements, the [gpu]
+// test that runs both): the same bits either way.
+bool longest_first_applies(const MlaAttentionProblem& problem) {
+  return problem.num_rows >= 2 * problem.batch && problem.variant.longest_first;
+}
+
+// Tensor-core path of the four-m16-tile kernels (64 M rows): wgmma where this binary has sm_90a
+// code for the device (probed once, by running wgmma_probe_kernel) and variant.mma is auto, else
+// mma.sync (--cuda-mma mma-sync: A/B measurements, bisecting a doubt about the wgmma path, the
+// [gpu] test that runs both). The launch asks for the path only for four-tile blocks
+// (FourTilePath), so that other launches never probe.
+bool probe_wgmma() {
+  int* flag = nullptr;
+  int has_wgmma = 0;
+  if (cudaMalloc(&flag, sizeof(int)) != cudaSuccess) return false;
+  detail::wgmma_probe_kernel<<<1, 1>>>(flag);
+  const bool copied =
+      cudaGetLastError() == cudaSuccess &&
+      cudaMemcpy(&has_wgmma, flag, sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess;
+  cudaFree(flag);
+  return copied && has_wgmma == 1;
+}
+
+detail::MmaPath probed_mma_path() {
+  static const bool has_wgmma = probe_wgmma();
+  return has_wgmma ? detail::MmaPath::kWgmma : detail::MmaPath::kMmaSync;
+}
+
+detail::MmaPath mma_sync_path() { return detail::MmaPath::kMmaSync; }
+
+FourTilePath four_tile_mma_path(MmaChoice mma) {
+  return mma == MmaChoice::kMmaSync ? mma_sync_path : probed_mma_path;
+}
+
+// Blocks of one m16 tile (decode, H <= 16): mla_decode_registers_kernel (the KV tile in registers,
+// kernels/mla_decode_registers.cuh) when a split holds at least kRegisterTileMinTiles tiles, else
+// mla_attention_kernel<1, ...> (the tile through shared memory), unless variant.decode16 forces
+// one (A/B measurements, the [gpu] test that runs both). The threshold is the crossover measured
+// on the H200 (registers / shared-tile time 1.01-1.08 at 1-4 tiles per split, 0.975-0.994 at 8,
+// 0.87 from 128 on: docs/kernel-experiments.md, round 11).
+constexpr int kRegisterTileMinTiles = 8;
+
+Decode16Kernel decode16_kernel(const LaunchShape& shape, int max_tiles, Decode16Choice choice) {
+  switch (choice) {
+    case Decode16Choice::kSharedTile:
+      return Decode16Kernel::kSharedTile;
+    case Decode16Choice::kRegisters:
+      return Decode16Kernel::kRegisterTile;
+    case Decode16Choice::kAuto:
+      break;
+  }
+  const int tiles_per_split = (max_tiles + shape.num_splits - 1) / shape.num_splits;
+  return tiles_per_split >= kRegisterTileMinTiles ? Decode16Kernel::kRegisterTile
+                                                  : Decode16Kernel::kSharedTile;
+}
+
+// The host plan (MlaAttentionProblem::host_*): every row of a problem of at most kMaxPlannedRows
+// rows located on the host by the kernels' own rule (detail::row_range), unless the caller gave no
+// host copies or variant.host_plan is off.
+bool host_plan_applies(const MlaAttentionProblem& problem) {
+  return problem.host_qo_indptr != nullptr && problem.host_kv_indptr != nullptr &&
+         problem.host_kv_last_page_len != nullptr && problem.num_rows <= detail::kMaxPlannedRows &&
+         problem.variant.host_plan;
+}
+
 // Rows and heads per block. Decode (about one row per request): one row, its heads in 1, 2 or 4
 // m16 tiles (16, 32, 64 heads per block). Prefill and extend (two or more rows per request on
 // average), at most 32 heads: 64 M rows of 4 (or 2) consecutive query rows, so that each decoded
 // KV tile serves four times the rows. The pool element does not enter: a bf16 pool cast from the
-// FP8 one runs the same tiling and gives the same bits. Prefill and extend run their row groups
-// longest first (detail::locate_work), unless KVAUDIT_CUDA_LONGEST_FIRST=off (A/B measurements,
-// the [gpu] test that runs both; read at every launch): the same bits either way.
+// FP8 one runs the same tiling and gives the same bits. The order of the row groups:
+// longest_first_applies (Kernel variant).
 void choose_rows_and_heads(const MlaAttentionProblem& problem, LaunchShape& shape) {
   const int heads16 = (problem.num_heads + 15) / 16 * 16;
   const bool many_rows_per_request = problem.num_rows >= 2 * problem.batch;
-  shape.longest_first =
-      many_rows_per_request && !env_setting_is("KVAUDIT_CUDA_LONGEST_FIRST", "off");
+  shape.longest_first = longest_first_applies(problem);
   // The kernel takes row groups with four m16 tiles only (kRowGroups in mla_attention_kernel).
   if (many_rows_per_request && heads16 <= 32) {
     shape.m_tiles = 4;
@@ -176,46 +226,7 @@ float score_scale_of(const MlaAttentionProblem& problem) {
                             static_cast<double>(problem.kv_scale) * mla::kLog2e);
 }
 
-// Tensor-core path of the four-m16-tile kernels (64 M rows): wgmma where this binary has sm_90a
-// code for the device (probed once, by running wgmma_probe_kernel), else mma.sync. The
-// environment variable KVAUDIT_CUDA_MMA=mma-sync forces mma.sync (A/B measurements, bisecting a
-// doubt about the wgmma path, the [gpu] test that runs both); it is read at every launch, the
-// probe only once.
-bool probe_wgmma() {
-  int* flag = nullptr;
-  int has_wgmma = 0;
-  if (cudaMalloc(&flag, sizeof(int)) != cudaSuccess) return false;
-  detail::wgmma_probe_kernel<<<1, 1>>>(flag);
-  const bool copied =
-      cudaGetLastError() == cudaSuccess &&
-      cudaMemcpy(&has_wgmma, flag, sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess;
-  cudaFree(flag);
-  return copied && has_wgmma == 1;
-}
-
-detail::MmaPath four_tile_mma_path() {
-  static const bool has_wgmma = probe_wgmma();
-  if (env_setting_is("KVAUDIT_CUDA_MMA", "mma-sync")) return detail::MmaPath::kMmaSync;
-  return has_wgmma ? detail::MmaPath::kWgmma : detail::MmaPath::kMmaSync;
-}
-
 // ---- launches ----------------------------------------------------------------------------------
-
-// Blocks of one m16 tile (decode, H <= 16): mla_decode_registers_kernel (the KV tile in registers,
-// kernels/mla_decode_registers.cuh) when a split holds at least kRegisterTileMinTiles tiles, else
-// mla_attention_kernel<1, ...> (the tile through shared memory). KVAUDIT_CUDA_DECODE16=shared-tile
-// or =registers forces one (A/B measurements, the [gpu] test that runs both); read at every launch.
-// The threshold is the crossover measured on the H200 (registers / shared-tile time 1.01-1.08 at
-// 1-4 tiles per split, 0.975-0.994 at 8, 0.87 from 128 on: docs/kernel-experiments.md, round 11).
-constexpr int kRegisterTileMinTiles = 8;
-
-Decode16Kernel decode16_kernel(const LaunchShape& shape, int max_tiles) {
-  if (env_setting_is("KVAUDIT_CUDA_DECODE16", "shared-tile")) return Decode16Kernel::kSharedTile;
-  if (env_setting_is("KVAUDIT_CUDA_DECODE16", "registers")) return Decode16Kernel::kRegisterTile;
-  const int tiles_per_split = (max_tiles + shape.num_splits - 1) / shape.num_splits;
-  return tiles_per_split >= kRegisterTileMinTiles ? Decode16Kernel::kRegisterTile
-                                                  : Decode16Kernel::kSharedTile;
-}
 
 // The merge as a programmatic dependent of the attention kernel (cudaLaunchKernelEx with
 // programmatic stream serialization, sm_90): it launches once every attention block has started
@@ -296,15 +307,6 @@ detail::MlaAttentionParams attention_params(const MlaAttentionProblem& problem,
   return params;
 }
 
-// The host plan (MlaAttentionProblem::host_*): every row of a problem of at most kMaxPlannedRows
-// rows located on the host by the kernels' own rule (detail::row_range), unless the caller gave no
-// host copies or KVAUDIT_CUDA_HOST_PLAN=off (read at every launch, as KVAUDIT_CUDA_MMA is).
-bool host_plan_applies(const MlaAttentionProblem& problem) {
-  return problem.host_qo_indptr != nullptr && problem.host_kv_indptr != nullptr &&
-         problem.host_kv_last_page_len != nullptr && problem.num_rows <= detail::kMaxPlannedRows &&
-         !env_setting_is("KVAUDIT_CUDA_HOST_PLAN", "off");
-}
-
 void plan_rows_on_host(const MlaAttentionProblem& problem, detail::MlaAttentionParams& params) {
   params.planned_rows = 0;
   if (!host_plan_applies(problem)) return;
@@ -346,16 +348,16 @@ long long elementwise_blocks(long long elements, long long max_blocks) {
 
 }  // namespace
 
-TensorCorePath mla_attention_64_row_path() {
-  return four_tile_mma_path() == detail::MmaPath::kWgmma ? TensorCorePath::kWgmma
-                                                         : TensorCorePath::kMmaSync;
+TensorCorePath mla_attention_64_row_path(MmaChoice mma) {
+  return four_tile_mma_path(mma)() == detail::MmaPath::kWgmma ? TensorCorePath::kWgmma
+                                                              : TensorCorePath::kMmaSync;
 }
 
 Decode16Kernel mla_attention_decode16_kernel(const MlaAttentionProblem& problem) {
   if (!check_problem(problem).ok()) return Decode16Kernel::kNone;
   const LaunchShape shape = launch_shape(problem);
   if (shape.m_tiles != 1) return Decode16Kernel::kNone;
-  return decode16_kernel(shape, max_kv_tiles(problem));
+  return decode16_kernel(shape, max_kv_tiles(problem), problem.variant.decode16);
 }
 
 bool mla_attention_host_planned(const MlaAttentionProblem& problem) {
@@ -388,14 +390,16 @@ Status launch_mla_attention(const MlaAttentionProblem& problem, void* workspace,
   if (blocks > 0x7FFFFFFFLL) {
     return unsupported(kWhere, "grid of " + std::to_string(blocks) + " blocks");
   }
-  const Decode16Kernel decode16 = decode16_kernel(shape, max_kv_tiles(problem));
+  const Decode16Kernel decode16 =
+      decode16_kernel(shape, max_kv_tiles(problem), problem.variant.decode16);
+  const FourTilePath four_tile_path = four_tile_mma_path(problem.variant.mma);
   if (problem.read_masked_tail) {
     // Fault masked-nan-leak: its own kernel instantiations, in kernels/mla_attention_faults.cu.
     KVAUDIT_TRY(launch_masked_nan_leak_attention(problem.pool_element, shape.m_tiles, params,
-                                                 blocks, decode16, four_tile_mma_path, stream));
+                                                 blocks, decode16, four_tile_path, stream));
   } else {
     KVAUDIT_TRY(launch_attention_blocks<detail::AttentionFault::kNone>(
-        problem.pool_element, shape.m_tiles, params, blocks, decode16, four_tile_mma_path, stream));
+        problem.pool_element, shape.m_tiles, params, blocks, decode16, four_tile_path, stream));
   }
   if (shape.num_splits > 1) KVAUDIT_TRY(launch_merge_kernel(params, stream));
   return ok_status();

@@ -36,7 +36,7 @@
 // (Fp8Staging), decoded exactly once into one bf16 tile in shared memory, and that one tile serves
 // both Q.K^T (576 columns) and P.V (its first 512 columns) on the tensor cores, bf16 -> fp32:
 // mma.sync.m16n8k16 (one and two m16 tiles; four where sm_90a code is missing or
-// KVAUDIT_CUDA_MMA=mma-sync), or, for four m16 tiles on sm_90a, wgmma (MmaPath): warpgroup g
+// --cuda-mma mma-sync), or, for four m16 tiles on sm_90a, wgmma (MmaPath): warpgroup g
 // computes S over columns 288 g .. + 287 for all 64 tokens (m64n64k16, 18 k steps), keeps tokens
 // 32 g .. + 31 with the other group's half added through shared memory, and P.V for dims
 // 256 g .. + 255 (m64n256k16), Q, the tile and P in wgmma's 128-byte swizzled layout

@@ -17,6 +17,7 @@
 #include <string>
 
 #include "kernels/kv_write_rules.hpp"
+#include "kernels/mla_attention_variant.hpp"
 #include "src/core/result.hpp"
 
 typedef struct CUstream_st* cudaStream_t;
@@ -38,7 +39,7 @@ struct MlaAttentionProblem {
   // request arrays from memory. The plan is taken at launch and travels by value: a CUDA graph
   // captured with it replays the captured rows whatever the device arrays hold later, so leave
   // these null when capturing a graph that is replayed with other requests.
-  // KVAUDIT_CUDA_HOST_PLAN=off ignores them (A/B runs).
+  // variant.host_plan = false ignores them (A/B runs).
   const std::int32_t* host_qo_indptr = nullptr;
   const std::int32_t* host_kv_indptr = nullptr;
   const std::int32_t* host_kv_last_page_len = nullptr;
@@ -67,29 +68,34 @@ struct MlaAttentionProblem {
   const std::uint16_t* q_pe = nullptr;
   std::uint16_t* out = nullptr;
   float* lse = nullptr;
+  // Which kernel variant runs (kernels/mla_attention_variant.hpp): the launcher's choices are a
+  // function of this problem, the device and `variant`, made in one place (mla_attention.cu).
+  CudaKernelVariant variant;
 };
 
-// The tensor-core instructions of the 64-row blocks (decode above 32 heads, prefill and extend)
-// on the current device: wgmma where the binary has sm_90a code for it, else mma.sync (also when
-// the environment sets KVAUDIT_CUDA_MMA=mma-sync, read at every launch). The other blocks always
-// run mma.sync.
-enum class TensorCorePath { kMmaSync, kWgmma };
-TensorCorePath mla_attention_64_row_path();
+// What the launcher chooses for a problem, for tests and provenance (the choice itself is made in
+// one place, mla_attention.cu "Kernel variant"):
 
-// The kernel that runs a problem's blocks of at most 16 heads (decode): the KV tile in registers
-// when each block streams at least 8 of the 64-token tiles, else through shared memory (the
-// register-tile kernel's first tile is slower, every later one faster; docs/kernels.md);
-// KVAUDIT_CUDA_DECODE16=shared-tile or =registers forces one (read at every launch). kNone: the
-// problem has no such blocks (more than 16 heads, prefill and extend) or is unsupported.
+// The tensor-core instructions of the 64-row blocks (decode above 32 heads, prefill and extend)
+// on the current device: wgmma where the binary has sm_90a code for it and `mma` is kAuto, else
+// mma.sync. The other blocks always run mma.sync.
+using kvaudit::TensorCorePath;
+TensorCorePath mla_attention_64_row_path(MmaChoice mma);
+
+// The kernel that runs a problem's blocks of at most 16 heads (decode): with variant.decode16
+// kAuto, the KV tile in registers when each block streams at least 8 of the 64-token tiles, else
+// through shared memory (the register-tile kernel's first tile is slower, every later one faster;
+// docs/kernels.md); kSharedTile or kRegisters forces one. kNone: the problem has no such blocks
+// (more than 16 heads, prefill and extend) or is unsupported.
 enum class Decode16Kernel { kNone, kSharedTile, kRegisterTile };
 Decode16Kernel mla_attention_decode16_kernel(const MlaAttentionProblem& problem);
 
 // Whether launch_mla_attention locates the problem's rows on the host (the host_* arrays given, at
-// most 16 rows, KVAUDIT_CUDA_HOST_PLAN not "off") rather than in the kernels.
+// most 16 rows, variant.host_plan) rather than in the kernels. Same results.
 bool mla_attention_host_planned(const MlaAttentionProblem& problem);
 
 // Whether launch_mla_attention starts the problem's row groups longest first (prefill and extend:
-// at least two rows per request on average; KVAUDIT_CUDA_LONGEST_FIRST not "off"). Same results.
+// at least two rows per request on average; variant.longest_first). Same results.
 bool mla_attention_longest_first(const MlaAttentionProblem& problem);
 
 // Scratch for split-KV partial (out, lse); sized by mla_attention_workspace_bytes.

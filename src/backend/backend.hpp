@@ -14,6 +14,7 @@
 #include <string_view>
 #include <vector>
 
+#include "src/backend/cuda_kernel_variant.hpp"
 #include "src/core/result.hpp"
 #include "src/format/kvdump.hpp"
 
@@ -33,6 +34,9 @@ struct BackendOptions {
   // sends its model).
   std::string exec_command;
   const DumpLayout* dump = nullptr;
+  // cuda-fp8 and cuda-cast-bf16 only: which kernel variant runs (--cuda-mma, --cuda-decode16,
+  // --cuda-host-plan, --cuda-longest-first); recorded in describe()'s "kernel_variant".
+  CudaKernelVariant cuda_variant;
 };
 
 struct StepLayerInput {

@@ -200,7 +200,8 @@ class CudaMlaBackend final : public Backend {
       : cast_whole_pool_(cast_whole_pool),
         device_(std::move(device)),
         options_(std::move(options)),
-        injection_(injection) {}
+        injection_(injection),
+        mma_ran_(mla_attention_64_row_path(options_.cuda_variant.mma)) {}
 
   std::string name() const override { return cast_whole_pool_ ? "cuda-cast-bf16" : "cuda-fp8"; }
 
@@ -214,9 +215,12 @@ class CudaMlaBackend final : public Backend {
     j["runtime_version"] = device_.runtime_version;
     j["multiprocessors"] = device_.multiprocessors;
     j["kernel"] = cast_whole_pool_
-                      ? "whole pool cast to bf16 every call, then bf16 attention (mma.sync bf16)"
-                      : "fp8 e4m3 pool read directly, decoded to bf16 in shared memory, mma.sync "
-                        "m16n8k16 bf16 -> fp32, split-KV with exact merge";
+                      ? "whole pool cast to bf16 every call, then the bf16 attention kernels "
+                        "(kernel_variant), split-KV with exact merge"
+                      : "fp8 e4m3 pool read directly, decoded to bf16 per KV tile (shared-memory "
+                        "or register tile), bf16 tensor cores -> fp32 (kernel_variant), split-KV "
+                        "with exact merge";
+    j["kernel_variant"] = kernel_variant_json(options_.cuda_variant, mma_ran_);
     j["kv_tile_tokens"] = mla::kKvTileTokens;
     j["write_rule"] = "cvt.rn.satfinite.e4m3x2.f32 of fp32(x) / fp32(kv_scale)";
     if (injection_ != Injection::kNone) j["injection"] = injection_info(injection_).name;
@@ -257,6 +261,7 @@ class CudaMlaBackend final : public Backend {
   CudaDeviceInfo device_;
   BackendOptions options_;
   Injection injection_;
+  TensorCorePath mma_ran_;  // the 64-row blocks' instructions on this device (kernel_variant)
   CudaBackendAllocations allocations_;
   DeviceBuffer pool_{&allocations_.pool_bytes};
   DeviceBuffer pool_bf16_{&allocations_.pool_bf16_bytes};
@@ -394,6 +399,7 @@ MlaAttentionProblem CudaMlaBackend::attention_problem(const StepLayerInput& inpu
   problem.q_pe = q_.as<std::uint16_t>() + staged.q_nope_elements;
   problem.out = out_.as<std::uint16_t>();
   problem.lse = reinterpret_cast<float*>(out_.as<unsigned char>() + lse_offset_bytes(input));
+  problem.variant = options_.cuda_variant;
   return problem;
 }
 

@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "src/backend/cuda_kernel_variant.hpp"
 #include "src/core/output_file.hpp"
 #include "src/core/result.hpp"
 
@@ -121,6 +122,27 @@ Error unknown_command(const CLI::App& app, const std::string& given);
 // The closest of `names` to `given` (optimal string alignment distance at most 2, and less than
 // half of the name), for "did you mean ...?"; empty when none is close.
 std::string closest_name(const std::string& given, const std::vector<std::string>& names);
+
+// ---- the CUDA kernel variant (src/cli/cuda_variant_options.cpp) -------------------------------
+
+// --cuda-mma auto|mma-sync, --cuda-decode16 auto|shared-tile|registers, --cuda-host-plan on|off,
+// --cuda-longest-first on|off: the one place a command line chooses the kernel variant of the CUDA
+// backends (src/backend/cuda_kernel_variant.hpp). Every command that builds a cuda-* backend or
+// times the kernels adds them (check, golden record, golden check, bench, backend-serve); a value
+// outside the set is a usage error (exit 2) naming the option and the valid values.
+struct CudaVariantOptions {
+  CudaKernelVariant variant;
+  std::vector<CLI::Option*> options;  // the four, to tell which were given
+};
+void add_cuda_variant_options(CLI::App& cmd, CudaVariantOptions& options);
+
+// The options apply to the CUDA backends only: any of them given with another `backend` (cpu-fp8,
+// exec:NAME, none) is bad input naming the first one given, rather than silently ignored.
+Status check_cuda_variant_applies(const CudaVariantOptions& options, const std::string& backend);
+
+// The options that give `variant` where it is not the default, each preceded by `separator`
+// ("--cuda-mma mma-sync"), for a command line that repeats a run (--emit-repro's hint).
+std::string cuda_variant_arguments(const CudaKernelVariant& variant, const char* separator);
 
 // ---- help (src/cli/help_format.cpp) -----------------------------------------------------------
 

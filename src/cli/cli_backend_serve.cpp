@@ -30,6 +30,7 @@ struct ServeOptions {
   std::string backend;
   std::string inject;
   int threads = 0;
+  CudaVariantOptions cuda;  // --cuda-* (cuda-fp8 and cuda-cast-bf16 only)
 };
 
 // A stream on the real standard output for replies; descriptor 1 then points at stderr.
@@ -43,6 +44,7 @@ std::FILE* reply_stream() {
 // A bench request timed by kvaudit's own harness: cuda-fp8's kernel, or cuda-cast-bf16's cast
 // plus attention (CUDA builds only; elsewhere there is no bench).
 [[maybe_unused]] Result<nlohmann::json> bench_with_harness(const std::string& backend,
+                                                           const CudaKernelVariant& variant,
                                                            const nlohmann::json& request) {
   KVAUDIT_ASSIGN_OR_RETURN(bench::PeerBenchRequest parsed,
                            bench::parse_peer_bench_request(request));
@@ -51,6 +53,7 @@ std::FILE* reply_stream() {
   options.warmup = parsed.warmup;
   options.launches = parsed.iterations;
   options.l2_flush_bytes = parsed.flush_l2 ? options.l2_flush_bytes : 0;
+  options.variant = variant;
   KVAUDIT_ASSIGN_OR_RETURN(const bench::GpuCaseResult result,
                            bench::run_gpu_case(parsed.config, options, 0.0));
   if (!result.skipped.empty()) return unsupported("bench", result.skipped);
@@ -69,14 +72,15 @@ exec::ServerHooks server_hooks(const ServeOptions& options) {
   exec::ServerHooks hooks;
   hooks.options.threads = options.threads;
   hooks.options.injection = options.inject;
+  hooks.options.cuda_variant = options.cuda.variant;
   const std::string backend = options.backend;
   hooks.make_backend = [backend](const BackendOptions& backend_options) {
     return make_backend(backend, backend_options);
   };
 #ifdef KVAUDIT_HAVE_CUDA
   if (backend == "cuda-fp8" || backend == "cuda-cast-bf16") {
-    hooks.bench = [backend](const nlohmann::json& request) {
-      return bench_with_harness(backend, request);
+    hooks.bench = [backend, variant = options.cuda.variant](const nlohmann::json& request) {
+      return bench_with_harness(backend, variant, request);
     };
   }
 #endif
@@ -86,6 +90,9 @@ exec::ServerHooks server_hooks(const ServeOptions& options) {
 int run_serve(const ServeOptions& options) {
   if (exec_backend_name(options.backend)) {
     return report_error(bad_input("backend-serve", "serves a built-in backend, not exec:NAME"));
+  }
+  if (const Status applies = check_cuda_variant_applies(options.cuda, options.backend); !applies) {
+    return report_error(applies.error());
   }
   std::FILE* replies = reply_stream();
   if (replies == nullptr) {
@@ -114,6 +121,7 @@ void register_backend_serve_command(CLI::App& app, CommandRunner& runner) {
   add_integer_option(*cmd, "--threads", options->threads, 0, kMaxThreads,
                      "Threads of a CPU backend (0: every core)")
       ->capture_default_str();
+  add_cuda_variant_options(*cmd, options->cuda);
   cmd->callback([options, &runner] { runner = [options] { return run_serve(*options); }; });
 }
 

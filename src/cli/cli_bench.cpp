@@ -38,6 +38,10 @@
 #include "src/tools/bench_peer.hpp"
 #include "src/tools/mla_attention_bench.hpp"
 
+#if defined(KVAUDIT_HAVE_CUDA)
+#include "kernels/mla_attention_cuda.hpp"
+#endif
+
 namespace kvaudit {
 namespace {
 
@@ -58,6 +62,7 @@ struct BenchCliOptions {
   std::size_t flush_mib = 256;
   bench::GpuCase custom;
   bench::CpuBenchOptions cpu;
+  CudaVariantOptions cuda;                   // --cuda-*: the kernel variant timed
   std::vector<CLI::Option*> custom_options;  // any given: one custom GPU case
   CLI::Option* launches_option = nullptr;
   CLI::Option* warmup_option = nullptr;
@@ -205,6 +210,7 @@ void apply_options(BenchCliOptions& o) {
   o.gpu.copy_bytes = o.copy_mib << 20;
   o.gpu.l2_flush_bytes = o.flush_mib << 20;
   o.cpu.seed = o.gpu.seed;
+  o.gpu.variant = o.cuda.variant;
 }
 
 bool custom_case_given(const BenchCliOptions& o) {
@@ -295,6 +301,14 @@ Result<std::vector<bench::GpuCaseResult>> run_gpu_cases(
       "timing: {} warm-up, then median of {} launches (CUDA events); {} MiB written "
       "between launches to evict L2\n",
       o.gpu.warmup, o.gpu.launches, o.flush_mib);
+  doc["kernel_variant"] =
+      kernel_variant_json(o.gpu.variant, cuda::mla_attention_64_row_path(o.gpu.variant.mma));
+  fmt::print(
+      "kernel variant: mma {} (--cuda-mma {}), --cuda-decode16 {}, --cuda-host-plan {}, "
+      "--cuda-longest-first {}\n",
+      doc["kernel_variant"]["mma"].get<std::string>(), mma_choice_name(o.gpu.variant.mma),
+      decode16_choice_name(o.gpu.variant.decode16), on_off_name(o.gpu.variant.host_plan),
+      on_off_name(o.gpu.variant.longest_first));
   KVAUDIT_ASSIGN_OR_RETURN(const bench::CopyBandwidth copy, bench::measure_copy_bandwidth(o.gpu));
   fmt::print("device-to-device copy: {} MiB in {:.1f} us -> {:.0f} GB/s (bytes read + written)\n",
              copy.bytes >> 20, copy.times.median_us, copy.gbps);
@@ -627,6 +641,7 @@ void register_bench_command(CLI::App& app, CommandRunner& runner) {
   add_peer_options(*cmd, *o);
   add_custom_case_options(*cmd, *o);
   add_cpu_options(*cmd, *o);
+  add_cuda_variant_options(*cmd, o->cuda);
   cmd->callback([o, &runner] { runner = [o] { return run_bench(*o); }; });
 }
 

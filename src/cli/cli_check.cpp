@@ -97,6 +97,7 @@ struct CheckOptions {
   bool reciprocal_scale = false;
   int diagnose = kDefaultDiagnoseLimit;
   int certify = kDefaultCertificationSamples;
+  CudaVariantOptions cuda;  // --cuda-* (cuda-fp8 and cuda-cast-bf16 only)
 };
 
 // --list-injections: one line each, with the check meant to catch it.
@@ -135,7 +136,7 @@ void print_policy(std::ostream& out, const Policy& policy) {
 }
 
 // The options a repro is checked with: " --backend-command CMD --inject NAME
-// --reciprocal-scale", as given.
+// --reciprocal-scale --cuda-mma mma-sync", as given.
 std::string repro_options(const CheckOptions& options, const char* separator) {
   std::string text;
   if (!options.backend_command.empty()) {
@@ -143,6 +144,7 @@ std::string repro_options(const CheckOptions& options, const char* separator) {
   }
   if (!options.inject.empty()) text += fmt::format("{}--inject {}", separator, options.inject);
   if (options.reciprocal_scale) text += fmt::format("{}--reciprocal-scale", separator);
+  text += cuda_variant_arguments(options.cuda.variant, separator);
   return text;
 }
 
@@ -253,7 +255,7 @@ Status check_backend_options(const CheckOptions& options) {
   if (options.backend == "none" && !options.inject.empty()) {
     return bad_input("--inject", "needs a backend (--backend none runs none)");
   }
-  return ok_status();
+  return check_cuda_variant_applies(options.cuda, options.backend);
 }
 
 // The backend under test; none for --backend none. An exec backend's program is started here
@@ -268,6 +270,7 @@ Result<std::unique_ptr<Backend>> check_backend(const CheckOptions& options,
   backend_options.reciprocal_scale = options.reciprocal_scale;
   backend_options.exec_command = options.backend_command;
   backend_options.dump = &layout;
+  backend_options.cuda_variant = options.cuda.variant;
   return make_backend(options.backend, backend_options);
 }
 
@@ -449,6 +452,7 @@ void add_input_options(CLI::App& cmd, CheckOptions& options) {
                  "SLURM_ARRAY_TASK_MIN in a Slurm job array, else JOB_COMPLETION_INDEX in a "
                  "Kubernetes Indexed Job; Slurm's wins when both are set). --json then writes the "
                  "part file; a shard with no layers writes an empty part");
+  add_cuda_variant_options(cmd, options.cuda);
 }
 
 // What is written, and how the run is done: reports, saved outputs, repro, threads, verbosity.

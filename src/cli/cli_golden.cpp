@@ -54,6 +54,7 @@ struct GoldenOptions {
   int threads = 0;
   bool accept = false;
   bool progress = false;
+  CudaVariantOptions cuda;  // --cuda-* (cuda-fp8 and cuda-cast-bf16 only)
 };
 
 // What became of one dump.
@@ -120,6 +121,7 @@ Result<std::unique_ptr<Backend>> golden_backend(const GoldenOptions& options) {
   BackendOptions backend_options;
   backend_options.threads = options.threads;
   backend_options.injection = options.inject;
+  backend_options.cuda_variant = options.cuda.variant;
   return make_backend(options.backend, backend_options);
 }
 
@@ -205,6 +207,7 @@ Status record_folder(const GoldenOptions& options) {
 int run_record(const GoldenOptions& options) {
   const auto record = [&]() -> Status {
     if (options.golden.empty()) return bad_input("golden record", "-o is required");
+    KVAUDIT_TRY(check_cuda_variant_applies(options.cuda, options.backend));
     std::error_code error;
     if (fs::is_directory(options.dump, error)) return record_folder(options);
     KVAUDIT_TRY(check_output_file(options.golden, "-o"));
@@ -269,6 +272,11 @@ Result<PairOutcome> compare_pair(const GoldenOptions& options, const DumpReader&
   }
   const GoldenComparison comparison = compare_golden(golden, current, mode.mode);
   print_golden_comparison(std::cout, comparison);
+  if (comparison.any_moved()) {
+    for (const std::string& line : kernel_variant_lines(golden.provenance, current.provenance)) {
+      fmt::print("{}\n", line);
+    }
+  }
   PairOutcome outcome;
   outcome.compared = comparison.entries_compared;
   outcome.moved = comparison.moved.size();
@@ -426,6 +434,9 @@ int run_golden_check(GoldenOptions options) {
   if (options.dump.empty() || options.golden.empty()) {
     return report_error(bad_input("golden check", "DUMP and GOLDEN are required"));
   }
+  if (const Status applies = check_cuda_variant_applies(options.cuda, options.backend); !applies) {
+    return report_error(applies.error());
+  }
   std::error_code error;
   return fs::is_directory(options.dump, error) ? check_folder(options) : check_single(options);
 }
@@ -441,6 +452,7 @@ void add_common_options(CLI::App& cmd, GoldenOptions& options) {
       ->capture_default_str();
   cmd.add_flag("--progress", options.progress,
                "Print progress on stderr even when it is not a terminal");
+  add_cuda_variant_options(cmd, options.cuda);
 }
 
 void add_record_command(CLI::App& golden, CommandRunner& runner) {

@@ -305,8 +305,9 @@ std::vector<const GoldenEntry*> ordered_entries(const Golden& golden) {
 
 std::string value_text(double value) { return fmt::format("{:.9g}", value); }
 
-// "device: 'NVIDIA H100' -> 'NVIDIA H200'" per top-level key that differs.
-void json_differences(const std::string& what, const nlohmann::json& golden,
+// "device: 'NVIDIA H100' -> 'NVIDIA H200'" per key that differs; within an object both sides hold
+// ("kernel_variant"), per key of it: "backend kernel_variant.mma: "wgmma" -> "mma-sync"".
+void json_differences(const std::string& prefix, const nlohmann::json& golden,
                       const nlohmann::json& current, std::vector<std::string>& lines) {
   std::set<std::string> keys;
   for (const auto* object : {&golden, &current}) {
@@ -317,7 +318,11 @@ void json_differences(const std::string& what, const nlohmann::json& golden,
     const nlohmann::json g = golden.is_object() && golden.contains(key) ? golden[key] : nullptr;
     const nlohmann::json c = current.is_object() && current.contains(key) ? current[key] : nullptr;
     if (g == c) continue;
-    lines.push_back(fmt::format("{} {}: {} -> {}", what, key, g.is_null() ? "(none)" : g.dump(),
+    if (g.is_object() && c.is_object()) {
+      json_differences(prefix + key + ".", g, c, lines);
+      continue;
+    }
+    lines.push_back(fmt::format("{}{}: {} -> {}", prefix, key, g.is_null() ? "(none)" : g.dump(),
                                 c.is_null() ? "(none)" : c.dump()));
   }
 }
@@ -334,12 +339,52 @@ std::optional<GoldenMode> parse_golden_mode(std::string_view text) {
   return std::nullopt;
 }
 
+// Where the kernel variants of two CUDA descriptions run other kernels ("mma" or "decode16"
+// differs; host_plan and longest_first change no bit): "kernel_variant.mma "wgmma" -> "mma-sync"".
+// Nothing when they agree or either has no kernel_variant (a golden file from before it was
+// recorded).
+std::optional<std::string> other_kernels(const nlohmann::json& golden,
+                                         const nlohmann::json& current) {
+  const auto variant = [](const nlohmann::json& description) -> const nlohmann::json* {
+    if (!description.is_object() || !description.contains("kernel_variant")) return nullptr;
+    const nlohmann::json& v = description["kernel_variant"];
+    return v.is_object() ? &v : nullptr;
+  };
+  const nlohmann::json* g = variant(golden);
+  const nlohmann::json* c = variant(current);
+  if (g == nullptr || c == nullptr) return std::nullopt;
+  std::vector<std::string> moved;
+  for (const char* key : {"mma", "decode16"}) {
+    const nlohmann::json then = g->contains(key) ? (*g)[key] : nullptr;
+    const nlohmann::json now = c->contains(key) ? (*c)[key] : nullptr;
+    if (then != now)
+      moved.push_back(fmt::format("kernel_variant.{} {} -> {}", key, then.dump(), now.dump()));
+  }
+  if (moved.empty()) return std::nullopt;
+  return fmt::format("{}", fmt::join(moved, ", "));
+}
+
+// "decode16=auto, host_plan=true, longest_first=true, mma=wgmma, mma_requested=auto"
+std::string variant_text(const nlohmann::json& description) {
+  if (!description.is_object() || !description.contains("kernel_variant") ||
+      !description["kernel_variant"].is_object()) {
+    return "(not recorded)";
+  }
+  std::vector<std::string> fields;
+  for (const auto& [key, value] : description["kernel_variant"].items()) {
+    fields.push_back(
+        fmt::format("{}={}", key, value.is_string() ? value.get<std::string>() : value.dump()));
+  }
+  return fmt::format("{}", fmt::join(fields, ", "));
+}
+
 // The rule per backend where describe() has no "deterministic" field:
 //   cpu-fp8                  exact: sequential sums in a fixed order, threads never split a sum
 //                            (see the header comment);
 //   cuda-fp8, cuda-cast-bf16 exact on the golden's device (same device name and SM count: the
 //                            split-KV count follows the SM count, and the kernels use no atomics,
-//                            so one device and one shape give one order); tolerance on another;
+//                            so one device and one shape give one order) with the same kernels
+//                            (kernel_variant's mma and decode16); tolerance otherwise;
 //   anything else            tolerance.
 GoldenModeChoice choose_golden_mode(const GoldenProvenance& golden,
                                     const GoldenProvenance& current) {
@@ -363,6 +408,12 @@ GoldenModeChoice choose_golden_mode(const GoldenProvenance& golden,
   }
   if (current.backend == "cuda-fp8" || current.backend == "cuda-cast-bf16") {
     const nlohmann::json& recorded = golden.backend_description;
+    if (const std::optional<std::string> other = other_kernels(recorded, description)) {
+      return {GoldenMode::kTolerance,
+              fmt::format("{} ran other kernels than the golden file's ({}): another summation "
+                          "order",
+                          current.backend, *other)};
+    }
     const auto same = [&](const char* key) {
       return recorded.is_object() && description.is_object() && recorded.contains(key) &&
              description.contains(key) && recorded[key] == description[key];
@@ -382,14 +433,30 @@ GoldenModeChoice choose_golden_mode(const GoldenProvenance& golden,
           fmt::format("no determinism is known for backend {}", current.backend)};
 }
 
+std::vector<std::string> kernel_variant_lines(const GoldenProvenance& golden,
+                                              const GoldenProvenance& current) {
+  const auto has_variant = [](const nlohmann::json& description) {
+    return description.is_object() && description.contains("kernel_variant");
+  };
+  if (!has_variant(golden.backend_description) && !has_variant(current.backend_description)) {
+    return {};
+  }
+  const std::string then = variant_text(golden.backend_description);
+  const std::string now = variant_text(current.backend_description);
+  if (then == now)
+    return {fmt::format("kernel variant (the golden file's and this run's): {}", now)};
+  return {fmt::format("kernel variant of the golden file: {}", then),
+          fmt::format("kernel variant of this run: {}", now)};
+}
+
 std::vector<std::string> provenance_differences(const GoldenProvenance& golden,
                                                 const GoldenProvenance& current) {
   std::vector<std::string> lines;
   if (golden.backend != current.backend) {
     lines.push_back(fmt::format("backend: {} -> {}", golden.backend, current.backend));
   }
-  json_differences("backend", golden.backend_description, current.backend_description, lines);
-  json_differences("platform", golden.platform, current.platform, lines);
+  json_differences("backend ", golden.backend_description, current.backend_description, lines);
+  json_differences("platform ", golden.platform, current.platform, lines);
   if (golden.kvaudit_version != current.kvaudit_version) {
     lines.push_back(
         fmt::format("kvaudit version: {} -> {}", golden.kvaudit_version, current.kvaudit_version));

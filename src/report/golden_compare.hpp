@@ -41,7 +41,8 @@ struct GoldenModeChoice {
 
 // The mode for comparing a run of `current` with `golden`, when --mode does not choose: the
 // backend's describe() field "deterministic" (a boolean) where it has one, else a rule per
-// backend (golden_compare.cpp); another backend than the golden's is always tolerance.
+// backend (golden_compare.cpp); another backend than the golden's is always tolerance, and so is
+// a CUDA run of other kernels (kernel_variant "mma" or "decode16" differs).
 GoldenModeChoice choose_golden_mode(const GoldenProvenance& golden,
                                     const GoldenProvenance& current);
 
@@ -50,6 +51,14 @@ GoldenModeChoice choose_golden_mode(const GoldenProvenance& golden,
 // host and command line always differ and are not listed. One line each, "what: golden -> now".
 std::vector<std::string> provenance_differences(const GoldenProvenance& golden,
                                                 const GoldenProvenance& current);
+
+// The CUDA kernel variant (describe()'s "kernel_variant", src/backend/cuda_kernel_variant.hpp) of
+// the golden file and of this run, for a check that moved: one line when they agree ("kernel
+// variant (the golden file's and this run's): decode16=auto, host_plan=true, ..."), else one line
+// each ("kernel variant of the golden file: ...", "kernel variant of this run: ..."; "(not
+// recorded)" for a golden file from before it was). Nothing when neither records one (cpu-fp8).
+std::vector<std::string> kernel_variant_lines(const GoldenProvenance& golden,
+                                              const GoldenProvenance& current);
 
 enum class MovedPart : std::uint8_t { kPool, kOut, kLse };
 const char* moved_part_name(MovedPart part);  // "pool" | "out" | "lse"

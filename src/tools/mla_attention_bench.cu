@@ -323,7 +323,7 @@ Status fill_case(const GpuCase& config, const GpuBenchOptions& options, const Ho
 // The device arrays and, for the launcher's host plan, the host table they were copied from (it
 // outlives the problem: both live in run_gpu_case).
 cuda::MlaAttentionProblem case_problem(const GpuCase& config, const HostPageTable& table,
-                                       const DeviceCase& d) {
+                                       const DeviceCase& d, const CudaKernelVariant& variant) {
   cuda::MlaAttentionProblem problem;
   problem.qo_indptr = d.qo_indptr.as<std::int32_t>();
   problem.kv_indptr = d.kv_indptr.as<std::int32_t>();
@@ -348,6 +348,7 @@ cuda::MlaAttentionProblem case_problem(const GpuCase& config, const HostPageTabl
   problem.q_pe = d.q_pe.as<std::uint16_t>();
   problem.out = d.out.as<std::uint16_t>();
   problem.lse = d.lse.as<float>();
+  problem.variant = variant;
   return problem;
 }
 
@@ -448,7 +449,7 @@ Result<GpuCaseResult> run_gpu_case(const GpuCase& config, const GpuBenchOptions&
   DeviceCase d;
   KVAUDIT_TRY(allocate_case(config, options, table, d));
   KVAUDIT_TRY(fill_case(config, options, table, d, se.stream()));
-  const cuda::MlaAttentionProblem problem = case_problem(config, table, d);
+  const cuda::MlaAttentionProblem problem = case_problem(config, table, d, options.variant);
 
   std::vector<std::uint16_t> out_fp8;
   KVAUDIT_TRY(time_fp8(config, options, copy_gbps, problem, d, se, result, out_fp8));

@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/mla_attention_variant.hpp"
 #include "src/core/result.hpp"
 
 namespace kvaudit::bench {
@@ -115,6 +116,8 @@ struct GpuBenchOptions {
   // Bytes written between timed launches so that no launch finds its KV in L2 (H200: 50 MB L2),
   // as in a model where every layer reads another pool. 0 keeps whatever L2 holds.
   std::size_t l2_flush_bytes = std::size_t{256} << 20;
+  // The kernel variant timed (--cuda-mma, --cuda-decode16, --cuda-host-plan, --cuda-longest-first).
+  CudaKernelVariant variant;
 };
 
 // Measured on device 0. Device errors come back as internal Errors naming the CUDA call.

@@ -171,9 +171,12 @@ Outputs run_backend(kvaudit::Backend& backend, const BuiltCase& b) {
   return o;
 }
 
-std::unique_ptr<kvaudit::Backend> make(bool cast) {
-  auto backend = cast ? kvaudit::cuda::make_cuda_cast_bf16_backend({})
-                      : kvaudit::cuda::make_cuda_fp8_backend({});
+// The backend, running `variant` (the launcher's defaults unless a test chooses another).
+std::unique_ptr<kvaudit::Backend> make(bool cast, const kvaudit::CudaKernelVariant& variant = {}) {
+  kvaudit::BackendOptions options;
+  options.cuda_variant = variant;
+  auto backend = cast ? kvaudit::cuda::make_cuda_cast_bf16_backend(options)
+                      : kvaudit::cuda::make_cuda_fp8_backend(options);
   if (!backend.ok()) FAIL(backend.error().message());
   return std::move(backend.value());
 }
@@ -365,33 +368,21 @@ TEST_CASE("cuda-fp8 long context (split-KV merge) matches the exact reference", 
   check_against_reference(c, b, got);
 }
 
-// Sets an environment variable the launcher reads at every launch (KVAUDIT_CUDA_MMA,
-// KVAUDIT_CUDA_DECODE16, KVAUDIT_CUDA_HOST_PLAN, KVAUDIT_CUDA_LONGEST_FIRST) for the scope, or
-// unsets it (nullptr), and restores it after.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name_); old != nullptr) saved_ = old;
-    if (value != nullptr) {
-      setenv(name_, value, 1);
-    } else {
-      unsetenv(name_);
-    }
-  }
-  ~ScopedEnv() {
-    if (saved_.has_value()) {
-      setenv(name_, saved_->c_str(), 1);
-    } else {
-      unsetenv(name_);
-    }
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
+namespace {
 
- private:
-  const char* name_;
-  std::optional<std::string> saved_;
-};
+// A kernel variant with one choice changed from the defaults.
+kvaudit::CudaKernelVariant with_mma(kvaudit::MmaChoice mma) {
+  kvaudit::CudaKernelVariant variant;
+  variant.mma = mma;
+  return variant;
+}
+kvaudit::CudaKernelVariant with_decode16(kvaudit::Decode16Choice decode16) {
+  kvaudit::CudaKernelVariant variant;
+  variant.decode16 = decode16;
+  return variant;
+}
+
+}  // namespace
 
 // The 64-row blocks (decode above 32 heads, prefill) run wgmma on an sm_90 device when the build
 // has sm_90a code, mma.sync when forced or elsewhere: both paths must match the reference, and the
@@ -403,7 +394,6 @@ TEST_CASE("cuda-fp8 64-row blocks match the reference on both tensor-core paths"
   REQUIRE(cudaGetDevice(&device) == cudaSuccess);
   REQUIRE(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess);
   REQUIRE(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess);
-  auto backend = make(false);
   std::vector<AttentionCase> cases = prefill_cases();  // all of them run in 64-row blocks
   for (const int page : {1, 64}) {
     AttentionCase decode;
@@ -415,10 +405,10 @@ TEST_CASE("cuda-fp8 64-row blocks match the reference on both tensor-core paths"
     decode.seed = 700 + page;
     cases.push_back(decode);
   }
-  for (const char* forced : {static_cast<const char*>(nullptr), "mma-sync"}) {
-    const ScopedEnv scope("KVAUDIT_CUDA_MMA", forced);
-    const kvaudit::cuda::TensorCorePath path = kvaudit::cuda::mla_attention_64_row_path();
-    if (forced != nullptr) {
+  for (const kvaudit::MmaChoice mma : {kvaudit::MmaChoice::kAuto, kvaudit::MmaChoice::kMmaSync}) {
+    auto backend = make(false, with_mma(mma));
+    const kvaudit::cuda::TensorCorePath path = kvaudit::cuda::mla_attention_64_row_path(mma);
+    if (mma == kvaudit::MmaChoice::kMmaSync) {
       CHECK(path == kvaudit::cuda::TensorCorePath::kMmaSync);
     } else {
 #if defined(KVAUDIT_CUDA_SM90A)
@@ -427,7 +417,10 @@ TEST_CASE("cuda-fp8 64-row blocks match the reference on both tensor-core paths"
       CHECK(path == kvaudit::cuda::TensorCorePath::kMmaSync);
 #endif
     }
-    INFO("path " << (path == kvaudit::cuda::TensorCorePath::kWgmma ? "wgmma" : "mma.sync"));
+    INFO("--cuda-mma " << kvaudit::mma_choice_name(mma) << ", path "
+                       << kvaudit::tensor_core_path_name(path));
+    CHECK(backend->describe()["kernel_variant"]["mma"] ==
+          (path == kvaudit::cuda::TensorCorePath::kWgmma ? "wgmma" : "mma-sync"));
     check_cases_against_reference(*backend, cases);
   }
 }
@@ -439,7 +432,6 @@ TEST_CASE("cuda-fp8 64-row blocks match the reference on both tensor-core paths"
 TEST_CASE("cuda-fp8 decode of <= 16 heads matches the reference on both tile kernels",
           "[gpu][cuda-fp8]") {
   KVAUDIT_REQUIRE_GPU();
-  auto backend = make(false);
   std::vector<AttentionCase> cases;
   std::uint32_t seed = 800;
   for (const int heads : {1, 9, 16}) {
@@ -461,9 +453,12 @@ TEST_CASE("cuda-fp8 decode of <= 16 heads matches the reference on both tile ker
   wide.q_lens = std::vector<int>(160, 1);
   wide.seed = seed++;
   cases.push_back(wide);
-  for (const char* kernel : {"shared-tile", "registers"}) {
-    const ScopedEnv scope("KVAUDIT_CUDA_DECODE16", kernel);
-    INFO("decode kernel " << kernel);
+  for (const kvaudit::Decode16Choice kernel :
+       {kvaudit::Decode16Choice::kSharedTile, kvaudit::Decode16Choice::kRegisters}) {
+    INFO("--cuda-decode16 " << kvaudit::decode16_choice_name(kernel));
+    auto backend = make(false, with_decode16(kernel));
+    CHECK(backend->describe()["kernel_variant"]["decode16"] ==
+          std::string(kvaudit::decode16_choice_name(kernel)));
     check_cases_against_reference(*backend, cases);
   }
 }
@@ -482,12 +477,12 @@ kvaudit::cuda::MlaAttentionProblem shape_problem(int batch, int rows, int heads,
   return p;
 }
 
-// Each case on cuda-fp8 as the launcher runs it and with the launcher setting `variable` = "off"
-// (a change of where blocks find their work, not of what they compute), with and without the
+// Each case on cuda-fp8 with the default variant and with `off` (a variant that changes where
+// blocks find their work, not what they compute; `what` names it), with and without the
 // masked-nan-leak fault: out and lse must agree to the bit, and (without the fault) match the
 // reference.
-void check_same_bits_with_setting_off(const char* variable,
-                                      const std::vector<AttentionCase>& cases) {
+void check_same_bits_with_variant(const char* what, const kvaudit::CudaKernelVariant& off_variant,
+                                  const std::vector<AttentionCase>& cases) {
   kvaudit::BackendOptions leak;
   leak.injection = "masked-nan-leak";
   const auto same_bits = [](float x, float y) { return std::memcmp(&x, &y, sizeof x) == 0; };
@@ -498,14 +493,12 @@ void check_same_bits_with_setting_off(const char* variable,
   };
   for (const auto& options : {kvaudit::BackendOptions{}, leak}) {
     for (const auto& c : cases) {
-      INFO(c.name() << ", injection '" << options.injection << "', " << variable << "=off");
+      INFO(c.name() << ", injection '" << options.injection << "', " << what);
       const BuiltCase b = build(c);
       const Outputs as_launched = run_fp8(options, b);
-      Outputs off;
-      {
-        const ScopedEnv scope(variable, "off");
-        off = run_fp8(options, b);
-      }
+      kvaudit::BackendOptions changed = options;
+      changed.cuda_variant = off_variant;
+      const Outputs off = run_fp8(changed, b);
       CHECK(as_launched.out.out_bf16 == off.out.out_bf16);
       CHECK(std::equal(as_launched.out.lse.begin(), as_launched.out.lse.end(), off.out.lse.begin(),
                        off.out.lse.end(), same_bits));
@@ -519,13 +512,12 @@ void check_same_bits_with_setting_off(const char* variable,
 // Which of the two kernels a 16-head decode runs: one tile per block can only take the shared-tile
 // kernel, 64 requests of 128 tiles (two 64-tile splits on a 132-SM GPU, never fewer than 8 tiles a
 // block on any GPU of fewer than 1,000 SMs) the register-tile one; 32 heads and prefill have no
-// such blocks; the environment forces either.
+// such blocks; the variant forces either.
 TEST_CASE("the launcher picks the register-tile decode kernel for long splits only",
           "[gpu][cuda-fp8]") {
   KVAUDIT_REQUIRE_GPU();
   using kvaudit::cuda::Decode16Kernel;
   const auto problem = shape_problem;
-  const ScopedEnv unset("KVAUDIT_CUDA_DECODE16", nullptr);
   CHECK(kvaudit::cuda::mla_attention_decode16_kernel(problem(1, 1, 16, 64)) ==
         Decode16Kernel::kSharedTile);
   CHECK(kvaudit::cuda::mla_attention_decode16_kernel(problem(64, 64, 16, 8192)) ==
@@ -538,21 +530,17 @@ TEST_CASE("the launcher picks the register-tile decode kernel for long splits on
         Decode16Kernel::kNone);  // prefill: 64-row blocks
   CHECK(kvaudit::cuda::mla_attention_decode16_kernel(problem(1, 1, 200, 64)) ==
         Decode16Kernel::kNone);  // unsupported
-  {
-    const ScopedEnv forced("KVAUDIT_CUDA_DECODE16", "registers");
-    CHECK(kvaudit::cuda::mla_attention_decode16_kernel(problem(1, 1, 16, 64)) ==
-          Decode16Kernel::kRegisterTile);
-  }
-  {
-    const ScopedEnv forced("KVAUDIT_CUDA_DECODE16", "shared-tile");
-    CHECK(kvaudit::cuda::mla_attention_decode16_kernel(problem(64, 64, 16, 8192)) ==
-          Decode16Kernel::kSharedTile);
-  }
+  auto registers = problem(1, 1, 16, 64);
+  registers.variant.decode16 = kvaudit::Decode16Choice::kRegisters;
+  CHECK(kvaudit::cuda::mla_attention_decode16_kernel(registers) == Decode16Kernel::kRegisterTile);
+  auto shared_tile = problem(64, 64, 16, 8192);
+  shared_tile.variant.decode16 = kvaudit::Decode16Choice::kSharedTile;
+  CHECK(kvaudit::cuda::mla_attention_decode16_kernel(shared_tile) == Decode16Kernel::kSharedTile);
 }
 
 // The launcher's host plan (rows located on the host, passed in the launch parameters) changes
 // where a block finds its request and tokens, not what it computes: with it and without it
-// (KVAUDIT_CUDA_HOST_PLAN=off) the same kernels run the same sums, so out and lse agree to the
+// (--cuda-host-plan off) the same kernels run the same sums, so out and lse agree to the
 // bit. The cases cover what the rule must get right: requests without rows or without pages,
 // partial last pages, causal rows of one request (4 per block) and groups of rows that span
 // requests, all within the plan's 16 rows, and the masked-nan-leak fault (which reads a request's
@@ -576,7 +564,9 @@ TEST_CASE("cuda-fp8 gives the same bits with and without the host plan", "[gpu][
       cases.push_back(extend);
     }
   }
-  check_same_bits_with_setting_off("KVAUDIT_CUDA_HOST_PLAN", cases);
+  kvaudit::CudaKernelVariant off;
+  off.host_plan = false;
+  check_same_bits_with_variant("--cuda-host-plan off", off, cases);
 }
 
 // When the launcher plans on the host: all three host arrays, at most 16 rows, not switched off.
@@ -597,20 +587,20 @@ TEST_CASE("the launcher plans on the host only with host arrays and at most 16 r
     p.host_kv_last_page_len = last.data();
     return p;
   };
-  const ScopedEnv unset("KVAUDIT_CUDA_HOST_PLAN", nullptr);
   CHECK(kvaudit::cuda::mla_attention_host_planned(problem(1)));
   CHECK(kvaudit::cuda::mla_attention_host_planned(problem(16)));
   CHECK_FALSE(kvaudit::cuda::mla_attention_host_planned(problem(17)));
   auto no_lengths = problem(1);
   no_lengths.host_kv_last_page_len = nullptr;
   CHECK_FALSE(kvaudit::cuda::mla_attention_host_planned(no_lengths));
-  const ScopedEnv off("KVAUDIT_CUDA_HOST_PLAN", "off");
-  CHECK_FALSE(kvaudit::cuda::mla_attention_host_planned(problem(1)));
+  auto off = problem(1);
+  off.variant.host_plan = false;
+  CHECK_FALSE(kvaudit::cuda::mla_attention_host_planned(off));
 }
 
 // Prefill and extend start their row groups longest first (detail::locate_work maps block b to row
 // group G - 1 - b): which block computes a group changes, not the sums it runs, so out and lse
-// agree to the bit with KVAUDIT_CUDA_LONGEST_FIRST=off. The cases: 4 rows of 16 heads and 2 rows of
+// agree to the bit with --cuda-longest-first off. The cases: 4 rows of 16 heads and 2 rows of
 // 32 heads per block (a last group of fewer rows), one row of 128 heads in two head blocks, and
 // extend steps whose groups span requests, with and without the masked-nan-leak fault.
 TEST_CASE("cuda-fp8 gives the same bits with row groups longest first and in order",
@@ -634,7 +624,9 @@ TEST_CASE("cuda-fp8 gives the same bits with row groups longest first and in ord
     extend.seed = seed++;
     cases.push_back(extend);
   }
-  check_same_bits_with_setting_off("KVAUDIT_CUDA_LONGEST_FIRST", cases);
+  kvaudit::CudaKernelVariant off;
+  off.longest_first = false;
+  check_same_bits_with_variant("--cuda-longest-first off", off, cases);
 }
 
 // Longest first: at least two rows per request on average (prefill, extend), not decode, and not
@@ -646,15 +638,15 @@ TEST_CASE("the launcher starts row groups longest first for prefill and extend o
     return shape_problem(batch, rows, heads, 4096);
   };
   using kvaudit::cuda::mla_attention_longest_first;
-  const ScopedEnv unset("KVAUDIT_CUDA_LONGEST_FIRST", nullptr);
   CHECK(mla_attention_longest_first(problem(1, 4096, 16)));
   CHECK(mla_attention_longest_first(problem(1, 4096, 128)));
   CHECK(mla_attention_longest_first(problem(8, 16, 32)));
   CHECK_FALSE(mla_attention_longest_first(problem(64, 64, 16)));    // decode
   CHECK_FALSE(mla_attention_longest_first(problem(8, 15, 16)));     // under 2 rows per request
   CHECK_FALSE(mla_attention_longest_first(problem(1, 4096, 200)));  // unsupported
-  const ScopedEnv off("KVAUDIT_CUDA_LONGEST_FIRST", "off");
-  CHECK_FALSE(mla_attention_longest_first(problem(1, 4096, 16)));
+  auto off = problem(1, 4096, 16);
+  off.variant.longest_first = false;
+  CHECK_FALSE(mla_attention_longest_first(off));
 }
 
 // One request of 132 tiles: on a 132-SM H100/H200 the launcher gives it 132 one-tile splits, more
@@ -729,11 +721,11 @@ TEST_CASE("cuda-fp8 saturates writes at +-448 and attends on the saturated codes
 TEST_CASE("cuda-cast-bf16 agrees with cuda-fp8", "[gpu][cuda-cast-bf16]") {
   KVAUDIT_REQUIRE_GPU();
   // Both decode kernels of <= 16 heads take both pool elements.
-  const char* kernel = GENERATE(as<const char*>{}, "shared-tile", "registers");
-  const ScopedEnv scope("KVAUDIT_CUDA_DECODE16", kernel);
-  INFO("decode kernel " << kernel);
-  auto fp8 = make(false);
-  auto cast = make(true);
+  const kvaudit::Decode16Choice kernel =
+      GENERATE(kvaudit::Decode16Choice::kSharedTile, kvaudit::Decode16Choice::kRegisters);
+  INFO("--cuda-decode16 " << kvaudit::decode16_choice_name(kernel));
+  auto fp8 = make(false, with_decode16(kernel));
+  auto cast = make(true, with_decode16(kernel));
   for (const int heads : {16, 128}) {
     AttentionCase c;
     c.heads = heads;
@@ -868,10 +860,10 @@ TEST_CASE("cuda-fp8 injects every fault (and --reciprocal-scale) as cpu-fp8 does
 TEST_CASE("cuda-fp8 propagates a NaN code in a visible token, as the reference does",
           "[gpu][cuda-fp8]") {
   KVAUDIT_REQUIRE_GPU();
-  const char* kernel = GENERATE(as<const char*>{}, "shared-tile", "registers");
-  const ScopedEnv scope("KVAUDIT_CUDA_DECODE16", kernel);
-  INFO("decode kernel " << kernel);
-  auto backend = make(false);
+  const kvaudit::Decode16Choice kernel =
+      GENERATE(kvaudit::Decode16Choice::kSharedTile, kvaudit::Decode16Choice::kRegisters);
+  INFO("--cuda-decode16 " << kvaudit::decode16_choice_name(kernel));
+  auto backend = make(false, with_decode16(kernel));
   AttentionCase c;
   c.heads = 16;
   c.page_size = 64;

@@ -394,3 +394,102 @@ TEST_CASE("golden provenance: device, driver and library differences are listed"
 }
 
 }  // namespace kvaudit
+
+namespace kvaudit {
+namespace {
+
+// A cuda-fp8 golden provenance on an H200 with the kernel variant `variant` (describe()'s
+// "kernel_variant", written out here rather than by kernel_variant_json).
+GoldenProvenance cuda_provenance(const nlohmann::json& variant) {
+  GoldenProvenance provenance;
+  provenance.backend = "cuda-fp8";
+  provenance.backend_description = {
+      {"device", "NVIDIA H200"}, {"multiprocessors", 132}, {"kernel_variant", variant}};
+  return provenance;
+}
+
+const nlohmann::json kDefaultVariant = {{"mma", "wgmma"},
+                                        {"mma_requested", "auto"},
+                                        {"decode16", "auto"},
+                                        {"host_plan", true},
+                                        {"longest_first", true}};
+
+}  // namespace
+
+TEST_CASE("golden file: the backend's kernel variant is stored and read back", "[golden]") {
+  Golden golden = one_entry_golden({1.0f, 2.0f});
+  golden.provenance = cuda_provenance(kDefaultVariant);
+  golden.provenance.dump_sha256 = std::string(64, 'b');
+  const auto path = test_tmp_path("golden_kernel_variant.golden.h5");
+  REQUIRE(write_golden_file(path, golden).ok());
+  const auto read = read_golden_file(path);
+  REQUIRE(read.ok());
+  REQUIRE(read->provenance.backend_description.contains("kernel_variant"));
+  CHECK(read->provenance.backend_description["kernel_variant"] == kDefaultVariant);
+  CHECK(read->provenance.backend_description["kernel_variant"]["mma"] == "wgmma");
+}
+
+TEST_CASE(
+    "golden check: another kernel variant is listed per field, and mma or decode16 make it "
+    "tolerance",
+    "[golden]") {
+  const GoldenProvenance golden = cuda_provenance(kDefaultVariant);
+  CHECK(choose_golden_mode(golden, golden).mode == GoldenMode::kExact);
+  CHECK(provenance_differences(golden, golden).empty());
+
+  nlohmann::json mma_sync = kDefaultVariant;
+  mma_sync["mma"] = "mma-sync";
+  mma_sync["mma_requested"] = "mma-sync";
+  const GoldenProvenance other_mma = cuda_provenance(mma_sync);
+  const GoldenModeChoice mode = choose_golden_mode(golden, other_mma);
+  CHECK(mode.mode == GoldenMode::kTolerance);
+  CHECK_THAT(mode.reason, Catch::Contains(R"(kernel_variant.mma "wgmma" -> "mma-sync")"));
+  const std::vector<std::string> lines = provenance_differences(golden, other_mma);
+  REQUIRE(lines.size() == 2);
+  CHECK(lines[0] == R"(backend kernel_variant.mma: "wgmma" -> "mma-sync")");
+  CHECK(lines[1] == R"(backend kernel_variant.mma_requested: "auto" -> "mma-sync")");
+
+  nlohmann::json registers = kDefaultVariant;
+  registers["decode16"] = "registers";
+  CHECK(choose_golden_mode(golden, cuda_provenance(registers)).mode == GoldenMode::kTolerance);
+
+  // The host plan and the row groups' order change no bit: still exact on the same device.
+  nlohmann::json plan_off = kDefaultVariant;
+  plan_off["host_plan"] = false;
+  plan_off["longest_first"] = false;
+  const GoldenProvenance same_kernels = cuda_provenance(plan_off);
+  CHECK(choose_golden_mode(golden, same_kernels).mode == GoldenMode::kExact);
+  CHECK(provenance_differences(golden, same_kernels) ==
+        std::vector<std::string>{"backend kernel_variant.host_plan: true -> false",
+                                 "backend kernel_variant.longest_first: true -> false"});
+}
+
+TEST_CASE("golden check: a mismatch names the kernel variant of the golden file and of this run",
+          "[golden]") {
+  const GoldenProvenance golden = cuda_provenance(kDefaultVariant);
+  CHECK(kernel_variant_lines(golden, golden) ==
+        std::vector<std::string>{
+            "kernel variant (the golden file's and this run's): decode16=auto, host_plan=true, "
+            "longest_first=true, mma=wgmma, mma_requested=auto"});
+
+  nlohmann::json shared_tile = kDefaultVariant;
+  shared_tile["decode16"] = "shared-tile";
+  CHECK(
+      kernel_variant_lines(golden, cuda_provenance(shared_tile)) ==
+      std::vector<std::string>{"kernel variant of the golden file: decode16=auto, host_plan=true, "
+                               "longest_first=true, mma=wgmma, mma_requested=auto",
+                               "kernel variant of this run: decode16=shared-tile, host_plan=true, "
+                               "longest_first=true, mma=wgmma, mma_requested=auto"});
+
+  // A golden file from before the variant was recorded, and a backend without one (cpu-fp8).
+  GoldenProvenance old = golden;
+  old.backend_description.erase("kernel_variant");
+  CHECK(kernel_variant_lines(old, golden) ==
+        std::vector<std::string>{"kernel variant of the golden file: (not recorded)",
+                                 "kernel variant of this run: decode16=auto, host_plan=true, "
+                                 "longest_first=true, mma=wgmma, mma_requested=auto"});
+  CHECK(choose_golden_mode(old, golden).mode == GoldenMode::kExact);
+  CHECK(kernel_variant_lines(old, old).empty());
+}
+
+}  // namespace kvaudit
