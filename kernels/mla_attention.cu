@@ -335,17 +335,6 @@ Status assign_workspace(const MlaAttentionProblem& problem, const LaunchShape& s
   return ok_status();
 }
 
-// The grid-stride kernels (KV write, pool cast): 256 threads per block, grids capped at 65,535
-// blocks (write) and 16 blocks per SM of an H100/H200 (cast).
-constexpr int kElementwiseThreads = 256;
-constexpr long long kMaxWriteBlocks = 65535;
-constexpr long long kMaxCastBlocks = 132LL * 16;
-
-long long elementwise_blocks(long long elements, long long max_blocks) {
-  return std::min<long long>((elements + kElementwiseThreads - 1) / kElementwiseThreads,
-                             max_blocks);
-}
-
 }  // namespace
 
 TensorCorePath mla_attention_64_row_path(MmaChoice mma) {
@@ -425,23 +414,6 @@ Status launch_kv_write(const std::uint16_t* new_kv, const std::int32_t* new_kv_s
         params);
   }
   return cuda_status(cudaGetLastError(), "kv_write kernel launch");
-}
-
-Status launch_kv_write_rule(const std::uint16_t* new_kv, const std::int32_t* new_kv_slots,
-                            int num_rows, int row_width, float kv_scale, std::uint8_t* pool,
-                            std::int64_t num_slots, KvWriteRule rule, int slot_offset,
-                            cudaStream_t stream) {
-  if (num_rows <= 0 || row_width <= 0) return ok_status();
-  if (num_slots <= 0) return internal_error(kWhere, "kv write into an empty pool");
-  const long long blocks =
-      elementwise_blocks(static_cast<long long>(num_rows) * row_width, kMaxWriteBlocks);
-  const detail::KvWriteParams<std::uint8_t> params{new_kv,   new_kv_slots, num_rows,  row_width,
-                                                   kv_scale, pool,         num_slots, slot_offset};
-  dispatch_kv_write_rule(rule, [&](auto kind) {
-    detail::kv_write_fp8_kernel<decltype(kind)::value, true>
-        <<<static_cast<unsigned>(blocks), kElementwiseThreads, 0, stream>>>(params);
-  });
-  return cuda_status(cudaGetLastError(), "kv_write_rule kernel launch");
 }
 
 Status launch_cast_pool_to_bf16(const std::uint8_t* pool, std::int64_t num_elements,

@@ -93,6 +93,7 @@
 // checks it on the compiled objects.
 #pragma once
 
+#include "kernels/mla_attention/bf16_pool.cuh"
 #include "kernels/mla_attention/epilogue.cuh"
 #include "kernels/mla_attention/kernel.cuh"
 #include "kernels/mla_attention/kv_write.cuh"

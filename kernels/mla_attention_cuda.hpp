@@ -117,7 +117,8 @@ Status launch_kv_write(const std::uint16_t* new_kv, const std::int32_t* new_kv_s
 using kvaudit::KvWriteRule;
 
 // launch_kv_write for an fp8 pool under `rule`; slot_offset 1 writes slot (s + 1) mod num_slots
-// (fault neighbour-slot-write), 0 the slot itself.
+// (fault neighbour-slot-write), 0 the slot itself. For the --reciprocal-scale option and the write
+// faults: its kernels are in kernels/kv_write_rules.cu, not in the production launcher's object.
 Status launch_kv_write_rule(const std::uint16_t* new_kv, const std::int32_t* new_kv_slots,
                             int num_rows, int row_width, float kv_scale, std::uint8_t* pool,
                             std::int64_t num_slots, KvWriteRule rule, int slot_offset,

@@ -8,6 +8,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <string>
 #include <type_traits>
 
@@ -153,5 +154,16 @@ Status launch_masked_nan_leak_attention(PoolElement pool_element, int m_tiles,
                                         const detail::MlaAttentionParams& params, long long blocks,
                                         Decode16Kernel decode16, FourTilePath four_tile_path,
                                         cudaStream_t stream);
+
+// The grid-stride kernels (KV write, pool cast): 256 threads per block, grids capped at 65,535
+// blocks (write) and 16 blocks per SM of an H100/H200 (cast).
+inline constexpr int kElementwiseThreads = 256;
+inline constexpr long long kMaxWriteBlocks = 65535;
+inline constexpr long long kMaxCastBlocks = 132LL * 16;
+
+inline long long elementwise_blocks(long long elements, long long max_blocks) {
+  return std::min<long long>((elements + kElementwiseThreads - 1) / kElementwiseThreads,
+                             max_blocks);
+}
 
 }  // namespace kvaudit::cuda::launch

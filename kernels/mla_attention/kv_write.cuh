@@ -1,6 +1,7 @@
-// The elementwise kernels: the KV write (pool[slot_i, c] = kv_write_code<kRule>(new_kv[i, :], c),
-// new_kv [num_rows, D] bf16 bits, pool [S, D]) and the whole-pool cast (pool_bf16[e] =
-// bf16(decode(pool[e])), the seed's bug kept for cuda-cast-bf16).
+// The KV write into an FP8 pool: pool[slot_i, c] = kv_write_code<kRule>(new_kv[i, :], c), new_kv
+// [num_rows, D] bf16 bits, pool [S, D] e4m3 codes. Templates only, so that a translation unit
+// instantiates just the rules it launches (kernels/mla_attention.cu kvdump's rule,
+// kernels/kv_write_rules.cu the others); the bf16 pool's kernels are in bf16_pool.cuh.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -43,35 +44,6 @@ __global__ void kv_write_fp8_kernel(const __grid_constant__ KvWriteParams<std::u
     std::int64_t slot = __ldg(p.slots + row);
     if constexpr (kWrapSlot) slot = (slot + p.slot_offset) % p.num_slots;
     p.pool[slot * p.row_width + col] = code;
-  }
-}
-
-// pool[slots[i], c] = new_kv[i, c]: a bf16 pool stores the bf16 bits unchanged.
-__global__ void kv_write_bf16_kernel(const __grid_constant__ KvWriteParams<std::uint16_t> p) {
-  const std::int64_t total = static_cast<std::int64_t>(p.num_rows) * p.row_width;
-  for (std::int64_t e = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; e < total;
-       e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const std::int64_t row = e / p.row_width;
-    const int col = static_cast<int>(e - row * p.row_width);
-    p.pool[static_cast<std::int64_t>(__ldg(p.slots + row)) * p.row_width + col] =
-        __ldg(p.new_kv + e);
-  }
-}
-
-// pool_bf16[e] = bf16(decode(pool[e])), every element of the pool (the whole-pool cast).
-__global__ void cast_pool_kernel(const __grid_constant__ CastPoolParams p) {
-  const std::int64_t vectors = p.num_elements / 4;
-  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  for (std::int64_t v = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
-       v < vectors; v += stride) {
-    const std::uint32_t codes = __ldg(reinterpret_cast<const std::uint32_t*>(p.pool) + v);
-    const uint2 r = e4m3x4_to_bf16x4(codes);
-    reinterpret_cast<uint2*>(p.pool_bf16)[v] = make_uint2(r.x, r.y);
-  }
-  for (std::int64_t e =
-           vectors * 4 + blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
-       e < p.num_elements; e += stride) {
-    p.pool_bf16[e] = static_cast<std::uint16_t>(e4m3x2_to_bf16x2(__ldg(p.pool + e)) & 0xFFFF);
   }
 }
 
