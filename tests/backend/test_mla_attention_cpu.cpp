@@ -34,7 +34,7 @@
 #include "src/backend/backend.hpp"
 #include "src/backend/mla_attention_cpu.hpp"
 #include "src/cli/backend_registry.hpp"
-#include "tests/references/mla_test_case.hpp"
+#include "tests/mla_case.hpp"
 
 namespace kvaudit {
 namespace {

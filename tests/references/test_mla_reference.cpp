@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "references/mla_reference.hpp"
-#include "tests/references/mla_test_case.hpp"
+#include "tests/mla_case.hpp"
 
 namespace kvaudit {
 namespace {

@@ -18,7 +18,7 @@
 
 #include "references/mla_reference.hpp"
 #include "tests/gpu_skip.hpp"
-#include "tests/references/mla_test_case.hpp"
+#include "tests/mla_case.hpp"
 
 namespace kvaudit {
 namespace {
