@@ -25,7 +25,7 @@
 #include "src/format/step_indices.hpp"
 #include "src/tools/synth.hpp"
 #include "tests/format/kvdump_fixture.hpp"
-#include "tests/references/mla_test_case.hpp"
+#include "tests/mla_case.hpp"
 
 namespace kvaudit {
 namespace {

@@ -26,10 +26,7 @@
 #include <cstring>
 #include <iostream>
 #include <memory>
-#include <numeric>
 #include <optional>
-#include <random>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -43,6 +40,7 @@
 #include "src/core/fp8_e4m3.hpp"
 #include "src/format/kvdump.hpp"
 #include "tests/gpu_skip.hpp"
+#include "tests/mla_case.hpp"
 
 namespace {
 
@@ -51,109 +49,35 @@ using kvaudit::KvPool;
 
 constexpr int kDc = 512, kDr = 64, kD = 576;
 
-// A test case is a value: its parameters and a name built from them.
-struct AttentionCase {
-  int heads = 16;
-  int page_size = 64;
-  std::vector<int> contexts;  // kv_len per request after the step (0 with q_len 0: no pages)
-  std::vector<int> q_lens;    // rows per request this step (0: request skipped)
-  float kv_scale = 0.37f;
-  float value_sigma = 2.0f;      // source KV ~ N(0, sigma), quantized with kv_scale
-  int extra_pages = 3;           // unused pages (NaN codes) in the pool
-  bool zero_kv = false;          // pool and new_kv all zero
-  float new_kv_magnitude = 0.f;  // > 0: new_kv values +-magnitude (saturation test)
-  std::uint32_t seed = 1;
+using kvaudit::testing::make_mla_case;
+using kvaudit::testing::MlaCase;
+using kvaudit::testing::MlaCaseSpec;
+using kvaudit::testing::RequestShape;
 
-  std::string name() const {
-    std::ostringstream s;
-    s << "attn(H=" << heads << ",page=" << page_size << ",ctx=[";
-    for (std::size_t i = 0; i < contexts.size(); ++i) s << (i ? "," : "") << contexts[i];
-    s << "],q=[";
-    for (std::size_t i = 0; i < q_lens.size(); ++i) s << (i ? "," : "") << q_lens[i];
-    s << "],scale=" << kv_scale << (zero_kv ? ",zero" : "") << ")";
-    return s.str();
-  }
-};
+// A case of the model's widths (tests/mla_case.hpp): 512 + 64 columns, sm_scale 1/sqrt(192), an
+// e4m3 pool of 64-token pages with kv_scale 0.37, KV values ~ N(0, 2), 16 heads, 3 spare pages;
+// every unused slot holds NaN codes. Tests change what they vary.
+MlaCaseSpec model_case() {
+  MlaCaseSpec s;
+  s.heads = 16;
+  s.dc = kDc;
+  s.dr = kDr;
+  s.page_size = 64;
+  s.sm_scale = 1.0 / std::sqrt(192.0);
+  s.kv_scale = 0.37f;
+  s.kv_sigma = 2.0f;
+  s.spare_pages = 3;
+  return s;
+}
 
-struct BuiltCase {
-  kvaudit::DumpAttributes attrs;
-  kvaudit::StepMeta step;
-  kvaudit::LayerMeta layer;
-  kvaudit::StepLayerTensors tensors;
-  KvPool pool;        // before the step (NaN codes in every slot no request has written)
-  KvPool pool_after;  // host write rule applied
-};
-
-float bf16_value(float x) { return kvaudit::bf16_round(x); }
-
-BuiltCase build(const AttentionCase& c) {
-  BuiltCase b;
-  b.attrs.model = "test";
-  b.attrs.num_heads = c.heads;
-  b.attrs.kv_lora_rank = kDc;
-  b.attrs.qk_rope_head_dim = kDr;
-  b.attrs.sm_scale = 1.0 / std::sqrt(192.0);
-  b.attrs.page_size = c.page_size;
-  b.layer.group = "L000";
-  b.layer.kv_scale = c.kv_scale;
-  b.step.group = "S000";
-  b.step.kind = std::all_of(c.q_lens.begin(), c.q_lens.end(), [](int q) { return q <= 1; })
-                    ? kvaudit::StepKind::kDecode
-                    : kvaudit::StepKind::kPrefill;
-
-  std::mt19937 rng(c.seed);
-  std::normal_distribution<float> normal(0.f, 1.f);
-  std::uniform_real_distribution<float> uniform(-1.f, 1.f);
-
-  int total_pages = c.extra_pages;
-  for (const int ctx : c.contexts) total_pages += (ctx + c.page_size - 1) / c.page_size;
-  std::vector<std::int32_t> page_ids(total_pages);
-  std::iota(page_ids.begin(), page_ids.end(), 0);
-  std::shuffle(page_ids.begin(), page_ids.end(), rng);
-
-  b.pool = KvPool::zeros(KvDtype::kFloat8E4m3fn,
-                         static_cast<std::int64_t>(total_pages) * c.page_size, kD);
-  if (!c.zero_kv) {  // NaN codes (both signs) everywhere nothing is written below
-    for (std::size_t i = 0; i < b.pool.bytes.size(); ++i) b.pool.bytes[i] = (i % 3) ? 0x7F : 0xFF;
-  }
-  b.step.qo_indptr.push_back(0);
-  b.step.kv_indptr.push_back(0);
-  std::size_t next_page = 0;
-  std::vector<float> row(kD);
-  for (std::size_t r = 0; r < c.contexts.size(); ++r) {
-    const int ctx = c.contexts[r];
-    const int pages = (ctx + c.page_size - 1) / c.page_size;
-    for (int p = 0; p < pages; ++p) b.step.kv_indices.push_back(page_ids[next_page++]);
-    b.step.kv_indptr.push_back(static_cast<std::int32_t>(b.step.kv_indices.size()));
-    b.step.kv_last_page_len.push_back(pages == 0 ? 0 : ctx - (pages - 1) * c.page_size);
-    b.step.qo_indptr.push_back(b.step.qo_indptr.back() + c.q_lens[r]);
-    // Tokens already cached: positions 0 .. ctx - q_len - 1.
-    for (int pos = 0; pos < ctx - c.q_lens[r]; ++pos) {
-      const std::int64_t slot = b.step.slot_of(static_cast<int>(r), pos, c.page_size);
-      for (int j = 0; j < kD; ++j) row[j] = c.zero_kv ? 0.f : normal(rng) * c.value_sigma;
-      b.pool.write_row(slot, row.data(), c.kv_scale);
-    }
-  }
-  const int rows = b.step.num_rows();
-  for (int i = 0; i < rows; ++i) {
-    b.step.new_kv_slots.push_back(static_cast<std::int32_t>(b.step.slot_of(
-        b.step.request_of_row(i), b.step.position_of_row(i, c.page_size), c.page_size)));
-  }
-  b.tensors.q_nope.resize(static_cast<std::size_t>(rows) * c.heads * kDc);
-  b.tensors.q_pe.resize(static_cast<std::size_t>(rows) * c.heads * kDr);
-  b.tensors.new_kv.resize(static_cast<std::size_t>(rows) * kD);
-  for (auto& x : b.tensors.q_nope) x = bf16_value(uniform(rng));
-  for (auto& x : b.tensors.q_pe) x = bf16_value(uniform(rng));
-  for (std::size_t i = 0; i < b.tensors.new_kv.size(); ++i) {
-    float x = c.zero_kv ? 0.f : normal(rng) * c.value_sigma;
-    if (c.new_kv_magnitude > 0.f) x = (i % 2 ? -1.f : 1.f) * c.new_kv_magnitude * (1 + (i % 7));
-    b.tensors.new_kv[i] = bf16_value(x);
-  }
-  b.pool_after = b.pool;
-  for (int i = 0; i < rows; ++i) {
-    b.pool_after.write_row(b.step.new_kv_slots[i], b.tensors.new_kv.data() + i * kD, c.kv_scale);
-  }
-  return b;
+// The step's requests ({kv_len after the step, rows this step}; {0, 0}: skipped, no pages) and its
+// kind: decode when no request has more than one row, prefill otherwise.
+void set_requests(MlaCaseSpec& s, std::vector<RequestShape> requests) {
+  s.kind = std::all_of(requests.begin(), requests.end(),
+                       [](const RequestShape& r) { return r.rows <= 1; })
+               ? kvaudit::StepKind::kDecode
+               : kvaudit::StepKind::kPrefill;
+  s.requests = std::move(requests);
 }
 
 struct Outputs {
@@ -161,10 +85,10 @@ struct Outputs {
   KvPool pool;
 };
 
-Outputs run_backend(kvaudit::Backend& backend, const BuiltCase& b) {
+Outputs run_backend(kvaudit::Backend& backend, const MlaCase& c) {
   Outputs o;
-  o.pool = b.pool;
-  const kvaudit::StepLayerInput input{b.attrs, b.step, b.layer, b.tensors, 0, 0};
+  o.pool = c.pool;
+  const kvaudit::StepLayerInput input{c.attrs, c.step, c.layer, c.tensors, 0, 0};
   auto result = backend.run_step(input, o.pool);
   if (!result.ok()) FAIL(result.error().message());
   o.out = std::move(result.value());
@@ -182,57 +106,57 @@ std::unique_ptr<kvaudit::Backend> make(bool cast, const kvaudit::CudaKernelVaria
 }
 
 // Exact attention R8 on the pool after the writes.
-void reference(const BuiltCase& b, std::vector<double>& out, std::vector<double>& lse) {
-  const int rows = b.step.num_rows();
-  out.assign(static_cast<std::size_t>(rows) * b.attrs.num_heads * kDc, 0.0);
-  lse.assign(static_cast<std::size_t>(rows) * b.attrs.num_heads, 0.0);
-  const auto kv = kvaudit::KvRows::from_pool(b.pool_after, b.layer.kv_scale);
-  auto r = kvaudit::mla_reference_attention<double>(b.attrs, b.step, b.tensors.q_nope,
-                                                    b.tensors.q_pe, kv, out, lse, 0);
+void reference(const MlaCase& c, std::vector<double>& out, std::vector<double>& lse) {
+  const int rows = c.step.num_rows();
+  out.assign(static_cast<std::size_t>(rows) * c.attrs.num_heads * kDc, 0.0);
+  lse.assign(static_cast<std::size_t>(rows) * c.attrs.num_heads, 0.0);
+  const auto kv = kvaudit::KvRows::from_pool(c.pool_after, c.layer.kv_scale);
+  auto r = kvaudit::mla_reference_attention<double>(c.attrs, c.step, c.tensors.q_nope,
+                                                    c.tensors.q_pe, kv, out, lse, 0);
   if (!r.ok()) FAIL(r.error().message());
 }
 
 // Largest |v| over the tokens row i sees (the tolerance's scale), scaled by kv_scale.
-std::vector<double> visible_vmax(const BuiltCase& b) {
-  const int rows = b.step.num_rows();
+std::vector<double> visible_vmax(const MlaCase& c) {
+  const int rows = c.step.num_rows();
   std::vector<double> vmax(rows, 0.0);
   for (int i = 0; i < rows; ++i) {
-    const int req = b.step.request_of_row(i);
-    const std::int64_t pos = b.step.position_of_row(i, b.attrs.page_size);
+    const int req = c.step.request_of_row(i);
+    const std::int64_t pos = c.step.position_of_row(i, c.attrs.page_size);
     for (std::int64_t t = 0; t <= pos; ++t) {
-      const std::int64_t slot = b.step.slot_of(req, t, b.attrs.page_size);
+      const std::int64_t slot = c.step.slot_of(req, t, c.attrs.page_size);
       for (int j = 0; j < kDc; ++j) {
-        vmax[i] = std::max(vmax[i], std::abs(double(b.pool_after.element(slot, j))));
+        vmax[i] = std::max(vmax[i], std::abs(double(c.pool_after.element(slot, j))));
       }
     }
-    vmax[i] *= b.layer.kv_scale;
+    vmax[i] *= c.layer.kv_scale;
   }
   return vmax;
 }
 
 // The CPU model on the pool after the writes.
-void cpu_model(const BuiltCase& b, std::vector<double>& out, std::vector<double>& lse) {
-  auto r = kvaudit::mla_attention_cpu(b.attrs, b.step, b.layer.kv_scale, b.tensors.q_nope,
-                                      b.tensors.q_pe, b.pool_after);
+void cpu_model(const MlaCase& c, std::vector<double>& out, std::vector<double>& lse) {
+  auto r = kvaudit::mla_attention_cpu(c.attrs, c.step, c.layer.kv_scale, c.tensors.q_nope,
+                                      c.tensors.q_pe, c.pool_after);
   if (!r.ok()) FAIL(r.error().message());
   out.resize(r->out_bf16.size());
   for (std::size_t i = 0; i < out.size(); ++i) out[i] = kvaudit::bf16_to_float(r->out_bf16[i]);
   lse.assign(r->lse.begin(), r->lse.end());
 }
 
-void compare(const char* against, const AttentionCase& c, const BuiltCase& b, const Outputs& got,
+void compare(const char* against, const MlaCase& c, const Outputs& got,
              const std::vector<double>& ref_out, const std::vector<double>& ref_lse);
 
-void check_against_reference(const AttentionCase& c, const BuiltCase& b, const Outputs& got) {
+void check_against_reference(const MlaCase& c, const Outputs& got) {
   std::vector<double> ref_out, ref_lse;
-  reference(b, ref_out, ref_lse);
-  compare("R8", c, b, got, ref_out, ref_lse);
-  cpu_model(b, ref_out, ref_lse);
-  compare("cpu-fp8", c, b, got, ref_out, ref_lse);
+  reference(c, ref_out, ref_lse);
+  compare("R8", c, got, ref_out, ref_lse);
+  cpu_model(c, ref_out, ref_lse);
+  compare("cpu-fp8", c, got, ref_out, ref_lse);
   // The pool the backend left: the host write rule, bit for bit, every other slot unchanged.
   std::size_t first_diff = got.pool.bytes.size();
   for (std::size_t i = 0; i < got.pool.bytes.size(); ++i) {
-    if (got.pool.bytes[i] != b.pool_after.bytes[i]) {
+    if (got.pool.bytes[i] != c.pool_after.bytes[i]) {
       first_diff = i;
       break;
     }
@@ -241,11 +165,11 @@ void check_against_reference(const AttentionCase& c, const BuiltCase& b, const O
   CHECK(first_diff == got.pool.bytes.size());
 }
 
-void compare(const char* against, const AttentionCase& c, const BuiltCase& b, const Outputs& got,
+void compare(const char* against, const MlaCase& c, const Outputs& got,
              const std::vector<double>& ref_out, const std::vector<double>& ref_lse) {
-  const std::vector<double> vmax = visible_vmax(b);
-  const int rows = b.step.num_rows();
-  const int heads = c.heads;
+  const std::vector<double> vmax = visible_vmax(c);
+  const int rows = c.step.num_rows();
+  const int heads = c.attrs.num_heads;
   REQUIRE(got.out.out_bf16.size() == ref_out.size());
   REQUIRE(got.out.lse.size() == ref_lse.size());
   double worst_ratio = 0.0, worst_lse = 0.0;
@@ -287,11 +211,11 @@ void compare(const char* against, const AttentionCase& c, const BuiltCase& b, co
 
 // Each case built, run on `backend` and checked against the exact reference.
 void check_cases_against_reference(kvaudit::Backend& backend,
-                                   const std::vector<AttentionCase>& cases) {
-  for (const auto& c : cases) {
-    const BuiltCase b = build(c);
-    const Outputs got = run_backend(backend, b);
-    check_against_reference(c, b, got);
+                                   const std::vector<MlaCaseSpec>& cases) {
+  for (const auto& spec : cases) {
+    const MlaCase c = make_mla_case(spec);
+    const Outputs got = run_backend(backend, c);
+    check_against_reference(c, got);
   }
 }
 
@@ -305,17 +229,16 @@ TEST_CASE("cuda-fp8 decode matches the exact reference across heads, contexts an
   for (const int heads : {1, 16, 64, 128}) {
     for (const int page : {1, 64}) {
       for (const int ctx : {1, 7, 64, 1000, 4096}) {
-        AttentionCase c;
-        c.heads = heads;
-        c.page_size = page;
+        MlaCaseSpec s = model_case();
+        s.heads = heads;
+        s.page_size = page;
         // Three requests (one with no rows and no pages: skipped), different lengths.
-        c.contexts = {ctx, 0, std::max(1, ctx / 3 + 1)};
-        c.q_lens = {1, 0, 1};
-        c.kv_scale = (seed % 2) ? 0.37f : 1.7f;
-        c.seed = seed++;
-        const BuiltCase b = build(c);
-        const Outputs got = run_backend(*backend, b);
-        check_against_reference(c, b, got);
+        set_requests(s, {{ctx, 1}, {0, 0}, {std::max(1, ctx / 3 + 1), 1}});
+        s.kv_scale = (seed % 2) ? 0.37f : 1.7f;
+        s.seed = seed++;
+        const MlaCase c = make_mla_case(s);
+        const Outputs got = run_backend(*backend, c);
+        check_against_reference(c, got);
       }
     }
   }
@@ -326,17 +249,16 @@ TEST_CASE("cuda-fp8 decode matches the exact reference across heads, contexts an
 // 64 heads per block (40: the second block's last 24 heads are padding rows).
 namespace {
 
-std::vector<AttentionCase> prefill_cases() {
-  std::vector<AttentionCase> v;
+std::vector<MlaCaseSpec> prefill_cases() {
+  std::vector<MlaCaseSpec> v;
   for (const int heads : {1, 16, 40, 128}) {
     for (const int page : {1, 64}) {
-      AttentionCase c;
+      MlaCaseSpec c = model_case();
       c.heads = heads;
       c.page_size = page;
-      c.contexts = {100, 300, 0, 1};
-      c.q_lens = {100, 37, 0, 1};
+      set_requests(c, {{100, 100}, {300, 37}, {0, 0}, {1, 1}});
       c.kv_scale = 0.0123f;
-      c.value_sigma = 0.05f;
+      c.kv_sigma = 0.05f;
       c.seed = 100 + heads + page;
       v.push_back(c);
     }
@@ -356,16 +278,15 @@ TEST_CASE("cuda-fp8 prefill and extend (causal rows) match the exact reference",
 TEST_CASE("cuda-fp8 long context (split-KV merge) matches the exact reference", "[gpu][cuda-fp8]") {
   KVAUDIT_REQUIRE_GPU();
   auto backend = make(false);
-  AttentionCase c;
-  c.heads = 16;
-  c.page_size = 64;
-  c.contexts = {32768, 5000};
-  c.q_lens = {1, 1};
-  c.kv_scale = 0.37f;
-  c.seed = 7;
-  const BuiltCase b = build(c);
-  const Outputs got = run_backend(*backend, b);
-  check_against_reference(c, b, got);
+  MlaCaseSpec s = model_case();
+  s.heads = 16;
+  s.page_size = 64;
+  set_requests(s, {{32768, 1}, {5000, 1}});
+  s.kv_scale = 0.37f;
+  s.seed = 7;
+  const MlaCase c = make_mla_case(s);
+  const Outputs got = run_backend(*backend, c);
+  check_against_reference(c, got);
 }
 
 namespace {
@@ -394,13 +315,12 @@ TEST_CASE("cuda-fp8 64-row blocks match the reference on both tensor-core paths"
   REQUIRE(cudaGetDevice(&device) == cudaSuccess);
   REQUIRE(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess);
   REQUIRE(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess);
-  std::vector<AttentionCase> cases = prefill_cases();  // all of them run in 64-row blocks
+  std::vector<MlaCaseSpec> cases = prefill_cases();  // all of them run in 64-row blocks
   for (const int page : {1, 64}) {
-    AttentionCase decode;
+    MlaCaseSpec decode = model_case();
     decode.heads = 128;
     decode.page_size = page;
-    decode.contexts = {1000, 64, 4096};
-    decode.q_lens = {1, 1, 1};
+    set_requests(decode, {{1000, 1}, {64, 1}, {4096, 1}});
     decode.kv_scale = 0.37f;
     decode.seed = 700 + page;
     cases.push_back(decode);
@@ -432,25 +352,23 @@ TEST_CASE("cuda-fp8 64-row blocks match the reference on both tensor-core paths"
 TEST_CASE("cuda-fp8 decode of <= 16 heads matches the reference on both tile kernels",
           "[gpu][cuda-fp8]") {
   KVAUDIT_REQUIRE_GPU();
-  std::vector<AttentionCase> cases;
+  std::vector<MlaCaseSpec> cases;
   std::uint32_t seed = 800;
   for (const int heads : {1, 9, 16}) {
     for (const int page : {1, 64}) {
-      AttentionCase c;
+      MlaCaseSpec c = model_case();
       c.heads = heads;
       c.page_size = page;
-      c.contexts = {1, 63, 1000, 4096 + 5, 0, 20000};
-      c.q_lens = {1, 1, 1, 1, 0, 1};
+      set_requests(c, {{1, 1}, {63, 1}, {1000, 1}, {4096 + 5, 1}, {0, 0}, {20000, 1}});
       c.kv_scale = (seed % 2) ? 0.37f : 1.7f;
       c.seed = seed++;
       cases.push_back(c);
     }
   }
-  AttentionCase wide;  // 160 requests: more blocks than SMs, no split-KV
+  MlaCaseSpec wide = model_case();  // 160 requests: more blocks than SMs, no split-KV
   wide.heads = 16;
   wide.page_size = 64;
-  wide.contexts = std::vector<int>(160, 700);
-  wide.q_lens = std::vector<int>(160, 1);
+  set_requests(wide, std::vector<RequestShape>(160, RequestShape{700, 1}));
   wide.seed = seed++;
   cases.push_back(wide);
   for (const kvaudit::Decode16Choice kernel :
@@ -482,27 +400,27 @@ kvaudit::cuda::MlaAttentionProblem shape_problem(int batch, int rows, int heads,
 // masked-nan-leak fault: out and lse must agree to the bit, and (without the fault) match the
 // reference.
 void check_same_bits_with_variant(const char* what, const kvaudit::CudaKernelVariant& off_variant,
-                                  const std::vector<AttentionCase>& cases) {
+                                  const std::vector<MlaCaseSpec>& cases) {
   kvaudit::BackendOptions leak;
   leak.injection = "masked-nan-leak";
   const auto same_bits = [](float x, float y) { return std::memcmp(&x, &y, sizeof x) == 0; };
-  const auto run_fp8 = [](const kvaudit::BackendOptions& options, const BuiltCase& b) {
+  const auto run_fp8 = [](const kvaudit::BackendOptions& options, const MlaCase& b) {
     auto backend = kvaudit::cuda::make_cuda_fp8_backend(options);
     if (!backend.ok()) FAIL(backend.error().message());
     return run_backend(**backend, b);
   };
   for (const auto& options : {kvaudit::BackendOptions{}, leak}) {
-    for (const auto& c : cases) {
-      INFO(c.name() << ", injection '" << options.injection << "', " << what);
-      const BuiltCase b = build(c);
-      const Outputs as_launched = run_fp8(options, b);
+    for (const auto& spec : cases) {
+      INFO(spec.name() << ", injection '" << options.injection << "', " << what);
+      const MlaCase c = make_mla_case(spec);
+      const Outputs as_launched = run_fp8(options, c);
       kvaudit::BackendOptions changed = options;
       changed.cuda_variant = off_variant;
-      const Outputs off = run_fp8(changed, b);
+      const Outputs off = run_fp8(changed, c);
       CHECK(as_launched.out.out_bf16 == off.out.out_bf16);
       CHECK(std::equal(as_launched.out.lse.begin(), as_launched.out.lse.end(), off.out.lse.begin(),
                        off.out.lse.end(), same_bits));
-      if (options.injection.empty()) check_against_reference(c, b, as_launched);
+      if (options.injection.empty()) check_against_reference(c, as_launched);
     }
   }
 }
@@ -547,19 +465,18 @@ TEST_CASE("the launcher picks the register-tile decode kernel for long splits on
 // whole last page: the plan's `readable`).
 TEST_CASE("cuda-fp8 gives the same bits with and without the host plan", "[gpu][cuda-fp8]") {
   KVAUDIT_REQUIRE_GPU();
-  std::vector<AttentionCase> cases;
+  std::vector<MlaCaseSpec> cases;
   for (const int heads : {16, 128}) {
     for (const int page : {1, 64}) {
-      AttentionCase decode;
+      MlaCaseSpec decode = model_case();
       decode.heads = heads;
       decode.page_size = page;
-      decode.contexts = {4101, 0, 1, 700, 64};
-      decode.q_lens = {1, 0, 1, 1, 1};
+      set_requests(decode, {{4101, 1}, {0, 0}, {1, 1}, {700, 1}, {64, 1}});
       decode.seed = 1000 + heads + page;
       cases.push_back(decode);
-      AttentionCase extend = decode;
-      extend.contexts = {40, 0, 3, 300};
-      extend.q_lens = {5, 0, 3, 7};  // 15 rows: row groups of 4 span requests
+      MlaCaseSpec extend = decode;
+      // 15 rows: row groups of 4 span requests
+      set_requests(extend, {{40, 5}, {0, 0}, {3, 3}, {300, 7}});
       extend.seed += 1;
       cases.push_back(extend);
     }
@@ -606,21 +523,20 @@ TEST_CASE("the launcher plans on the host only with host arrays and at most 16 r
 TEST_CASE("cuda-fp8 gives the same bits with row groups longest first and in order",
           "[gpu][cuda-fp8]") {
   KVAUDIT_REQUIRE_GPU();
-  std::vector<AttentionCase> cases;
+  std::vector<MlaCaseSpec> cases;
   std::uint32_t seed = 1400;
   for (const int heads : {16, 32, 128}) {
-    AttentionCase prefill;
+    MlaCaseSpec prefill = model_case();
     prefill.heads = heads;
     prefill.page_size = 64;
-    prefill.contexts = {heads == 128 ? 150 : 301};
-    prefill.q_lens = prefill.contexts;
+    const int prompt = heads == 128 ? 150 : 301;
+    set_requests(prefill, {{prompt, prompt}});
     prefill.seed = seed++;
     cases.push_back(prefill);
-    AttentionCase extend;
+    MlaCaseSpec extend = model_case();
     extend.heads = heads;
     extend.page_size = heads == 32 ? 1 : 64;
-    extend.contexts = {700, 0, 35, 200};
-    extend.q_lens = {9, 0, 35, 6};
+    set_requests(extend, {{700, 9}, {0, 0}, {35, 35}, {200, 6}});
     extend.seed = seed++;
     cases.push_back(extend);
   }
@@ -660,36 +576,37 @@ TEST_CASE("cuda-fp8 split-KV merge beyond the merge's register window matches th
   for (const std::vector<int>& contexts :
        {std::vector<int>{132 * 64}, std::vector<int>{131 * 64 + 5}, std::vector<int>{64 * 64 + 1},
         std::vector<int>{64 * 64}, std::vector<int>{900, 500}}) {
-    AttentionCase c;
-    c.heads = 16;
-    c.page_size = 64;
-    c.contexts = contexts;
-    c.q_lens = std::vector<int>(contexts.size(), 1);
-    c.kv_scale = 0.37f;
-    c.seed = 11 + static_cast<std::uint32_t>(contexts.front());
-    const BuiltCase b = build(c);
-    const Outputs got = run_backend(*backend, b);
-    check_against_reference(c, b, got);
+    MlaCaseSpec s = model_case();
+    s.heads = 16;
+    s.page_size = 64;
+    std::vector<RequestShape> requests;
+    for (const int ctx : contexts) requests.push_back({ctx, 1});
+    set_requests(s, requests);
+    s.kv_scale = 0.37f;
+    s.seed = 11 + static_cast<std::uint32_t>(contexts.front());
+    const MlaCase c = make_mla_case(s);
+    const Outputs got = run_backend(*backend, c);
+    check_against_reference(c, got);
   }
 }
 
 TEST_CASE("cuda-fp8 all-zero KV gives exactly zero out and lse = ln(tokens)", "[gpu][cuda-fp8]") {
   KVAUDIT_REQUIRE_GPU();
   auto backend = make(false);
-  AttentionCase c;
-  c.heads = 16;
-  c.page_size = 64;
-  c.contexts = {1000, 3};
-  c.q_lens = {1, 3};
-  c.zero_kv = true;
-  const BuiltCase b = build(c);
-  const Outputs got = run_backend(*backend, b);
+  MlaCaseSpec s = model_case();
+  s.heads = 16;
+  s.page_size = 64;
+  set_requests(s, {{1000, 1}, {3, 3}});
+  s.zero_kv = true;
+  s.nan_unused = false;  // the whole pool is zero
+  const MlaCase c = make_mla_case(s);
+  const Outputs got = run_backend(*backend, c);
   for (const std::uint16_t bits : got.out.out_bf16) REQUIRE(bits == 0);
-  const int rows = b.step.num_rows();
+  const int rows = c.step.num_rows();
   for (int i = 0; i < rows; ++i) {
-    const double tokens = static_cast<double>(b.step.position_of_row(i, c.page_size) + 1);
-    for (int h = 0; h < c.heads; ++h) {
-      CHECK(std::abs(got.out.lse[i * c.heads + h] - std::log(tokens)) <= 1e-5);
+    const double tokens = static_cast<double>(c.step.position_of_row(i, s.page_size) + 1);
+    for (int h = 0; h < s.heads; ++h) {
+      CHECK(std::abs(got.out.lse[i * s.heads + h] - std::log(tokens)) <= 1e-5);
     }
   }
 }
@@ -698,24 +615,23 @@ TEST_CASE("cuda-fp8 saturates writes at +-448 and attends on the saturated codes
           "[gpu][cuda-fp8]") {
   KVAUDIT_REQUIRE_GPU();
   auto backend = make(false);
-  AttentionCase c;
-  c.heads = 16;
-  c.page_size = 1;
-  c.contexts = {70};
-  c.q_lens = {5};
-  c.kv_scale = 0.37f;
-  c.new_kv_magnitude = 300.f;  // 300 .. 2100 / 0.37 is far past 448
-  const BuiltCase b = build(c);
+  MlaCaseSpec s = model_case();
+  s.heads = 16;
+  s.page_size = 1;
+  set_requests(s, {{70, 5}});
+  s.kv_scale = 0.37f;
+  s.new_kv_magnitude = 300.f;  // 300 .. 2100 / 0.37 is far past 448
+  const MlaCase c = make_mla_case(s);
   int saturated = 0;
-  for (int i = 0; i < b.step.num_rows(); ++i) {
+  for (int i = 0; i < c.step.num_rows(); ++i) {
     for (int j = 0; j < kD; ++j) {
-      const std::uint8_t code = b.pool_after.row(b.step.new_kv_slots[i])[j];
+      const std::uint8_t code = c.pool_after.row(c.step.new_kv_slots[i])[j];
       saturated += code == 0x7E || code == 0xFE;
     }
   }
-  REQUIRE(saturated == b.step.num_rows() * kD);  // the case does what it says
-  const Outputs got = run_backend(*backend, b);
-  check_against_reference(c, b, got);
+  REQUIRE(saturated == c.step.num_rows() * kD);  // the case does what it says
+  const Outputs got = run_backend(*backend, c);
+  check_against_reference(c, got);
 }
 
 TEST_CASE("cuda-cast-bf16 agrees with cuda-fp8", "[gpu][cuda-cast-bf16]") {
@@ -727,36 +643,34 @@ TEST_CASE("cuda-cast-bf16 agrees with cuda-fp8", "[gpu][cuda-cast-bf16]") {
   auto fp8 = make(false, with_decode16(kernel));
   auto cast = make(true, with_decode16(kernel));
   for (const int heads : {16, 128}) {
-    AttentionCase c;
-    c.heads = heads;
-    c.page_size = 64;
-    c.contexts = {3000, 64, 200};
-    c.q_lens = {1, 1, 20};
-    c.seed = 300 + heads;
-    const BuiltCase b = build(c);
-    const Outputs a = run_backend(*fp8, b);
-    const Outputs d = run_backend(*cast, b);
+    MlaCaseSpec s = model_case();
+    s.heads = heads;
+    s.page_size = 64;
+    set_requests(s, {{3000, 1}, {64, 1}, {200, 20}});
+    s.seed = 300 + heads;
+    const MlaCase c = make_mla_case(s);
+    const Outputs a = run_backend(*fp8, c);
+    const Outputs d = run_backend(*cast, c);
     // Same kernel tiling and the cast is exact, so the two agree to the bit; a change that makes
     // them differ must state why here.
     CHECK(a.out.out_bf16 == d.out.out_bf16);
     CHECK(a.out.lse == d.out.lse);
     CHECK(a.pool.bytes == d.pool.bytes);
-    check_against_reference(c, b, d);
+    check_against_reference(c, d);
   }
 }
 
 TEST_CASE("cuda-fp8 holds no pool-sized buffer besides the pool; cuda-cast-bf16 does",
           "[gpu][cuda-fp8]") {
   KVAUDIT_REQUIRE_GPU();
-  AttentionCase small;
+  MlaCaseSpec small = model_case();
   small.heads = 16;
   small.page_size = 64;
-  small.contexts = {500};
-  small.q_lens = {1};
-  small.extra_pages = 8;
-  AttentionCase large = small;
-  large.extra_pages = 8 + 4096;  // the same step in a pool 4096 pages (151 MB) larger
-  const BuiltCase bs = build(small), bl = build(large);
+  set_requests(small, {{500, 1}});
+  small.spare_pages = 8;
+  MlaCaseSpec large = small;
+  large.spare_pages = 8 + 4096;  // the same step in a pool 4096 pages (151 MB) larger
+  const MlaCase bs = make_mla_case(small), bl = make_mla_case(large);
   for (const bool cast : {false, true}) {
     auto a = make(cast);
     auto b = make(cast);
@@ -804,15 +718,14 @@ TEST_CASE("cuda-fp8 injects every fault (and --reciprocal-scale) as cpu-fp8 does
   KVAUDIT_REQUIRE_GPU();
   // Decode and extend rows, page 64 with partly used last pages whose unused slots hold NaN codes
   // (so masked-nan-leak shows), values past 464 * scale in new_kv (so no-saturation shows).
-  AttentionCase c;
-  c.heads = 16;
-  c.page_size = 64;
-  c.contexts = {200, 77};
-  c.q_lens = {1, 5};
-  c.kv_scale = 0.37f;
-  c.value_sigma = 40.f;
-  c.seed = 900;
-  const BuiltCase b = build(c);
+  MlaCaseSpec s = model_case();
+  s.heads = 16;
+  s.page_size = 64;
+  set_requests(s, {{200, 1}, {77, 5}});
+  s.kv_scale = 0.37f;
+  s.kv_sigma = 40.f;
+  s.seed = 900;
+  const MlaCase c = make_mla_case(s);
   std::vector<kvaudit::BackendOptions> variants;
   for (const auto& info : kvaudit::injection_table()) {
     // The kvdump v1.1 faults act on per-token-group pools (refused here; their matrix runs on the
@@ -828,13 +741,13 @@ TEST_CASE("cuda-fp8 injects every fault (and --reciprocal-scale) as cpu-fp8 does
     auto cpu = kvaudit::make_cpu_fp8_backend(options);
     REQUIRE(cuda.ok());
     REQUIRE(cpu.ok());
-    const Outputs g = run_backend(**cuda, b);
-    const Outputs h = run_backend(**cpu, b);
+    const Outputs g = run_backend(**cuda, c);
+    const Outputs h = run_backend(**cpu, c);
     INFO("injection '" << options.injection << "' reciprocal " << options.reciprocal_scale);
     CHECK(g.pool.bytes == h.pool.bytes);  // write faults agree bit for bit
-    const int rows = b.step.num_rows();
+    const int rows = c.step.num_rows();
     int nan_mismatch = 0, failures = 0;
-    for (int rh = 0; rh < rows * c.heads; ++rh) {
+    for (int rh = 0; rh < rows * s.heads; ++rh) {
       double row_max = 0;
       for (int d = 0; d < kDc; ++d) {
         const double v = kvaudit::bf16_to_float(h.out.out_bf16[rh * kDc + d]);
@@ -864,31 +777,30 @@ TEST_CASE("cuda-fp8 propagates a NaN code in a visible token, as the reference d
       GENERATE(kvaudit::Decode16Choice::kSharedTile, kvaudit::Decode16Choice::kRegisters);
   INFO("--cuda-decode16 " << kvaudit::decode16_choice_name(kernel));
   auto backend = make(false, with_decode16(kernel));
-  AttentionCase c;
-  c.heads = 16;
-  c.page_size = 64;
-  c.contexts = {3000, 100};
-  c.q_lens = {1, 1};
-  c.seed = 77;
-  BuiltCase b = build(c);
+  MlaCaseSpec s = model_case();
+  s.heads = 16;
+  s.page_size = 64;
+  set_requests(s, {{3000, 1}, {100, 1}});
+  s.seed = 77;
+  MlaCase c = make_mla_case(s);
   // A NaN code in token 1234 of request 0 (a split of its own under split-KV), column 5.
-  const std::int64_t slot = b.step.slot_of(0, 1234, c.page_size);
-  b.pool.row(slot)[5] = 0x7F;
-  b.pool_after.row(slot)[5] = 0x7F;
-  const Outputs got = run_backend(*backend, b);
+  const std::int64_t slot = c.step.slot_of(0, 1234, s.page_size);
+  c.pool.row(slot)[5] = 0x7F;
+  c.pool_after.row(slot)[5] = 0x7F;
+  const Outputs got = run_backend(*backend, c);
   std::vector<double> ref_out, ref_lse;
-  reference(b, ref_out, ref_lse);
+  reference(c, ref_out, ref_lse);
   int mismatches = 0, row0_nan = 0;
   for (std::size_t e = 0; e < ref_out.size(); ++e) {
     const bool k_nan = std::isnan(kvaudit::bf16_to_float(got.out.out_bf16[e]));
     mismatches += k_nan != std::isnan(ref_out[e]);
-    row0_nan += e < static_cast<std::size_t>(c.heads) * kDc && k_nan;
+    row0_nan += e < static_cast<std::size_t>(s.heads) * kDc && k_nan;
   }
-  CHECK(row0_nan == c.heads * kDc);  // the score of that token is NaN for every head
+  CHECK(row0_nan == s.heads * kDc);  // the score of that token is NaN for every head
   CHECK(mismatches == 0);
-  for (int h = 0; h < c.heads; ++h) {
+  for (int h = 0; h < s.heads; ++h) {
     CHECK(std::isnan(got.out.lse[h]));
-    CHECK(std::isfinite(got.out.lse[c.heads + h]));
+    CHECK(std::isfinite(got.out.lse[s.heads + h]));
   }
 }
 
@@ -900,27 +812,23 @@ TEST_CASE("cuda-fp8 prefill: a NaN code in a new token reaches only the rows tha
   KVAUDIT_REQUIRE_GPU();
   auto backend = make(false);
   for (const int heads : {16, 32}) {
-    AttentionCase c;
-    c.heads = heads;
-    c.page_size = 64;
-    c.contexts = {300, 90};
-    c.q_lens = {70, 90};
-    c.seed = 91 + heads;
-    BuiltCase b = build(c);
+    MlaCaseSpec s = model_case();
+    s.heads = heads;
+    s.page_size = 64;
+    set_requests(s, {{300, 70}, {90, 90}});
+    s.seed = 91 + heads;
+    MlaCase c = make_mla_case(s);
     // Row 41 of request 0 writes a NaN in column 7 (the write rule stores code 0x7F) and row 30 of
     // request 1 one in its RoPE part (column 530): both the V and the K-only columns.
     const int nan_row0 = 41, nan_row1 = 70 + 30;
-    b.tensors.new_kv[static_cast<std::size_t>(nan_row0) * kD + 7] = std::nanf("");
-    b.tensors.new_kv[static_cast<std::size_t>(nan_row1) * kD + 530] = std::nanf("");
-    b.pool_after = b.pool;
-    for (int i = 0; i < b.step.num_rows(); ++i) {
-      b.pool_after.write_row(b.step.new_kv_slots[i], b.tensors.new_kv.data() + i * kD, c.kv_scale);
-    }
-    const Outputs got = run_backend(*backend, b);
+    c.tensors.new_kv[static_cast<std::size_t>(nan_row0) * kD + 7] = std::nanf("");
+    c.tensors.new_kv[static_cast<std::size_t>(nan_row1) * kD + 530] = std::nanf("");
+    c.pool_after = c.written_pool();
+    const Outputs got = run_backend(*backend, c);
     std::vector<double> ref_out, ref_lse;
-    reference(b, ref_out, ref_lse);
+    reference(c, ref_out, ref_lse);
     int nan_rows = 0, mismatches = 0;
-    for (int i = 0; i < b.step.num_rows(); ++i) {
+    for (int i = 0; i < c.step.num_rows(); ++i) {
       const bool sees_nan = (i >= nan_row0 && i < 70) || i >= nan_row1;
       nan_rows += sees_nan;
       for (int h = 0; h < heads; ++h) {

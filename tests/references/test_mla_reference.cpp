@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "references/mla_reference.hpp"
-#include "tests/references/mla_test_case.hpp"
+#include "tests/mla_case.hpp"
 
 namespace kvaudit {
 namespace {
@@ -44,8 +44,7 @@ RefResult run_reference(const DumpAttributes& attrs, const StepMeta& step,
 
 template <class Acc>
 RefResult run_reference(const MlaCase& c, int threads = 2) {
-  const KvPool pool = c.written_pool();
-  const KvRows kv = KvRows::from_pool(pool, c.layer.kv_scale);
+  const KvRows kv = KvRows::from_pool(c.pool_after, c.layer.kv_scale);
   return run_reference<Acc>(c.attrs, c.step, c.tensors, kv, threads);
 }
 
@@ -102,6 +101,7 @@ MlaCase large_score_case() {
     if (static_cast<int>(i % (spec.dc + spec.dr)) >= spec.dc) c.tensors.new_kv[i] = 5.90625f;
   }
   for (auto& v : c.tensors.q_pe) v = bf16_round(300.0f + 4.0f * v);
+  c.pool_after = c.written_pool();  // the edited pool and new_kv, written
   return c;
 }
 
@@ -277,7 +277,7 @@ TEST_CASE("causal prefill: each row sees exactly the positions up to its own", "
   spec.requests = {{6, 4}};
   spec.seed = 11;
   const MlaCase c = make_mla_case(spec);
-  const KvPool pool = c.written_pool();
+  const KvPool pool = c.pool_after;
   const KvRows kv = KvRows::from_pool(pool, c.layer.kv_scale);
   const RefResult all = run_reference<dd::DoubleDouble>(c.attrs, c.step, c.tensors, kv);
   CHECK(all.work == (3 + 4 + 5 + 6) * spec.heads);
@@ -323,7 +323,7 @@ TEST_CASE("paged layout: page 64 with scattered pages equals page 1 with shuffle
   spec.spare_pages = 4;
   const MlaCase c = make_mla_case(spec);
   INFO(c.name());
-  const KvPool pool64 = c.written_pool();
+  const KvPool pool64 = c.pool_after;
   // Unused slots and the last pages' tails hold NaN codes; they must not be read.
   const RefResult paged =
       run_reference<dd::DoubleDouble>(c.attrs, c.step, c.tensors, KvRows::from_pool(pool64, 0.5f));
@@ -363,7 +363,7 @@ TEST_CASE("a request with no rows is skipped, pages or not", "[reference]") {
   with.requests = {{5, 2}, {7, 0}, {4, 1}, {0, 0}};
   with.seed = 21;
   MlaCase c = make_mla_case(with);
-  KvPool pool = c.written_pool();
+  KvPool pool = c.pool_after;
   // The skipped request's pages hold NaN codes: reading them would show.
   for (int p = c.step.kv_indptr[1]; p < c.step.kv_indptr[2]; ++p) {
     for (int o = 0; o < with.page_size; ++o) {
@@ -396,7 +396,7 @@ TEST_CASE("NaN codes in visible slots give NaN; elsewhere they do not leak", "[r
   spec.kind = StepKind::kDecode;
   spec.seed = 4;
   const MlaCase c = make_mla_case(spec);  // unused slots hold NaN codes
-  KvPool pool = c.written_pool();
+  KvPool pool = c.pool_after;
   pool.row(c.step.slot_of(0, 2, 1))[5] = 0xFF;  // request 0, position 2, a ckv column
   const KvRows kv = KvRows::from_pool(pool, 1.0f);
   const RefResult r = run_reference<dd::DoubleDouble>(c.attrs, c.step, c.tensors, kv);
@@ -463,7 +463,7 @@ TEST_CASE("KvRows from source values, and the slots a step sees", "[reference]")
 
 TEST_CASE("reference refuses inconsistent sizes and indices", "[reference]") {
   const MlaCase c = make_mla_case(MlaCaseSpec{});
-  const KvPool pool = c.written_pool();
+  const KvPool pool = c.pool_after;
   const KvRows kv = KvRows::from_pool(pool, 1.0f);
   std::vector<double> out(c.tensors.q_nope.size()),
       lse(c.tensors.q_nope.size() / c.attrs.kv_lora_rank);
@@ -496,7 +496,7 @@ TEST_CASE("reference throughput (rows*heads*tokens per second)", "[.][benchmark]
   spec.sm_scale = 1.0 / std::sqrt(192.0);
   spec.requests = {{2048, 1}, {1024, 1}};
   const MlaCase c = make_mla_case(spec);
-  const KvPool pool = c.written_pool();
+  const KvPool pool = c.pool_after;
   const KvRows kv = KvRows::from_pool(pool, c.layer.kv_scale);
   const auto start = std::chrono::steady_clock::now();
   const RefResult r = run_reference<dd::DoubleDouble>(c.attrs, c.step, c.tensors, kv, 0);

@@ -18,7 +18,7 @@
 
 #include "references/mla_reference.hpp"
 #include "tests/gpu_skip.hpp"
-#include "tests/references/mla_test_case.hpp"
+#include "tests/mla_case.hpp"
 
 namespace kvaudit {
 namespace {
@@ -118,7 +118,7 @@ TEST_CASE("GPU reference equals the CPU reference within 1e-15 on every shape it
   for (const MlaCaseSpec& spec : specs) {
     const MlaCase c = make_mla_case(spec);
     INFO(c.name());
-    const KvPool pool = c.written_pool();
+    const KvPool pool = c.pool_after;
     const KvRows kv = KvRows::from_pool(pool, c.layer.kv_scale);
     const Agreement a = compare(run_on(ReferenceDevice::kCuda, c, kv),
                                 run_on(ReferenceDevice::kCpu, c, kv), spec.dc);
@@ -133,7 +133,7 @@ TEST_CASE("GPU reference agrees with 50 digits at full MLA width", "[gpu][refere
   KVAUDIT_REQUIRE_GPU();
   const MlaCase c =
       make_mla_case(spec_of(StepKind::kPrefill, 4, 512, 64, 8, {{260, 67}, {40, 3}}, 11));
-  const KvPool pool = c.written_pool();
+  const KvPool pool = c.pool_after;
   const KvRows kv = KvRows::from_pool(pool, c.layer.kv_scale);
   const Outputs gpu = run_on(ReferenceDevice::kCuda, c, kv);
   Outputs exact{std::vector<double>(gpu.out.size()), std::vector<double>(gpu.lse.size())};
@@ -151,7 +151,7 @@ TEST_CASE("GPU reference: NaN where a row sees a NaN code, nowhere else", "[gpu]
   // One prefill request of 100 tokens, 80 new rows: put a NaN code into the latent part of token
   // 50. Rows at positions >= 50 see it (NaN); rows before it must not (it is in their future).
   MlaCase c = make_mla_case(spec_of(StepKind::kPrefill, 2, 96, 16, 1, {{100, 80}}, 5));
-  KvPool pool = c.written_pool();
+  KvPool pool = c.pool_after;
   const std::int64_t slot = c.step.slot_of(0, 50, 1);
   pool.row(slot)[7] = kE4m3NanCode;
   const KvRows kv = KvRows::from_pool(pool, c.layer.kv_scale);
@@ -172,7 +172,7 @@ TEST_CASE("GPU reference is unavailable in a build without CUDA, with the reason
     return;  // the [gpu] cases above cover a CUDA build
   }
   const MlaCase c = make_mla_case(MlaCaseSpec{});
-  const KvPool pool = c.written_pool();
+  const KvPool pool = c.pool_after;
   const KvRows kv = KvRows::from_pool(pool, c.layer.kv_scale);
   std::vector<double> out(static_cast<std::size_t>(c.step.num_rows()) * c.attrs.num_heads *
                           c.attrs.kv_lora_rank);

@@ -1,12 +1,15 @@
-// Small synthetic MLA steps built in memory, shared by the reference and cpu-fp8 tests.
+// Synthetic MLA steps built in memory: the one test-case vocabulary of the reference, format,
+// cpu-fp8 and CUDA kernel tests (small widths on the CPU, the model's 512 + 64 on the GPU).
 //
-// A case is a value: its spec, a name built from it (used in test output), and the step's data:
-//   pool   : [num_pages * page_size, Dc + Dr]  the pool *before* the step's writes
+// A case is a value: its spec, a name built from it (used in test output), and the step's data in
+// the shapes a dump holds (attrs, step, layer, tensors):
+//   pool       : [num_pages * page_size, Dc + Dr]  the pool *before* the step's writes
+//   pool_after : the pool after the step's writes by the host write rule (KvPool::write_row)
 //   q_nope : [Nq, H, Dc], q_pe : [Nq, H, Dr], new_kv : [Nq, Dc + Dr]   (bf16 values as float)
 // Pages of the requests are a random permutation of the pool's pages (scattered); the step's own
-// rows are written at new_kv_slots by the kvdump write rule. Slots no request uses, the tail of
-// each request's last page, and (before the write) the new rows' slots hold NaN codes when
-// nan_unused is set, so that a kernel reading anything it should not gives NaN.
+// rows are written at new_kv_slots by the kvdump write rule. Slots no request uses (spare pages,
+// the tail of each request's last page, and, before the write, the new rows' slots) hold NaN codes
+// of both signs when nan_unused is set, so that a kernel reading anything it should not gives NaN.
 #pragma once
 
 #include <algorithm>
@@ -38,10 +41,13 @@ struct MlaCaseSpec {
   KvDtype kv_dtype = KvDtype::kFloat8E4m3fn;
   std::vector<RequestShape> requests = {{9, 3}, {5, 1}};
   int spare_pages = 3;
-  float kv_range = 4.0f;  // |KV values| up to this (before quantization)
+  float kv_range = 4.0f;  // |KV values| up to this (before quantization), uniform
+  float kv_sigma = 0.0f;  // > 0: KV values ~ N(0, kv_sigma) instead (before quantization)
   float q_range = 1.0f;   // |q| up to this
   std::uint32_t seed = 1;
   bool nan_unused = true;
+  bool zero_kv = false;          // every KV value (cached and new_kv) is zero
+  float new_kv_magnitude = 0.f;  // > 0: new_kv element i is +-magnitude * (1 + i % 7) (saturation)
 
   std::string name() const {
     std::ostringstream s;
@@ -51,7 +57,13 @@ struct MlaCaseSpec {
     for (std::size_t b = 0; b < requests.size(); ++b) {
       s << (b ? "," : "") << requests[b].kv_len << "x" << requests[b].rows;
     }
-    s << "],seed=" << seed << ")";
+    s << "]";
+    if (spare_pages != 3) s << ",spare=" << spare_pages;
+    if (kv_sigma > 0) s << ",sigma=" << kv_sigma;
+    if (zero_kv) s << ",zero";
+    if (new_kv_magnitude > 0) s << ",new_kv=" << new_kv_magnitude;
+    if (!nan_unused) s << ",no-nan";
+    s << ",seed=" << seed << ")";
     return s.str();
   }
 };
@@ -62,10 +74,12 @@ struct MlaCase {
   StepMeta step;
   LayerMeta layer;
   StepLayerTensors tensors;
-  KvPool pool;  // before the step's writes
+  KvPool pool;        // before the step's writes
+  KvPool pool_after;  // after them (written_pool() when built)
 
   std::string name() const { return spec.name(); }
-  // The pool after the step's writes, by KvPool::write_row (the kvdump write rule).
+  // The pool after the step's writes, by KvPool::write_row (the kvdump write rule), from `pool`
+  // and new_kv as they are now (a test that edits them sets pool_after = written_pool()).
   KvPool written_pool() const {
     KvPool p = pool;
     const int width = attrs.row_width();
@@ -80,6 +94,18 @@ struct MlaCase {
 inline float random_bf16(std::mt19937& rng, float range) {
   std::uniform_real_distribution<float> dist(-range, range);
   return bf16_round(dist(rng));
+}
+
+inline float random_normal_bf16(std::mt19937& rng, float sigma) {
+  std::normal_distribution<float> dist(0.f, 1.f);
+  return bf16_round(dist(rng) * sigma);
+}
+
+// A KV value before quantization, as the spec draws them.
+inline float random_kv_value(std::mt19937& rng, const MlaCaseSpec& spec) {
+  if (spec.zero_kv) return 0.f;
+  return spec.kv_sigma > 0 ? random_normal_bf16(rng, spec.kv_sigma)
+                           : random_bf16(rng, spec.kv_range);
 }
 
 inline MlaCase make_mla_case(const MlaCaseSpec& spec) {
@@ -146,7 +172,7 @@ inline MlaCase make_mla_case(const MlaCaseSpec& spec) {
   for (int b = 0; b < static_cast<int>(spec.requests.size()); ++b) {
     const auto& r = spec.requests[b];
     for (int p = 0; p < r.kv_len - r.rows; ++p) {
-      for (auto& v : values) v = random_bf16(rng, spec.kv_range);
+      for (auto& v : values) v = random_kv_value(rng, spec);
       c.pool.write_row(step.slot_of(b, p, ps), values.data(), c.layer.kv_scale);
     }
   }
@@ -156,7 +182,14 @@ inline MlaCase make_mla_case(const MlaCaseSpec& spec) {
   c.tensors.new_kv.resize(static_cast<std::size_t>(nq) * width);
   for (auto& v : c.tensors.q_nope) v = random_bf16(rng, spec.q_range);
   for (auto& v : c.tensors.q_pe) v = random_bf16(rng, spec.q_range);
-  for (auto& v : c.tensors.new_kv) v = random_bf16(rng, spec.kv_range);
+  for (std::size_t i = 0; i < c.tensors.new_kv.size(); ++i) {
+    c.tensors.new_kv[i] = random_kv_value(rng, spec);
+    if (spec.new_kv_magnitude > 0) {
+      c.tensors.new_kv[i] =
+          bf16_round((i % 2 ? -1.f : 1.f) * spec.new_kv_magnitude * static_cast<float>(1 + i % 7));
+    }
+  }
+  c.pool_after = c.written_pool();
   return c;
 }
 
