@@ -724,8 +724,15 @@ TEST_CASE("cuda-fp8 injects every fault (and --reciprocal-scale) as cpu-fp8 does
   set_requests(s, {{200, 1}, {77, 5}});
   s.kv_scale = 0.37f;
   s.kv_sigma = 40.f;
+  // +-30 * (1 .. 7): the values 180 and 210 lie past 464 * 0.37 = 171.7 (N(0, 40) alone draws none
+  // there: 4.3 sigma), so no-saturation writes NaN codes where kvdump's rule stores +-448.
+  s.new_kv_magnitude = 30.f;
   s.seed = 900;
   const MlaCase c = make_mla_case(s);
+  const auto nan_codes = [](const std::vector<std::uint8_t>& bytes) {
+    return std::count_if(bytes.begin(), bytes.end(),
+                         [](std::uint8_t code) { return (code & 0x7F) == 0x7F; });
+  };
   std::vector<kvaudit::BackendOptions> variants;
   for (const auto& info : kvaudit::injection_table()) {
     // The kvdump v1.1 faults act on per-token-group pools (refused here; their matrix runs on the
@@ -745,6 +752,9 @@ TEST_CASE("cuda-fp8 injects every fault (and --reciprocal-scale) as cpu-fp8 does
     const Outputs h = run_backend(**cpu, c);
     INFO("injection '" << options.injection << "' reciprocal " << options.reciprocal_scale);
     CHECK(g.pool.bytes == h.pool.bytes);  // write faults agree bit for bit
+    if (options.injection == "no-saturation") {
+      CHECK(nan_codes(g.pool.bytes) > nan_codes(c.pool_after.bytes));  // the fault acted
+    }
     const int rows = c.step.num_rows();
     int nan_mismatch = 0, failures = 0;
     for (int rh = 0; rh < rows * s.heads; ++rh) {
