@@ -41,18 +41,10 @@ function(kvaudit_add_layer name)
   kvaudit_include_root(${name} ${folder} include_root)
 
   set(target kvaudit_${name})
-  if(sources)
-    add_library(${target} STATIC ${sources})
-    target_include_directories(${target} PUBLIC ${include_root})
-    target_link_libraries(${target} PUBLIC ${arg_PUBLIC} PRIVATE ${arg_PRIVATE})
-    target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra>)
-  else()
-    # A layer of headers alone (e.g. the kernels' CPU side without CUDA has sources; a future
-    # header-only layer would not).
-    add_library(${target} INTERFACE)
-    target_include_directories(${target} INTERFACE ${include_root})
-    target_link_libraries(${target} INTERFACE ${arg_PUBLIC} ${arg_PRIVATE})
-  endif()
+  add_library(${target} STATIC ${sources})
+  target_include_directories(${target} PUBLIC ${include_root})
+  target_link_libraries(${target} PUBLIC ${arg_PUBLIC} PRIVATE ${arg_PRIVATE})
+  target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra>)
   if(KVAUDIT_CUDA AND arg_CUDA_SOURCES)
     set_target_properties(${target} PROPERTIES CUDA_SEPARABLE_COMPILATION OFF
                                                CUDA_RUNTIME_LIBRARY Static)
