@@ -86,8 +86,8 @@ bool longest_first_applies(const MlaAttentionProblem& problem) {
 // Tensor-core path of the four-m16-tile kernels (64 M rows): wgmma where this binary has sm_90a
 // code for the device (probed once, by running wgmma_probe_kernel) and variant.mma is auto, else
 // mma.sync (--cuda-mma mma-sync: A/B measurements, bisecting a doubt about the wgmma path, the
-// [gpu] test that runs both). The launch asks for the path only for four-tile blocks
-// (FourTilePath), so that other launches never probe.
+// [gpu] test that runs both). A launch asks for the path only for four-tile blocks
+// (FourTilePath); describe() (kernel_variant.mma) asks once per backend.
 bool probe_wgmma() {
   int* flag = nullptr;
   int has_wgmma = 0;

@@ -15,6 +15,9 @@
 #   KVAUDIT_SANITIZER_FUZZ=0 skip the sanitizer build and fuzz
 #   KVAUDIT_WITH_TORCH=1     install PyTorch into the Python venv, so that the exec protocol is
 #                            tested end to end with the torch adapter (CI does; about 3.5 GB)
+#   KVAUDIT_PYTHON_VENV      the Python venv (default: build/python-venv, scripts/setup-python.sh)
+# Where nvcc exists but no cuobjdump, NVIDIA's PyPI wheel of it goes into that venv, for the CTest
+# fault_free_kernels.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -57,7 +60,8 @@ print(next(iter(sorted(p for root in nvidia.__path__ for p in pathlib.Path(root)
 PY
 }
 if command -v nvcc >/dev/null && ! command -v cuobjdump >/dev/null &&
-    [[ ! -x /usr/local/cuda/bin/cuobjdump && ${KVAUDIT_CUDA:-ON} != OFF ]]; then
+    [[ ! -x /usr/local/cuda/bin/cuobjdump ]] &&
+    ! [[ ${KVAUDIT_CUDA:-ON} =~ ^(OFF|Off|off|0|FALSE|False|false|NO|No|no)$ ]]; then
   cuobjdump=$(venv_cuobjdump)
   if [[ -z $cuobjdump ]]; then
     phase "installing cuobjdump (nvidia-cuda-cuobjdump, PyPI) into the Python venv"

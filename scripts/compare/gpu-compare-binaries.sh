@@ -12,9 +12,11 @@
 # Writes OUTDIR/logs (each run's output, the bench JSONs, bench-ratio.txt). Used for issue 31's
 # restructuring (docs/kernels.md "Checking a change on the GPU").
 set -uo pipefail
+B=$(realpath "${1:?usage: gpu-compare-binaries.sh BASE NEW OUTDIR}")
+N=$(realpath "${2:?usage: gpu-compare-binaries.sh BASE NEW OUTDIR}")
+out=$(realpath -m "${3:?usage: gpu-compare-binaries.sh BASE NEW OUTDIR}")
+L=$out/logs; D=$out/dumps; O=$out/outputs
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-B=${1:?usage: gpu-compare-binaries.sh BASE NEW OUTDIR}; N=${2:?usage: BASE NEW OUTDIR}
-out=${3:?usage: BASE NEW OUTDIR}; L=$out/logs; D=$out/dumps; O=$out/outputs
 mkdir -p $L $D $O
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; $N --version; } > $L/device.txt 2>&1
 cat $L/device.txt

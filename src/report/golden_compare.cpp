@@ -341,8 +341,9 @@ std::optional<GoldenMode> parse_golden_mode(std::string_view text) {
 
 // Where the kernel variants of two CUDA descriptions run other kernels ("mma" or "decode16"
 // differs; host_plan and longest_first change no bit): "kernel_variant.mma "wgmma" -> "mma-sync"".
-// Nothing when they agree or either has no kernel_variant (a golden file from before it was
-// recorded).
+// A golden file from before the variant was recorded ran the defaults (auto), so against it a
+// run that forces mma or decode16 runs other kernels too. Nothing when they agree, or when this
+// run records no variant.
 std::optional<std::string> other_kernels(const nlohmann::json& golden,
                                          const nlohmann::json& current) {
   const auto variant = [](const nlohmann::json& description) -> const nlohmann::json* {
@@ -352,8 +353,18 @@ std::optional<std::string> other_kernels(const nlohmann::json& golden,
   };
   const nlohmann::json* g = variant(golden);
   const nlohmann::json* c = variant(current);
-  if (g == nullptr || c == nullptr) return std::nullopt;
+  if (c == nullptr) return std::nullopt;
   std::vector<std::string> moved;
+  if (g == nullptr) {
+    for (const char* key : {"mma_requested", "decode16"}) {
+      if (c->contains(key) && (*c)[key] != "auto") {
+        moved.push_back(
+            fmt::format("kernel_variant.{} (not recorded) -> {}", key, (*c)[key].dump()));
+      }
+    }
+    if (moved.empty()) return std::nullopt;
+    return fmt::format("{}", fmt::join(moved, ", "));
+  }
   for (const char* key : {"mma", "decode16"}) {
     const nlohmann::json then = g->contains(key) ? (*g)[key] : nullptr;
     const nlohmann::json now = c->contains(key) ? (*c)[key] : nullptr;

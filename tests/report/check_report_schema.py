@@ -130,6 +130,9 @@ def fresh_reports(source, kvaudit, tmp, failures):
     run([kvaudit, "merge", *parts, "--json", str(tmp / "merged.json")], {0, 1}, failures)
     written = [tmp / "glm5_page1/report.json", tmp / "page64_nan/report.json",
                tmp / "scale_mismatch/report.json", *map(pathlib.Path, parts), tmp / "merged.json"]
+    for path in written:
+        if not path.exists():
+            failures.append(f"{path}: not written by its command")
     return [path for path in written if path.exists()]
 
 

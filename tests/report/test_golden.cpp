@@ -453,6 +453,16 @@ TEST_CASE(
   registers["decode16"] = "registers";
   CHECK(choose_golden_mode(golden, cuda_provenance(registers)).mode == GoldenMode::kTolerance);
 
+  // A golden file from before the variant was recorded ran the defaults: exact against a default
+  // run on its device, tolerance against a run that forces another kernel.
+  GoldenProvenance unrecorded = golden;
+  unrecorded.backend_description.erase("kernel_variant");
+  CHECK(choose_golden_mode(unrecorded, golden).mode == GoldenMode::kExact);
+  const GoldenModeChoice forced = choose_golden_mode(unrecorded, other_mma);
+  CHECK(forced.mode == GoldenMode::kTolerance);
+  CHECK_THAT(forced.reason,
+             Catch::Contains(R"(kernel_variant.mma_requested (not recorded) -> "mma-sync")"));
+
   // The host plan and the row groups' order change no bit: still exact on the same device.
   nlohmann::json plan_off = kDefaultVariant;
   plan_off["host_plan"] = false;
