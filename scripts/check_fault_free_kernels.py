@@ -55,14 +55,18 @@ def faults_of(name: str):
     return [int(value) for value in FAULT_ARGUMENT.findall(name)]
 
 
+def is_attention(name: str):
+    return any(kernel in name for kernel in ATTENTION_KERNELS)
+
+
 def check_production(kernels):
     problems = []
-    attention = [k for k in kernels if any(a in k for a in ATTENTION_KERNELS)]
+    attention = [k for k in kernels if is_attention(k)]
     if not attention:
         problems.append(f"{PRODUCTION_OBJECT}: no attention kernel found (is this the launcher?)")
     for kernel in kernels:
         faults = faults_of(kernel)
-        if any(a in kernel for a in ATTENTION_KERNELS) and faults != [0]:
+        if is_attention(kernel) and faults != [0]:
             problems.append(f"{PRODUCTION_OBJECT}: attention kernel not AttentionFault::kNone: "
                             f"{kernel}")
         elif any(value != 0 for value in faults):
@@ -85,12 +89,12 @@ def check_rules(kernels):
 
 def check_faults(kernels):
     problems = []
-    attention = [k for k in kernels if any(a in k for a in ATTENTION_KERNELS)]
+    attention = [k for k in kernels if is_attention(k)]
     if not attention:
         problems.append(f"{FAULTS_OBJECT}: no fault variant of the attention kernels found")
     for kernel in kernels:
         faults = faults_of(kernel)
-        if not any(a in kernel for a in ATTENTION_KERNELS):
+        if not is_attention(kernel):
             problems.append(f"{FAULTS_OBJECT}: a kernel other than the attention variants: "
                             f"{kernel}")
         elif len(faults) != 1 or faults[0] == 0:
