@@ -4,8 +4,8 @@
 # report directory (report.json, report.md, report.html). It builds only what it runs: the `kvaudit` target,
 # without the tests, and the CUDA backends only where a GPU is present (`nvidia-smi -L` lists one;
 # then for that GPU's architecture alone) or where asked (KVAUDIT_CUDA=ON). Each phase prints one
-# line with the time elapsed since the start. About 4 minutes from a fresh clone on 2 cores
-# without a GPU (README "The two commands"); a second run only rebuilds what changed.
+# line with the time elapsed since the start. How long a fresh clone takes, measured, with the
+# machine: README "The two commands"; a second run only rebuilds what changed.
 #   KVAUDIT_BUILD_DIR  build directory (default: build)
 #   KVAUDIT_JOBS       parallel compile jobs (default: nproc)
 #   KVAUDIT_CUDA       ON or OFF: build the CUDA backends or not, whatever nvidia-smi says

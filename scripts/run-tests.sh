@@ -32,8 +32,8 @@ phase() {
   printf 'run-tests [%d:%02d] %s\n' $((elapsed / 60)) $((elapsed % 60)) "$*"
 }
 
-phase "checking the build dependencies (scripts/setup.sh)"
-bash scripts/setup.sh
+phase "checking the build and test dependencies (scripts/setup.sh tests)"
+bash scripts/setup.sh tests
 # The Python package's venv (build/python-venv: pip install ./python), where its unittest suite
 # and the exec-backend tests run; torch in it with KVAUDIT_WITH_TORCH=1 (.ci/run sets it), else
 # the torch adapter's cases say by name that they were skipped.

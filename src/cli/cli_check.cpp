@@ -514,7 +514,9 @@ void add_output_options(CLI::App& cmd, CheckOptions& options) {
   cmd.add_flag("--verbose", options.verbose,
                "Also print timings and the reference throughput (rows*heads*tokens/s)");
   cmd.add_flag("--progress", options.progress,
-               "Print progress on stderr even when it is not a terminal");
+               "Print progress on stderr even when it is not a terminal: a line per finished "
+               "layer (its time, the time elapsed and an estimate of the time left) and, at most "
+               "five times a second, the layer and step running");
 }
 
 }  // namespace

@@ -81,7 +81,7 @@ struct ReplayOptions {
   int threads = 0;  // reference threads; 0: every core
   // Where the exact reference runs (--reference); certification stays on the CPU either way.
   ReferenceDevice reference = ReferenceDevice::kCpu;
-  bool progress = false;       // "layer 1/3 step 2/4" lines on stderr
+  bool progress = false;       // stderr: "layer 1/3 step 2/4"; a line per finished layer
   StepLayerObserver observer;  // called for every reported (step, layer)
   // The reference writes with the named reciprocal convention (x * fp32(1 / kv_scale)) instead
   // of kvdump-v1's x / kv_scale (`kvaudit check --reciprocal-scale`).

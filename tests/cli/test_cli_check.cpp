@@ -260,6 +260,23 @@ TEST_CASE("kvaudit check --list-diagnoses lists the catalogue; --diagnose N name
   CHECK_THAT(negative.err, Catch::Contains("--diagnose"));
 }
 
+TEST_CASE("kvaudit check --progress: one line per finished layer, with the time left",
+          "[cli][check]") {
+  TinySpec spec;
+  spec.layer_ids = {0, 4, 9};
+  const std::string file = write_dump(make_tiny_dump(spec), "cli_progress");
+  const CommandResult result = run_check("cli_progress", file + " --progress");
+  INFO(result.out << result.err);
+  CHECK(result.status == 0);
+  CHECK_THAT(result.err, Catch::Contains("layer 1/3 (layer_id 0) done in "));
+  CHECK_THAT(result.err, Catch::Contains("layer 2/3 (layer_id 4) done in "));
+  CHECK_THAT(result.err, Catch::Contains("layer 3/3 (layer_id 9) done in "));
+  CHECK_THAT(result.err, Catch::Contains(" left\n"));  // an estimate until the last layer
+  const std::size_t last = result.err.find("layer 3/3 (layer_id 9) done");
+  REQUIRE(last != std::string::npos);
+  CHECK(result.err.find(" left", last) == std::string::npos);  // none after the last
+}
+
 TEST_CASE("kvaudit check: bad input exits 2 with one line on stderr", "[cli][check]") {
   const std::string file = write_dump(make_tiny_dump(two_layer_spec()), "cli_bad");
   const auto bad_policy = test_tmp_path("cli_bad_policy.json");

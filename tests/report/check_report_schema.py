@@ -16,7 +16,7 @@
    and diagnosis), a shard's part (--shard I/N --json, with
    its `shard` block) and the `kvaudit merge` of two parts, so that a key the writer gains or
    changes without the schema fails here.
-Exits 0 when all hold, 1 naming every failure. Needs python3-jsonschema (scripts/setup.sh).
+Exits 0 when all hold, 1 naming every failure. Needs python3-jsonschema (scripts/setup.sh tests).
 """
 import argparse
 import copy
@@ -145,8 +145,8 @@ def main():
     try:
         import jsonschema  # python3-jsonschema
     except ImportError:
-        print("check_report_schema: python3-jsonschema is not installed (scripts/setup.sh installs "
-              "it)", file=sys.stderr)
+        print("check_report_schema: python3-jsonschema is not installed "
+              "(scripts/setup.sh tests installs it)", file=sys.stderr)
         return 1
 
     schema = json.loads((args.source / SCHEMA).read_text())

@@ -2,7 +2,7 @@
 // tests/report/check_report_html.py validates the page (html5lib strict, tidy), checks it needs
 // nothing outside itself, has Chromium (headless) build its DOM and count the charts' marks, and
 // render it to a PNG that must not be blank. Skipped by name where Chromium is not installed
-// (scripts/setup.sh installs chromium, tidy, python3-pil and python3-html5lib). Untimed: it
+// (`scripts/setup.sh tests` installs chromium, tidy, python3-pil and python3-html5lib). Untimed: it
 // asserts nothing about how long the browser takes.
 #include <sys/wait.h>
 
@@ -46,7 +46,7 @@ TEST_CASE("report.html renders in headless Chromium: valid, not blank, every cha
   const std::string chromium = find_chromium();
   if (chromium.empty()) {
     WARN("SKIPPED " << Catch::getResultCapture().getCurrentTestName()
-                    << ": chromium is not installed (scripts/setup.sh installs it)");
+                    << ": chromium is not installed (scripts/setup.sh tests installs it)");
     return;
   }
   const std::filesystem::path source = kvaudit_test::source_dir();

@@ -87,6 +87,37 @@ TEST_CASE("main job with a GPU: CUDA for that GPU's architecture only", "[script
   CHECK(contains(plan, "--target kvaudit"));
 }
 
+// The packages scripts/setup.sh would install for a set, one per line (its --list mode).
+std::string setup_packages(const std::string& set) {
+  const fs::path out = kvaudit_test::test_tmpdir() / "main_job" / "setup-list.out";
+  fs::create_directories(out.parent_path());
+  const std::string command = "bash '" +
+                              (kvaudit_test::source_dir() / "scripts" / "setup.sh").string() +
+                              "' --list " + set + " > '" + out.string() + "' 2>&1";
+  const int raw = std::system(command.c_str());
+  std::ifstream in(out);
+  std::string text{std::istreambuf_iterator<char>(in), {}};
+  INFO(text);
+  REQUIRE(WIFEXITED(raw));
+  REQUIRE(WEXITSTATUS(raw) == 0);
+  return "\n" + text;
+}
+
+TEST_CASE("main job: its set-up installs no browser; the tests' set-up does", "[scripts]") {
+  CHECK(contains(dry_run(false), "+ bash scripts/setup.sh\n"));  // the build set, no argument
+  const std::string build = setup_packages("");
+  const std::string tests = setup_packages("tests");
+  for (const char* package : {"\ncmake\n", "\nlibhdf5-dev\n", "\nnettle-dev\n"}) {
+    CHECK(contains(build, package));
+    CHECK(contains(tests, package));
+  }
+  for (const char* package : {"\nchromium\n", "\ntidy\n", "\npython3-pil\n", "\ncatch2\n"}) {
+    INFO(package);
+    CHECK_FALSE(contains(build, package));
+    CHECK(contains(tests, package));
+  }
+}
+
 TEST_CASE("main job: KVAUDIT_CUDA decides over nvidia-smi", "[scripts]") {
   CHECK(contains(dry_run(false, "KVAUDIT_CUDA=ON"), "-DKVAUDIT_CUDA=ON"));
   CHECK(contains(dry_run(true, "KVAUDIT_CUDA=off"), "-DKVAUDIT_CUDA=OFF"));
