@@ -276,7 +276,7 @@ ExecRun golden_with_torch_adapter(const std::string& name, const std::string& ar
 
 }  // namespace
 
-TEST_CASE("exec torch adapter: a golden file recorded through it matches, and a fault moves it",
+TEST_CASE("exec torch adapter: a golden file recorded through it matches; a fault moves it",
           "[python][exec][golden]") {
   KVAUDIT_REQUIRE_EXEC_TORCH();
   const std::string dump = quoted(source_root() / "datasets" / "glm5_page1.h5");

@@ -350,7 +350,7 @@ TEST_CASE("golden compare: digest pools name moved written slots and moved unwri
 
 TEST_CASE("golden compare: digest storage notes moved unwritten slots when written ones moved too",
           "[golden]") {
-  const Recorded recorded = record_tiny("golden_digest_both", 100);
+  Recorded recorded = record_tiny("golden_digest_both", 100);
   Golden current = recorded.golden;
   GoldenEntry& entry = entry_of(current, 1, 0);
   entry.pool.rows[entry.pool.row_bytes() + 4] ^= 0x80;  // the second written slot's row
