@@ -18,7 +18,7 @@
 
 #include "src/backend/backend.hpp"
 #include "src/backend/injection.hpp"
-#include "src/cli/backend_registry.hpp"
+#include "src/cli/backend_selection.hpp"
 #include "src/cli/check_shard.hpp"
 #include "src/cli/cli.hpp"
 #include "src/core/cuda_device.hpp"
@@ -75,9 +75,8 @@ Result<std::optional<SignOff>> signoff_of(bool signoff, const SignOffFields& fie
 
 struct CheckOptions {
   std::string dump;
-  std::string backend = "cpu-fp8";
-  std::string backend_command;  // exec:NAME: the command that starts the program
-  std::string inject;
+  BackendSelection
+      selection;  // --backend, --backend-command, --inject, --reciprocal-scale, --cuda-*
   std::string layers;
   std::string steps;
   std::string policy_file;
@@ -94,10 +93,8 @@ struct CheckOptions {
   bool progress = false;
   bool list_injections = false;
   bool list_diagnoses = false;
-  bool reciprocal_scale = false;
   int diagnose = kDefaultDiagnoseLimit;
   int certify = kDefaultCertificationSamples;
-  CudaVariantOptions cuda;  // --cuda-* (cuda-fp8 and cuda-cast-bf16 only)
 };
 
 // --list-injections: one line each, with the check meant to catch it.
@@ -135,19 +132,6 @@ void print_policy(std::ostream& out, const Policy& policy) {
   }
 }
 
-// The options a repro is checked with: " --backend-command CMD --inject NAME
-// --reciprocal-scale --cuda-mma mma-sync", as given.
-std::string repro_options(const CheckOptions& options, const char* separator) {
-  std::string text;
-  if (!options.backend_command.empty()) {
-    text += fmt::format("{}--backend-command {}", separator, shell_quote(options.backend_command));
-  }
-  if (!options.inject.empty()) text += fmt::format("{}--inject {}", separator, options.inject);
-  if (options.reciprocal_scale) text += fmt::format("{}--reciprocal-scale", separator);
-  text += cuda_variant_arguments(options.cuda.variant, separator);
-  return text;
-}
-
 // --emit-repro: the first failure as a one-step, one-layer kvdump (src/report/repro.hpp) written to
 // `path` (the temporary of options.emit_repro); nothing when the run passed.
 Status emit_repro(const CheckOptions& options, const std::filesystem::path& path,
@@ -160,20 +144,20 @@ Status emit_repro(const CheckOptions& options, const std::filesystem::path& path
   if (!target) {
     return internal_error("--emit-repro", "the run failed but no failing step and layer is known");
   }
-  target->reciprocal_scale = options.reciprocal_scale;
+  target->reciprocal_scale = options.selection.reciprocal_scale;
   const std::string requests = fmt::format("{}", fmt::join(target->requests, ","));
   const std::string producer = fmt::format(
       "kvaudit check --emit-repro from {} (step {}, layer {}, request {}; backend {}{}; {})",
-      options.dump, target->step, target->layer_id, requests, options.backend,
-      repro_options(options, ", "), target->failure);
+      options.dump, target->step, target->layer_id, requests, options.selection.backend,
+      backend_selection_arguments(options.selection, ", "), target->failure);
   KVAUDIT_ASSIGN_OR_RETURN(const ReproSummary written,
                            write_repro(reader, *target, path, producer));
   fmt::print(std::cout,
              "repro: wrote {} (step {} layer {} request {}: {} rows, {} pages{}); check it with "
              "--backend {}{}\n",
              options.emit_repro, target->step, target->layer_id, requests, written.num_rows,
-             written.num_pages, written.has_source ? ", kv_source" : "", options.backend,
-             repro_options(options, " "));
+             written.num_pages, written.has_source ? ", kv_source" : "", options.selection.backend,
+             backend_selection_arguments(options.selection, " "));
   return ok_status();
 }
 
@@ -214,7 +198,7 @@ Result<ReplayOptions> replay_options(const CheckOptions& options, const DumpLayo
   replay.threads = options.threads;
   replay.reference = options.reference == "cuda" ? ReferenceDevice::kCuda : ReferenceDevice::kCpu;
   KVAUDIT_TRY(check_reference_device(replay.reference));
-  replay.reciprocal_scale = options.reciprocal_scale;
+  replay.reciprocal_scale = options.selection.reciprocal_scale;
   replay.diagnose = options.diagnose;
   replay.certify = options.certify;
   replay.progress = options.progress || isatty(STDERR_FILENO) != 0;
@@ -236,42 +220,6 @@ Status check_replay_fits(const DumpLayout& layout) {
       bytes, "check",
       fmt::format("one layer's pool of {} slots x {} channels, three copies{}", layout.num_slots(),
                   layout.attrs.row_width(), any_source ? ", and its kv_source" : ""));
-}
-
-// --backend-command belongs to exec:NAME, --inject to the built-in backends.
-Status check_backend_options(const CheckOptions& options) {
-  const bool exec = exec_backend_name(options.backend).has_value();
-  if (!options.backend_command.empty() && !exec) {
-    return bad_input("--backend-command",
-                     fmt::format("starts an exec:NAME backend; --backend is {}", options.backend));
-  }
-  if (!options.inject.empty() && exec) {
-    return bad_input("--inject",
-                     fmt::format("injections are for the built-in backends; {} is a program of "
-                                 "its own: plant faults with its own options (the Python "
-                                 "adapters: --fault, see python -m kvdump.backends NAME --help)",
-                                 options.backend));
-  }
-  if (options.backend == "none" && !options.inject.empty()) {
-    return bad_input("--inject", "needs a backend (--backend none runs none)");
-  }
-  return check_cuda_variant_applies(options.cuda, options.backend);
-}
-
-// The backend under test; none for --backend none. An exec backend's program is started here
-// and greeted with the dump's model.
-Result<std::unique_ptr<Backend>> check_backend(const CheckOptions& options,
-                                               const DumpLayout& layout) {
-  KVAUDIT_TRY(check_backend_options(options));
-  if (options.backend == "none") return std::unique_ptr<Backend>();
-  BackendOptions backend_options;
-  backend_options.threads = options.threads;
-  backend_options.injection = options.inject;
-  backend_options.reciprocal_scale = options.reciprocal_scale;
-  backend_options.exec_command = options.backend_command;
-  backend_options.dump = &layout;
-  backend_options.cuda_variant = options.cuda.variant;
-  return make_backend(options.backend, backend_options);
 }
 
 // The outputs of one check, each under a temporary name from before the replay until commit().
@@ -346,8 +294,8 @@ Result<CheckRun> replay_check(const CheckOptions& options, const DumpReader& rea
                               const std::optional<ResolvedShard>& resolved,
                               std::optional<ShardInfo>& shard) {
   if (!resolved) return replay_dump(reader, backend, replay);
-  KVAUDIT_ASSIGN_OR_RETURN(ShardPart part,
-                           replay_shard(reader, backend, replay, resolved->spec, options.inject));
+  KVAUDIT_ASSIGN_OR_RETURN(ShardPart part, replay_shard(reader, backend, replay, resolved->spec,
+                                                        options.selection.inject));
   fmt::print(std::cout, "shard {} ({}): layers [{}] of [{}]\n", shard_name(resolved->spec),
              resolved->source, fmt::join(part.shard.layers, ", "),
              fmt::join(part.shard.selected_layers, ", "));
@@ -367,15 +315,17 @@ Result<int> check_dump(const CheckOptions& options) {
   KVAUDIT_ASSIGN_OR_RETURN(const DumpReader reader, DumpReader::open(options.dump));
   KVAUDIT_TRY(check_replay_fits(reader.layout()));
   KVAUDIT_ASSIGN_OR_RETURN(ReplayOptions replay, replay_options(options, reader.layout()));
-  KVAUDIT_ASSIGN_OR_RETURN(const std::unique_ptr<Backend> backend,
-                           check_backend(options, reader.layout()));
+  KVAUDIT_TRY(check_backend_selection(options.selection, NoBackend::kAllowed));
+  KVAUDIT_ASSIGN_OR_RETURN(
+      const std::unique_ptr<Backend> backend,
+      make_selected_backend(options.selection, reader.layout(), options.threads));
   KVAUDIT_ASSIGN_OR_RETURN(const std::optional<ResolvedShard> resolved, check_shard(options));
   KVAUDIT_ASSIGN_OR_RETURN(CheckOutputs files, open_outputs(options));
   std::optional<OutputsWriter> outputs;
   if (files.save_outputs) {
-    KVAUDIT_ASSIGN_OR_RETURN(
-        OutputsWriter writer,
-        OutputsWriter::create(files.save_outputs->temp_path(), options.dump, options.backend));
+    KVAUDIT_ASSIGN_OR_RETURN(OutputsWriter writer,
+                             OutputsWriter::create(files.save_outputs->temp_path(), options.dump,
+                                                   options.selection.backend));
     outputs.emplace(std::move(writer));
     replay.observer = [&outputs](const StepLayerOutputs& step_layer) {
       return outputs->write(step_layer);
@@ -410,27 +360,7 @@ int run_check(const CheckOptions& options) {
 void add_input_options(CLI::App& cmd, CheckOptions& options) {
   add_input_file(cmd, "DUMP", options.dump,
                  "kvdump HDF5 file (required unless --list-injections or --list-diagnoses)");
-  std::string backends;
-  for (const std::string& name : backend_names()) backends += name + ", ";
-  cmd.add_option("--backend", options.backend,
-                 "Backend under test: " + backends +
-                     "exec:NAME (a program outside kvaudit speaking the external backend "
-                     "protocol, docs/backend-protocol.md; NAME: letters, digits, -, _, .), or none "
-                     "(compare only the captured outputs and pools)")
-      ->capture_default_str();
-  cmd.add_option("--backend-command", options.backend_command,
-                 "With --backend exec:NAME: the command that starts the program, run once per "
-                 "run by /bin/sh -c (default: python3 -m kvdump.backends NAME, the Python "
-                 "package's adapters torch, flashinfer-fp8, flashinfer-cast-bf16). Environment: "
-                 "KVAUDIT_BACKEND_TIMEOUT (seconds per reply, default 900), "
-                 "KVAUDIT_EXCHANGE_DIR (where the session directory goes, default /dev/shm)");
-  std::string injections;
-  for (const InjectionInfo& info : injection_table()) {
-    injections += std::string(injections.empty() ? "" : ", ") + info.name;
-  }
-  cmd.add_option("--inject", options.inject,
-                 "Fault injection into a built-in backend, a mutation test of the harness: " +
-                     injections + " (each names the check meant to catch it)");
+  add_backend_selection_options(cmd, options.selection, NoBackend::kAllowed);
   cmd.add_flag("--list-injections", options.list_injections,
                "List the fault injections, one line each with the check meant to catch it");
   cmd.add_option("--layers", options.layers,
@@ -452,7 +382,6 @@ void add_input_options(CLI::App& cmd, CheckOptions& options) {
                  "SLURM_ARRAY_TASK_MIN in a Slurm job array, else JOB_COMPLETION_INDEX in a "
                  "Kubernetes Indexed Job; Slurm's wins when both are set). --json then writes the "
                  "part file; a shard with no layers writes an empty part");
-  add_cuda_variant_options(cmd, options.cuda);
 }
 
 // What is written, and how the run is done: reports, saved outputs, repro, threads, verbosity.
@@ -478,11 +407,6 @@ void add_output_options(CLI::App& cmd, CheckOptions& options) {
                   "kv_source too when every kept slot's source value is known). Check it alone "
                   "with the same --backend and --inject. A passing "
                   "run writes nothing");
-  cmd.add_flag("--reciprocal-scale", options.reciprocal_scale,
-               "Write with e4m3_rne_satfinite(x * fp32(1 / kv_scale)), the convention of servers "
-               "that multiply by a reciprocal scale, instead of kvdump-v1's x / kv_scale: in the "
-               "reference replay (so captured pools are judged by it) and in the backend. It "
-               "differs in the last bit of rare codes; the report notes it");
   add_integer_option(
       cmd, "--diagnose", options.diagnose, 0, 1000000,
       "When a kernel or captured comparison fails, try the catalogue of convention "

@@ -6,7 +6,10 @@
 //   golden record DIR  -o GOLDEN_DIR --backend NAME          every DIR/*.h5
 //   golden check  DUMP GOLDEN.h5 --backend NAME [--mode auto|exact|tolerance] [--accept]
 //   golden check  DIR  GOLDEN_DIR --backend NAME [...]       pairs DIR/<stem>.h5 with
-//                                                            GOLDEN_DIR/<stem>.<backend>.golden.h5
+//                                                            GOLDEN_DIR/<stem>.<tag>.golden.h5
+// The backend is chosen as `check` chooses it (src/cli/backend_selection.hpp): a built-in one, or
+// exec:NAME with --backend-command, started once per dump with that dump's model; <tag> is the
+// backend's name with ':' written '-' (exec:torch -> exec-torch).
 // --accept (or KVAUDIT_GOLDEN_ACCEPT=1) rewrites a golden file that moved, atomically, after
 // printing what changed, and records missing ones; it never overwrites a golden file made from
 // another dump. Exit status: 0 everything matches (or was accepted/recorded), 1 something moved,
@@ -23,11 +26,13 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "src/backend/backend.hpp"
-#include "src/cli/backend_registry.hpp"
+#include "src/cli/backend_selection.hpp"
 #include "src/cli/cli.hpp"
+#include "src/core/build_info.hpp"
 #include "src/core/sha256.hpp"
 #include "src/format/dump_probe.hpp"
 #include "src/format/kvdump.hpp"
@@ -45,16 +50,15 @@ namespace fs = std::filesystem;
 struct GoldenOptions {
   std::string dump;    // a dump, or a folder of dumps
   std::string golden;  // record: -o; check: the golden file or folder
-  std::string backend = "cpu-fp8";
+  BackendSelection
+      selection;       // --backend, --backend-command, --inject, --reciprocal-scale, --cuda-*
   std::string layers;  // record only: check replays the golden file's selection
   std::string steps;
   std::string mode = "auto";  // check only
-  std::string inject;         // check only
   std::int64_t whole_pool_max_bytes = kWholePoolMaxBytes;
   int threads = 0;
   bool accept = false;
   bool progress = false;
-  CudaVariantOptions cuda;  // --cuda-* (cuda-fp8 and cuda-cast-bf16 only)
 };
 
 // What became of one dump.
@@ -93,9 +97,17 @@ bool accept_from_environment() {
   return value != nullptr && *value != '\0' && std::string(value) != "0";
 }
 
-// <stem>.<backend>.golden.h5 (docs/golden-format.md "Naming").
+// The backend as a file name's part: its name, with the ':' of exec:NAME written '-' (a colon is
+// refused by some file systems and CI artifact stores).
+std::string backend_file_tag(const std::string& backend) {
+  std::string tag = backend;
+  std::replace(tag.begin(), tag.end(), ':', '-');
+  return tag;
+}
+
+// <stem>.<tag>.golden.h5 (docs/golden-format.md "Naming").
 fs::path golden_path_for(const fs::path& dump, const fs::path& folder, const std::string& backend) {
-  return folder / fmt::format("{}.{}.golden.h5", dump.stem().string(), backend);
+  return folder / fmt::format("{}.{}.golden.h5", dump.stem().string(), backend_file_tag(backend));
 }
 
 // DIR/*.h5 but golden files (*.golden.h5: a folder may hold both), sorted by name.
@@ -114,21 +126,11 @@ Result<std::vector<fs::path>> dumps_in(const fs::path& folder) {
   return dumps;
 }
 
-Result<std::unique_ptr<Backend>> golden_backend(const GoldenOptions& options) {
-  if (options.backend == "none") {
-    return bad_input("--backend none", "a golden file holds a backend's outputs: name a backend");
-  }
-  BackendOptions backend_options;
-  backend_options.threads = options.threads;
-  backend_options.injection = options.inject;
-  backend_options.cuda_variant = options.cuda.variant;
-  return make_backend(options.backend, backend_options);
-}
-
 ReplayOptions base_replay_options(const GoldenOptions& options) {
   ReplayOptions replay;
   replay.policy = default_policy();
   replay.threads = options.threads;
+  replay.reciprocal_scale = options.selection.reciprocal_scale;
   replay.progress = options.progress || isatty(STDERR_FILENO) != 0;
   return replay;
 }
@@ -138,7 +140,9 @@ Result<Golden> run_and_capture(const GoldenOptions& options, const DumpReader& r
                                const std::string& sha, ReplayOptions replay,
                                std::int64_t whole_pool_max_bytes) {
   KVAUDIT_TRY(check_selection(reader.layout(), replay));
-  KVAUDIT_ASSIGN_OR_RETURN(const std::unique_ptr<Backend> backend, golden_backend(options));
+  KVAUDIT_ASSIGN_OR_RETURN(
+      const std::unique_ptr<Backend> backend,
+      make_selected_backend(options.selection, reader.layout(), options.threads));
   GoldenRecordOptions record;
   record.replay = std::move(replay);
   record.whole_pool_max_bytes = whole_pool_max_bytes;
@@ -181,6 +185,12 @@ Status record_one(const GoldenOptions& options, const fs::path& dump, const fs::
       run_and_capture(options, reader, sha, std::move(replay), options.whole_pool_max_bytes));
   KVAUDIT_TRY(write_golden_file(output, golden));
   fmt::print("recorded {}: {}\n", output.string(), golden_summary(golden, output));
+  if (golden.provenance.kvaudit_dirty) {
+    fmt::print(
+        "note: this kvaudit was built from a dirty tree (revision {}); the golden file says so "
+        "(kvaudit_dirty = 1), and golden check will warn about it\n",
+        golden.provenance.kvaudit_revision);
+  }
   return ok_status();
 }
 
@@ -194,7 +204,7 @@ Status record_folder(const GoldenOptions& options) {
   }
   std::vector<fs::path> outputs;
   for (const fs::path& dump : dumps) {
-    outputs.push_back(golden_path_for(dump, options.golden, options.backend));
+    outputs.push_back(golden_path_for(dump, options.golden, options.selection.backend));
     KVAUDIT_TRY(check_output_file(outputs.back(), "-o"));
     KVAUDIT_TRY(probe_dump_in_child(dump));
   }
@@ -207,7 +217,7 @@ Status record_folder(const GoldenOptions& options) {
 int run_record(const GoldenOptions& options) {
   const auto record = [&]() -> Status {
     if (options.golden.empty()) return bad_input("golden record", "-o is required");
-    KVAUDIT_TRY(check_cuda_variant_applies(options.cuda, options.backend));
+    KVAUDIT_TRY(check_backend_selection(options.selection, NoBackend::kRefused));
     std::error_code error;
     if (fs::is_directory(options.dump, error)) return record_folder(options);
     KVAUDIT_TRY(check_output_file(options.golden, "-o"));
@@ -266,6 +276,9 @@ Result<PairOutcome> compare_pair(const GoldenOptions& options, const DumpReader&
   fmt::print("golden {}: recorded {} by kvaudit {} (revision {}) with {}\n", golden_path.string(),
              golden.provenance.date_utc, golden.provenance.kvaudit_version,
              golden.provenance.kvaudit_revision, golden.provenance.backend);
+  for (const std::string& line : dirty_build_lines(golden.provenance, current.provenance)) {
+    fmt::print("{}\n", line);
+  }
   print_mode(mode);
   for (const std::string& line : provenance_differences(golden.provenance, current.provenance)) {
     fmt::print("note: provenance differs: {}\n", line);
@@ -281,7 +294,12 @@ Result<PairOutcome> compare_pair(const GoldenOptions& options, const DumpReader&
   outcome.compared = comparison.entries_compared;
   outcome.moved = comparison.moved.size();
   outcome.status = comparison.any_moved() ? PairStatus::kMoved : PairStatus::kMatch;
-  if (comparison.first) outcome.first = describe_move(*comparison.first);
+  if (comparison.first) {
+    outcome.first = describe_move(*comparison.first);
+  } else if (const std::vector<std::string> notes = unwritten_slot_notes(comparison);
+             !notes.empty()) {
+    outcome.first = notes.front().substr(std::string_view("note: ").size());
+  }
   if (comparison.any_moved() && options.accept) {
     KVAUDIT_TRY(write_golden_file(golden_path, current));
     fmt::print("accepted: rewrote {} with this run ({} of {} (step, layer)s changed, above)\n",
@@ -337,7 +355,8 @@ int check_single(const GoldenOptions& options) {
     return kExitBadInput;
   }
   fmt::print("verdict: {} ({} of {} (step, layer)s moved; backend {})\n",
-             pair_status_name(outcome->status), outcome->moved, outcome->compared, options.backend);
+             pair_status_name(outcome->status), outcome->moved, outcome->compared,
+             options.selection.backend);
   return exit_status_of(outcome->status);
 }
 
@@ -369,12 +388,14 @@ PairOutcome folder_pair(const GoldenOptions& options, const fs::path& dump,
 // Golden files of this backend whose dump is not in the folder: reported, not judged.
 void note_orphans(const GoldenOptions& options, const std::vector<FolderRow>& rows) {
   std::error_code error;
-  const std::string suffix = fmt::format(".{}.golden.h5", options.backend);
+  const std::string suffix =
+      fmt::format(".{}.golden.h5", backend_file_tag(options.selection.backend));
   for (const auto& entry : fs::directory_iterator(options.golden, error)) {
     const std::string name = entry.path().filename().string();
     if (name.size() <= suffix.size() || !name.ends_with(suffix)) continue;
     const bool paired = std::any_of(rows.begin(), rows.end(), [&](const FolderRow& row) {
-      return golden_path_for(row.dump, options.golden, options.backend).filename() == name;
+      return golden_path_for(row.dump, options.golden, options.selection.backend).filename() ==
+             name;
     });
     if (!paired) fmt::print("note: {} has no dump in {}\n", entry.path().string(), options.dump);
   }
@@ -400,7 +421,7 @@ int print_folder_summary(const GoldenOptions& options, const std::vector<FolderR
       : status == kExitChecksFailed ? "MOVED"
                                     : "MATCH",
       rows.size(), counts[0], counts[1], counts[2], counts[3], counts[4], counts[5], counts[6],
-      options.backend, options.golden);
+      options.selection.backend, options.golden);
   return status;
 }
 
@@ -422,7 +443,7 @@ int check_folder(const GoldenOptions& options) {
   }
   std::vector<FolderRow> rows;
   for (const fs::path& dump : *dumps) {
-    const fs::path golden = golden_path_for(dump, options.golden, options.backend);
+    const fs::path golden = golden_path_for(dump, options.golden, options.selection.backend);
     rows.push_back(FolderRow{dump, folder_pair(options, dump, golden)});
   }
   note_orphans(options, rows);
@@ -434,7 +455,8 @@ int run_golden_check(GoldenOptions options) {
   if (options.dump.empty() || options.golden.empty()) {
     return report_error(bad_input("golden check", "DUMP and GOLDEN are required"));
   }
-  if (const Status applies = check_cuda_variant_applies(options.cuda, options.backend); !applies) {
+  if (const Status applies = check_backend_selection(options.selection, NoBackend::kRefused);
+      !applies) {
     return report_error(applies.error());
   }
   std::error_code error;
@@ -444,15 +466,12 @@ int run_golden_check(GoldenOptions options) {
 // ---- command line ------------------------------------------------------------------------------
 
 void add_common_options(CLI::App& cmd, GoldenOptions& options) {
-  std::string backends;
-  for (const std::string& name : backend_names()) backends += (backends.empty() ? "" : ", ") + name;
-  cmd.add_option("--backend", options.backend, "Backend: " + backends)->capture_default_str();
+  add_backend_selection_options(cmd, options.selection, NoBackend::kRefused);
   add_integer_option(cmd, "--threads", options.threads, 0, kMaxThreads,
                      "Threads for the reference and CPU backends (0: every core)")
       ->capture_default_str();
   cmd.add_flag("--progress", options.progress,
                "Print progress on stderr even when it is not a terminal");
-  add_cuda_variant_options(cmd, options.cuda);
 }
 
 void add_record_command(CLI::App& golden, CommandRunner& runner) {
@@ -463,9 +482,12 @@ void add_record_command(CLI::App& golden, CommandRunner& runner) {
        "Replay DUMP through the backend and store, per step and layer, its out (bf16 bits), lse "
        "(fp32) and pool after the step (whole up to --whole-pool-max-bytes, else its SHA-256 and "
        "the rows of the slots the step wrote), with provenance (dump SHA-256, backend and its "
-       "description, kvaudit version and git revision, platform, policy, date, command line). "
-       "DUMP may be a folder: every DUMP/*.h5 goes to OUTPUT/<stem>.<backend>.golden.h5. "
-       "Format: docs/golden-format.md.",
+       "description, kvaudit version and git revision (a build from a tree with uncommitted "
+       "changes is flagged dirty), platform, policy, date, command line). "
+       "The backend is chosen as kvaudit check chooses it: a built-in one, or exec:NAME with "
+       "--backend-command (its program is started once per dump). "
+       "DUMP may be a folder: every DUMP/*.h5 goes to OUTPUT/<stem>.<backend>.golden.h5 (exec:NAME "
+       "written exec-NAME). Format: docs/golden-format.md.",
        "0 recorded, 2 bad input, 3 internal error"});
   cmd->add_option("DUMP", options->dump, "kvdump HDF5 file, or a folder of them")
       ->type_name("PATH")
@@ -494,9 +516,11 @@ void add_check_command(CLI::App& golden, CommandRunner& runner) {
        "tolerance mode (out: 2 bf16 ulps or 2^-8 of the (row, head)'s largest |out|; lse: 2^-14), "
        "the pool always bit for bit. Prints what moved (step, layer, row, head, dim, by how many "
        "ulps and how much) and the first element that moved; provenance that differs (device, "
-       "library versions) is stated. A golden file made from another dump is refused. DUMP and "
-       "GOLDEN may be folders: DUMP/<stem>.h5 pairs with GOLDEN/<stem>.<backend>.golden.h5, one "
-       "summary and one verdict.",
+       "library versions) is stated, and so is a golden file or a run from a kvaudit built from "
+       "a dirty tree. A golden file made from another dump is refused. The backend is chosen as "
+       "kvaudit check chooses it (exec:NAME with --backend-command included). DUMP and "
+       "GOLDEN may be folders: DUMP/<stem>.h5 pairs with GOLDEN/<stem>.<backend>.golden.h5 "
+       "(exec:NAME written exec-NAME), one summary and one verdict.",
        "0 match, 1 moved, 2 bad input (unreadable dump or golden file, a golden file from another "
        "dump, a dump without golden file), 3 internal error"});
   cmd->add_option("DUMP", options->dump, "kvdump HDF5 file, or a folder of them")
@@ -513,9 +537,6 @@ void add_check_command(CLI::App& golden, CommandRunner& runner) {
   cmd->add_flag("--accept", options->accept,
                 "Rewrite golden files that moved with this run (atomically, after printing what "
                 "changed) and record missing ones; also KVAUDIT_GOLDEN_ACCEPT=1");
-  cmd->add_option("--inject", options->inject,
-                  "Fault injection into the backend (kvaudit check --list-injections): shows "
-                  "what golden check reports when a backend moves");
   cmd->callback([options, &runner] { runner = [options] { return run_golden_check(*options); }; });
 }
 

@@ -12,6 +12,8 @@ namespace kvaudit {
 
 const char* kvaudit_git_revision() { return KVAUDIT_GIT_REVISION; }
 
+bool revision_is_dirty(std::string_view revision) { return revision.ends_with("-dirty"); }
+
 std::string cpu_description() {
   std::ifstream in("/proc/cpuinfo");
   std::string line;

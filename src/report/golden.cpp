@@ -20,7 +20,23 @@
 namespace kvaudit {
 namespace {
 
-// The pool after the step: its digest always, then every byte (small) or the written rows.
+// SHA-256 of the rows of the slots not in `written_slots`, in slot order.
+std::string unwritten_rows_sha256(const KvPool& pool, std::span<const std::int32_t> written_slots) {
+  std::vector<bool> written(static_cast<std::size_t>(pool.num_slots), false);
+  for (const std::int32_t slot : written_slots) {
+    if (slot >= 0 && slot < pool.num_slots) written[static_cast<std::size_t>(slot)] = true;
+  }
+  const std::size_t row_bytes = pool.row_bytes();
+  Sha256 sha;
+  for (std::int64_t slot = 0; slot < pool.num_slots; ++slot) {
+    if (written[static_cast<std::size_t>(slot)]) continue;
+    sha.update(std::span<const std::uint8_t>(pool.row(slot), row_bytes));
+  }
+  return to_hex(sha.finish());
+}
+
+// The pool after the step: its digest always, then every byte (small) or the written rows (with
+// the digest of the others).
 GoldenPool capture_pool(const KvPool& pool, std::span<const std::int32_t> written_slots,
                         std::int64_t whole_pool_max_bytes) {
   GoldenPool golden;
@@ -39,6 +55,7 @@ GoldenPool capture_pool(const KvPool& pool, std::span<const std::int32_t> writte
     golden.rows = pool.bytes;
     return golden;
   }
+  golden.unwritten_sha256 = unwritten_rows_sha256(pool, written_slots);
   const std::size_t row_bytes = pool.row_bytes();
   golden.rows.resize(golden.written_slots.size() * row_bytes);
   for (std::size_t i = 0; i < golden.written_slots.size(); ++i) {
@@ -97,11 +114,12 @@ nlohmann::json current_platform() {
   return platform;
 }
 
-GoldenProvenance current_golden_provenance() {
+GoldenProvenance current_golden_provenance(std::string_view revision) {
   const Provenance process = current_provenance();
   GoldenProvenance provenance;
   provenance.kvaudit_version = kvaudit_version();
-  provenance.kvaudit_revision = kvaudit_git_revision();
+  provenance.kvaudit_revision = std::string(revision);
+  provenance.kvaudit_dirty = revision_is_dirty(revision);
   provenance.platform = current_platform();
   provenance.date_utc = process.date_utc;
   provenance.host = process.host;
@@ -136,7 +154,7 @@ Result<Golden> record_golden(const DumpReader& reader, Backend& backend,
       golden.step_indices.push_back(static_cast<int>(s));
     }
   }
-  golden.provenance = current_golden_provenance();
+  golden.provenance = current_golden_provenance(options.kvaudit_revision);
   golden.provenance.backend = run.backend;
   golden.provenance.backend_description = run.backend_description;
   golden.provenance.policy = run.policy.name;

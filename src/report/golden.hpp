@@ -15,9 +15,11 @@
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "src/backend/backend.hpp"
+#include "src/core/build_info.hpp"
 #include "src/core/result.hpp"
 #include "src/format/kvdump.hpp"
 #include "src/replay/replay.hpp"
@@ -47,6 +49,10 @@ struct GoldenPool {
   std::int64_t num_slots = 0;  // S
   int row_width = 0;           // D
   std::string sha256;          // of every byte of the pool, [S, row_bytes], always present
+  // Digest storage: SHA-256 of the rows of every slot the step did not write, in slot order, so
+  // that a moved unwritten slot is seen even when written rows moved too; empty in whole storage
+  // and in golden files recorded before it was kept (then only `sha256` tells).
+  std::string unwritten_sha256;
   std::vector<std::int64_t> written_slots;  // the slots the step wrote, in new_kv order, [Nw]
   // whole: every slot [S, row_bytes]; digest: the rows of written_slots [Nw, row_bytes].
   std::vector<std::uint8_t> rows;
@@ -73,6 +79,9 @@ struct GoldenProvenance {
   nlohmann::json backend_description = nlohmann::json::object();  // Backend::describe()
   std::string kvaudit_version;
   std::string kvaudit_revision;  // the commit built from (src/core/build_info.hpp), or "unknown"
+  // The build came from a tree with uncommitted changes (the revision ends in "-dirty"): the
+  // commit does not say what produced these outputs.
+  bool kvaudit_dirty = false;
   // What else can move a CPU backend's last bit: {"compiler", "libc", "hdf5"} versions (exp2f and
   // log2f come from the C library).
   nlohmann::json platform = nlohmann::json::object();
@@ -99,6 +108,8 @@ Result<GoldenEntry> capture_golden_entry(const StepLayerOutputs& outputs,
 struct GoldenRecordOptions {
   ReplayOptions replay;  // layers, steps, policy, threads, progress; the observer is set here
   std::int64_t whole_pool_max_bytes = kWholePoolMaxBytes;
+  // The revision recorded as the provenance's kvaudit_revision (and kvaudit_dirty): this binary's.
+  std::string kvaudit_revision = kvaudit_git_revision();
 };
 
 // Replays the dump through `backend` and captures every reported (step, layer), sorted by step,
@@ -109,8 +120,8 @@ struct GoldenRecordOptions {
 Result<Golden> record_golden(const DumpReader& reader, Backend& backend,
                              const GoldenRecordOptions& options);
 
-// This process's provenance fields (kvaudit version and revision, platform, date, host, command
-// line).
-GoldenProvenance current_golden_provenance();
+// This process's provenance fields (kvaudit version, platform, date, host, command line), with
+// `revision` as kvaudit_revision and kvaudit_dirty from it.
+GoldenProvenance current_golden_provenance(std::string_view revision = kvaudit_git_revision());
 
 }  // namespace kvaudit

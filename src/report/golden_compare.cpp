@@ -249,10 +249,16 @@ void compare_pool(const GoldenEntry& golden, const GoldenEntry& current,
     }
     return;
   }
-  if (diff.written_slots_differ) return;  // rows of other slots: nothing to pair them with
-  for (std::size_t i = 0; i < g.written_slots.size(); ++i) {
-    note_slot(g.written_slots[i], g.rows.data() + i * row_bytes, c.rows.data() + i * row_bytes);
+  if (!diff.written_slots_differ) {  // else rows of other slots: nothing to pair them with
+    for (std::size_t i = 0; i < g.written_slots.size(); ++i) {
+      note_slot(g.written_slots[i], g.rows.data() + i * row_bytes, c.rows.data() + i * row_bytes);
+    }
   }
+  // With other written slots the unwritten ones are another set: their digests cannot be paired.
+  if (diff.written_slots_differ) return;
+  const bool both_known = !g.unwritten_sha256.empty() && !c.unwritten_sha256.empty();
+  diff.unwritten_moved = both_known ? g.unwritten_sha256 != c.unwritten_sha256
+                                    : diff.digest_moved && diff.slots_moved == 0;
 }
 
 // Why two entries cannot be compared element by element, or empty.
@@ -589,6 +595,7 @@ std::string pool_text(const EntryDiff& diff) {
     text.insert(text.size() - 1, ",...");
   }
   if (diff.slots_carried > 0) text += fmt::format(" {} carried", diff.slots_carried);
+  if (diff.unwritten_moved) text += " + unwritten slots (digest)";
   return text;
 }
 
@@ -612,6 +619,38 @@ void print_golden_comparison(std::ostream& out, const GoldenComparison& comparis
                diff.lse_max_abs, first ? compact_move(*first) : "-", pool_text(diff));
   }
   if (comparison.first) fmt::print(out, "first moved: {}\n", describe_move(*comparison.first));
+  for (const std::string& note : unwritten_slot_notes(comparison)) fmt::print(out, "{}\n", note);
+}
+
+std::vector<std::string> dirty_build_lines(const GoldenProvenance& golden,
+                                           const GoldenProvenance& current) {
+  std::vector<std::string> lines;
+  if (golden.kvaudit_dirty) {
+    lines.push_back(fmt::format(
+        "warning: the golden file was recorded by a kvaudit built from a dirty tree (revision "
+        "{}): uncommitted changes made it, so its commit does not say what produced these "
+        "outputs; re-record it from a clean build",
+        golden.kvaudit_revision));
+  }
+  if (current.kvaudit_dirty) {
+    lines.push_back(fmt::format(
+        "note: this kvaudit was built from a dirty tree (revision {}): uncommitted changes may "
+        "move the outputs",
+        current.kvaudit_revision));
+  }
+  return lines;
+}
+
+std::vector<std::string> unwritten_slot_notes(const GoldenComparison& comparison) {
+  std::vector<std::string> notes;
+  for (const EntryDiff& diff : comparison.moved) {
+    if (!diff.unwritten_moved) continue;
+    notes.push_back(fmt::format(
+        "note: step {} layer {}: pool slots the step did not write moved (digest storage keeps "
+        "only their SHA-256; kvaudit check --steps {} --layers {} names them)",
+        diff.step, diff.layer_id, diff.step, diff.layer_id));
+  }
+  return notes;
 }
 
 }  // namespace kvaudit

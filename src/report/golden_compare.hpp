@@ -52,6 +52,13 @@ GoldenModeChoice choose_golden_mode(const GoldenProvenance& golden,
 std::vector<std::string> provenance_differences(const GoldenProvenance& golden,
                                                 const GoldenProvenance& current);
 
+// Lines that flag a build from a tree with uncommitted changes (kvaudit_dirty): "warning: the
+// golden file was recorded by a kvaudit built from a dirty tree (revision ...-dirty): ..." for the
+// golden file, "note: this kvaudit was built from a dirty tree (...)" for this run. Nothing when
+// both are clean.
+std::vector<std::string> dirty_build_lines(const GoldenProvenance& golden,
+                                           const GoldenProvenance& current);
+
 // The CUDA kernel variant (describe()'s "kernel_variant", src/backend/cuda_kernel_variant.hpp) of
 // the golden file and of this run, for a check that moved: one line when they agree ("kernel
 // variant (the golden file's and this run's): decode16=auto, host_plan=true, ..."), else one line
@@ -101,6 +108,10 @@ struct EntryDiff {
   std::optional<ElementMove> first_pool;
   bool written_slots_differ = false;  // the step wrote other slots than the golden step did
   bool digest_moved = false;          // digest storage: the pool's SHA-256 differs
+  // Digest storage: slots the step did not write moved (their SHA-256 differs; for a golden file
+  // without it, the pool's SHA-256 differs while no written row does). Their numbers are not
+  // known here: `kvaudit check` names them.
+  bool unwritten_moved = false;
 
   static constexpr std::size_t kListedSlots = 8;
   bool moved() const;
@@ -122,7 +133,13 @@ GoldenComparison compare_golden(const Golden& golden, const Golden& current, Gol
 
 // One line per moved (step, layer) under a header (counts, largest distances, its first moved
 // element as "out[row,head,dim] (ulps)", the pool slots that moved), then "first moved: ..." in
-// full. Nothing when nothing moved.
+// full, then one note per (step, layer) whose unwritten slots moved in digest storage
+// (unwritten_slot_notes). Nothing when nothing moved.
 void print_golden_comparison(std::ostream& out, const GoldenComparison& comparison);
+
+// "note: step 1 layer 0: pool slots the step did not write moved (digest storage: ...)", one per
+// moved (step, layer) with unwritten_moved, in comparison order; whether or not its written rows
+// or outputs moved too.
+std::vector<std::string> unwritten_slot_notes(const GoldenComparison& comparison);
 
 }  // namespace kvaudit

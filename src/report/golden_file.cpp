@@ -13,6 +13,7 @@
 #include <system_error>
 #include <vector>
 
+#include "src/core/build_info.hpp"
 #include "src/core/hdf5_handles.hpp"
 #include "src/format/hdf5_objects.hpp"
 
@@ -112,6 +113,7 @@ Status GoldenWriter::write_root(hid_t root, const Golden& golden) const {
   KVAUDIT_TRY(write_string(root, "/", "backend_description", p.backend_description.dump()));
   KVAUDIT_TRY(write_string(root, "/", "kvaudit_version", p.kvaudit_version));
   KVAUDIT_TRY(write_string(root, "/", "kvaudit_revision", p.kvaudit_revision));
+  KVAUDIT_TRY(write_int(root, "/", "kvaudit_dirty", p.kvaudit_dirty ? 1 : 0));
   KVAUDIT_TRY(write_string(root, "/", "platform", p.platform.dump()));
   KVAUDIT_TRY(write_string(root, "/", "policy", p.policy));
   KVAUDIT_TRY(write_string(root, "/", "date_utc", p.date_utc));
@@ -156,6 +158,9 @@ Status GoldenWriter::write_pool(hid_t group, const std::string& path,
   KVAUDIT_TRY(write_int(group, path, "pool_num_slots", pool.num_slots));
   KVAUDIT_TRY(write_int(group, path, "pool_row_width", pool.row_width));
   KVAUDIT_TRY(write_string(group, path, "pool_sha256", pool.sha256));
+  if (!pool.unwritten_sha256.empty()) {
+    KVAUDIT_TRY(write_string(group, path, "pool_unwritten_sha256", pool.unwritten_sha256));
+  }
   KVAUDIT_TRY(write_dataset(group, path, "pool_written_slots", {pool.written_slots.size()},
                             H5T_STD_I64LE, H5T_NATIVE_INT64, pool.written_slots.data()));
   const auto row_bytes = static_cast<hsize_t>(pool.row_bytes());
@@ -318,6 +323,13 @@ Status GoldenReader::read_root(hid_t root, Golden& golden) const {
   }
   KVAUDIT_TRY(text("kvaudit_version", p.kvaudit_version));
   KVAUDIT_TRY(text("kvaudit_revision", p.kvaudit_revision));
+  // kvaudit_dirty was added to version 1; a file without it says "-dirty" in the revision.
+  p.kvaudit_dirty = revision_is_dirty(p.kvaudit_revision);
+  if (H5Aexists(root, "kvaudit_dirty") > 0) {
+    KVAUDIT_ASSIGN_OR_RETURN(const std::int64_t dirty,
+                             objects_.read_int_in(root, "/", "kvaudit_dirty", 0, 1));
+    p.kvaudit_dirty = p.kvaudit_dirty || dirty == 1;
+  }
   std::string platform;
   KVAUDIT_TRY(text("platform", platform));
   p.platform = nlohmann::json::parse(platform, nullptr, false);
@@ -375,6 +387,13 @@ Status GoldenReader::read_pool(hid_t group, const std::string& path, GoldenPool&
                            objects_.read_int_in(group, path, "pool_row_width", 1, 1 << 20));
   KVAUDIT_ASSIGN_OR_RETURN(pool.sha256, objects_.read_string(group, path, "pool_sha256"));
   if (pool.sha256.size() != 64) return objects_.bad(path, "pool_sha256 is not 64 hex digits");
+  if (H5Aexists(group, "pool_unwritten_sha256") > 0) {  // digest storage, added to version 1
+    KVAUDIT_ASSIGN_OR_RETURN(pool.unwritten_sha256,
+                             objects_.read_string(group, path, "pool_unwritten_sha256"));
+    if (pool.unwritten_sha256.size() != 64) {
+      return objects_.bad(path, "pool_unwritten_sha256 is not 64 hex digits");
+    }
+  }
   if (pool.num_slots < 0) return objects_.bad(path, "pool_num_slots is negative");
   KVAUDIT_TRY(read_vector(group, path, "pool_written_slots", ElementClass::kOtherInteger,
                           H5T_NATIVE_INT64, pool.written_slots));

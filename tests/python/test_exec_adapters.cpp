@@ -9,6 +9,9 @@
 //   --fault round-toward-zero          exit 1, integrity written_slots [off_by_one_code]
 //   --fault lse-base2                  exit 1, a failing kernel comparison whose reasons name lse,
 //                                      and the diagnosis explains it by lse-base-2
+// Golden files through the same adapter (`kvaudit golden record/check --backend exec:torch
+// --backend-command ...`): a recording matches a second run, and a planted lse-base2 fault or
+// PyTorch's own write moves it (exit 1, the first moved element named).
 // Also the package's unittest suite under the same interpreter, so that its torch tests run.
 //
 // The interpreter: $KVAUDIT_PYTHON, else build/python-venv/bin/python (scripts/setup-python.sh;
@@ -247,4 +250,63 @@ TEST_CASE("exec torch adapter: a base-2 lse fails the kernel comparison on lse",
     INFO(run.report["diagnosis"].dump(2));
     CHECK(diagnosis_names_lse_base(run.report["diagnosis"]));
   }
+}
+
+namespace {
+
+// `kvaudit golden SUBCOMMAND ARGUMENTS --backend exec:torch --backend-command "<python> -m
+// kvdump.backends torch --device cpu ADAPTER_OPTIONS"`, its exit status and output.
+ExecRun golden_with_torch_adapter(const std::string& name, const std::string& arguments,
+                                  const std::string& adapter_options) {
+  const std::filesystem::path dir = std::filesystem::path(KVAUDIT_TEST_TMPDIR) / "exec" / "golden";
+  std::filesystem::create_directories(dir);
+  const std::string backend_command =
+      fmt::format("PYTHONPATH=\"{}\" \"{}\" -B -m kvdump.backends torch --device cpu {}",
+                  (source_root() / "python").string(), venv_python().string(), adapter_options);
+  ExecRun run;
+  run.command = fmt::format(
+      "KVAUDIT_GOLDEN_ACCEPT=0 {} golden {} --backend exec:torch "
+      "--backend-command '{}' --threads 2",
+      KVAUDIT_BINARY, arguments, backend_command);
+  const std::filesystem::path log = dir / (name + ".log");
+  run.status = exit_status(fmt::format("{} > {} 2>&1", run.command, quoted(log)));
+  run.output = read_text(log);
+  return run;
+}
+
+}  // namespace
+
+TEST_CASE("exec torch adapter: a golden file recorded through it matches; a fault moves it",
+          "[python][exec][golden]") {
+  KVAUDIT_REQUIRE_EXEC_TORCH();
+  const std::string dump = quoted(source_root() / "datasets" / "glm5_page1.h5");
+  const std::filesystem::path golden =
+      std::filesystem::path(KVAUDIT_TEST_TMPDIR) / "exec" / "golden" / "glm5_page1.torch.golden.h5";
+  std::filesystem::remove(golden);
+  const ExecRun recorded = golden_with_torch_adapter(
+      "record", fmt::format("record {} -o {}", dump, quoted(golden)), "--write kvdump");
+  INFO(recorded.command << "\n" << recorded.output);
+  REQUIRE(recorded.status == 0);
+  REQUIRE(std::filesystem::exists(golden));
+  const std::string check = fmt::format("check {} {}", dump, quoted(golden));
+
+  const ExecRun same = golden_with_torch_adapter("match", check, "--write kvdump");
+  INFO(same.command << "\n" << same.output);
+  CHECK(same.status == 0);
+  CHECK(same.output.find("verdict: match") != std::string::npos);
+
+  // lse in base 2: every lse moves, out does not.
+  const ExecRun lse =
+      golden_with_torch_adapter("lse_base2", check, "--write kvdump --fault lse-base2");
+  INFO(lse.command << "\n" << lse.output);
+  CHECK(lse.status == 1);
+  CHECK(lse.output.find("first moved: step 0 layer 0 lse[row ") != std::string::npos);
+  CHECK(lse.output.find("verdict: MOVED") != std::string::npos);
+
+  // PyTorch's own write (a bf16 quotient): written codes move, one step each.
+  const ExecRun write = golden_with_torch_adapter("server_write", check, "");
+  INFO(write.command << "\n" << write.output);
+  CHECK(write.status == 1);
+  CHECK(write.output.find("first moved: step 0 layer ") != std::string::npos);
+  CHECK(write.output.find(" pool[slot ") != std::string::npos);
 }

@@ -4,17 +4,21 @@
 // pool by step, layer, row, head, dim or slot; tolerance mode lets through what another summation
 // order may change and nothing more; the mode follows the backend's description; provenance
 // differences are listed. The command line is tested in test_golden_cli.cpp.
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
 #include <fstream>
 #include <memory>
+#include <span>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "src/backend/mla_attention_cpu.hpp"
+#include "src/core/build_info.hpp"
 #include "src/core/fp8_e4m3.hpp"
+#include "src/core/sha256.hpp"
 #include "src/report/golden.hpp"
 #include "src/report/golden_compare.hpp"
 #include "src/report/golden_file.hpp"
@@ -36,7 +40,8 @@ struct Recorded {
 
 // Records a tiny two-layer dump (ids 0 and 4) with cpu-fp8.
 Recorded record_tiny(const std::string& name,
-                     std::int64_t whole_pool_max_bytes = kWholePoolMaxBytes) {
+                     std::int64_t whole_pool_max_bytes = kWholePoolMaxBytes,
+                     const std::string& kvaudit_revision = kvaudit_git_revision()) {
   TinySpec spec;
   spec.layer_ids = {0, 4};
   Recorded recorded{make_tiny_dump(spec), {}};
@@ -53,6 +58,7 @@ Recorded record_tiny(const std::string& name,
   options.replay.threads = 2;
   options.replay.policy = default_policy();
   options.whole_pool_max_bytes = whole_pool_max_bytes;
+  options.kvaudit_revision = kvaudit_revision;
   auto golden = record_golden(*reader, **backend, options);
   REQUIRE(golden.ok());
   recorded.golden = std::move(*golden);
@@ -139,6 +145,49 @@ TEST_CASE("golden record: a pool above the limit is its SHA-256 and the written 
   }
   // The digest is of the whole pool: steps that write change it.
   CHECK(recorded.golden.entries[0].pool.sha256 != recorded.golden.entries[2].pool.sha256);
+}
+
+TEST_CASE("golden record: digest storage also keeps the SHA-256 of the unwritten slots",
+          "[golden]") {
+  const Recorded recorded = record_tiny("golden_record_unwritten", 100);
+  const TinyDump& dump = recorded.dump;
+  for (const GoldenEntry& entry : recorded.golden.entries) {
+    const KvPool after = dump.pool_after(entry.step, entry.layer_id == 0 ? 0 : 1);
+    Sha256 unwritten;  // every slot the step did not write, in slot order
+    for (std::int64_t slot = 0; slot < after.num_slots; ++slot) {
+      const auto& written = entry.pool.written_slots;
+      if (std::find(written.begin(), written.end(), slot) != written.end()) continue;
+      unwritten.update(std::span<const std::uint8_t>(after.row(slot), after.row_bytes()));
+    }
+    CHECK(entry.pool.unwritten_sha256 == to_hex(unwritten.finish()));
+  }
+  // Whole storage names every slot: no second digest.
+  const Recorded whole = record_tiny("golden_record_unwritten_whole");
+  CHECK(whole.golden.entries[0].pool.unwritten_sha256.empty());
+}
+
+TEST_CASE("golden record: a build from a dirty tree is flagged in the file and by golden check",
+          "[golden]") {
+  const Recorded dirty = record_tiny("golden_dirty", kWholePoolMaxBytes, "0123456789ab-dirty");
+  const Recorded clean = record_tiny("golden_clean", kWholePoolMaxBytes, "0123456789ab");
+  CHECK(dirty.golden.provenance.kvaudit_dirty);
+  CHECK_FALSE(clean.golden.provenance.kvaudit_dirty);
+  const auto path = test_tmp_path("golden_dirty.golden.h5");
+  REQUIRE(write_golden_file(path, dirty.golden).ok());
+  const auto read = read_golden_file(path);
+  REQUIRE(read.ok());
+  CHECK(read->provenance.kvaudit_dirty);
+  CHECK(read->provenance.kvaudit_revision == "0123456789ab-dirty");
+  const std::vector<std::string> lines =
+      dirty_build_lines(read->provenance, clean.golden.provenance);
+  REQUIRE(lines.size() == 1);
+  CHECK_THAT(lines[0], Catch::StartsWith("warning: the golden file was recorded by a kvaudit "
+                                         "built from a dirty tree (revision 0123456789ab-dirty)"));
+  // This run's build is flagged too; two clean builds say nothing.
+  CHECK(dirty_build_lines(clean.golden.provenance, dirty.golden.provenance) ==
+        std::vector<std::string>{"note: this kvaudit was built from a dirty tree (revision "
+                                 "0123456789ab-dirty): uncommitted changes may move the outputs"});
+  CHECK(dirty_build_lines(clean.golden.provenance, clean.golden.provenance).empty());
 }
 
 TEST_CASE("golden file: written and read back unchanged, whole and digest pools", "[golden]") {
@@ -297,6 +346,32 @@ TEST_CASE("golden compare: digest pools name moved written slots and moved unwri
         std::vector<std::int64_t>{recorded.golden.entries[2].pool.written_slots[1]});
   CHECK(comparison.moved[1].slots_moved == 0);
   CHECK(comparison.moved[1].digest_moved);
+}
+
+TEST_CASE("golden compare: digest storage notes moved unwritten slots when written ones moved too",
+          "[golden]") {
+  Recorded recorded = record_tiny("golden_digest_both", 100);
+  Golden current = recorded.golden;
+  GoldenEntry& entry = entry_of(current, 1, 0);
+  entry.pool.rows[entry.pool.row_bytes() + 4] ^= 0x80;  // the second written slot's row
+  entry.pool.sha256[0] = entry.pool.sha256[0] == 'f' ? '0' : 'f';
+  entry.pool.unwritten_sha256[0] = entry.pool.unwritten_sha256[0] == 'f' ? '0' : 'f';
+  const GoldenComparison comparison = compare_golden(recorded.golden, current, GoldenMode::kExact);
+  REQUIRE(comparison.moved.size() == 1);
+  CHECK(comparison.moved[0].slots_moved == 1);
+  CHECK(comparison.moved[0].unwritten_moved);
+  std::ostringstream printed;
+  print_golden_comparison(printed, comparison);
+  CHECK_THAT(printed.str(), Catch::Contains("+ unwritten slots (digest)"));
+  CHECK_THAT(printed.str(),
+             Catch::Contains("note: step 1 layer 0: pool slots the step did not write moved"));
+  // Only the written row moved: no note.
+  entry.pool.unwritten_sha256 = entry_of(recorded.golden, 1, 0).pool.unwritten_sha256;
+  const GoldenComparison written_only =
+      compare_golden(recorded.golden, current, GoldenMode::kExact);
+  REQUIRE(written_only.moved.size() == 1);
+  CHECK_FALSE(written_only.moved[0].unwritten_moved);
+  CHECK(unwritten_slot_notes(written_only).empty());
 }
 
 TEST_CASE("golden compare: tolerance mode allows 2 ulps or 2^-8 of the row's scale, no more",

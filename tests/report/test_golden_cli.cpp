@@ -352,3 +352,163 @@ TEST_CASE("kvaudit golden on one folder holding dumps and golden files", "[cli][
 }
 
 }  // namespace kvaudit
+
+// ---- exec backends (issue 32, item 1) ----------------------------------------------------------
+
+namespace kvaudit {
+namespace {
+
+// --backend exec:cpu-fp8 served by this kvaudit itself (`kvaudit backend-serve cpu-fp8`, the
+// external backend protocol; tests/cli/test_backend_serve.cpp), with `serve_options` after it.
+std::string exec_cpu_fp8(const std::string& serve_options = "") {
+  return "--backend exec:cpu-fp8 --backend-command \"'" + std::string(KVAUDIT_BINARY) +
+         "' backend-serve cpu-fp8 --threads 2" + serve_options + "\"";
+}
+
+}  // namespace
+
+TEST_CASE("kvaudit golden record and check through an exec backend", "[cli][golden][exec]") {
+  const fs::path dir = fresh_dir("golden_cli_exec");
+  write_tiny_dump(dir / "tiny.h5");
+  const fs::path golden = dir / "tiny.exec.golden.h5";
+  const std::string dump = quoted(dir / "tiny.h5");
+  const CommandResult recorded = run_kvaudit(
+      "exec_record", "golden record " + dump + " -o " + quoted(golden) + " " + exec_cpu_fp8());
+  INFO(recorded.out << recorded.err);
+  REQUIRE(recorded.status == 0);
+  CHECK(read_root_string(golden, "backend") == "exec:cpu-fp8");
+  const nlohmann::json description =
+      nlohmann::json::parse(read_root_string(golden, "backend_description"));
+  CHECK(description.dump().find("backend-serve") != std::string::npos);
+
+  SECTION("the same program matches") {
+    const CommandResult result = run_kvaudit(
+        "exec_match", "golden check " + dump + " " + quoted(golden) + " " + exec_cpu_fp8());
+    INFO(result.out << result.err);
+    CHECK(result.status == 0);
+    CHECK_THAT(result.out, Catch::Contains("verdict: match (0 of 6 (step, layer)s moved; "
+                                           "backend exec:cpu-fp8)"));
+  }
+  SECTION("a program planted with a read fault moves, and the element is named") {
+    const CommandResult result =
+        run_kvaudit("exec_moved", "golden check " + dump + " " + quoted(golden) + " " +
+                                      exec_cpu_fp8(" --inject scale-mismatch"));
+    INFO(result.out << result.err);
+    CHECK(result.status == 1);
+    CHECK_THAT(result.out, Catch::Contains("first moved: step 0 layer 0 out[row "));
+    CHECK_THAT(result.out, Catch::Contains("verdict: MOVED"));
+  }
+  SECTION("the golden file of the built-in cpu-fp8 matches the program serving it") {
+    const fs::path builtin = dir / "tiny.cpu-fp8.golden.h5";
+    record(dir / "tiny.h5", builtin);
+    const CommandResult result = run_kvaudit(
+        "exec_builtin", "golden check " + dump + " " + quoted(builtin) + " " + exec_cpu_fp8());
+    INFO(result.out << result.err);
+    CHECK(result.status == 0);
+    CHECK_THAT(result.out,
+               Catch::Contains("note: provenance differs: backend: cpu-fp8 -> exec:cpu-fp8"));
+    CHECK_THAT(result.out, Catch::Contains("verdict: match"));
+  }
+  SECTION("--backend-command without exec:NAME, and --inject with it, are bad input") {
+    const CommandResult command = run_kvaudit(
+        "exec_bad_command", "golden check " + dump + " " + quoted(golden) +
+                                " --backend cpu-fp8 --backend-command 'kvaudit backend-serve'");
+    CHECK(command.status == 2);
+    CHECK_THAT(command.err, Catch::Contains("kvaudit: --backend-command: starts an exec:NAME "
+                                            "backend; --backend is cpu-fp8"));
+    const CommandResult inject = run_kvaudit(
+        "exec_bad_inject", "golden record " + dump + " -o " + quoted(dir / "other.golden.h5") +
+                               " " + exec_cpu_fp8() + " --inject scale-mismatch");
+    CHECK(inject.status == 2);
+    CHECK_THAT(inject.err, Catch::Contains("kvaudit: --inject: injections are for the built-in"));
+    CHECK_FALSE(fs::exists(dir / "other.golden.h5"));
+  }
+}
+
+TEST_CASE("kvaudit golden on folders through an exec backend: exec:NAME is exec-NAME in names",
+          "[cli][golden][exec]") {
+  const fs::path dir = fresh_dir("golden_cli_exec_folder");
+  fs::create_directories(dir / "dumps");
+  write_tiny_dump(dir / "dumps" / "tiny.h5");
+  const CommandResult recorded =
+      run_kvaudit("exec_folder_record", "golden record " + quoted(dir / "dumps") + " -o " +
+                                            quoted(dir / "golden") + " " + exec_cpu_fp8());
+  INFO(recorded.out << recorded.err);
+  REQUIRE(recorded.status == 0);
+  CHECK(fs::exists(dir / "golden" / "tiny.exec-cpu-fp8.golden.h5"));
+  const CommandResult checked =
+      run_kvaudit("exec_folder_check", "golden check " + quoted(dir / "dumps") + " " +
+                                           quoted(dir / "golden") + " " + exec_cpu_fp8());
+  INFO(checked.out << checked.err);
+  CHECK(checked.status == 0);
+  CHECK_THAT(checked.out, Catch::Contains("verdict: MATCH (1 dumps: 1 match"));
+  CHECK_THAT(checked.out, !Catch::Contains("has no dump"));
+}
+
+// ---- provenance from a dirty tree, unwritten slots in digest storage (issue 32, item 4) ---------
+
+TEST_CASE("kvaudit golden check: a golden file recorded from a dirty tree is flagged",
+          "[cli][golden]") {
+  const fs::path dir = fresh_dir("golden_cli_dirty");
+  write_tiny_dump(dir / "tiny.h5");
+  const fs::path golden = dir / "tiny.golden.h5";
+  record(dir / "tiny.h5", golden);
+  const std::string check = "golden check " + quoted(dir / "tiny.h5") + " " + quoted(golden);
+  const std::string warning =
+      "warning: the golden file was recorded by a kvaudit built from a dirty tree (revision "
+      "0123456789ab-dirty)";
+  SECTION("a revision that ends in -dirty, as every golden file records it") {
+    write_root_string(golden, "kvaudit_revision", "0123456789ab-dirty");
+    const CommandResult result = run_kvaudit("dirty_revision", check);
+    INFO(result.out << result.err);
+    CHECK(result.status == 0);  // flagged, not failed: the outputs still match
+    CHECK_THAT(result.out, Catch::Contains(warning));
+  }
+  SECTION("the kvaudit_dirty flag") {
+    write_root_string(golden, "kvaudit_revision", "0123456789ab");
+    const hid_t file = H5Fopen(golden.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+    REQUIRE(file >= 0);
+    if (H5Aexists(file, "kvaudit_dirty") > 0) {
+      REQUIRE(H5Adelete_by_name(file, "/", "kvaudit_dirty", H5P_DEFAULT) >= 0);
+    }
+    const hid_t space = H5Screate(H5S_SCALAR);
+    const hid_t attribute = H5Acreate_by_name(file, "/", "kvaudit_dirty", H5T_STD_I64LE, space,
+                                              H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
+    const std::int64_t one = 1;
+    REQUIRE(H5Awrite(attribute, H5T_NATIVE_INT64, &one) >= 0);
+    H5Aclose(attribute);
+    H5Sclose(space);
+    REQUIRE(H5Fclose(file) >= 0);
+    const CommandResult result = run_kvaudit("dirty_flag", check);
+    INFO(result.out << result.err);
+    CHECK(result.status == 0);
+    CHECK_THAT(result.out, Catch::Contains("warning: the golden file was recorded by a kvaudit "
+                                           "built from a dirty tree (revision 0123456789ab)"));
+  }
+}
+
+TEST_CASE("kvaudit golden check: digest storage still notes moved unwritten slots",
+          "[cli][golden]") {
+  const fs::path dir = fresh_dir("golden_cli_unwritten");
+  write_tiny_dump(dir / "tiny.h5");
+  const fs::path golden = dir / "tiny.golden.h5";
+  const CommandResult recorded =
+      run_kvaudit("unwritten_record", "golden record " + quoted(dir / "tiny.h5") + " -o " +
+                                          quoted(golden) + " --whole-pool-max-bytes 0 --threads 2");
+  INFO(recorded.out << recorded.err);
+  REQUIRE(recorded.status == 0);
+  CHECK_THAT(recorded.out, Catch::Contains("pools as SHA-256 + written rows"));
+  // Each write lands in slot + 1: written rows move, and so does a slot the step did not write
+  // (the one after the last row written), which digest storage holds only in its SHA-256.
+  const CommandResult result =
+      run_kvaudit("unwritten_check", "golden check " + quoted(dir / "tiny.h5") + " " +
+                                         quoted(golden) + " --inject neighbour-slot-write");
+  INFO(result.out << result.err);
+  CHECK(result.status == 1);
+  CHECK_THAT(result.out, Catch::Contains("first moved: step 0 layer 0 pool[slot "));
+  CHECK_THAT(result.out, Catch::Contains("note: step 0 layer 0: pool slots the step did not write "
+                                         "moved (digest storage keeps only their SHA-256"));
+  CHECK_THAT(result.out, Catch::Contains("+ unwritten slots (digest)"));
+}
+
+}  // namespace kvaudit
