@@ -3,15 +3,17 @@
 # are not reinstalled, so it is quick to run again. It builds nothing: scripts/run-main-job.sh
 # builds the kvaudit binary, scripts/run-tests.sh everything with the tests.
 #   cmake g++ make pkg-config libhdf5-dev libboost-dev libcli11-dev catch2 nlohmann-json3-dev
-#   libfmt-dev nettle-dev python3-h5py python3-numpy python3-jsonschema clang-format
-# (python3-h5py and python3-numpy for the tests, which write dumps with /usr/bin/python3;
-# python3-jsonschema for report.json's schema test, tests/report/check_report_schema.py; the
+#   libfmt-dev nettle-dev libgmp-dev python3-h5py python3-numpy python3-jsonschema clang-format
+# (libgmp-dev, which nettle-dev pulls in anyway, for the libgmp.a the portable build links after
+# libhogweed.a, nettle's Ed25519; python3-h5py and python3-numpy for the tests, which write dumps
+# with /usr/bin/python3; python3-jsonschema for report.json's schema test, tests/report/check_report_schema.py; the
 # kvdump Python package itself installs into any Python with `pip install ./python`.)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 packages=(cmake g++ make pkg-config libhdf5-dev libboost-dev libcli11-dev catch2 nlohmann-json3-dev
-          libfmt-dev nettle-dev python3-h5py python3-numpy python3-jsonschema clang-format
+          libfmt-dev nettle-dev libgmp-dev python3-h5py python3-numpy python3-jsonschema
+          clang-format
           chromium tidy python3-pil python3-html5lib fonts-dejavu-core)  # report.html's browser test
 missing=()
 for package in "${packages[@]}"; do
