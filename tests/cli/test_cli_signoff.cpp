@@ -159,8 +159,16 @@ TEST_CASE("kvaudit keygen writes a key pair, the private key 0600, and never ove
 
 TEST_CASE("check --signoff without a signer, a model, a key or a report is refused",
           "[cli][signoff]") {
-  const std::string key = make_key("refused_key").string();
   const std::filesystem::path dir = fresh_dir("refused_signoff");
+  // Nothing but --signoff and a report: not a sign-off (it used to pass, "(not given)").
+  const Ran bare =
+      kvaudit("signoff_bare", "check " + dataset("glm5_page1.h5") +
+                                  " --threads 2 --signoff --report '" + dir.string() + "'");
+  INFO(bare.out);
+  CHECK(bare.status == 2);
+  CHECK_THAT(bare.out, Catch::StartsWith("kvaudit: --signoff: needs --signed-by NAME"));
+  CHECK_FALSE(std::filesystem::exists(dir));
+  const std::string key = make_key("refused_key").string();
   const std::string report = " --report '" + dir.string() + "'";
   const std::string signer = " --signed-by 'Ada Lovelace'";
   const std::string model = " --model GLM-5";
