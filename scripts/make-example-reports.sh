@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # Regenerates the example reports: every shipped dump (datasets/*.h5) checked with --signoff
-# through one backend into OUT/<dump>/ (report.json, report.md, report.html), each verified with
-# `kvaudit verify-report`, and each report.html rendered to OUT/<dump>/report.png by headless
-# Chromium (Debian's chromium; the PNG is cropped to the page's height with python3-pil).
+# through one backend into OUT/<dump>/ (report.json, report.md, report.html, signed:
+# report.manifest.json, report.sig), each verified with `kvaudit verify-report --public-key`, and
+# each report.html rendered to OUT/<dump>/report.png by headless Chromium (Debian's chromium; the
+# PNG is cropped to the page's height with python3-pil). The reports are signed with
+# --signing-key FILE, or else with a throwaway key made by `kvaudit keygen` in a temporary folder
+# and deleted afterwards; its public key is kept as OUT/signing-key.pub, so that anyone can check
+# the examples (`kvaudit verify-report OUT/<dump> --public-key OUT/signing-key.pub`).
 #
 #   bash scripts/make-example-reports.sh [--kvaudit PATH] [--backend NAME] [--out DIR]
 #                                        [--signed-by NAME] [--deployment TEXT]
+#                                        [--signing-key FILE]
 #                                        [--backend-command CMD]   # for --backend exec:NAME
 #   bash scripts/make-example-reports.sh --png-only DIR    # render DIR/*/report.html again
 #
@@ -26,6 +31,7 @@ signed_by="kvaudit example (not a real sign-off)"
 deployment=""
 png_only=""
 backend_command=""
+signing_key=""
 while (($# > 0)); do
   case "$1" in
     --kvaudit) kvaudit=$2; shift 2 ;;
@@ -34,6 +40,7 @@ while (($# > 0)); do
     --out) out=$2; shift 2 ;;
     --signed-by) signed_by=$2; shift 2 ;;
     --deployment) deployment=$2; shift 2 ;;
+    --signing-key) signing_key=$2; shift 2 ;;
     --png-only) png_only=$2; shift 2 ;;
     *) echo "make-example-reports: unknown argument $1 (see the header of $0)" >&2; exit 2 ;;
   esac
@@ -81,6 +88,15 @@ fi
 
 [[ -z $deployment ]] && deployment="$backend on $(hostname)"
 mkdir -p "$out"
+if [[ -z $signing_key ]]; then  # a throwaway key: only its public key is kept
+  key_dir=$(mktemp -d)
+  trap 'rm -rf "$key_dir"' EXIT
+  signing_key=$key_dir/key
+  "$kvaudit" keygen --out "$signing_key" >/dev/null
+  rm -f "$out/signing-key.pub"
+  cp "$signing_key.pub" "$out/signing-key.pub"
+fi
+public_key=$signing_key.pub
 for dump in datasets/*.h5; do
   name=$(basename "$dump" .h5)
   rm -rf "${out:?}/$name"
@@ -88,7 +104,7 @@ for dump in datasets/*.h5; do
   exec_options=()
   [[ -n $backend_command ]] && exec_options=(--backend-command "$backend_command")
   "$kvaudit" check "$dump" --backend "$backend" "${exec_options[@]}" --signoff \
-    --signed-by "$signed_by" \
+    --signed-by "$signed_by" --signing-key "$signing_key" \
     --model "$(model_of "$dump")" \
     --deployment "$deployment" --report "$out/$name" >"$out/$name.stdout" 2>&1 || status=$?
   if ((status > 1)); then
@@ -98,6 +114,6 @@ for dump in datasets/*.h5; do
   fi
   mv "$out/$name.stdout" "$out/$name/check.stdout"
   echo "make-example-reports: $out/$name ($(tail -n 1 "$out/$name/check.stdout"))"
-  "$kvaudit" verify-report "$out/$name" >/dev/null
+  "$kvaudit" verify-report "$out/$name" --public-key "$public_key" >/dev/null
   render_png "$out/$name/report.html"
 done

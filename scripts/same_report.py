@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Compares two kvaudit report.json files in everything but what may differ between two runs of the
 same check: `timing`, `provenance` (a merged report's names its parts), the dump's `path`
-(`dump.sha256` is compared) and a sign-off's digest value (it covers the provenance; who signed
+(`dump.sha256` is compared) and a sign-off's checksum value (it covers the provenance; who signed
 is compared). Verdict, counts, backend, policy, dump summary, results in order,
 integrity findings, steps, notes and first divergence must be equal.
 

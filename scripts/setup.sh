@@ -5,7 +5,8 @@
 #   bash scripts/setup.sh --list [tests]   prints the set's packages, one per line, installs nothing
 #   bash scripts/setup.sh          what building kvaudit needs (the main job calls this):
 #     cmake g++ make pkg-config libhdf5-dev libboost-dev libcli11-dev nlohmann-json3-dev
-#     libfmt-dev nettle-dev libgmp-dev
+#     libfmt-dev nettle-dev libgmp-dev (libgmp-dev, which nettle-dev pulls in anyway, for the
+#     libgmp.a that the portable build links after libhogweed.a, nettle's Ed25519)
 #   bash scripts/setup.sh tests    that, and what the tests need (scripts/run-tests.sh calls this):
 #     catch2 clang-format python3-h5py python3-numpy python3-jsonschema, and for the test that
 #     renders report.html in headless Chromium (tests/report/test_report_browser.cpp, about

@@ -5,7 +5,8 @@
 # OUT/report/report.json and report.md, the report the unsharded check gives (README "Sharding").
 #
 #   scripts/slurm/kvaudit-array.sh --dump FILE --shards N --out DIR [--backend NAME]
-#       [--kvaudit PATH] [--cpus C] [--first-index K] [--sbatch OPTION]... [-- CHECK_OPTION...]
+#       [--kvaudit PATH] [--cpus C] [--first-index K] [--signing-key FILE] [--sbatch OPTION]...
+#       [-- CHECK_OPTION...]
 #
 #   --dump FILE       the kvdump to check (a path every node can read)
 #   --shards N        how many parts (shard i holds the i-th of N contiguous groups of layers)
@@ -17,6 +18,9 @@
 #   --cpus C          CPUs per task, also kvaudit's --threads (default 1); every task gets the
 #                     same, as kvaudit merge requires the same backend description of every part
 #   --first-index K   array indices K..K+N-1 (default 0); kvaudit subtracts SLURM_ARRAY_TASK_MIN
+#   --signing-key FILE  for a sign-off (-- --signoff --signed-by NAME --model NAME): the Ed25519
+#                     private key (kvaudit keygen), on a path every node reads; given to every
+#                     task's check and to the merge, which signs OUT/report with it
 #   --sbatch OPTION   passed to both sbatch calls, e.g. --sbatch --partition=gpu --sbatch --time=1:00:00
 #   -- CHECK_OPTION   the rest goes to kvaudit check (--policy, --signoff, --layers, --inject ...)
 #
@@ -27,12 +31,12 @@
 set -euo pipefail
 
 usage() {
-  sed -n '6,7p' "$0" | sed 's/^# *//' >&2
+  sed -n '6,8p' "$0" | sed 's/^# *//' >&2
   exit 2
 }
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-dump="" shards="" out="" backend=cpu-fp8 kvaudit=kvaudit cpus=1 first=0
+dump="" shards="" out="" backend=cpu-fp8 kvaudit=kvaudit cpus=1 first=0 signing_key=""
 sbatch_options=()
 while [ $# -gt 0 ]; do
   case $1 in
@@ -43,6 +47,7 @@ while [ $# -gt 0 ]; do
     --kvaudit) kvaudit=$2; shift 2 ;;
     --cpus) cpus=$2; shift 2 ;;
     --first-index) first=$2; shift 2 ;;
+    --signing-key) signing_key=$2; shift 2 ;;
     --sbatch) sbatch_options+=("$2"); shift 2 ;;
     --) shift; break ;;
     -h|--help) usage ;;
@@ -56,6 +61,18 @@ done
 [ "$shards" -ge 1 ] || { echo "kvaudit-array.sh: --shards must be at least 1" >&2; exit 2; }
 [ -r "$dump" ] || { echo "kvaudit-array.sh: cannot read $dump" >&2; exit 2; }
 kvaudit=$(command -v "$kvaudit") || { echo "kvaudit-array.sh: no kvaudit binary" >&2; exit 2; }
+# A sign-off is signed by the merge: refused here, before any job, without the key.
+signing=()
+for option in "$@"; do
+  if [ "$option" = --signoff ] && [ -z "$signing_key" ]; then
+    echo "kvaudit-array.sh: --signoff needs --signing-key FILE (the merge signs the report)" >&2
+    exit 2
+  fi
+done
+if [ -n "$signing_key" ]; then
+  [ -r "$signing_key" ] || { echo "kvaudit-array.sh: cannot read $signing_key" >&2; exit 2; }
+  signing=(--signing-key "$(realpath "$signing_key")")
+fi
 
 # Absolute paths: the jobs run wherever Slurm starts them.
 dump=$(realpath "$dump")
@@ -70,11 +87,12 @@ fi
 last=$((first + shards - 1))
 array_job=$(sbatch --parsable "${sbatch_options[@]}" --array="$first-$last" \
   --cpus-per-task="$cpus" --output="$out/logs/shard-%a.out" \
-  "$here/kvaudit-shard.sbatch" "$kvaudit" "$dump" "$shards" "$out" --backend "$backend" "$@")
+  "$here/kvaudit-shard.sbatch" "$kvaudit" "$dump" "$shards" "$out" --backend "$backend" \
+  "${signing[@]}" "$@")
 array_job=${array_job%%;*}  # "id;cluster" on a federation
 merge_job=$(sbatch --parsable "${sbatch_options[@]}" --dependency="afterok:$array_job" \
   --kill-on-invalid-dep=yes --cpus-per-task=1 --output="$out/logs/merge.out" \
-  "$here/kvaudit-merge.sbatch" "$kvaudit" "$out")
+  "$here/kvaudit-merge.sbatch" "$kvaudit" "$out" "${signing[@]}")
 merge_job=${merge_job%%;*}
 echo "array_job=$array_job"
 echo "merge_job=$merge_job"

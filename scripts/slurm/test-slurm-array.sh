@@ -2,9 +2,10 @@
 # The Slurm end-to-end test (CTest slurm_array): a single-node Slurm started here from Debian's
 # packages, without systemd, a 4-shard `kvaudit check` array on datasets/glm5_page1.h5 submitted
 # with scripts/slurm/kvaudit-array.sh (indices 1-4, so that kvaudit's SLURM_ARRAY_TASK_MIN offset
-# is exercised too), its merge job waited for, and the merged report.json compared with the
-# unsharded check's by scripts/same_report.py (everything but timing, provenance and the dump's
-# path must be equal; the comparison prints nothing).
+# is exercised too) as a sign-off with a key from kvaudit keygen, its merge job waited for, the
+# merged report's signature verified (kvaudit verify-report --public-key), and the merged
+# report.json compared with the unsharded check's by scripts/same_report.py (everything but
+# timing, provenance and the dump's path must be equal; the comparison prints nothing).
 #
 #   bash scripts/slurm/test-slurm-array.sh BUILD/kvaudit
 #
@@ -152,9 +153,12 @@ write_slurm_conf
 start_slurm || { show_logs; fail "slurmctld/slurmd did not bring the node up"; }
 echo "slurm_array: single-node Slurm up ($(sinfo -h -o '%P %a %D %T'))"
 
-# --- the sharded check on Slurm -----------------------------------------------------------------
+# --- the sharded check on Slurm, a sign-off: the merge signs the report with the key -------------
+"$kvaudit" keygen --out "$work/key" > /dev/null || fail "kvaudit keygen failed"
+signoff=(--signoff --signed-by "slurm test" --model GLM-5)
 submitted=$(bash "$root/scripts/slurm/kvaudit-array.sh" --dump "$dump" --shards "$shards" \
-  --out "$work/run" --kvaudit "$kvaudit" --cpus 1 --first-index 1) ||
+  --out "$work/run" --kvaudit "$kvaudit" --cpus 1 --first-index 1 --signing-key "$work/key" \
+  -- "${signoff[@]}") ||
   { show_logs; fail "submission failed"; }
 echo "$submitted"
 merge_job=$(sed -n 's/^merge_job=//p' <<< "$submitted")
@@ -170,9 +174,12 @@ for index in $(seq 1 "$shards"); do
 done
 
 # --- the unsharded check, the same options (one thread, as every task had) -------------------
-"$kvaudit" check "$dump" --threads 1 --json "$work/unsharded.json" > "$work/unsharded.out" 2>&1 ||
+"$kvaudit" check "$dump" --threads 1 "${signoff[@]}" --signing-key "$work/key" \
+  --report "$work/unsharded-report" --json "$work/unsharded.json" > "$work/unsharded.out" 2>&1 ||
   fail "the unsharded check failed: $(tail -n 3 "$work/unsharded.out")"
 merged=$work/run/report/report.json
+"$kvaudit" verify-report "$work/run/report" --public-key "$work/key.pub" ||
+  { show_logs; fail "the merged report's signature does not verify"; }
 echo "slurm_array: python3 scripts/same_report.py unsharded.json run/report/report.json"
 python3 "$root/scripts/same_report.py" "$work/unsharded.json" "$merged" ||
   { show_logs; fail "the merged report differs from the unsharded one"; }

@@ -57,6 +57,7 @@ void register_help_command(CLI::App& app, CommandRunner& runner);
 // `option` otherwise (defined in index_list.cpp).
 Result<std::vector<int>> parse_index_list(const std::string& text, const std::string& option);
 void register_verify_report_command(CLI::App& app, CommandRunner& runner);
+void register_keygen_command(CLI::App& app, CommandRunner& runner);
 void register_merge_command(CLI::App& app, CommandRunner& runner);
 void register_backend_serve_command(CLI::App& app, CommandRunner& runner);
 

@@ -22,6 +22,7 @@
 #include "src/cli/check_shard.hpp"
 #include "src/cli/cli.hpp"
 #include "src/core/cuda_device.hpp"
+#include "src/core/ed25519.hpp"
 #include "src/core/memory_budget.hpp"
 #include "src/core/output_file.hpp"
 #include "src/core/sha256.hpp"
@@ -38,39 +39,79 @@
 namespace kvaudit {
 namespace {
 
-// ---- sign-off fields (--signed-by, --model, --deployment): who and what a --signoff report signs
-// for; report.json's "signoff" block carries them with the report's digest
-// (src/verdict/report_digest.hpp), checked later by `kvaudit verify-report`.
+// ---- sign-off fields (--signed-by, --model, --deployment, --signing-key): who signs a --signoff
+// report, for what, and the Ed25519 key that signs it. report.json's "signoff" block carries them
+// (the public key) with the report's checksum; the report directory its signature
+// (src/report/report_signature.hpp), checked later by `kvaudit verify-report`.
 struct SignOffFields {
   std::string signed_by;
   std::string model;
   std::string deployment;
-  bool any() const { return !signed_by.empty() || !model.empty() || !deployment.empty(); }
+  std::string signing_key;  // the private key file (kvaudit keygen)
+  bool any() const {
+    return !signed_by.empty() || !model.empty() || !deployment.empty() || !signing_key.empty();
+  }
 };
 
 void add_signoff_options(CLI::App& cmd, SignOffFields& fields) {
   cmd.add_option("--signed-by", fields.signed_by,
-                 "With --signoff: who signs the report (a name), written into report.json's "
-                 "signoff block and covered by its digest");
+                 "With --signoff (required there): who signs the report (a name), written into "
+                 "report.json's signoff block and the signed manifest");
   cmd.add_option("--model", fields.model,
-                 "With --signoff: the model the sign-off is for (e.g. GLM-5)");
+                 "With --signoff (required there): the model the sign-off is for (e.g. GLM-5)");
   cmd.add_option("--deployment", fields.deployment,
                  "With --signoff: the deployment the sign-off is for (free text: server, "
                  "kernel version, GPU)");
+  add_input_file(cmd, "--signing-key", fields.signing_key,
+                 "With --signoff (required there): the Ed25519 private key that signs the report "
+                 "(kvaudit keygen --out FILE writes one); its public key goes into the report");
 }
 
-// The run's sign-off block under --signoff; the fields without --signoff are a usage error.
-Result<std::optional<SignOff>> signoff_of(bool signoff, const SignOffFields& fields) {
+// A sign-off: the signer recorded in the run, and the key that signs its report.
+struct SignOffRequest {
+  SignOff signer;
+  Ed25519KeyPair key;
+};
+
+// The fields a sign-off cannot do without, each refused on its own line when missing.
+Status check_signoff_fields(const SignOffFields& fields, bool writes_report) {
+  if (fields.signed_by.empty()) {
+    return bad_input("--signoff", "needs --signed-by NAME (a sign-off names who signs it)");
+  }
+  if (fields.model.empty()) {
+    return bad_input("--signoff", "needs --model NAME (a sign-off names the model it is for)");
+  }
+  if (fields.signing_key.empty()) {
+    return bad_input("--signoff",
+                     "needs --signing-key FILE (the report is signed with it; kvaudit keygen --out "
+                     "FILE makes one)");
+  }
+  if (!writes_report) {
+    return bad_input("--signoff",
+                     "needs --report DIR (the signature covers a report directory; a sharded "
+                     "check's part is signed by kvaudit merge --report DIR --signing-key FILE)");
+  }
+  return ok_status();
+}
+
+// The run's sign-off under --signoff (signer and key); the fields without --signoff are a usage
+// error. `writes_report`: --report DIR given, or --shard (the part goes to kvaudit merge).
+Result<std::optional<SignOffRequest>> signoff_of(bool signoff, const SignOffFields& fields,
+                                                 bool writes_report) {
   if (!signoff) {
     if (fields.any()) {
-      return bad_input(!fields.signed_by.empty() ? "--signed-by"
-                       : !fields.model.empty()   ? "--model"
-                                                 : "--deployment",
+      return bad_input(!fields.signed_by.empty()    ? "--signed-by"
+                       : !fields.model.empty()      ? "--model"
+                       : !fields.deployment.empty() ? "--deployment"
+                                                    : "--signing-key",
                        "needs --signoff (only a sign-off report is signed)");
     }
-    return std::optional<SignOff>();
+    return std::optional<SignOffRequest>();
   }
-  return std::optional<SignOff>(SignOff{fields.signed_by, fields.model, fields.deployment});
+  KVAUDIT_TRY(check_signoff_fields(fields, writes_report));
+  KVAUDIT_ASSIGN_OR_RETURN(const Ed25519KeyPair key, read_private_key_file(fields.signing_key));
+  return std::optional<SignOffRequest>(SignOffRequest{
+      SignOff{fields.signed_by, fields.model, fields.deployment, bytes_hex(key.public_key)}, key});
 }
 
 struct CheckOptions {
@@ -252,6 +293,9 @@ Result<CheckOutputs> open_outputs(const CheckOptions& options) {
     KVAUDIT_ASSIGN_OR_RETURN(AtomicOutputDirectory report,
                              AtomicOutputDirectory::create(options.report_dir, "--report"));
     for (const char* name : kReportFiles) report.note_file(name);
+    if (options.signoff) {
+      for (const char* name : kSignedReportFiles) report.note_file(name);
+    }
     outputs.report.emplace(std::move(report));
   }
   if (!options.save_outputs.empty()) {
@@ -270,12 +314,15 @@ Result<CheckOutputs> open_outputs(const CheckOptions& options) {
 // --json (report.json, or with --shard the part file: report.json and its "shard" key),
 // --report, --emit-repro into their temporaries, then every output into place.
 Status write_outputs(const CheckOptions& options, const DumpReader& reader, const CheckRun& run,
-                     const ShardInfo* shard, CheckOutputs& outputs) {
+                     const ShardInfo* shard, const Ed25519KeyPair* signing_key,
+                     CheckOutputs& outputs) {
   if (outputs.json) {
     const nlohmann::json doc = shard != nullptr ? part_to_json(run, *shard) : to_json(run);
     KVAUDIT_TRY(outputs.json->write(report_json_text(doc)));
   }
-  if (outputs.report) KVAUDIT_TRY(write_report_dir(outputs.report->staging_path(), run));
+  if (outputs.report) {
+    KVAUDIT_TRY(write_report_dir(outputs.report->staging_path(), run, signing_key));
+  }
   if (outputs.repro) KVAUDIT_TRY(emit_repro(options, outputs.repro->temp_path(), reader, run));
   return outputs.commit(!run.pass());
 }
@@ -309,8 +356,9 @@ Result<int> check_dump(const CheckOptions& options) {
   if (options.dump.empty()) {
     return bad_input("check", "DUMP is required (unless --list-injections is given)");
   }
-  KVAUDIT_ASSIGN_OR_RETURN(const std::optional<SignOff> signoff,
-                           signoff_of(options.signoff, options.signoff_fields));
+  KVAUDIT_ASSIGN_OR_RETURN(const std::optional<SignOffRequest> signoff,
+                           signoff_of(options.signoff, options.signoff_fields,
+                                      !options.report_dir.empty() || !options.shard.empty()));
   KVAUDIT_TRY(probe_dump_in_child(options.dump));
   KVAUDIT_ASSIGN_OR_RETURN(const DumpReader reader, DumpReader::open(options.dump));
   KVAUDIT_TRY(check_replay_fits(reader.layout()));
@@ -341,11 +389,12 @@ Result<int> check_dump(const CheckOptions& options) {
   run.dump_path = options.dump;
   run.dump_sha256 = sha;
   run.provenance = current_provenance();
-  run.signoff = signoff;
+  if (signoff) run.signoff = signoff->signer;
   if (outputs) KVAUDIT_TRY(outputs->close());
 
   print_check_table(std::cout, run, options.verbose);
-  KVAUDIT_TRY(write_outputs(options, reader, run, shard ? &*shard : nullptr, files));
+  KVAUDIT_TRY(write_outputs(options, reader, run, shard ? &*shard : nullptr,
+                            signoff ? &signoff->key : nullptr, files));
   return run.pass() ? kExitPass : kExitChecksFailed;
 }
 
@@ -371,9 +420,10 @@ void add_input_options(CLI::App& cmd, CheckOptions& options) {
   add_input_file(cmd, "--policy", options.policy_file,
                  "Policy file (JSON, the keys of report.json's policy) instead of the default");
   cmd.add_flag("--signoff", options.signoff,
-               "Sign-off policy: quantization and total error limits also set the exit status, "
-               "and a step-layer where they could not be measured (no kv_source) fails; the "
-               "report carries a signoff block with its digest");
+               "Sign-off: quantization and total error limits also set the exit status, a "
+               "step-layer where they could not be measured (no kv_source) fails, and the "
+               "report directory is signed. Needs --signed-by, --model, --signing-key and "
+               "--report DIR (with --shard, the part: kvaudit merge signs the merged report)");
   add_signoff_options(cmd, options.signoff_fields);
   cmd.add_option("--shard", options.shard,
                  "Check one part of the layers, for kvaudit merge: I/N (0-based shard I of N: "
@@ -390,8 +440,9 @@ void add_output_options(CLI::App& cmd, CheckOptions& options) {
                   "Write report.json to this file");
   add_output_path(
       cmd, "--report", options.report_dir, OutputKind::kDirectory,
-      "Write a report directory (report.json, report.md, report.html; created with its parents, "
-      "an existing one keeps its other files)");
+      "Write a report directory (report.json, report.md, report.html, and under --signoff their "
+      "signature: report.manifest.json, report.sig; created with its parents, an existing one "
+      "keeps its other files)");
   add_output_path(cmd, "--save-outputs", options.save_outputs, OutputKind::kFile,
                   "Write the reference and backend outputs per step and layer to this HDF5 file "
                   "(/steps/S###/L###/{reference_out, reference_lse, reference_source_out, "
@@ -461,6 +512,10 @@ void register_check_command(CLI::App& app, CommandRunner& runner) {
        "A per-step summary says whether each pool is intact and how error evolves.\n"
        "External backends: --backend exec:NAME --backend-command CMD runs CMD once and judges it "
        "like a built-in backend (docs/backend-protocol.md).\n"
+       "Sign-off: make a key once (kvaudit keygen --out FILE), then check --signoff --signed-by "
+       "NAME --model NAME --signing-key FILE --report DIR signs the report directory (an Ed25519 "
+       "signature over a manifest of its files); kvaudit verify-report DIR --public-key FILE.pub "
+       "checks it.\n"
        "Every output path is checked before the replay starts; outputs appear only when the "
        "check has run (a failing check, exit 1, writes its reports too).",
        "0 pass, 1 checks failed, 2 bad input or usage (malformed dump, unknown backend, layer or "

@@ -1,4 +1,5 @@
-// `kvaudit merge PART.json... [--json OUT] [--report DIR]`: the parts of a sharded check
+// `kvaudit merge PART.json... [--json OUT] [--report DIR] [--signing-key FILE]`: the parts of a
+// sharded check
 // (`kvaudit check DUMP --shard I/N --json PART.json`, src/cli/check_shard.hpp) put back into the
 // report the unsharded check gives (src/verdict/merge.hpp says what is equal, what is refused and
 // why). Prints the same table as check, then writes the outputs.
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "src/cli/cli.hpp"
+#include "src/core/ed25519.hpp"
 #include "src/core/output_file.hpp"
 #include "src/report/report.hpp"
 #include "src/verdict/merge.hpp"
@@ -28,6 +30,7 @@ struct MergeOptions {
   std::vector<std::string> parts;
   std::string json_file;
   std::string report_dir;
+  std::string signing_key;  // signs the merged report of sign-off parts
   bool verbose = false;
 };
 
@@ -44,8 +47,35 @@ Result<NamedPart> read_part(const std::string& file) {
   return NamedPart{file, std::move(part)};
 }
 
+// The key that signs the merged report: needed, with --report, when the parts are a sign-off
+// (check --signoff --shard), and then the key the parts name; refused otherwise.
+Result<std::optional<Ed25519KeyPair>> merge_signing_key(const MergeOptions& options,
+                                                        const CheckRun& run) {
+  if (!run.signoff) {
+    if (!options.signing_key.empty()) {
+      return bad_input("--signing-key", "the parts are no sign-off (made without --signoff)");
+    }
+    return std::optional<Ed25519KeyPair>();
+  }
+  if (options.signing_key.empty() || options.report_dir.empty()) {
+    return bad_input("merge",
+                     "the parts are a sign-off: needs --signing-key FILE and --report DIR (the "
+                     "merged report directory is signed with the key)");
+  }
+  KVAUDIT_ASSIGN_OR_RETURN(const Ed25519KeyPair key, read_private_key_file(options.signing_key));
+  const std::string public_key = bytes_hex(key.public_key);
+  if (!run.signoff->public_key.empty() && run.signoff->public_key != public_key) {
+    return bad_input(options.signing_key,
+                     fmt::format("its public key {} is not the one the parts name, {} (check "
+                                 "--signing-key)",
+                                 public_key, run.signoff->public_key));
+  }
+  return std::optional<Ed25519KeyPair>(key);
+}
+
 // Each output under a temporary name, renamed into place once both are written.
-Status write_outputs(const MergeOptions& options, const CheckRun& run) {
+Status write_outputs(const MergeOptions& options, const CheckRun& run,
+                     const Ed25519KeyPair* signing_key) {
   std::optional<AtomicOutputFile> json_file;
   std::optional<AtomicOutputDirectory> report;
   if (!options.json_file.empty()) {
@@ -58,8 +88,11 @@ Status write_outputs(const MergeOptions& options, const CheckRun& run) {
     KVAUDIT_ASSIGN_OR_RETURN(AtomicOutputDirectory dir,
                              AtomicOutputDirectory::create(options.report_dir, "--report"));
     for (const char* name : kReportFiles) dir.note_file(name);
+    if (run.signoff) {
+      for (const char* name : kSignedReportFiles) dir.note_file(name);
+    }
     report.emplace(std::move(dir));
-    KVAUDIT_TRY(write_report_dir(report->staging_path(), run));
+    KVAUDIT_TRY(write_report_dir(report->staging_path(), run, signing_key));
   }
   if (json_file) KVAUDIT_TRY(json_file->commit());
   if (report) KVAUDIT_TRY(report->commit());
@@ -72,11 +105,14 @@ Result<int> merge(const MergeOptions& options) {
     KVAUDIT_ASSIGN_OR_RETURN(NamedPart part, read_part(file));
     parts.push_back(std::move(part));
   }
-  KVAUDIT_ASSIGN_OR_RETURN(const CheckRun run, merge_parts(std::move(parts)));
+  KVAUDIT_ASSIGN_OR_RETURN(CheckRun run, merge_parts(std::move(parts)));
+  KVAUDIT_ASSIGN_OR_RETURN(const std::optional<Ed25519KeyPair> key,
+                           merge_signing_key(options, run));
+  if (key) run.signoff->public_key = bytes_hex(key->public_key);
   fmt::print(std::cout, "merged {} parts of {}\n", run.provenance.merged_from.size(),
              run.dump_path);
   print_check_table(std::cout, run, options.verbose);
-  KVAUDIT_TRY(write_outputs(options, run));
+  KVAUDIT_TRY(write_outputs(options, run, key ? &*key : nullptr));
   return run.pass() ? kExitPass : kExitChecksFailed;
 }
 
@@ -97,7 +133,9 @@ void register_merge_command(CLI::App& app, CommandRunner& runner) {
        "findings, steps summary, notes and first divergence (found again from the merged "
        "results); timing is summed over the parts, and the provenance names them (merged_from). "
        "Parts of different dumps (SHA-256), backends, policies, selections, injections or kvaudit "
-       "versions are refused, as are a shard given twice and a missing shard.",
+       "versions are refused, as are a shard given twice and a missing shard. Parts of a "
+       "sign-off (check --signoff --shard) need --report DIR and --signing-key FILE, the key the "
+       "parts were made with: the merged report directory is signed with it.",
        "0 pass, 1 checks failed, 2 bad input (naming the part), 3 internal error"});
   cmd->add_option("PART", options->parts, "Part files (JSON) written by check --shard")
       ->type_name("FILE ...")
@@ -105,8 +143,12 @@ void register_merge_command(CLI::App& app, CommandRunner& runner) {
   add_output_path(*cmd, "--json", options->json_file, OutputKind::kFile,
                   "Write the merged report.json to this file");
   add_output_path(*cmd, "--report", options->report_dir, OutputKind::kDirectory,
-                  "Write a report directory (report.json, report.md, report.html) of the merged "
+                  "Write a report directory (report.json, report.md, report.html; signed, with "
+                  "report.manifest.json and report.sig, for parts of a sign-off) of the merged "
                   "run");
+  add_input_file(*cmd, "--signing-key", options->signing_key,
+                 "Parts of a sign-off: the Ed25519 private key (kvaudit keygen) that signs the "
+                 "merged report; the parts must name its public key");
   cmd->add_flag("--verbose", options->verbose,
                 "Also print the timings (summed over the parts) and the reference throughput");
   cmd->callback([options, &runner] { runner = [options] { return run_merge(*options); }; });

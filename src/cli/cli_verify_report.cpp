@@ -1,51 +1,82 @@
-// `kvaudit verify-report DIR|report.json`: check a signed report against its data
-// (src/report/report_verify.hpp). Exit status: 0 the digest matches (and report.md / report.html
-// state it), 1 mismatch, 2 bad input (no such file, not JSON, a report made without --signoff).
+// `kvaudit verify-report DIR [--public-key KEY]`: check a signed report directory
+// (src/report/report_verify.hpp): its signature over its manifest, every file against the
+// manifest, report.json against both, and, given --public-key, the signer's key.
+// Exit status: 0 the report verifies, 1 it does not (each problem printed), 2 bad input (no such
+// file, not JSON, a report made without --signoff or before kvaudit signed reports, a bad key).
 #include <fmt/format.h>
 #include <fmt/ostream.h>
 
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "src/cli/cli.hpp"
+#include "src/core/ed25519.hpp"
 #include "src/report/report_verify.hpp"
 
 namespace kvaudit {
 namespace {
 
+struct VerifyOptions {
+  std::string path;
+  std::string public_key;  // a key file or 64 hex digits; empty: not checked
+};
+
 std::string or_not_given(const std::string& text) { return text.empty() ? "(not given)" : text; }
 
-int run_verify_report(const std::string& path) {
-  const Result<ReportVerification> verified = verify_report(path);
-  if (!verified) return report_error(verified.error());
-  const ReportVerification& v = *verified;
+Result<int> verify(const VerifyOptions& options) {
+  std::optional<Ed25519PublicKey> expected;
+  if (!options.public_key.empty()) {
+    KVAUDIT_ASSIGN_OR_RETURN(expected, read_public_key(options.public_key, "--public-key"));
+  }
+  KVAUDIT_ASSIGN_OR_RETURN(const ReportVerification v, verify_report(options.path, expected));
   if (!v.match()) {
     for (const std::string& problem : v.problems) fmt::print(std::cout, "MISMATCH: {}\n", problem);
     return kExitChecksFailed;
   }
   fmt::print(std::cout,
-             "match: {} digest sha256 {}\n  signed by {}, model {}, deployment {}; verdict {}\n",
-             v.json_path.string(), v.computed, or_not_given(v.signed_by), or_not_given(v.model),
-             or_not_given(v.deployment), v.verdict);
+             "match: {} signature ed25519 verifies, every file as signed, checksum sha256 {}\n"
+             "  signed by {}, model {}, deployment {}; verdict {}\n"
+             "  public key {} ({})\n",
+             v.dir.string(), v.checksum, or_not_given(v.signed_by), or_not_given(v.model),
+             or_not_given(v.deployment), v.verdict, v.public_key,
+             v.key_expected ? "the expected key"
+                            : "not compared with an expected key: give --public-key to know who "
+                              "signed");
   return kExitPass;
+}
+
+int run_verify_report(const VerifyOptions& options) {
+  const Result<int> status = verify(options);
+  return status.ok() ? *status : report_error(status.error());
 }
 
 }  // namespace
 
 void register_verify_report_command(CLI::App& app, CommandRunner& runner) {
-  auto path = std::make_shared<std::string>();
+  auto options = std::make_shared<VerifyOptions>();
   CLI::App* cmd = add_command(
       app, "verify-report",
-      {"Check a signed report against its data.",
-       "For a report written by kvaudit check --signoff --report DIR: recompute the SHA-256 of "
-       "report.json without \"timing\" and \"signoff\".\"digest\", serialized compactly with "
-       "sorted keys, compare it with the digest the report states, and check that report.md and "
-       "report.html beside it state the same digest.",
-       "0 match, 1 mismatch, 2 bad input (no such file, not JSON, a report made without "
-       "--signoff), 3 internal error"});
-  add_input_file(*cmd, "REPORT", *path, "Report directory, or its report.json")->required();
-  cmd->callback([path, &runner] { runner = [path] { return run_verify_report(*path); }; });
+      {"Check a signed report: its signature, every file, and who signed it.",
+       "For a report directory written by kvaudit check --signoff --signing-key FILE (or kvaudit "
+       "merge of sign-off parts): check that report.sig is an Ed25519 signature over "
+       "report.manifest.json by the public key the manifest names, that report.json, report.md "
+       "and report.html have the SHA-256 the manifest lists, and that report.json names the same "
+       "signer, model, deployment and public key and hashes to the checksum the manifest lists "
+       "(report.json without \"timing\" and \"signoff\".\"digest\", serialized compactly with "
+       "sorted keys). Any edited file, edited manifest or replaced signature fails. Without "
+       "--public-key this proves the report is as its key holder signed it, not who that is: "
+       "give the signer's public key to check that too.",
+       "0 the report verifies, 1 it does not (each problem printed), 2 bad input (no such file, "
+       "not JSON, a report made without --signoff or before kvaudit signed reports, a bad key), "
+       "3 internal error"});
+  add_input_file(*cmd, "REPORT", options->path, "Report directory, or its report.json")->required();
+  cmd->add_option("--public-key", options->public_key,
+                  "The signer's public key: the FILE.pub kvaudit keygen wrote, or its 64 hex "
+                  "digits; the report must be signed with it")
+      ->type_name("FILE|HEX");
+  cmd->callback([options, &runner] { runner = [options] { return run_verify_report(*options); }; });
 }
 
 }  // namespace kvaudit

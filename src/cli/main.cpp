@@ -194,6 +194,7 @@ int main(int argc, char** argv) {
   register_bench_command(app, runner);
   register_golden_command(app, runner);
   register_verify_report_command(app, runner);
+  register_keygen_command(app, runner);
   register_merge_command(app, runner);
   register_backend_serve_command(app, runner);
   register_help_command(app, runner);

@@ -22,6 +22,7 @@
 
 #include "src/report/diagnosis_report.hpp"
 #include "src/report/report_html.hpp"
+#include "src/report/report_signature.hpp"
 #include "src/report/report_summary.hpp"
 #include "src/verdict/signoff.hpp"
 
@@ -191,17 +192,23 @@ Status write_text(const std::filesystem::path& path, const std::string& text) {
 
 }  // namespace
 
-Status write_report_dir(const std::filesystem::path& dir, const CheckRun& run) {
+Status write_report_dir(const std::filesystem::path& dir, const CheckRun& run,
+                        const Ed25519KeyPair* signing_key) {
   std::error_code error;
   std::filesystem::create_directories(dir, error);
   if (error) {
     return bad_input(dir.string(), "cannot create the report directory: " + error.message());
   }
-  // report.json, report.md and report.html render one model: the same provenance and digest.
+  // report.json, report.md and report.html render one model: the same provenance and checksum.
   const ReportModel model = make_report_model(run);
+  if (model.signoff && signing_key == nullptr) {
+    return internal_error(dir.string(), "a sign-off report needs its signing key");
+  }
   KVAUDIT_TRY(write_text(dir / kReportFiles[0], report_json_text(to_json(model))));
   KVAUDIT_TRY(write_text(dir / kReportFiles[1], render_markdown(model)));
-  return write_text(dir / kReportFiles[2], render_html(model));
+  KVAUDIT_TRY(write_text(dir / kReportFiles[2], render_html(model)));
+  if (!model.signoff) return ok_status();
+  return sign_report_dir(dir, model, {kReportFiles.begin(), kReportFiles.end()}, *signing_key);
 }
 
 }  // namespace kvaudit

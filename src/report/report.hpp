@@ -8,6 +8,7 @@
 #include <iosfwd>
 #include <string>
 
+#include "src/core/ed25519.hpp"
 #include "src/core/result.hpp"
 #include "src/verdict/check_result.hpp"
 #include "src/verdict/report_model.hpp"
@@ -52,10 +53,16 @@ std::string render_markdown(const ReportModel& model);
 std::string render_markdown(const CheckRun& run);
 
 // Creates `dir` (and parents) and writes report.json (report_json_text), report.md and report.html,
-// all from one report model (make_report_model: the same provenance, filled once).
-Status write_report_dir(const std::filesystem::path& dir, const CheckRun& run);
-// The files write_report_dir writes (for a staging directory's signal-time cleanup).
+// all from one report model (make_report_model: the same provenance, filled once). A sign-off run
+// (run.signoff) is signed with `signing_key`, which it needs: report.manifest.json and report.sig
+// (src/report/report_signature.hpp) over those three files.
+Status write_report_dir(const std::filesystem::path& dir, const CheckRun& run,
+                        const Ed25519KeyPair* signing_key = nullptr);
+// The files write_report_dir writes (for a staging directory's signal-time cleanup): these three,
+// and kSignedReportFiles too under sign-off.
 inline constexpr std::array<const char*, 3> kReportFiles = {"report.json", "report.md",
                                                             "report.html"};
+inline constexpr std::array<const char*, 2> kSignedReportFiles = {"report.manifest.json",
+                                                                  "report.sig"};
 
 }  // namespace kvaudit

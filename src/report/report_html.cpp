@@ -163,10 +163,15 @@ void signoff_block(Html& html, const std::optional<SignOffRecord>& signoff) {
   put(html, "<tr><th>signed by</th><td>{}</td></tr><tr><th>model</th><td>{}</td></tr>",
       text(signoff->signer.signed_by), text(signoff->signer.model));
   put(html, "<tr><th>deployment</th><td>{}</td></tr>", text(signoff->signer.deployment));
+  put(html, "<tr><th>public key (Ed25519)</th><td><code class=\"digest\">{}</code></td></tr>",
+      esc(signoff->signer.public_key));
   put(html,
-      "<tr><th>report digest (SHA-256)</th><td><code class=\"digest\">{}</code></td></tr>"
-      "</table><p class=\"small muted\">The digest covers report.json beside this file: {}. "
-      "Check it with <code>kvaudit verify-report DIR</code>.</p></section>\n",
+      "<tr><th>report checksum (SHA-256)</th><td><code class=\"digest\">{}</code></td></tr>"
+      "</table><p class=\"small muted\">The signature is <code>report.sig</code>, an Ed25519 "
+      "signature over <code>report.manifest.json</code>, which lists the SHA-256 of report.json, "
+      "report.md and report.html (this file) and the checksum of report.json ({}). Check all of "
+      "it with <code>kvaudit verify-report DIR --public-key KEY</code>, KEY the signer's public "
+      "key.</p></section>\n",
       esc(signoff->digest.value), esc(signoff->digest.covers));
 }
 

@@ -2,7 +2,7 @@
 // src/report/svg_chart.hpp, no script, no font or image to fetch: it makes no network request)
 // that shows a check run at a glance:
 //   - the verdict and what it rests on (comparisons measured, integrity checks, policy, what was
-//     not measured), the sign-off block (who signed, the report digest);
+//     not measured), the sign-off block (who signed, the public key, the report checksum);
 //   - the summary a person signs and the failures with their likely cause
 //     (src/report/report_summary.hpp, the same words as report.md), the diagnosis findings;
 //   - a layers x steps heatmap of kernel, cache, quantization and total error (colour = rel_l2

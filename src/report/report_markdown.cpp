@@ -465,7 +465,8 @@ void summary_section(Markdown& md, const CheckRun& run) {
   append(md, "\n");
 }
 
-// Under --signoff: who signed for what, and the digest that binds this report to report.json.
+// Under --signoff: who signed for what, with which key, and the report's checksum; the signature
+// itself is beside this file (report.sig over report.manifest.json, which lists this file too).
 void signoff_block(Markdown& md, const std::optional<SignOffRecord>& signoff) {
   if (!signoff) return;
   auto text = [](const std::string& given) {
@@ -475,10 +476,13 @@ void signoff_block(Markdown& md, const std::optional<SignOffRecord>& signoff) {
   append(md, "| signed by | {} |\n| model | {} |\n| deployment | {} |\n",
          text(signoff->signer.signed_by), text(signoff->signer.model),
          text(signoff->signer.deployment));
-  append(md, "| report digest (SHA-256) | {} |\n\n", code(signoff->digest.value));
+  append(md, "| public key (Ed25519) | {} |\n", code(signoff->signer.public_key));
+  append(md, "| report checksum (SHA-256) | {} |\n\n", code(signoff->digest.value));
   append(md,
-         "The digest covers report.json beside this file: {}. Check it with `kvaudit "
-         "verify-report DIR`.\n\n",
+         "The signature is `report.sig`, an Ed25519 signature over `report.manifest.json`, which "
+         "lists the SHA-256 of report.json, report.md (this file) and report.html and the "
+         "checksum of report.json ({}). Check all of it with `kvaudit verify-report DIR "
+         "--public-key KEY`, KEY the signer's public key.\n\n",
          signoff->digest.covers);
 }
 

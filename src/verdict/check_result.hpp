@@ -117,13 +117,16 @@ struct StepLayerCoverage {
   std::int64_t saturated_codes = -1;
 };
 
-// Who and what a sign-off report signs for (--signed-by, --model, --deployment; empty when not
-// given). Only --signoff runs carry one; report.json's "signoff" block adds the digest
-// (src/verdict/report_digest.hpp).
+// Who and what a sign-off report signs for (--signed-by, --model, --deployment; the deployment
+// empty when not given) and the public key of the --signing-key that signs it. Only --signoff
+// runs carry one; report.json's "signoff" block adds the report's checksum
+// (src/verdict/report_digest.hpp), the report directory the signature
+// (src/report/report_signature.hpp).
 struct SignOff {
   std::string signed_by;
   std::string model;
   std::string deployment;
+  std::string public_key;  // Ed25519, 64 hex digits; empty in reports from before signatures
 };
 
 // One part a merged run was made from (`kvaudit merge`): its file, its shard and where it ran.

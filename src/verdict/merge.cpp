@@ -32,7 +32,7 @@ std::vector<std::string> run_notes(const ShardPart& part) {
 
 nlohmann::json signoff_json(const std::optional<SignOff>& signoff) {
   if (!signoff) return nullptr;
-  return {signoff->signed_by, signoff->model, signoff->deployment};
+  return {signoff->signed_by, signoff->model, signoff->deployment, signoff->public_key};
 }
 
 std::vector<SharedProperty> shared_properties(const ShardPart& a, const ShardPart& b) {
@@ -52,8 +52,8 @@ std::vector<SharedProperty> shared_properties(const ShardPart& a, const ShardPar
       {"--reciprocal-scale", a.shard.reciprocal_scale, b.shard.reciprocal_scale},
       {"the notes about the whole run", run_notes(a), run_notes(b), false},
       {"--diagnose", a.run.diagnose_limit, b.run.diagnose_limit},
-      {"the sign-off (--signoff, --signed-by, --model, --deployment)", signoff_json(a.run.signoff),
-       signoff_json(b.run.signoff)},
+      {"the sign-off (--signoff, --signed-by, --model, --deployment, --signing-key)",
+       signoff_json(a.run.signoff), signoff_json(b.run.signoff)},
   };
 }
 

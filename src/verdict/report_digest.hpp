@@ -1,14 +1,16 @@
-// The digest that binds a signed report to its data, so a signed report.json can be checked later
-// (`kvaudit verify-report`): SHA-256 (src/core/sha256.hpp) of the report's canonical bytes.
+// The checksum of a report: SHA-256 (src/core/sha256.hpp) of report.json's canonical bytes. It
+// detects a report changed by accident, never one changed on purpose: anyone who edits the report
+// can compute it again. A sign-off is signed with an Ed25519 key over a manifest of the report's
+// files and this checksum (src/report/report_signature.hpp); the checksum alone is no signature.
 //
 // Canonical bytes: report.json as a JSON value, less its "timing" object (wall times, which say
-// nothing about the results and would differ on a re-run) and less "signoff"."digest" (the digest
-// itself), serialized compactly: no whitespace, object keys in sorted (byte) order, numbers as
-// nlohmann::json writes them (integers exactly, doubles in their shortest round-trip form),
-// strings as UTF-8 with invalid bytes replaced by U+FFFD. Everything else is covered: verdict,
-// results, integrity, policy, dump SHA-256, provenance, and who signed ("signoff"."signed_by",
-// "model", "deployment"). Parsing report.json and serializing it again gives the same bytes, so
-// the digest can be recomputed from the file alone.
+// nothing about the results and would differ on a re-run) and less "signoff"."digest" (the
+// checksum itself), serialized compactly: no whitespace, object keys in sorted (byte) order,
+// numbers as nlohmann::json writes them (integers exactly, doubles in their shortest round-trip
+// form), strings as UTF-8 with invalid bytes replaced by U+FFFD. Everything else is covered:
+// verdict, results, integrity, policy, dump SHA-256, provenance, and who signed with which key
+// ("signoff"."signed_by", "model", "deployment", "public_key"). Parsing report.json and
+// serializing it again gives the same bytes, so the checksum can be recomputed from the file alone.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -17,7 +19,8 @@
 namespace kvaudit {
 
 inline constexpr const char* kReportDigestAlgorithm = "sha256";
-// report.json's "signoff"."digest"."covers": the definition above, in one line.
+// report.json's "signoff"."digest"."covers": the definition above, in one line (the JSON key is
+// "digest", as in reports from before signatures; the documents call it the checksum).
 inline constexpr const char* kReportDigestCovers =
     "SHA-256 of report.json without \"timing\" and \"signoff\".\"digest\", serialized compactly "
     "with sorted keys (nlohmann::json dump(), UTF-8)";

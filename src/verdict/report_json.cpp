@@ -11,6 +11,7 @@
 #include <array>
 #include <cstdint>
 
+#include "src/core/ed25519.hpp"
 #include "src/verdict/check_result.hpp"
 #include "src/verdict/json_object_reader.hpp"
 #include "src/verdict/report_digest.hpp"
@@ -230,14 +231,21 @@ nlohmann::json text_or_null(const std::string& text) {
   return text.empty() ? nlohmann::json(nullptr) : nlohmann::json(text);
 }
 
+// Who signs, for what, and with which key (the key only where there is one: a report from before
+// signatures has none).
 nlohmann::json signer_json(const SignOff& signer) {
-  return {{"signed_by", text_or_null(signer.signed_by)},
-          {"model", text_or_null(signer.model)},
-          {"deployment", text_or_null(signer.deployment)}};
+  nlohmann::json j = {{"signed_by", text_or_null(signer.signed_by)},
+                      {"model", text_or_null(signer.model)},
+                      {"deployment", text_or_null(signer.deployment)}};
+  if (!signer.public_key.empty()) {
+    j["public_key"] = {{"algorithm", kSignatureAlgorithm}, {"value", signer.public_key}};
+  }
+  return j;
 }
 
-// Who signed, and the digest of everything else but timing (src/verdict/report_digest.hpp);
-// null for a run that is not a sign-off.
+// Who signed, and the checksum of everything else but timing (src/verdict/report_digest.hpp; the
+// signature is beside report.json, src/report/report_signature.hpp); null for a run that is not
+// a sign-off.
 nlohmann::json signoff_json(const std::optional<SignOffRecord>& signoff) {
   if (!signoff) return nullptr;
   nlohmann::json j = signer_json(signoff->signer);
@@ -569,6 +577,14 @@ std::optional<SignOff> read_signoff(JsonObjectReader& parent) {
   signoff.signed_by = text_or_empty("signed_by");
   signoff.model = text_or_empty("model");
   signoff.deployment = text_or_empty("deployment");
+  if (reader.has("public_key")) {  // absent in reports from before signatures
+    JsonObjectReader key = reader.object("public_key");
+    if (key.text("algorithm") != kSignatureAlgorithm) {
+      key.errors().fail(key.pointer("algorithm"), "expected \"ed25519\"");
+    }
+    signoff.public_key = key.text("value");
+    key.finish();
+  }
   reader.skip("digest");
   reader.finish();
   return signoff;

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -47,6 +48,21 @@ inline CommandOutcome run_kvaudit(const std::string& name, const std::string& ar
   outcome.out = file_text(out);
   outcome.err = file_text(err);
   return outcome;
+}
+
+// A signing key made once per test process by `kvaudit keygen` (sign-off runs need one); its
+// path, quoted, after " --signing-key ".
+inline std::string signing_key_option() {
+  static const std::string option = [] {
+    const std::filesystem::path dir = test_tmpdir() / "shard_commands_key";
+    std::filesystem::remove_all(dir);
+    std::filesystem::create_directories(dir);
+    const CommandOutcome made =
+        run_kvaudit("shard_commands_keygen", "keygen --out '" + (dir / "key").string() + "'");
+    if (made.status != 0) throw std::runtime_error("kvaudit keygen failed: " + made.err);
+    return " --signing-key '" + (dir / "key").string() + "'";
+  }();
+  return option;
 }
 
 inline std::string shipped_dump(const std::string& dump) {

@@ -169,8 +169,17 @@ TEST_CASE("kvaudit check: saturating scale passes by default and fails under --s
   CHECK(by_default.status == 0);
   CHECK_THAT(by_default.out, Catch::Contains("report-only"));
   const auto json = test_tmp_path("cli_saturating_signoff.json");
+  const auto report_dir = test_tmp_path("cli_saturating_signoff_report");
+  const auto key = test_tmp_path("cli_saturating_signoff.key");
+  std::filesystem::remove(key);
+  std::filesystem::remove(key.string() + ".pub");
+  REQUIRE(std::system(("'" + std::string(KVAUDIT_BINARY) + "' keygen --out '" + key.string() +
+                       "' > /dev/null")
+                          .c_str()) == 0);
   const CommandResult signoff = run_check(
-      "cli_saturating_signoff", file + " --threads 2 --signoff --json '" + json.string() + "'");
+      "cli_saturating_signoff",
+      file + " --threads 2 --signoff --signed-by A --model M --signing-key '" + key.string() +
+          "' --report '" + report_dir.string() + "' --json '" + json.string() + "'");
   INFO(signoff.out << signoff.err);
   CHECK(signoff.status == 1);
   CHECK_THAT(signoff.out, Catch::Contains("verdict: FAIL"));

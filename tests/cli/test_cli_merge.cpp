@@ -30,9 +30,16 @@ constexpr Variant kVariants[] = {
     {"scale-mismatch", "--backend cpu-fp8 --inject scale-mismatch"},
     // Every layer fails at step 0: the diagnosis budget (1 site) spans the parts, and its note.
     {"diagnose-1", "--backend cpu-fp8 --inject scale-mismatch --diagnose 1"},
-    // A sign-off: its fields and digest, coverage and the unmeasured sites.
+    // A sign-off: its fields, key and checksum, coverage and the unmeasured sites.
     {"signoff", "--backend cpu-fp8 --signoff --signed-by 'A. Reviewer' --model GLM-5"},
 };
+
+bool is_signoff(const Variant& variant) { return std::string(variant.name) == "signoff"; }
+
+// The variant's check options; a sign-off's with the test key.
+std::string check_arguments(const Variant& variant) {
+  return std::string(variant.arguments) + (is_signoff(variant) ? signing_key_option() : "");
+}
 
 std::filesystem::path scratch(const std::string& name) {
   const std::filesystem::path dir = test_tmpdir() / "merge" / name;
@@ -49,7 +56,7 @@ std::string check_in_parts(const std::string& dump, const Variant& variant, int 
     const auto part = dir / ("part-" + std::to_string(index) + ".json");
     const CommandOutcome outcome =
         run_kvaudit(dir.filename().string() + "-" + std::to_string(index),
-                    "check " + shipped_dump(dump) + " " + variant.arguments +
+                    "check " + shipped_dump(dump) + " " + check_arguments(variant) +
                         " --threads 2 --shard " + std::to_string(index) + "/" +
                         std::to_string(count) + " --json '" + part.string() + "'");
     INFO(outcome.out << outcome.err);
@@ -62,10 +69,13 @@ std::string check_in_parts(const std::string& dump, const Variant& variant, int 
 void require_merge_equals_unsharded(const std::string& dump) {
   for (const Variant& variant : kVariants) {
     const std::filesystem::path dir = scratch(dump + "-" + variant.name);
-    const CommandOutcome whole =
-        run_kvaudit(dump + "-" + variant.name + "-whole",
-                    "check " + shipped_dump(dump) + " " + variant.arguments +
-                        " --threads 2 --json '" + (dir / "whole.json").string() + "'");
+    // A sign-off writes (and signs) a report directory; merging one needs it and the key.
+    const std::string whole_report =
+        is_signoff(variant) ? " --report '" + (dir / "whole").string() + "'" : "";
+    const CommandOutcome whole = run_kvaudit(
+        dump + "-" + variant.name + "-whole",
+        "check " + shipped_dump(dump) + " " + check_arguments(variant) + " --threads 2 --json '" +
+            (dir / "whole.json").string() + "'" + whole_report);
     REQUIRE((whole.status == 0 || whole.status == 1));
     const nlohmann::json unsharded = read_json(dir / "whole.json");
     for (int count = 1; count <= 5; ++count) {
@@ -73,18 +83,23 @@ void require_merge_equals_unsharded(const std::string& dump) {
           scratch(dump + "-" + variant.name + "-" + std::to_string(count));
       const std::string parts = check_in_parts(dump, variant, count, parts_dir);
       const auto merged_path = parts_dir / "merged.json";
+      const auto merged_report = parts_dir / "merged";
+      const std::string signed_report =
+          is_signoff(variant) ? " --report '" + merged_report.string() + "'" + signing_key_option()
+                              : "";
       const CommandOutcome merged =
           run_kvaudit(parts_dir.filename().string() + "-merge",
-                      "merge" + parts + " --json '" + merged_path.string() + "'");
+                      "merge" + parts + " --json '" + merged_path.string() + "'" + signed_report);
       INFO(dump << " " << variant.name << " in " << count << " parts: " << merged.out
                 << merged.err);
       CHECK(merged.status == whole.status);
       const nlohmann::json report = read_json(merged_path);
       CHECK(differing_keys(unsharded, report) == std::vector<std::string>{});
       CHECK(report.at("provenance").at("merged_from").size() == static_cast<std::size_t>(count));
-      if (report.at("signoff").is_object()) {  // signed again over the merged report
-        const CommandOutcome verified = run_kvaudit(parts_dir.filename().string() + "-verify",
-                                                    "verify-report '" + merged_path.string() + "'");
+      if (report.at("signoff").is_object()) {  // the merged report directory is signed
+        const CommandOutcome verified =
+            run_kvaudit(parts_dir.filename().string() + "-verify",
+                        "verify-report '" + merged_report.string() + "'");
         INFO(verified.out << verified.err);
         CHECK(verified.status == 0);
       }
@@ -153,7 +168,9 @@ TEST_CASE("kvaudit merge refuses parts that are not one run, exit 2 naming the p
        p0 + " " + part("none1", "glm5_page1", "--backend none --shard 1/2"),
        {"none1.json", "backend"}},
       {"other policy",
-       p0 + " " + part("signoff1", "glm5_page1", "--signoff --shard 1/2"),
+       p0 + " " +
+           part("signoff1", "glm5_page1",
+                "--signoff --signed-by A --model M" + signing_key_option() + " --shard 1/2"),
        {"signoff1.json", "policy"}},
       {"other injection",
        p0 + " " + part("inject1", "glm5_page1", "--inject scale-mismatch --shard 1/2"),
@@ -179,6 +196,52 @@ TEST_CASE("kvaudit merge refuses parts that are not one run, exit 2 naming the p
   }
   const CommandOutcome both = run_kvaudit("refusal-good", "merge " + p0 + " " + p1);
   CHECK(both.status == 0);
+}
+
+TEST_CASE("kvaudit merge of sign-off parts signs with their key, and refuses to without it",
+          "[cli][merge][signoff]") {
+  const std::filesystem::path dir = scratch("signed_parts");
+  const std::string signoff = " --signoff --signed-by A --model M" + signing_key_option();
+  std::string parts;
+  for (int index = 0; index < 2; ++index) {
+    const auto path = dir / ("part-" + std::to_string(index) + ".json");
+    const CommandOutcome outcome =
+        run_kvaudit("signed-part-" + std::to_string(index),
+                    "check " + shipped_dump("glm5_page1") + " --threads 2 --steps 0" + signoff +
+                        " --shard " + std::to_string(index) + "/2 --json '" + path.string() + "'");
+    INFO(outcome.out << outcome.err);
+    REQUIRE((outcome.status == 0 || outcome.status == 1));
+    parts += " '" + path.string() + "'";
+  }
+  const std::string report = " --report '" + (dir / "merged").string() + "'";
+  // Without the key or without a report directory: refused, one line, nothing written.
+  for (const std::string& options : {report, signing_key_option()}) {
+    const CommandOutcome refused = run_kvaudit("signed-merge-refused", "merge" + parts + options);
+    INFO(refused.out << refused.err);
+    CHECK(refused.status == 2);
+    CHECK_THAT(refused.err, Catch::StartsWith("kvaudit: merge: the parts are a sign-off: needs "
+                                              "--signing-key FILE and --report DIR"));
+    CHECK(std::count(refused.err.begin(), refused.err.end(), '\n') == 1);
+    CHECK_FALSE(std::filesystem::exists(dir / "merged"));
+  }
+  // Another key than the parts name: refused, naming both public keys.
+  const std::filesystem::path other = dir / "other-key";
+  REQUIRE(run_kvaudit("signed-merge-keygen", "keygen --out '" + other.string() + "'").status == 0);
+  const CommandOutcome wrong_key =
+      run_kvaudit("signed-merge-wrong-key",
+                  "merge" + parts + report + " --signing-key '" + other.string() + "'");
+  CHECK(wrong_key.status == 2);
+  CHECK_THAT(wrong_key.err, Catch::Contains("is not the one the parts name"));
+  CHECK_FALSE(std::filesystem::exists(dir / "merged"));
+  // With the parts' key: a signed report directory that verifies.
+  const CommandOutcome merged =
+      run_kvaudit("signed-merge", "merge" + parts + report + signing_key_option());
+  INFO(merged.out << merged.err);
+  REQUIRE(merged.status == 0);
+  const CommandOutcome verified =
+      run_kvaudit("signed-merge-verify", "verify-report '" + (dir / "merged").string() + "'");
+  INFO(verified.out << verified.err);
+  CHECK(verified.status == 0);
 }
 
 }  // namespace kvaudit_test

@@ -112,7 +112,9 @@ def fresh_reports(source, kvaudit, tmp, failures):
     shutil.rmtree(tmp, ignore_errors=True)  # nothing left from an earlier run
     tmp.mkdir(parents=True)
     datasets = source / "datasets"
-    signoff = ["--signoff", "--signed-by", "schema test", "--model", "GLM-5"]
+    run([kvaudit, "keygen", "--out", str(tmp / "key")], {0}, failures)
+    signoff = ["--signoff", "--signed-by", "schema test", "--model", "GLM-5", "--signing-key",
+               str(tmp / "key")]
     run([kvaudit, "check", str(datasets / "glm5_page1.h5"), "--threads", "2", *signoff,
          "--report", str(tmp / "glm5_page1")], {0}, failures)
     run([kvaudit, "check", str(datasets / "page64_nan.h5"), "--threads", "2", "--backend",

@@ -104,16 +104,23 @@ TEST_CASE("report.html: self-contained, every heatmap cell drawn, strings escape
   CHECK(html.find("backend vs R8\u2032") != std::string::npos);
 }
 
-TEST_CASE("report.html and report.md: sign-off block with the report's digest", "[report_html]") {
+TEST_CASE("report.html and report.md: sign-off block with the public key and the checksum",
+          "[report_html]") {
   CheckRun run = run_with_coverage();
-  run.signoff = kvaudit::SignOff{"Ada Lovelace", "GLM-5", "sglang on H200"};
+  const std::string key(64, 'a');
+  run.signoff = kvaudit::SignOff{"Ada Lovelace", "GLM-5", "sglang on H200", key};
   const std::string digest = kvaudit::to_json(run).at("signoff").at("digest").at("value");
   const std::string html = kvaudit::render_html(run);
   CHECK(html.find("<code class=\"digest\">" + digest + "</code>") != std::string::npos);
+  CHECK(html.find("<code class=\"digest\">" + key + "</code>") != std::string::npos);
   CHECK(html.find("Ada Lovelace") != std::string::npos);
   const std::string md = kvaudit::render_markdown(run);
-  CHECK(md.find("| report digest (SHA-256) | `" + digest + "` |") != std::string::npos);
+  CHECK(md.find("| report checksum (SHA-256) | `" + digest + "` |") != std::string::npos);
+  CHECK(md.find("| public key (Ed25519) | `" + key + "` |") != std::string::npos);
   CHECK(md.find("| deployment | sglang on H200 |") != std::string::npos);
+  // The checksum is not called the report's digest (it is no signature).
+  CHECK(md.find("report digest") == std::string::npos);
+  CHECK(html.find("report digest") == std::string::npos);
 }
 
 TEST_CASE("report.md: summary first, failures with saturation, passing checks counted",

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "src/verdict/check_result.hpp"
 #include "tests/cli/shard_commands.hpp"
@@ -85,9 +86,12 @@ TEST_CASE("report.json read back: every shipped dump's report, clean and failing
   const std::filesystem::path dir = kvaudit_test::test_tmpdir() / "report_round_trip";
   std::filesystem::create_directories(dir);
   for (const char* dump : {"glm5_page1", "page64_nan", "saturated_page16"}) {
-    for (const std::string options :
-         {"--backend cpu-fp8", "--backend none", "--inject bf16-writeback",
-          "--inject masked-nan-leak", "--inject scale-mismatch --signoff"}) {
+    const std::string signoff = "--inject scale-mismatch --signoff --signed-by A --model M" +
+                                kvaudit_test::signing_key_option() + " --report '" +
+                                (dir / "signed").string() + "'";
+    for (const std::string& options :
+         std::vector<std::string>{"--backend cpu-fp8", "--backend none", "--inject bf16-writeback",
+                                  "--inject masked-nan-leak", signoff}) {
       const auto path = dir / "report.json";
       std::filesystem::remove(path);
       const auto outcome =
