@@ -110,7 +110,7 @@ def float32_from_bf16_bits(bits):
 #   latent codes [Dc] e4m3fn, one scale per group of `group_size` consecutive latent channels
 #   (G = Dc / group_size scales), and the RoPE part [Dr] as bf16 bits or e4m3fn codes.
 # Group g's scale comes from a = max |x_j| over the group's finite elements (float32):
-#   float32      : scale = fp32(a / 448)                   one binary32 division
+#   float32      : scale = max(fp32(a / 448), 2^-149)      one binary32 division; never 0
 #   power_of_two : scale = 2^k, the smallest power of two >= a / 448, exactly
 #   e8m0         : that 2^k with k clamped to -127..127, stored as the byte k + 127
 #   a = 0        : scale = 1 (e8m0 code 127), never 0
@@ -125,6 +125,7 @@ E8M0_NAN_CODE = 0xFF
 E8M0_BIAS = 127
 # float32 powers of two run from 2^-149 (the smallest subnormal) to 2^127.
 _FLOAT32_MIN_POWER, _FLOAT32_MAX_POWER = -149, 127
+_LEAST_FLOAT32 = 2.0**_FLOAT32_MIN_POWER
 
 
 def decode_e8m0(codes):
@@ -187,8 +188,9 @@ def group_scales(latent_float32, group_size, scale_format):
     (e8m0 code 127). power_of_two is the smallest power of two >= amax / 448 that float32 holds
     (amax / 448 below 2^-149 gets 2^-149); e8m0 clamps the exponent to -127..127.
 
-    Note the float32 rule is fp32(amax / 448) to the letter: for amax below about 2^-141.2 (deep
-    float32 subnormals) that quotient rounds to 0, and the scale is 0.
+    The float32 rule is fp32(amax / 448), but at least 2^-149, the least float: for amax below
+    about 2^-141.2 (deep float32 subnormals) the quotient rounds to 0, and a scale of 0 would
+    give NaN codes (0 / 0) for the group's zero elements.
     """
     return _group_scales(latent_float32, group_size, scale_format, "group_scales")
 
@@ -203,6 +205,7 @@ def _group_scales(latent_float32, group_size, scale_format, who):
     zero = amax == 0
     if scale_format == "float32":
         scales = amax / np.float32(E4M3_MAX_FINITE)  # one binary32 division (float32 / float32)
+        scales = np.maximum(scales, np.float32(_LEAST_FLOAT32))  # never 0: 0 / 0 would be NaN
         return np.where(zero, np.float32(1), scales).astype(np.float32)
     safe = np.where(zero, np.float32(1), amax)
     k = _power_of_two_exponent(safe)

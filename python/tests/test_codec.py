@@ -191,5 +191,19 @@ class Bf16Test(unittest.TestCase):
             self.assertEqual(int(bits), slow_bf16_bits(float(value)), repr(value))
 
 
+class GroupScaleTest(unittest.TestCase):
+    def test_float32_scale_that_underflows_is_the_least_float_not_zero(self):
+        # amax 2^-145: 2^-145 / 448 is below half of 2^-149 and rounds to 0 in binary32. The
+        # scale is 2^-149 instead, and the codes are x / 2^-149: 16 (0x58) and zeros, never NaN.
+        rows = np.zeros((1, 8), dtype=np.float32)
+        rows[0, 0] = np.float32(2.0**-145)
+        codes, scales = kvdump.quantize_groups(rows, 8, "float32")
+        self.assertEqual(float(scales[0, 0]), 2.0**-149)
+        self.assertEqual(codes.tolist(), [[0x58, 0, 0, 0, 0, 0, 0, 0]])
+        # Just above: a quotient that is itself the least float keeps its own value.
+        self.assertEqual(float(kvdump.group_scales(np.full((1, 8), np.float32(448 * 2.0**-149)),
+                                                   8, "float32")[0, 0]), 2.0**-149)
+
+
 if __name__ == "__main__":
     unittest.main()

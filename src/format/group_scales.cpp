@@ -66,7 +66,11 @@ float finite_amax(std::span<const float> x) {
 
 float group_scale_for(float amax, GroupScaleFormat format) {
   if (!(amax > 0.0f)) return 1.0f;
-  if (format == GroupScaleFormat::kFloat32) return amax / kE4m3MaxFinite;
+  if (format == GroupScaleFormat::kFloat32) {
+    // Below about 2^-141.2 the quotient rounds to 0, and x / 0 would give NaN codes for the zero
+    // elements: the scale is then the least float, 2^-149, as in power_of_two.
+    return std::max(amax / kE4m3MaxFinite, std::numeric_limits<float>::denorm_min());
+  }
   const double power = power_of_two_at_or_above(static_cast<double>(amax) / 448.0);
   if (format == GroupScaleFormat::kE8m0) {
     return static_cast<float>(std::clamp(power, std::ldexp(1.0, -127), std::ldexp(1.0, 127)));

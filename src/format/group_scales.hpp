@@ -4,12 +4,15 @@
 //
 // For a new row x [D] (fp32 values) and each group g of G = Dc / group_size latent groups:
 //   a_g     = max |x_j| over the group's finite elements
-//   scale_g = float32:      fp32(a_g / 448)                       (one binary32 division)
+//   scale_g = float32:      max(fp32(a_g / 448), 2^-149)          (one binary32 division; the
+//                           quotient is 0 for a_g below about 2^-141.2, and a scale of 0 would
+//                           give NaN codes: the least float instead, never 0)
 //             power_of_two: 2^ceil(log2(a_g / 448)), exactly       (no finite element saturates)
 //             e8m0:         the power of two clamped to 2^-127 .. 2^127, stored as exponent + 127
 //             a_g = 0 (an all-zero group): 1 in every format (0 would make 0 * (1/0) = NaN)
 //   code_j  = e4m3_rne_satfinite(x_j / scale_g)   (or x_j * fp32(1 / scale_g), reciprocal option)
-// RoPE part: bf16 bits of x_j (rope_dtype bfloat16), or kvdump_quantize(x_j, kv_scale) (e4m3).
+// RoPE part: bf16 bits of x_j (rope_dtype bfloat16: a float32 x_j rounded to nearest, ties to even,
+// past bf16's range to +-inf, NaN kept as a quiet NaN), or kvdump_quantize(x_j, kv_scale) (e4m3).
 //
 // Dequantization: exact value = code * scale_g (4 x 24 significant bits: exact in binary64) or
 // the bf16 RoPE value, or code * kv_scale. The kernels' form (kernels/mla_attention_model.hpp,

@@ -209,6 +209,10 @@ class DumpReader {
   Result<KvPool> read_pool(std::size_t layer_index) const;                // kv_cache
   Result<std::vector<float>> read_source(std::size_t layer_index) const;  // kv_source [S, D]
   Result<StepLayerTensors> read_step_layer(std::size_t step_index, std::size_t layer_index) const;
+  // topk_indices of a sparse (step, layer) [Nq, K], checked by the v1.1 rules (check_topk_indices);
+  // empty for a dense one. read_step_layer reads them too; `kvaudit info` reads only these.
+  Result<std::vector<std::int32_t>> read_topk_indices(std::size_t step_index,
+                                                      std::size_t layer_index) const;
 
  private:
   struct Impl;

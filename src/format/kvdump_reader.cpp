@@ -252,9 +252,8 @@ Result<KvPool> read_grouped_pool(const BulkSource& source, const std::string& gr
 }
 
 // topk_indices [Nq, K] of a (step, layer), checked by the v1.1 rules.
-Result<std::vector<std::int32_t>> read_topk_indices(const BulkSource& source,
-                                                    const std::string& path, const StepMeta& step,
-                                                    int page_size, int k) {
+Result<std::vector<std::int32_t>> read_topk(const BulkSource& source, const std::string& path,
+                                            const StepMeta& step, int page_size, int k) {
   std::vector<std::int64_t> wide;
   const std::size_t count = static_cast<std::size_t>(step.num_rows()) * k;
   KVAUDIT_TRY(read_all(source, path, H5T_NATIVE_INT64, count, &wide));
@@ -361,11 +360,26 @@ Result<StepLayerTensors> DumpReader::read_step_layer(std::size_t step_index,
   }
   if (layer_index < step.topk.size() && step.topk[layer_index] > 0) {
     tensors.topk = step.topk[layer_index];
-    KVAUDIT_ASSIGN_OR_RETURN(
-        tensors.topk_indices,
-        read_topk_indices(source, base + "topk_indices", step, a.page_size, tensors.topk));
+    KVAUDIT_ASSIGN_OR_RETURN(tensors.topk_indices, read_topk_indices(step_index, layer_index));
   }
   return tensors;
+}
+
+Result<std::vector<std::int32_t>> DumpReader::read_topk_indices(std::size_t step_index,
+                                                                std::size_t layer_index) const {
+  const DumpLayout& layout = impl_->layout;
+  if (step_index >= layout.steps.size() || layer_index >= layout.layers.size()) {
+    return internal_error(impl_->file_text,
+                          fmt::format("step {} / layer {} out of range", step_index, layer_index));
+  }
+  const StepMeta& step = layout.steps[step_index];
+  if (layer_index >= step.topk.size() || step.topk[layer_index] == 0) {
+    return std::vector<std::int32_t>{};
+  }
+  const std::string path =
+      "/steps/" + step.group + "/" + layout.layers[layer_index].group + "/topk_indices";
+  return read_topk(BulkSource{impl_->file.get(), impl_->file_text}, path, step,
+                   layout.attrs.page_size, step.topk[layer_index]);
 }
 
 }  // namespace kvaudit

@@ -266,11 +266,14 @@ Result<NumberedGroups> numbered_groups(const ObjectReader& r, hid_t group, const
 
 // ---- root --------------------------------------------------------------------------------------
 
-Result<KvDtype> parse_kv_dtype(const ObjectReader& r, const std::string& text) {
+// The root attribute `attribute` (kv_dtype, or v1.1's kv_rope_dtype) naming an element type.
+Result<KvDtype> parse_kv_dtype(const ObjectReader& r, const char* attribute,
+                               const std::string& text) {
   if (text == kDtypeFp8) return KvDtype::kFloat8E4m3fn;
   if (text == kDtypeBf16) return KvDtype::kBfloat16;
-  return r.unsupported_at(
-      "/", fmt::format("kv_dtype \"{}\" is unknown; expected float8_e4m3fn or bfloat16", text));
+  return r.unsupported_at("/", fmt::format("{} \"{}\" is unknown; expected float8_e4m3fn or "
+                                           "bfloat16",
+                                           attribute, text));
 }
 
 // format and format_version: what this reader can read at all.
@@ -330,7 +333,7 @@ Status read_group_scale_attributes(const ObjectReader& r, hid_t root, DumpAttrib
   KVAUDIT_ASSIGN_OR_RETURN(const std::string format, r.read_string(root, "/", "kv_scale_format"));
   KVAUDIT_ASSIGN_OR_RETURN(attrs->kv_scale_format, parse_scale_format(r, format));
   KVAUDIT_ASSIGN_OR_RETURN(const std::string rope, r.read_string(root, "/", "kv_rope_dtype"));
-  KVAUDIT_ASSIGN_OR_RETURN(attrs->kv_rope_dtype, parse_kv_dtype(r, rope));
+  KVAUDIT_ASSIGN_OR_RETURN(attrs->kv_rope_dtype, parse_kv_dtype(r, "kv_rope_dtype", rope));
   if (H5Aexists(root, "kv_cache_layout") > 0) {
     KVAUDIT_ASSIGN_OR_RETURN(const std::string layout, r.read_string(root, "/", "kv_cache_layout"));
     if (layout == "flashmla_fp8") {
@@ -366,7 +369,7 @@ Result<DumpAttributes> read_root_attributes(const ObjectReader& r, hid_t root) {
   if (!std::isfinite(attrs.sm_scale)) return r.bad("/", "attribute sm_scale is not finite");
   KVAUDIT_ASSIGN_OR_RETURN(attrs.page_size, r.read_int_in(root, "/", "page_size", 1, kMaxDim));
   KVAUDIT_ASSIGN_OR_RETURN(const std::string kv_dtype, r.read_string(root, "/", "kv_dtype"));
-  KVAUDIT_ASSIGN_OR_RETURN(attrs.kv_dtype, parse_kv_dtype(r, kv_dtype));
+  KVAUDIT_ASSIGN_OR_RETURN(attrs.kv_dtype, parse_kv_dtype(r, "kv_dtype", kv_dtype));
   KVAUDIT_ASSIGN_OR_RETURN(attrs.format_minor_version, read_minor_version(r, root));
   KVAUDIT_ASSIGN_OR_RETURN(attrs.kv_scale_kind, r.read_string(root, "/", "kv_scale_kind"));
   if (attrs.kv_scale_kind == "per_token_group") {
@@ -464,6 +467,53 @@ Status check_pool_companions(const ObjectReader& r, hid_t group, const std::stri
   return ok_status();
 }
 
+// The names of the split layout's companion datasets of `pool_name` ("kv_cache" or
+// "kv_cache_after"): kv_rope and kv_scales, with the same suffix.
+std::vector<std::string> companion_names(const std::string& pool_name) {
+  const std::string suffix = pool_name == "kv_cache_after" ? "_after" : "";
+  return {"kv_rope" + suffix, "kv_scales" + suffix};
+}
+
+// What the file's pool is made of, for messages: "a per_tensor pool", "a flashmla_fp8 pool".
+std::string pool_form_text(const DumpAttributes& attrs) {
+  if (!attrs.per_token_group()) return "kv_scale_kind is per_tensor (one kv_cache dataset)";
+  return "kv_cache_layout is flashmla_fp8 (scales and RoPE packed into kv_cache)";
+}
+
+// A companion name (kv_rope, kv_scales and their _after forms) is reserved: where the file's pool
+// does not use it, a dataset of that name is refused rather than ignored, since it says that the
+// producer and the root attributes disagree about the pool's layout.
+Status check_unused_companions(const ObjectReader& r, hid_t group, const std::string& path,
+                               const DumpAttributes& attrs, const std::string& pool_name) {
+  const std::vector<PoolPart> parts = pool_parts(attrs, pool_name);
+  for (const std::string& name : companion_names(pool_name)) {
+    const bool used = std::any_of(parts.begin(), parts.end(),
+                                  [&](const PoolPart& part) { return part.name == name; });
+    if (used) continue;
+    KVAUDIT_ASSIGN_OR_RETURN(const bool present, r.has_link(group, path, name));
+    if (present) {
+      return r.bad(join_path(path, name),
+                   fmt::format("is a dataset of the v1.1 split layout, but {}: refused rather "
+                               "than ignored",
+                               pool_form_text(attrs)));
+    }
+  }
+  return ok_status();
+}
+
+// kv_rope_after and kv_scales_after come with kv_cache_after only (all three or none).
+Status check_companions_without_pool(const ObjectReader& r, hid_t group, const std::string& path) {
+  for (const std::string& name : companion_names("kv_cache_after")) {
+    KVAUDIT_ASSIGN_OR_RETURN(const bool present, r.has_link(group, path, name));
+    if (present) {
+      return r.bad(join_path(path, name),
+                   "present without kv_cache_after: a captured pool is kv_cache_after, "
+                   "kv_rope_after and kv_scales_after together, or none of them");
+    }
+  }
+  return ok_status();
+}
+
 // /layers/<name>. `num_pages` is -1 for the first layer, which sets it.
 Result<LayerMeta> validate_layer(const ObjectReader& r, hid_t layers, const std::string& name,
                                  const DumpAttributes& attrs, std::int64_t* num_pages) {
@@ -475,6 +525,7 @@ Result<LayerMeta> validate_layer(const ObjectReader& r, hid_t layers, const std:
   KVAUDIT_TRY(read_layer_attributes(r, group.get(), path, attrs, &meta));
   KVAUDIT_ASSIGN_OR_RETURN(*num_pages, check_layer_pool(r, group.get(), path, attrs, *num_pages));
   KVAUDIT_TRY(check_pool_companions(r, group.get(), path, attrs, *num_pages, "kv_cache"));
+  KVAUDIT_TRY(check_unused_companions(r, group.get(), path, attrs, "kv_cache"));
   const TensorRule source{"kv_source", TensorType::kBfloat16, pool_shape(attrs, *num_pages),
                           "kv_cache's shape"};
   KVAUDIT_ASSIGN_OR_RETURN(meta.has_source,
@@ -568,6 +619,9 @@ Result<Captures> validate_step_layer(const ObjectReader& r, hid_t step_group,
     KVAUDIT_TRY(expect_shape(r, desc, part_shape(a, layout.num_pages, latent),
                              std::string("[num_pages, page_size, ") + latent.meaning + "]"));
     KVAUDIT_TRY(check_pool_companions(r, g, path, a, layout.num_pages, "kv_cache_after"));
+    KVAUDIT_TRY(check_unused_companions(r, g, path, a, "kv_cache_after"));
+  } else {
+    KVAUDIT_TRY(check_companions_without_pool(r, g, path));
   }
   KVAUDIT_ASSIGN_OR_RETURN(captures.topk, check_topk_dataset(r, g, path, a, nq));
   return captures;
@@ -690,6 +744,63 @@ std::vector<PoolPart> pool_parts(const DumpAttributes& attrs, const std::string&
        row_bytes - form.rope_offset()},
       {"kv_scales" + suffix, scales, groups, "kv_lora_rank / kv_scale_group_size",
        form.scales_offset(), form.rope_offset() - form.scales_offset()}};
+}
+
+namespace {
+
+// The element type of a part, as messages name it, and its bytes per element.
+const char* part_element_name(PoolPartType type) {
+  switch (type) {
+    case PoolPartType::kBf16:
+      return "bf16";
+    case PoolPartType::kScalesF32:
+      return "float32";
+    case PoolPartType::kE4m3:
+    case PoolPartType::kScalesE8m0:
+    case PoolPartType::kFlashMlaPacked:
+      break;
+  }
+  return "byte";
+}
+
+std::size_t part_element_bytes(PoolPartType type) {
+  if (type == PoolPartType::kBf16) return 2;
+  return type == PoolPartType::kScalesF32 ? 4 : 1;
+}
+
+// What byte `offset` of a packed flashmla_fp8 slot holds: "latent code 17", "the float32 scale of
+// group 0, byte 1", "RoPE element 3, byte 0 of its bf16".
+std::string packed_byte_meaning(const KvPool& form, std::size_t offset) {
+  if (offset < form.scales_offset()) return fmt::format("latent code {}", offset);
+  if (offset < form.rope_offset()) {
+    const std::size_t in_scales = offset - form.scales_offset();
+    return fmt::format("the float32 scale of group {}, byte {}", in_scales / 4, in_scales % 4);
+  }
+  const std::size_t in_rope = offset - form.rope_offset();
+  return fmt::format("RoPE element {}, byte {} of its bf16", in_rope / 2, in_rope % 2);
+}
+
+}  // namespace
+
+std::string locate_pool_byte(const DumpAttributes& attrs, const std::string& pool_name,
+                             std::int64_t slot, std::size_t byte) {
+  const std::int64_t page = slot / attrs.page_size;
+  const std::int64_t in_page = slot % attrs.page_size;
+  for (const PoolPart& part : pool_parts(attrs, pool_name)) {
+    if (byte < part.slot_offset || byte >= part.slot_offset + part.slot_bytes) continue;
+    const std::size_t offset = byte - part.slot_offset;
+    const std::size_t element_bytes = part_element_bytes(part.type);
+    const std::string index =
+        fmt::format("{}[{}, {}, {}]", part.name, page, in_page, offset / element_bytes);
+    if (part.type == PoolPartType::kFlashMlaPacked) {
+      return fmt::format("{} ({})", index,
+                         packed_byte_meaning(KvPool::zeros_for(attrs, 0), offset));
+    }
+    if (element_bytes == 1) return index;
+    return fmt::format("{}, byte {} of its {}", index, offset % element_bytes,
+                       part_element_name(part.type));
+  }
+  return fmt::format("byte {} of slot {}", byte, slot);  // past the slot: not reached
 }
 
 Result<DumpLayout> validate_dump_layout(hid_t file, const std::string& file_text) {

@@ -20,6 +20,7 @@
 #include <hdf5.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -45,6 +46,14 @@ struct PoolPart {
 // [.., Dc + 4 G + 2 Dr] bytes. `pool_name` is "kv_cache" or "kv_cache_after"; the companions of
 // kv_cache_after are kv_rope_after and kv_scales_after.
 std::vector<PoolPart> pool_parts(const DumpAttributes& attrs, const std::string& pool_name);
+
+// Where byte `byte` of `slot` of the in-memory pool (KvPool::row, the slot form of kvdump.hpp)
+// is stored in the file's datasets of `pool_name`, as the file indexes them:
+// "kv_scales_after[2, 1, 1], byte 2 of its float32" (split layout),
+// "kv_cache[2, 1, 17] (the float32 scale of group 0, byte 1)" (flashmla_fp8), "kv_cache[2, 1, 5]"
+// (v1 e4m3), "kv_cache[2, 1, 5], byte 1 of its bf16" (v1 bfloat16). Index [page, offset, j].
+std::string locate_pool_byte(const DumpAttributes& attrs, const std::string& pool_name,
+                             std::int64_t slot, std::size_t byte);
 
 // Validates the open HDF5 file `file`, named `file_text` in errors, and returns its layout.
 Result<DumpLayout> validate_dump_layout(hid_t file, const std::string& file_text);

@@ -1,6 +1,8 @@
 // Counting NaN and saturated codes in a KV pool (see pool_codes.hpp).
 #include "src/format/pool_codes.hpp"
 
+#include <cmath>
+
 namespace kvaudit {
 namespace {
 
@@ -22,7 +24,7 @@ void add_codes(KvDtype dtype, const std::uint8_t* bytes, std::size_t count,
 }
 
 // One slot: the whole row of a v1 pool; a per_token_group slot's latent codes and its RoPE part
-// (its scale bytes are not elements).
+// (its scale bytes are not elements), and its NaN scales apart.
 void add_slot(const KvPool& pool, std::int64_t slot, PoolCodeCounts& counts) {
   const std::uint8_t* row = pool.row(slot);
   if (!pool.grouped()) {
@@ -30,6 +32,8 @@ void add_slot(const KvPool& pool, std::int64_t slot, PoolCodeCounts& counts) {
     return;
   }
   add_codes(KvDtype::kFloat8E4m3fn, row, static_cast<std::size_t>(pool.latent_width), counts);
+  for (int g = 0; g < pool.num_groups(); ++g)
+    counts.nan_scales += std::isnan(pool.group_scale(slot, g));
   add_codes(pool.rope_dtype, row + pool.rope_offset(), static_cast<std::size_t>(pool.rope_width()),
             counts);
 }

@@ -17,6 +17,9 @@ namespace kvaudit {
 struct PoolCodeCounts {
   std::int64_t nan = 0;
   std::int64_t saturated = 0;
+  // v1.1 per_token_group pools: NaN group scales (fp32 NaN, e8m0 0xFF), one per scale; a scale
+  // is not an element, so its group's codes are not counted as NaN codes for it.
+  std::int64_t nan_scales = 0;
 };
 
 // Over every element of the pool.

@@ -181,6 +181,17 @@ std::vector<std::int64_t> visible_slots(const StepMeta& step, int page_size) {
   return slots;
 }
 
+std::vector<std::int64_t> held_slots(const StepMeta& step, int page_size) {
+  std::vector<std::int64_t> slots;
+  for (int b = 0; b < step.batch_size(); ++b) {
+    const std::int64_t len = step.kv_len(b, page_size);
+    for (std::int64_t p = 0; p < len; ++p) slots.push_back(step.slot_of(b, p, page_size));
+  }
+  std::sort(slots.begin(), slots.end());
+  slots.erase(std::unique(slots.begin(), slots.end()), slots.end());
+  return slots;
+}
+
 Status check_topk_indices(const StepMeta& step, int page_size, std::span<const std::int32_t> topk,
                           int k, const std::string& where) {
   const int rows = step.num_rows();

@@ -33,6 +33,12 @@ Status check_step_indices(const StepMeta& step, int page_size, std::int64_t num_
 // sorted, without duplicates. The step must pass check_step_indices.
 std::vector<std::int64_t> visible_slots(const StepMeta& step, int page_size);
 
+// Slots that hold a token of some request of the step (positions 0..kv_len(b)-1 of every request,
+// rows or not; the slots the step writes among them), sorted, without duplicates: the slots the
+// step uses. The others hold no token at this step (kvdump-v1 "Semantics": they may hold
+// anything). The step must pass check_step_indices.
+std::vector<std::int64_t> held_slots(const StepMeta& step, int page_size);
+
 // kvdump v1.1 topk_indices of one (step, layer), [Nq, k]: every entry -1 or a token position of
 // the row's request in 0..pos(row) (causal), no position twice in a row, at least one per row.
 // `where` names the dataset ("file:/steps/S###/L###/topk_indices").

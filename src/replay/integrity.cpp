@@ -11,6 +11,8 @@
 #include <unordered_map>
 #include <utility>
 
+#include "src/format/kvdump_validator.hpp"
+
 namespace kvaudit {
 namespace {
 
@@ -38,8 +40,11 @@ std::string slot_list(const std::vector<std::int64_t>& slots) {
   return fmt::format("{} {}", noun, listed);
 }
 
-// What differs in one slot: "3 of 576 bytes differ, first at byte 5: 0x3f, expected 0x38".
-std::string describe_row_difference(const KvPool& actual, const KvPool& expected,
+// What differs in one slot: "3 of 576 bytes differ, first at byte 5: 0x3f, expected 0x38", or,
+// where the dump's attributes are known, with the first byte located in the file's own datasets
+// of `pool_name` ("first at kv_scales_after[2, 1, 1], byte 2 of its float32: ...").
+std::string describe_row_difference(const StepLayerWrites& writes, const std::string& pool_name,
+                                    const KvPool& actual, const KvPool& expected,
                                     std::int64_t slot) {
   const std::uint8_t* a = actual.row(slot);
   const std::uint8_t* e = expected.row(slot);
@@ -51,15 +56,19 @@ std::string describe_row_difference(const KvPool& actual, const KvPool& expected
       ++differing;
     }
   }
-  return fmt::format("{} of {} bytes differ, first at byte {}: 0x{:02x}, expected 0x{:02x}",
-                     differing, actual.row_bytes(), first, a[first], e[first]);
+  const std::string at = writes.attrs != nullptr
+                             ? locate_pool_byte(*writes.attrs, pool_name, slot, first)
+                             : fmt::format("byte {}", first);
+  return fmt::format("{} of {} bytes differ, first at {}: 0x{:02x}, expected 0x{:02x}", differing,
+                     actual.row_bytes(), at, a[first], e[first]);
 }
 
 // "slot 5: 3 of 576 bytes differ, ...", for the first of a finding's slots.
-std::string first_slot_difference(const std::vector<std::int64_t>& slots, const KvPool& actual,
+std::string first_slot_difference(const StepLayerWrites& writes, const std::string& pool_name,
+                                  const std::vector<std::int64_t>& slots, const KvPool& actual,
                                   const KvPool& expected) {
   return fmt::format("slot {}: {}", slots.front(),
-                     describe_row_difference(actual, expected, slots.front()));
+                     describe_row_difference(writes, pool_name, actual, expected, slots.front()));
 }
 
 IntegrityFinding make_finding(const StepLayerWrites& writes, IntegrityCheck check) {
@@ -271,17 +280,32 @@ SlotClass classify_grouped_slot(const KvPool& actual, const KvPool& expected, st
   return SlotClass::kOther;
 }
 
+// Whether no request of the step holds `slot` (known only where the replay said which do).
+bool slot_unused(const StepLayerWrites& writes, std::int64_t slot) {
+  return writes.held_slots &&
+         !std::binary_search(writes.held_slots->begin(), writes.held_slots->end(), slot);
+}
+
 SlotClass classify_indexed(const StepLayerWrites& writes, const WriteIndex& index,
                            const KvPool& actual, const KvPool& expected, std::int64_t slot) {
   // Nothing to classify where the bytes agree (an unwritten slot that changed back to them).
   if (rows_equal(actual, slot, expected, slot)) return SlotClass::kOther;
   if (is_wrong_slot(index, actual, expected, slot)) return SlotClass::kWrongSlot;
+  const bool unused = slot_unused(writes, slot);
+  if (unused && (expected.dtype == KvDtype::kBfloat16 || expected.grouped())) {
+    return SlotClass::kUnusedSlot;
+  }
   if (expected.dtype == KvDtype::kBfloat16) return classify_bf16_slot(actual, expected, slot);
   if (expected.grouped()) return classify_grouped_slot(actual, expected, slot);
   const int width = expected.row_width;
   const std::uint8_t* got = actual.row(slot);
   const std::uint8_t* want = expected.row(slot);
   const CodeDifference difference = compare_codes(got, want, width);
+  if (unused) {  // garbage, unless it is the bf16 spill of a written row
+    const bool bf16 =
+        difference.differing >= 2 && holds_bf16_bytes(writes, index, got, want, width, slot);
+    return bf16 ? SlotClass::kBf16Bytes : SlotClass::kUnusedSlot;
+  }
   // Every differing code one step away is a rounding difference, whatever else it resembles: for
   // quotients in [1.875, 4) the bf16 high byte (0x3F, 0x40) is itself a neighbouring e4m3 code.
   if (difference.all_off_by_one) return SlotClass::kOffByOneCode;
@@ -310,7 +334,7 @@ void add_classified_findings(std::vector<IntegrityFinding>& findings, const Step
     IntegrityFinding finding = make_finding(writes, check);
     finding.classification = slot_class;
     fail_with_slots(finding, class_slots, fmt::format("{} [{}]", what, slot_class_name(slot_class)),
-                    first_slot_difference(class_slots, actual, compared_with));
+                    first_slot_difference(writes, "kv_cache", class_slots, actual, compared_with));
     findings.push_back(std::move(finding));
   }
 }
@@ -498,7 +522,7 @@ void add_captured_findings(std::vector<IntegrityFinding>& findings, const StepLa
     fail_with_slots(finding, slots,
                     fmt::format("slot(s) of the captured pool differ from the replay [{}]",
                                 slot_class_name(slot_class)),
-                    first_slot_difference(slots, captured, expected));
+                    first_slot_difference(writes, "kv_cache_after", slots, captured, expected));
     findings.push_back(finding);
   }
   for (const auto& [key, slots] : damage.carried) {
@@ -510,7 +534,7 @@ void add_captured_findings(std::vector<IntegrityFinding>& findings, const StepLa
                     fmt::format("slot(s) of the captured pool still differ from the replay [{}, "
                                 "unchanged since step {}]",
                                 slot_class_name(slot_class), first_step),
-                    first_slot_difference(slots, captured, expected));
+                    first_slot_difference(writes, "kv_cache_after", slots, captured, expected));
     findings.push_back(finding);
   }
 }
@@ -577,11 +601,12 @@ std::vector<IntegrityFinding> check_captured_pool(const StepLayerWrites& writes,
 
 namespace {
 
+// NaN codes of a slot's elements (a grouped slot's latent codes and RoPE part, not its scales).
 std::int64_t nan_codes_in_row(const KvPool& pool, std::int64_t slot) {
   std::int64_t count = 0;
   const std::uint8_t* row = pool.row(slot);
   if (pool.grouped()) {
-    for (int c = 0; c < pool.row_width; ++c) count += element_is_nan(pool, slot, c);
+    for (int c = 0; c < pool.row_width; ++c) count += std::isnan(pool.element(slot, c));
   } else if (pool.dtype == KvDtype::kBfloat16) {
     for (int c = 0; c < pool.row_width; ++c) {
       const unsigned bits = row[2 * c] | (static_cast<unsigned>(row[2 * c + 1]) << 8);
@@ -593,41 +618,53 @@ std::int64_t nan_codes_in_row(const KvPool& pool, std::int64_t slot) {
   return count;
 }
 
+// NaN group scales of a grouped slot (one each, however many codes they multiply); 0 otherwise.
+std::int64_t nan_scales_in_row(const KvPool& pool, std::int64_t slot) {
+  std::int64_t count = 0;
+  for (int g = 0; g < pool.num_groups(); ++g) count += std::isnan(pool.group_scale(slot, g));
+  return count;
+}
+
 }  // namespace
 
-void PoolNanCodes::scan(const KvPool& pool) {
-  codes_by_slot_.clear();
-  for (std::int64_t slot = 0; slot < pool.num_slots; ++slot) {
-    if (const std::int64_t codes = nan_codes_in_row(pool, slot); codes > 0) {
-      codes_by_slot_[slot] = codes;
-    }
+void PoolNanCodes::count_slot(const KvPool& pool, std::int64_t slot) {
+  const SlotNans nans{nan_codes_in_row(pool, slot), nan_scales_in_row(pool, slot)};
+  if (nans.codes > 0 || nans.scales > 0) {
+    by_slot_[slot] = nans;
+  } else {
+    by_slot_.erase(slot);
   }
 }
 
+void PoolNanCodes::scan(const KvPool& pool) {
+  by_slot_.clear();
+  for (std::int64_t slot = 0; slot < pool.num_slots; ++slot) count_slot(pool, slot);
+}
+
 void PoolNanCodes::update(const KvPool& pool, std::span<const std::int32_t> written_slots) {
-  for (const std::int32_t slot : written_slots) {
-    if (const std::int64_t codes = nan_codes_in_row(pool, slot); codes > 0) {
-      codes_by_slot_[slot] = codes;
-    } else {
-      codes_by_slot_.erase(slot);
-    }
-  }
+  for (const std::int32_t slot : written_slots) count_slot(pool, slot);
 }
 
 std::optional<IntegrityFinding> PoolNanCodes::report(const StepLayerWrites& writes,
                                                      std::int64_t num_slots,
                                                      std::span<const std::int64_t> visible) const {
-  if (codes_by_slot_.empty()) return std::nullopt;
+  if (by_slot_.empty()) return std::nullopt;
   std::vector<char> read(static_cast<std::size_t>(num_slots), 0);
   for (const std::int64_t slot : visible) read[slot] = 1;
   std::vector<std::int64_t> slots;
   std::int64_t codes = 0;
+  std::int64_t scales = 0;
   std::int64_t read_slots = 0;
-  for (const auto& [slot, count] : codes_by_slot_) {
-    codes += count;
+  for (const auto& [slot, nans] : by_slot_) {
+    codes += nans.codes;
+    scales += nans.scales;
     slots.push_back(slot);
     read_slots += read[slot];
   }
+  // A NaN group scale is one NaN scale (it makes its group's values NaN), not a NaN per code.
+  const std::string what =
+      scales == 0 ? fmt::format("{} NaN code(s)", codes)
+                  : fmt::format("{} NaN code(s) and {} NaN group scale(s)", codes, scales);
   IntegrityFinding finding = make_finding(writes, IntegrityCheck::kNanCodesInPool);
   finding.pass = true;  // data, not a failure (kvdump-v1 "Errors")
   finding.slots.assign(slots.begin(),
@@ -635,10 +672,10 @@ std::optional<IntegrityFinding> PoolNanCodes::report(const StepLayerWrites& writ
   finding.slot_count = static_cast<std::int64_t>(slots.size());
   finding.classification = SlotClass::kNanCode;
   finding.detail = fmt::format(
-      "{}: the pool holds {} NaN code(s) in {} (data, not a failure): {} slot(s) no request of "
+      "{}: the pool holds {} in {} (data, not a failure): {} slot(s) no request of "
       "this step reads, {} read (the reference is NaN where a row reads one; a backend output "
       "must match)",
-      finding.where, codes, slot_list(slots), static_cast<std::int64_t>(slots.size()) - read_slots,
+      finding.where, what, slot_list(slots), static_cast<std::int64_t>(slots.size()) - read_slots,
       read_slots);
   return finding;
 }

@@ -29,6 +29,9 @@
 //                   the spill of that row (elements D/2 .. D-1)
 //   nan_code        it holds a NaN code (0x7F / 0xFF) where a finite code was expected
 //   off_by_one_code every differing code is one step from the expected code (wrong rounding)
+//   unused_slot     a slot no request of the step holds (StepLayerWrites::held_slots): garbage
+//                   there is judged (every slot must be bitwise as expected) but gets no rounding
+//                   or scale class; wrong_slot and bf16_bytes still apply
 //   other           anything else
 // Damage of a captured pool that persists unchanged into later steps keeps the class and step it
 // was first seen with (PoolDamageHistory), so a later step reports it as carried, not as new
@@ -60,6 +63,12 @@ struct StepLayerWrites {
   std::string where;
   // The write rule the expected pool was written with, for messages.
   std::string rule = "kvdump_quantize(new_kv, kv_scale)";
+  // The dump's attributes (may be null): messages then locate a differing byte in the file's own
+  // datasets (kv_cache / kv_rope / kv_scales, or their _after forms) rather than in the slot form.
+  const DumpAttributes* attrs = nullptr;
+  // The slots that hold a token of some request of the step (held_slots, sorted); absent: not
+  // known, every slot is taken as used. A differing slot outside them is classed unused_slot.
+  std::optional<std::vector<std::int64_t>> held_slots;
 };
 
 // Slot-level damage of a captured pool seen so far: slot -> (step first seen, class).
@@ -99,7 +108,8 @@ SlotClass classify_slot(const StepLayerWrites& writes, const KvPool& actual, con
                         std::int64_t slot);
 
 // The NaN codes a pool holds, by slot, kept current from step to step: the pool is scanned once,
-// then only the slots each step writes are counted again.
+// then only the slots each step writes are counted again. A grouped (v1.1) slot's NaN group
+// scales are counted apart, one per scale, not as NaN codes of the group's elements.
 class PoolNanCodes {
  public:
   void scan(const KvPool& pool);
@@ -111,7 +121,12 @@ class PoolNanCodes {
                                          std::span<const std::int64_t> visible) const;
 
  private:
-  std::map<std::int64_t, std::int64_t> codes_by_slot_;
+  struct SlotNans {
+    std::int64_t codes = 0;   // NaN codes of the slot's elements
+    std::int64_t scales = 0;  // NaN group scales (grouped pools)
+  };
+  void count_slot(const KvPool& pool, std::int64_t slot);
+  std::map<std::int64_t, SlotNans> by_slot_;
 };
 
 // PoolNanCodes of `pool` (the reference pool after the step's writes), reported at once.

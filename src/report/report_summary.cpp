@@ -543,6 +543,9 @@ const char* slot_class_cause(SlotClass slot_class) {
              "for the K row, a per-token instead of per-group scale).";
     case SlotClass::kRopeSaturated:
       return "the RoPE part saturated at +-448: its scale was calibrated without it.";
+    case SlotClass::kUnusedSlot:
+      return "bytes changed in a slot that holds no token: a stray write, or a capture of "
+             "another pool region.";
     case SlotClass::kOther:
       return "damage of no known class: compare the slots' bytes with the write rule.";
     case SlotClass::kNone:

@@ -49,6 +49,7 @@ Result<nlohmann::json> layer_info(const DumpReader& reader, std::size_t layer_in
   } else {
     entry["saturated_codes"] = nullptr;
   }
+  if (layout.attrs.per_token_group()) entry["nan_scales"] = counts.nan_scales;
   return entry;
 }
 
@@ -79,9 +80,22 @@ nlohmann::json step_info(const DumpLayout& layout, const StepMeta& step) {
           {"captures", std::move(captures)}};
 }
 
+// v1.1: reads every topk_indices dataset, so that their values are checked by the rules of
+// "Sparse attention" as `check` would check them (the first bad one is the error).
+Status check_sparse_indices(const DumpReader& reader) {
+  const DumpLayout& layout = reader.layout();
+  for (std::size_t s = 0; s < layout.steps.size(); ++s) {
+    for (std::size_t l = 0; l < layout.layers.size(); ++l) {
+      KVAUDIT_TRY(reader.read_topk_indices(s, l));
+    }
+  }
+  return ok_status();
+}
+
 }  // namespace
 
 Result<nlohmann::json> dump_info(const DumpReader& reader) {
+  KVAUDIT_TRY(check_sparse_indices(reader));
   const DumpLayout& layout = reader.layout();
   nlohmann::json info;
   info["file"] = reader.path().string();
@@ -116,12 +130,17 @@ std::string capture_text(const nlohmann::json& groups, std::size_t layer_count) 
 
 std::string layer_line(const nlohmann::json& layer) {
   const auto& saturated = layer["saturated_codes"];
+  const std::string nan_scales =
+      layer.contains("nan_scales")
+          ? fmt::format("  nan_scales={}", layer["nan_scales"].get<std::int64_t>())
+          : std::string();
   return fmt::format(
-      "  {}  layer_id={}  kv_scale={:.9g}  kv_source={}  nan_codes={}  saturated_codes={}\n",
+      "  {}  layer_id={}  kv_scale={:.9g}  kv_source={}  nan_codes={}  saturated_codes={}{}\n",
       layer["group"].get<std::string>(), layer["layer_id"].get<int>(),
       layer["kv_scale"].get<double>(), layer["has_kv_source"].get<bool>() ? "yes" : "no",
       layer["nan_codes"].get<std::int64_t>(),
-      saturated.is_null() ? std::string("n/a") : std::to_string(saturated.get<std::int64_t>()));
+      saturated.is_null() ? std::string("n/a") : std::to_string(saturated.get<std::int64_t>()),
+      nan_scales);
 }
 
 // "" for a dense step; "    sparse: L000 top-64, L001 top-64" (v1.1) on a line of its own.

@@ -13,14 +13,17 @@
 
 namespace kvaudit {
 
-// Reads every layer's initial pool (one at a time) to count codes. Schema:
+// Reads every layer's initial pool (one at a time) to count codes, and every v1.1 topk_indices
+// dataset, whose values are checked as `check` checks them (an Error names the first bad one).
+// Schema:
 // { "file", "format_version", "format_minor_version" (1: v1.1), "model", "producer",
 //   "shapes": { num_heads, kv_lora_rank, qk_rope_head_dim, page_size, num_pages, num_slots,
 //               kv_dtype, kv_scale_kind, sm_scale },
 //   "group_scales": null, or (v1.1 per_token_group) { group_size, groups, scale_format,
 //               rope_dtype, layout },
 //   "layers": [ { group, layer_id, kv_scale, has_kv_source, nan_codes,
-//                 saturated_codes (null for a bf16 pool) } ],
+//                 saturated_codes (null for a bf16 pool), nan_scales (v1.1 per_token_group
+//                 only: NaN group scales, one per scale) } ],
 //   "steps":  [ { group, kind, topk: { layer group: K } (v1.1 sparse layers), requests, rows,
 //                 tokens, page_refs, pages_used,
 //                 captures: { out: [layer groups], lse: [...], kv_cache_after: [...] } } ] }

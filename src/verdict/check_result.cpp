@@ -187,6 +187,8 @@ const char* slot_class_name(SlotClass slot_class) {
       return "swapped_group_scale";
     case SlotClass::kCodesOtherScale:
       return "codes_other_scale";
+    case SlotClass::kUnusedSlot:
+      return "unused_slot";
     case SlotClass::kRopeSaturated:
       return "rope_saturated";
     case SlotClass::kOther:

@@ -67,10 +67,13 @@ enum class SlotClass {
   kSwappedGroupScale,  // only the scales differ, and a group holds another group's scale
   kCodesOtherScale,    // only latent codes differ, by more than one step: another scale used
   kRopeSaturated,      // only the RoPE part differs, and it holds +-448 codes the rule did not
+  // A slot no request of the step holds (no token lives there): its bytes are garbage to the
+  // step, so no quantization class applies (it holds no written row nor bf16 bytes of one).
+  kUnusedSlot,
   kOther,
 };
 // "" (kNone), "wrong_slot", "bf16_bytes", "nan_code", "off_by_one_code", "scale_bytes",
-// "swapped_group_scale", "codes_other_scale", "rope_saturated", "other".
+// "swapped_group_scale", "codes_other_scale", "rope_saturated", "unused_slot", "other".
 const char* slot_class_name(SlotClass slot_class);
 
 struct IntegrityFinding {

@@ -361,6 +361,7 @@ constexpr std::array kSlotClasses = {SlotClass::kNone,
                                      SlotClass::kSwappedGroupScale,
                                      SlotClass::kCodesOtherScale,
                                      SlotClass::kRopeSaturated,
+                                     SlotClass::kUnusedSlot,
                                      SlotClass::kOther};
 
 // A name back to its enum value, by the enum's own name function; an unknown name is an error.

@@ -219,6 +219,9 @@ TEST_CASE("v1.1 reader refuses what the format forbids, naming the object", "[kv
       {"unknown scale format",
        [](RawFile& f) { f.set_string("/", "kv_scale_format", "fp16", false); }, "/",
        "kv_scale_format \"fp16\" is unknown"},
+      {"unknown RoPE dtype",
+       [](RawFile& f) { f.set_string("/", "kv_rope_dtype", "float16", false); }, "/",
+       "kv_rope_dtype \"float16\" is unknown"},
       {"packed layout with e8m0",
        [](RawFile& f) {
          f.set_string("/", "kv_cache_layout", "flashmla_fp8", false);
@@ -244,6 +247,103 @@ TEST_CASE("v1.1 reader refuses what the format forbids, naming the object", "[kv
     CHECK(reader.error().where == path.string() + ":" + c.object);
     CHECK_THAT(reader.error().what, Catch::Matchers::Contains(c.reason));
   }
+}
+
+// The num_pages of a dump that opens.
+hsize_t num_pages_of(const std::filesystem::path& path) {
+  auto reader = DumpReader::open(path);
+  REQUIRE(reader.ok());
+  return static_cast<hsize_t>(reader->layout().num_pages);
+}
+
+TEST_CASE("v1.1 split-layout dataset names are refused where the pool does not use them",
+          "[kvdump][v1.1]") {
+  // A packed pool (16 codes, 2 float32 scales, 4 bf16 RoPE values per slot) with a stray
+  // kv_scales beside it: the producer and the root attributes disagree about the layout.
+  const auto packed = synth_v1_1("packed-stray.h5", PoolLayout::kFlashMlaFp8, 0);
+  const hsize_t pages = num_pages_of(packed);
+  struct Case {
+    const char* name;
+    std::string dataset;
+    std::vector<hsize_t> dims;
+    hid_t type;
+    const char* dtype;
+    const char* reason;
+  };
+  const Case cases[] = {
+      {"kv_scales beside a packed pool",
+       "/layers/L000/kv_scales",
+       {pages, 4, 2},
+       H5T_IEEE_F32LE,
+       nullptr,
+       "is a dataset of the v1.1 split layout, but kv_cache_layout is flashmla_fp8"},
+      {"kv_rope beside a packed pool",
+       "/layers/L000/kv_rope",
+       {pages, 4, 4},
+       H5T_STD_U16LE,
+       "bfloat16",
+       "is a dataset of the v1.1 split layout, but kv_cache_layout is flashmla_fp8"},
+      {"kv_scales_after in a packed step",
+       "/steps/S000/L000/kv_scales_after",
+       {pages, 4, 2},
+       H5T_IEEE_F32LE,
+       nullptr,
+       "present without kv_cache_after"},
+  };
+  for (const Case& c : cases) {
+    INFO(c.name);
+    const auto path = synth_v1_1("packed-stray.h5", PoolLayout::kFlashMlaFp8, 0);
+    {
+      RawFile file(path);
+      file.replace_zeros(c.dataset, c.dims, c.type, c.dtype);
+    }
+    auto reader = DumpReader::open(path);
+    REQUIRE_FALSE(reader.ok());
+    INFO(reader.error().message());
+    CHECK(reader.error().where == path.string() + ":" + c.dataset);
+    CHECK_THAT(reader.error().what, Catch::Matchers::Contains(c.reason));
+    CHECK(reader.error().kind == ErrorKind::kBadInput);
+  }
+}
+
+TEST_CASE("v1.1 kv_rope_after and kv_scales_after without kv_cache_after are refused",
+          "[kvdump][v1.1]") {
+  for (const char* name : {"kv_rope_after", "kv_scales_after"}) {
+    INFO(name);
+    const auto path = synth_v1_1("companions.h5", PoolLayout::kSplit, 0);
+    const hsize_t pages = num_pages_of(path);
+    const std::string dataset = std::string("/steps/S000/L000/") + name;
+    {
+      RawFile file(path);
+      if (std::string(name) == "kv_rope_after") {
+        file.replace_zeros(dataset, {pages, 4, 4}, H5T_STD_U16LE, "bfloat16");
+      } else {
+        file.replace_zeros(dataset, {pages, 4, 2}, H5T_IEEE_F32LE, nullptr);
+      }
+    }
+    auto reader = DumpReader::open(path);
+    REQUIRE_FALSE(reader.ok());
+    INFO(reader.error().message());
+    CHECK(reader.error().where == path.string() + ":" + dataset);
+    CHECK_THAT(reader.error().what, Catch::Matchers::Contains("present without kv_cache_after"));
+  }
+}
+
+TEST_CASE("v1.1 a float32 group scale that would underflow to 0 is the least float",
+          "[kvdump][v1.1]") {
+  // amax 2^-145: fp32(2^-145 / 448) rounds to 0 (it is below 2^-150). The scale is 2^-149, the
+  // least float, and the codes are x / 2^-149: 16 (0x58) and zeros; never a NaN code (0 / 0).
+  const float least = std::ldexp(1.0f, -149);
+  CHECK(group_scale_for(std::ldexp(1.0f, -145), GroupScaleFormat::kFloat32) == least);
+  std::vector<float> row(20, 0.0f);
+  row[0] = std::ldexp(1.0f, -145);
+  row[9] = 1.0f;  // group 1 a normal one
+  KvPool pool = grouped_pool(GroupScaleFormat::kFloat32, KvDtype::kBfloat16, 1);
+  write_grouped_row(pool, 0, row.data(), 1.0f, false);
+  CHECK(pool.group_scale(0, 0) == least);
+  CHECK(pool.row(0)[0] == 0x58);
+  for (int j = 1; j < 16; ++j) CHECK_FALSE(e4m3_is_nan(pool.row(0)[j]));
+  CHECK(pool.dequantized(0, 0, 1.0f) == std::ldexp(1.0, -145));
 }
 
 // Overwrites entry [row, col] of /steps/S000/L000/topk_indices.
@@ -439,6 +539,20 @@ TEST_CASE("kvaudit info describes a v1.1 dump: version, scale form, sparse layer
   CHECK(info.at("format_minor_version") == 1);
   CHECK(info.at("group_scales").at("layout") == "flashmla_fp8");
   CHECK(info.at("steps").at(0).at("topk").at("L001") == 64);
+}
+
+TEST_CASE("kvaudit info refuses a dump whose topk_indices break the sparse rules",
+          "[kvdump][v1.1][cli]") {
+  // Row 0 of S000 sits at position 9: position 10 is in its future.
+  const auto path = synth_v1_1("info-topk.h5", PoolLayout::kSplit, 4);
+  REQUIRE(run_kvaudit("info " + path.string()).first == 0);
+  set_topk_entry(path, 0, 0, 10);
+  const auto [status, text] = run_kvaudit("info " + path.string());
+  INFO(text);
+  CHECK(status == 2);
+  CHECK_THAT(text, Catch::Matchers::Contains("kvaudit: " + path.string() +
+                                             ":/steps/S000/L000/topk_indices: "));
+  CHECK_THAT(text, Catch::Matchers::Contains("sees positions 0..9"));
 }
 
 TEST_CASE("kvaudit check of the v1.1 dumps passes with none and cpu-fp8, with the limits it says",

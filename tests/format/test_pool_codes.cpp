@@ -1,6 +1,7 @@
 // count_pool_codes (src/format/pool_codes.hpp): NaN and saturated e4m3 codes, over a whole pool
 // and over chosen slots. The codes are written here by hand.
 #include <catch2/catch.hpp>
+#include <limits>
 #include <vector>
 
 #include "src/format/pool_codes.hpp"
@@ -41,4 +42,22 @@ TEST_CASE("count_pool_codes over slots counts only those slots' elements", "[poo
   const std::vector<std::int64_t> only_two{2};
   CHECK(count_pool_codes(pool, only_two).saturated == 1);
   CHECK(count_pool_codes(pool, only_two).nan == 1);
+}
+
+TEST_CASE("count_pool_codes counts a NaN group scale once, apart from the NaN codes",
+          "[pool_codes][v1.1]") {
+  kvaudit::DumpAttributes attrs;  // Dc = 8 in 2 groups of 4, float32 scales, bf16 RoPE of 2
+  attrs.kv_lora_rank = 8;
+  attrs.qk_rope_head_dim = 2;
+  attrs.kv_scale_kind = "per_token_group";
+  attrs.kv_scale_group_size = 4;
+  attrs.kv_scale_format = kvaudit::GroupScaleFormat::kFloat32;
+  attrs.kv_rope_dtype = KvDtype::kBfloat16;
+  KvPool pool = KvPool::zeros_for(attrs, 2);
+  pool.set_group_scale(0, 0, 1.0f);
+  pool.set_group_scale(0, 1, std::numeric_limits<float>::quiet_NaN());
+  pool.row(1)[2] = 0x7F;  // one NaN code in slot 1
+  const auto counts = count_pool_codes(pool);
+  CHECK(counts.nan_scales == 1);
+  CHECK(counts.nan == 1);
 }

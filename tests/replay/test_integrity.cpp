@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 #include <cstdint>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "src/core/fp8_e4m3.hpp"
@@ -321,6 +322,19 @@ TEST_CASE("PoolNanCodes follows the writes: a NaN overwritten goes, a NaN writte
 namespace kvaudit {
 namespace {
 
+// The attributes of the pool below, as a split-layout dump with 2 slots per page would say them.
+DumpAttributes grouped_attrs() {
+  DumpAttributes attrs;
+  attrs.page_size = 2;
+  attrs.kv_lora_rank = 8;
+  attrs.qk_rope_head_dim = 2;
+  attrs.kv_scale_kind = "per_token_group";
+  attrs.kv_scale_group_size = 4;
+  attrs.kv_scale_format = GroupScaleFormat::kFloat32;
+  attrs.kv_rope_dtype = KvDtype::kFloat8E4m3fn;
+  return attrs;
+}
+
 // A per_token_group pool (kvdump v1.1) of 2 slots: Dc = 8 in 2 groups of 4 with float32 scales,
 // an e4m3 RoPE part of Dr = 2. Slot 0 holds hand-written codes and scales 0.5 and 2.
 KvPool grouped_expected() {
@@ -374,6 +388,79 @@ TEST_CASE("per_token_group slots are classified by the part of the slot that dif
   KvPool nan_scale = expected;  // a NaN scale makes its group's values NaN
   nan_scale.set_group_scale(0, 1, std::numeric_limits<float>::quiet_NaN());
   CHECK(classify_slot(writes, nan_scale, expected, 0) == SlotClass::kNanCode);
+}
+
+TEST_CASE("a NaN group scale is one NaN scale in nan_codes_in_pool, not a NaN code per element",
+          "[integrity][v1.1]") {
+  const std::vector<std::int32_t> slots = {};
+  const std::vector<float> row;
+  const StepLayerWrites writes{0, 0, slots, row, 1.0f};
+  KvPool pool = grouped_expected();  // slot 0: finite codes, scales 0.5 and 2
+  pool.set_group_scale(0, 1, std::numeric_limits<float>::quiet_NaN());
+  const std::vector<std::int64_t> visible = {0};
+  const auto finding = report_nan_codes(writes, pool, visible);
+  REQUIRE(finding.has_value());
+  INFO(finding->detail);
+  CHECK_THAT(finding->detail,
+             Catch::Matchers::Contains("holds 0 NaN code(s) and 1 NaN group scale(s) in slot 0"));
+  pool.row(1)[3] = 0x7F;  // and one NaN code in slot 1
+  const auto both = report_nan_codes(writes, pool, visible);
+  REQUIRE(both.has_value());
+  CHECK_THAT(both->detail, Catch::Matchers::Contains(
+                               "holds 1 NaN code(s) and 1 NaN group scale(s) in slots 0, 1"));
+}
+
+TEST_CASE("integrity messages locate a differing byte in the split layout's own datasets",
+          "[integrity][v1.1]") {
+  const std::vector<std::int32_t> slots = {};
+  const std::vector<float> row;
+  const DumpAttributes attrs = grouped_attrs();
+  StepLayerWrites writes{5, 0, slots, row, 1.0f};
+  writes.attrs = &attrs;
+  const KvPool expected = grouped_expected();
+  // Byte 2 of group 1's float32 scale of slot 0: in the file, kv_scales_after[0, 0, 1] (page 0,
+  // offset 0, group 1), byte 2; in the slot form it is byte 8 + 4 + 2 = 14.
+  KvPool captured = expected;
+  captured.row(0)[expected.scales_offset() + 6] ^= 0x01;
+  const auto scale = check_captured_pool(writes, captured, expected);
+  REQUIRE(scale.size() == 1);
+  INFO(scale[0].detail);
+  CHECK_THAT(scale[0].detail,
+             Catch::Matchers::Contains("first at kv_scales_after[0, 0, 1], byte 2 of its float32"));
+  CHECK_THAT(scale[0].detail, !Catch::Matchers::Contains("byte 14"));
+  // The RoPE part's element 1 of slot 1: kv_rope_after[0, 1, 1].
+  KvPool rope = expected;
+  rope.row(1)[expected.rope_offset() + 1] = 0x38;
+  const auto rope_findings = check_captured_pool(writes, rope, expected);
+  REQUIRE(rope_findings.size() == 1);
+  CHECK_THAT(rope_findings[0].detail,
+             Catch::Matchers::Contains("first at kv_rope_after[0, 1, 1]: 0x38, expected 0x00"));
+  // A latent code: kv_cache_after[0, 0, 3].
+  KvPool code = expected;
+  code.row(0)[3] = 0x20;
+  CHECK_THAT(check_captured_pool(writes, code, expected)[0].detail,
+             Catch::Matchers::Contains("first at kv_cache_after[0, 0, 3]: 0x20, expected 0x33"));
+}
+
+TEST_CASE("a changed slot no request holds is classed unused_slot, not by rounding or scale",
+          "[integrity][v1.1]") {
+  const std::vector<std::int32_t> slots = {0};
+  const std::vector<float> row(10, 0.0f);
+  StepLayerWrites writes{0, 0, slots, row, 1.0f};
+  const KvPool expected = grouped_expected();
+  KvPool garbage = expected;  // latent codes of slot 1 (no token) changed, scales untouched
+  garbage.row(1)[0] = 0x55;
+  garbage.row(1)[5] = 0x66;
+  // Without knowing which slots hold tokens, the bytes look like another scale's codes.
+  CHECK(classify_slot(writes, garbage, expected, 1) == SlotClass::kCodesOtherScale);
+  writes.held_slots = std::vector<std::int64_t>{0};
+  CHECK(classify_slot(writes, garbage, expected, 1) == SlotClass::kUnusedSlot);
+  CHECK(std::string(slot_class_name(SlotClass::kUnusedSlot)) == "unused_slot");
+  // A slot that holds a token keeps its class.
+  KvPool rescaled = expected;
+  rescaled.row(0)[1] = 0x35;
+  rescaled.row(0)[6] = 0x3A;
+  CHECK(classify_slot(writes, rescaled, expected, 0) == SlotClass::kCodesOtherScale);
 }
 
 }  // namespace kvaudit
