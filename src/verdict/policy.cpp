@@ -299,10 +299,19 @@ const char* reason_label(Limit limit) {
 
 std::string format_number(double value) { return fmt::format("{:.3g}", value); }
 
-std::string describe_location(const ElementLocation& at) {
+// "NaN", "inf", "-inf" or the number.
+std::string value_name(double value) {
+  if (std::isnan(value)) return "NaN";
+  if (std::isinf(value)) return value > 0 ? "inf" : "-inf";
+  return format_number(value);
+}
+
+// A NaN/Inf mismatch says which side holds what: "row 7 head 2 dim 100: NaN where the reference is
+// 0.5" (no distance: none means anything between a NaN and a number).
+std::string describe_nonfinite_mismatch(const ElementLocation& at) {
   const std::string dim = at.dim >= 0 ? fmt::format(" dim {}", at.dim) : " (lse)";
-  return fmt::format("row {} head {}{}: reference {}, candidate {}", at.row, at.head, dim,
-                     format_number(at.reference), format_number(at.candidate));
+  return fmt::format("row {} head {}{}: {} where the reference is {}", at.row, at.head, dim,
+                     value_name(at.candidate), value_name(at.reference));
 }
 
 // ---- policy files ------------------------------------------------------------------------------
@@ -619,9 +628,9 @@ Judgement judge_limits(const ComparisonLimits& limits, const std::string& label,
   // Non-finite disagreements fail before any norm is looked at.
   if (metrics.nonfinite_mismatches > 0) {
     judgement.pass = false;
-    judgement.reasons.push_back(fmt::format("{} NaN/Inf mismatches, first at {}",
-                                            metrics.nonfinite_mismatches,
-                                            describe_location(metrics.first_nonfinite_mismatch)));
+    judgement.reasons.push_back(
+        fmt::format("{} NaN/Inf mismatches, first at {}", metrics.nonfinite_mismatches,
+                    describe_nonfinite_mismatch(metrics.first_nonfinite_mismatch)));
   }
   for (const Limit limit : all_limits()) {
     const std::optional<double> bound = limit_value(limits, limit);
