@@ -51,8 +51,9 @@ void register_info_command(CLI::App& app, CommandRunner& runner) {
        "Every rule of the format's Errors section is checked (docs/kvdump-v1.md), the values of "
        "every v1.1 topk_indices dataset included. The summary: "
        "model and producer; shapes (H, Dc, Dr, page_size, num_pages, slots, kv_dtype, "
-       "sm_scale); per layer its layer_id, kv_scale, whether kv_source is present and the NaN "
-       "codes (0x7F/0xFF) and saturated codes (+-448: 0x7E/0xFE) in its initial pool (v1.1 "
+       "sm_scale); per layer its layer_id, kv_scale, whether kv_source is present and how many "
+       "NaN values it holds in which slots (Rs is NaN where a row reads one), and the NaN codes "
+       "(0x7F/0xFF) and saturated codes (+-448: 0x7E/0xFE) in its initial pool (v1.1 "
        "per_token_group: and its NaN group scales, one per scale); per step "
        "its kind, requests, query rows, tokens (sum of kv_len), pages, and which captures (out, "
        "lse, kv_cache_after) it holds.",

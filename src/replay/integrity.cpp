@@ -152,19 +152,19 @@ class WriteIndex {
     const auto it = row_of_slot_.find(slot);
     return it == row_of_slot_.end() ? -1 : it->second;
   }
-  // Whether `actual`'s row at `slot` is the expected row of another written slot (one whose
-  // expected row differs from this slot's own).
-  bool holds_other_written_row(const KvPool& actual, std::int64_t slot) const {
+  // The other written slot whose expected row `actual` holds at `slot` (one whose expected row
+  // differs from this slot's own), if any.
+  std::optional<std::int64_t> written_row_held(const KvPool& actual, std::int64_t slot) const {
     const auto [first, last] =
         slots_by_hash_.equal_range(row_hash(actual.row(slot), actual.row_bytes()));
     for (auto it = first; it != last; ++it) {
       const std::int64_t other = it->second;
       if (other != slot && !rows_equal(expected_, other, expected_, slot) &&
           rows_equal(actual, slot, expected_, other)) {
-        return true;
+        return other;
       }
     }
-    return false;
+    return std::nullopt;
   }
 
  private:
@@ -173,20 +173,68 @@ class WriteIndex {
   std::unordered_multimap<std::uint64_t, std::int64_t> slots_by_hash_;
 };
 
+// A written row found in another slot: the slot it was meant for and the slot it landed in.
+struct Misplacement {
+  std::int64_t intended_slot;
+  std::int64_t landed_slot;
+};
+
 // wrong_slot: a row this step wrote for another slot landed here, or this slot's own row landed in
 // a neighbour (a write to slot +-1, wrapping at the pool's ends as a modular index does).
-bool is_wrong_slot(const WriteIndex& index, const KvPool& actual, const KvPool& expected,
-                   std::int64_t slot) {
-  if (index.holds_other_written_row(actual, slot)) return true;
-  if (index.row_of(slot) < 0) return false;
+std::optional<Misplacement> find_misplacement(const WriteIndex& index, const KvPool& actual,
+                                              const KvPool& expected, std::int64_t slot) {
+  if (const auto other = index.written_row_held(actual, slot)) return Misplacement{*other, slot};
+  if (index.row_of(slot) < 0) return std::nullopt;
   const std::int64_t slots = expected.num_slots;
   for (const std::int64_t neighbour : {(slot + slots - 1) % slots, (slot + 1) % slots}) {
     if (neighbour != slot && !rows_equal(actual, neighbour, expected, neighbour) &&
         rows_equal(actual, neighbour, expected, slot)) {
-      return true;
+      return Misplacement{slot, neighbour};
     }
   }
-  return false;
+  return std::nullopt;
+}
+
+bool is_wrong_slot(const WriteIndex& index, const KvPool& actual, const KvPool& expected,
+                   std::int64_t slot) {
+  return find_misplacement(index, actual, expected, slot).has_value();
+}
+
+// The rows of wrong_slot `slots` found in another slot, each once, by request and token where the
+// step is known (at most kMaxListedSlots), in slot order.
+std::vector<MisplacedRow> misplaced_rows(const StepLayerWrites& writes, const WriteIndex& index,
+                                         const KvPool& actual, const KvPool& expected,
+                                         const std::vector<std::int64_t>& slots) {
+  std::vector<MisplacedRow> rows;
+  for (const std::int64_t slot : slots) {
+    const std::optional<Misplacement> found = find_misplacement(index, actual, expected, slot);
+    if (!found) continue;
+    MisplacedRow row;
+    row.slot = found->landed_slot;
+    row.intended_slot = found->intended_slot;
+    row.new_kv_row = index.row_of(found->intended_slot);
+    if (writes.meta != nullptr && row.new_kv_row >= 0) {
+      row.request = writes.meta->request_of_row(row.new_kv_row);
+      row.token = writes.meta->position_of_row(row.new_kv_row, writes.page_size);
+    }
+    if (std::find(rows.begin(), rows.end(), row) != rows.end()) continue;
+    rows.push_back(row);
+    if (rows.size() == kMaxListedSlots) break;
+  }
+  std::sort(rows.begin(), rows.end(),
+            [](const MisplacedRow& a, const MisplacedRow& b) { return a.slot < b.slot; });
+  return rows;
+}
+
+// Names the misplaced rows of a wrong_slot finding in its detail: "...; request 0 token 6's row,
+// meant for slot 6, landed in slot 7; ..." (the first three).
+void add_misplaced_rows(IntegrityFinding& finding, std::vector<MisplacedRow> rows) {
+  constexpr std::size_t kNamed = 3;
+  for (std::size_t i = 0; i < rows.size() && i < kNamed; ++i) {
+    finding.detail += "; " + misplaced_row_text(rows[i]);
+  }
+  if (rows.size() > kNamed) finding.detail += fmt::format("; {} rows in all", rows.size());
+  finding.misplaced_rows = std::move(rows);
 }
 
 // A bf16 pool's slot: NaN where a finite value was expected, else other.
@@ -335,6 +383,9 @@ void add_classified_findings(std::vector<IntegrityFinding>& findings, const Step
     finding.classification = slot_class;
     fail_with_slots(finding, class_slots, fmt::format("{} [{}]", what, slot_class_name(slot_class)),
                     first_slot_difference(writes, "kv_cache", class_slots, actual, compared_with));
+    if (slot_class == SlotClass::kWrongSlot) {
+      add_misplaced_rows(finding, misplaced_rows(writes, index, actual, expected, class_slots));
+    }
     findings.push_back(std::move(finding));
   }
 }
@@ -523,6 +574,10 @@ void add_captured_findings(std::vector<IntegrityFinding>& findings, const StepLa
                     fmt::format("slot(s) of the captured pool differ from the replay [{}]",
                                 slot_class_name(slot_class)),
                     first_slot_difference(writes, "kv_cache_after", slots, captured, expected));
+    if (slot_class == SlotClass::kWrongSlot) {
+      const WriteIndex index(writes, expected);
+      add_misplaced_rows(finding, misplaced_rows(writes, index, captured, expected, slots));
+    }
     findings.push_back(finding);
   }
   for (const auto& [key, slots] : damage.carried) {

@@ -22,7 +22,9 @@
 // A slot that differs from the expected pool is classified (written_slots, unwritten_slots and
 // captured_pool findings carry the class):
 //   wrong_slot      its row equals the expected row of another slot the step wrote, or its own
-//                   expected row landed in a neighbour (a write to slot +-1)
+//                   expected row landed in a neighbour (a write to slot +-1); the finding names
+//                   each such row (misplaced_rows: request, token, the slot meant and the slot
+//                   it landed in)
 //   bf16_bytes      BF16 bits in an FP8 slot: every differing byte is the high byte of bf16(x)
 //                   (or of bf16(x / kv_scale)); or the slot holds the little-endian bf16 row
 //                   (2 bytes per element, elements 0 .. D/2-1); or it is the next slot and holds
@@ -69,6 +71,10 @@ struct StepLayerWrites {
   // The slots that hold a token of some request of the step (held_slots, sorted); absent: not
   // known, every slot is taken as used. A differing slot outside them is classed unused_slot.
   std::optional<std::vector<std::int64_t>> held_slots;
+  // The step, to name the request and token of a misplaced row (MisplacedRow); null: rows are
+  // named by their index in new_kv only.
+  const StepMeta* meta = nullptr;
+  int page_size = 0;
 };
 
 // Slot-level damage of a captured pool seen so far: slot -> (step first seen, class).

@@ -407,6 +407,8 @@ StepLayerWrites LayerReplay::write_reference(const StepInput& step) {
                          step.tensors.new_kv,          layer_.kv_scale, step.where};
   writes.attrs = &attrs_;
   writes.held_slots = held_slots(step.meta, attrs_.page_size);
+  writes.meta = &step.meta;  // names a misplaced row's request and token
+  writes.page_size = attrs_.page_size;
   if (reciprocal) writes.rule = "e4m3_rne_satfinite(new_kv * fp32(1 / kv_scale))";
   if (attrs_.per_token_group()) {  // kvdump v1.1 (src/format/group_scales.hpp)
     writes.rule = reciprocal ? "the v1.1 group rule with reciprocal scales, "

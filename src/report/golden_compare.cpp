@@ -497,6 +497,28 @@ const char* moved_part_name(MovedPart part) {
   return "?";
 }
 
+namespace {
+
+// Exactly one of the two values is a NaN: no distance between them means anything.
+bool nan_against_number(const ElementMove& move) {
+  return std::isnan(move.golden_value) != std::isnan(move.current_value);
+}
+
+// "1 ulp, |diff| 0.0078125"; for a NaN against a number, which is which: "NaN where the golden
+// value is 0.5", "0.5 where the golden value is NaN".
+std::string distance_text(const ElementMove& move) {
+  if (nan_against_number(move)) {
+    return std::isnan(move.current_value)
+               ? fmt::format("NaN where the golden value is {}", value_text(move.golden_value))
+               : fmt::format("{} where the golden value is NaN", value_text(move.current_value));
+  }
+  const std::string ulps = std::isfinite(move.ulps) ? fmt::format("{:g}", move.ulps) : "inf";
+  return fmt::format("{} ulp, |diff| {}", ulps,
+                     value_text(finite_abs_diff(move.golden_value, move.current_value)));
+}
+
+}  // namespace
+
 std::string describe_move(const ElementMove& move) {
   std::string where;
   std::string bits;
@@ -520,10 +542,8 @@ std::string describe_move(const ElementMove& move) {
                          value_text(move.current_value));
       break;
   }
-  const std::string ulps = std::isfinite(move.ulps) ? fmt::format("{:g}", move.ulps) : "inf";
-  return fmt::format("step {} layer {} {}: {}, {} ulp, |diff| {}", move.step, move.layer_id, where,
-                     bits, ulps,
-                     value_text(finite_abs_diff(move.golden_value, move.current_value)));
+  return fmt::format("step {} layer {} {}: {}, {}", move.step, move.layer_id, where, bits,
+                     distance_text(move));
 }
 
 bool EntryDiff::moved() const {
@@ -571,9 +591,12 @@ GoldenComparison compare_golden(const Golden& golden, const Golden& current, Gol
 
 namespace {
 
-// "out[3,2,17] (1)", "lse[0,1] (4)", "pool[25,2] (1)": where, and the distance in ulps.
+// "out[3,2,17] (1)", "lse[0,1] (4)", "pool[25,2] (1)": where, and the distance in ulps ("NaN"
+// where one of the two is a NaN and the other a number).
 std::string compact_move(const ElementMove& move) {
-  const std::string ulps = std::isfinite(move.ulps) ? fmt::format("{:g}", move.ulps) : "inf";
+  const std::string ulps = nan_against_number(move)   ? "NaN"
+                           : std::isfinite(move.ulps) ? fmt::format("{:g}", move.ulps)
+                                                      : "inf";
   switch (move.part) {
     case MovedPart::kOut:
       return fmt::format("out[{},{},{}] ({})", move.row, move.head, move.dim, ulps);

@@ -87,7 +87,9 @@ struct ElementMove {
   double ulps = 0.0;  // ordered distance in units in the last place of the element's type
 };
 
-// "out[row 3, head 2, dim 17] 0x3f80 (1) -> 0x3f81 (1.0078125), 1 ulp"
+// "out[row 3, head 2, dim 17] 0x3f80 (1) -> 0x3f81 (1.0078125), 1 ulp, |diff| 0.0078125"; a NaN
+// against a number is named as such: "..., NaN where the golden value is 1" (or "1 where the
+// golden value is NaN"), no ulp count.
 std::string describe_move(const ElementMove& move);
 
 // What moved in one (step, layer).

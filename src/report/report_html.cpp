@@ -298,9 +298,11 @@ void heatmap_section(Html& html, const CheckRun& run) {
   const auto sites = results_by_site(run);
   put(html,
       "<section id=\"heatmaps\"><h2>Error by layer and step</h2><p class=\"small muted\">rel_l2 "
-      "of each (layer, step). Blue: below the limit, darker as it nears it (1/1000 of the limit "
-      "is palest); red with a black outline: at or over the limit; white: exactly 0; hatched "
-      "grey: not measured. Hover a cell for its numbers.</p><div class=\"charts\">");
+      "of each (layer, step). Blue: below the limit, in proportion to the share of the limit "
+      "used (palest near 0, half depth at half the limit, deepest just under it), so the paler "
+      "the cell the more headroom; red with a black outline: at or over the limit; white: "
+      "exactly 0; hatched grey: not measured. Hover a cell for its numbers.</p><div "
+      "class=\"charts\">");
   for (const Comparison comparison : heatmap_comparisons()) {
     put(html, "{}", heatmap_svg(heatmap_of(run, comparison, sites)));
   }

@@ -22,15 +22,17 @@
 namespace kvaudit {
 namespace {
 
-// What a bf16 ULP count means, for the results table (why quantization shows ~30,000).
+// What a bf16 ULP count means, for the results table.
 constexpr const char* kUlpExplanation =
     "max_ulp: the largest distance in bf16 units in the last place between reference and "
-    "candidate, each rounded to bf16, counted only where |reference| >= rel_floor (2^-8; nearer "
-    "zero the absolute metrics judge). It is not judged. Adjacent bf16 values are 1 apart and a "
-    "factor of 2 is 128 apart, but the count runs through zero: 0.01 and -0.01 are about 30,800 "
-    "apart. A max_ulp of ~30,000 is therefore one small output whose sign differs; in "
-    "quantization and total (R8 vs Rs) that is e4m3 rounding of near-zero outputs, not a bug. "
-    "In the kernel comparison it stays at a few ULPs for a clean kernel.";
+    "candidate, each rounded to bf16, with the reference value where it is (in parentheses). It "
+    "is not judged. It is counted only where |reference| >= 2^-4 of the largest |reference| of "
+    "the same (row, head) (and >= rel_floor, 2^-8): an output's errors are absolute at the scale "
+    "of its terms, so below that a bf16 ULP is too fine to mean anything (an output 0.01 that "
+    "changes sign moves by about 30,800 ULPs) and the absolute metrics judge it. Adjacent bf16 "
+    "values are 1 apart and a factor of 2 is 128 apart; a clean kernel stays at a few ULPs, "
+    "e4m3 storage (quantization, total) costs up to about 2^-4 of the row's scale, tens to "
+    "hundreds of ULPs.";
 
 // ---- Markdown building blocks ------------------------------------------------------------------
 
@@ -164,15 +166,21 @@ void policy_section(Markdown& md, const Policy& policy) {
   append(md, "\n");
 }
 
+// "12 (ref 1.031)": the ULP count with the reference value it was counted at, which says how
+// fine a ULP is there; "0" where nothing differs.
+std::string ulp_cell(const ComparisonMetrics& m) {
+  if (m.max_ulp_bf16 == 0.0 || m.max_ulp_at.row < 0) return ulp_text(m.max_ulp_bf16);
+  return fmt::format("{} (ref {})", ulp_text(m.max_ulp_bf16), short_number(m.max_ulp_at.reference));
+}
+
 void result_row(Markdown& md, const ComparisonResult& r) {
   const ComparisonMetrics& m = r.metrics;
   const char* emphasis = r.judgement.pass ? "" : "**";
   append(md, "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {}{}{} | {} | {} |\n", r.step,
          r.layer_id, comparison_name(r.comparison), short_number(m.max_abs),
          short_number(max_abs_over_ref_max(m)), short_number(m.rel_l2), short_number(m.cos_diff),
-         ulp_text(m.max_ulp_bf16), m.has_lse ? short_number(m.lse_max_abs) : "-",
-         m.nonfinite_mismatches, emphasis, result_text(r), emphasis,
-         location_text(worst_location(r)),
+         ulp_cell(m), m.has_lse ? short_number(m.lse_max_abs) : "-", m.nonfinite_mismatches,
+         emphasis, result_text(r), emphasis, location_text(worst_location(r)),
          cell(fmt::format("{}", fmt::join(r.judgement.reasons, "; "))));
 }
 

@@ -448,14 +448,220 @@ std::string saturation_at(const CheckRun& run, int step, int layer_id) {
   return "";
 }
 
+// ---- the likely cause of a failing comparison, from what failed ---------------------------------
+//
+// A pool is written, then read. What failed says which of the two is wrong:
+//   the write path  an integrity check of the pool failed at or before the step (the backend's
+//                   checks, or captured_pool for the server's kv_cache_after);
+//   the read path   the output differs from exact attention on the very pool it read: kernel
+//                   (backend vs R8'), captured_read (server vs R8s), or captured (server vs R8)
+//                   where the server's pool matches the replay.
+// Both can be wrong at once; a comparison that fails only because the pool was damaged (cache,
+// captured on a damaged pool while captured_read passes) is the write path's.
+
+bool is_backend_pool_check(IntegrityCheck check) {
+  return check != IntegrityCheck::kCapturedPool && check != IntegrityCheck::kNanCodesInPool;
+}
+
+// The failing integrity findings of a layer on one side (backend pool or the server's captured
+// pool) at or before `step`, in report order.
+std::vector<const IntegrityFinding*> pool_damage(const CheckRun& run, int layer_id, int step,
+                                                 bool server) {
+  std::vector<const IntegrityFinding*> found;
+  for (const IntegrityFinding& f : run.integrity) {
+    if (f.pass || f.layer_id != layer_id || f.step > step) continue;
+    const bool server_check = f.check == IntegrityCheck::kCapturedPool;
+    if (server_check == server && (server || is_backend_pool_check(f.check))) found.push_back(&f);
+  }
+  return found;
+}
+
+// "request 0 token 6's row, meant for slot 6, landed in slot 7; ... (5 rows in all)" over the
+// findings' misplaced rows, each once; "" for none.
+std::string misplaced_text(const std::vector<const IntegrityFinding*>& findings) {
+  constexpr std::size_t kNamed = 3;
+  std::vector<MisplacedRow> rows;
+  std::vector<int> steps;
+  for (const IntegrityFinding* f : findings) {
+    for (const MisplacedRow& row : f->misplaced_rows) {
+      if (std::find(rows.begin(), rows.end(), row) != rows.end()) continue;
+      rows.push_back(row);
+      steps.push_back(f->step);
+    }
+  }
+  std::vector<std::string> named;
+  for (std::size_t i = 0; i < rows.size() && i < kNamed; ++i) {
+    named.push_back(fmt::format("at step {}, {}", steps[i], misplaced_row_text(rows[i])));
+  }
+  if (named.empty()) return "";
+  const std::string more =
+      rows.size() > kNamed ? fmt::format(" ({} rows in all)", rows.size()) : std::string();
+  return fmt::format("{}{}", fmt::join(named, "; "), more);
+}
+
+// "step 0 written_slots [wrong_slot]; at step 0, request 0 token 6's row, ...": the first damage
+// and the misplaced rows among it.
+std::string damage_text(const std::vector<const IntegrityFinding*>& damage) {
+  if (damage.empty()) return "";
+  const IntegrityFinding& first = *damage.front();
+  std::string text =
+      fmt::format("first at step {} {}", first.step, integrity_check_name(first.check));
+  if (first.classification != SlotClass::kNone) {
+    text += fmt::format(" [{}]", slot_class_name(first.classification));
+  }
+  const std::string misplaced = misplaced_text(damage);
+  return misplaced.empty() ? text : fmt::format("{}; {}", text, misplaced);
+}
+
+const ComparisonResult* result_at(const CheckRun& run, Comparison comparison, int step,
+                                  int layer_id) {
+  for (const ComparisonResult& r : run.comparisons) {
+    if (r.comparison == comparison && r.step == step && r.layer_id == layer_id) return &r;
+  }
+  return nullptr;
+}
+
+// Which side of the pool the failing results of one (comparison, layer) point at, with the
+// damage found on the write side.
+struct FailedSides {
+  bool write = false;
+  bool read = false;
+  std::vector<const IntegrityFinding*> damage;  // of the write side, at or before the steps
+};
+
+void add_damage(FailedSides& sides, std::vector<const IntegrityFinding*> damage) {
+  for (const IntegrityFinding* f : damage) {
+    if (std::find(sides.damage.begin(), sides.damage.end(), f) == sides.damage.end()) {
+      sides.damage.push_back(f);
+    }
+  }
+}
+
+FailedSides failed_sides(const CheckRun& run, Comparison comparison, int layer_id,
+                         const std::vector<const ComparisonResult*>& failing) {
+  FailedSides sides;
+  for (const ComparisonResult* r : failing) {
+    const bool server = comparison == Comparison::kCaptured;
+    std::vector<const IntegrityFinding*> damage = pool_damage(run, layer_id, r->step, server);
+    const bool damaged = !damage.empty();
+    add_damage(sides, std::move(damage));
+    switch (comparison) {
+      case Comparison::kKernel: {
+        sides.read = true;
+        sides.write = sides.write || damaged;
+        break;
+      }
+      case Comparison::kCache: {
+        sides.write = true;
+        const ComparisonResult* kernel = result_at(run, Comparison::kKernel, r->step, layer_id);
+        sides.read = sides.read || (kernel != nullptr && !kernel->judgement.pass);
+        break;
+      }
+      case Comparison::kCaptured: {
+        // On an intact server pool the server read what the replay reads: its kernel. On a
+        // damaged one captured_read (vs R8s, the pool it read) says whether its reads were right
+        // (none made: R8s = R8, so the captured failure is its kernel's).
+        const ComparisonResult* read = result_at(run, Comparison::kCapturedRead, r->step, layer_id);
+        sides.write = sides.write || damaged;
+        sides.read = sides.read || !damaged || read == nullptr || !read->judgement.pass;
+        break;
+      }
+      default:
+        break;
+    }
+  }
+  return sides;
+}
+
+std::string kernel_cause(const FailedSides& sides) {
+  if (!sides.write) {
+    return "The backend's kernel (or a convention mismatch: lse base, scales): it computes "
+           "differently from exact attention on the very pool it read (R8' uses it), and that "
+           "pool is intact (every integrity check passed), so the writes are ruled out: the "
+           "kernel's arithmetic or how it reads the pool. Start at the first divergence and the "
+           "diagnosis where there is one.";
+  }
+  return fmt::format(
+      "Both the write path and the kernel: the backend computes differently from exact "
+      "attention on the very pool it read (R8'), and its writes also damaged that pool ({}). "
+      "Fix the writes (the integrity failures), then see whether the kernel error remains.",
+      damage_text(sides.damage));
+}
+
+std::string cache_cause(const FailedSides& sides) {
+  const std::string damage =
+      sides.damage.empty() ? std::string() : fmt::format(" ({})", damage_text(sides.damage));
+  if (!sides.read) {
+    return fmt::format(
+        "The backend's write path, not its kernel: its pool differs from the reference replay's "
+        "in slots this step reads{}; the kernel comparison passes (it read the damaged bytes "
+        "correctly). See the integrity failures for the slots and their class.",
+        damage);
+  }
+  return fmt::format(
+      "Both the write path and the kernel: the backend's pool differs from the reference "
+      "replay's in slots this step reads{}, and the kernel comparison fails too (see its "
+      "failure).",
+      damage);
+}
+
+std::string captured_cause(const FailedSides& sides) {
+  if (!sides.write) {
+    return "The server's kernel or a convention mismatch (lse base, scales): its output differs "
+           "from exact attention on the replayed pool, and its pool is not known to differ (no "
+           "captured kv_cache_after does); see the diagnosis where there is one.";
+  }
+  if (!sides.read) {
+    return fmt::format(
+        "The server's write path, not its kernel: its captured pool differs from the replay "
+        "({}), and captured_read passes: its output is right for the pool it read. What its "
+        "corrupted cache costs is captured_cache.",
+        damage_text(sides.damage));
+  }
+  return fmt::format(
+      "Both the server's write path and its kernel: its captured pool differs from the replay "
+      "({}), and captured_read fails too, so its output is also wrong for the pool it read (its "
+      "kernel or a convention mismatch; see the diagnosis where there is one).",
+      damage_text(sides.damage));
+}
+
+// The mismatch a reader looks at first: the first NaN/Inf mismatch of the failing results.
+const ComparisonResult* first_nonfinite(const std::vector<const ComparisonResult*>& failing) {
+  for (const ComparisonResult* r : failing) {
+    if (r->metrics.nonfinite_mismatches > 0) return r;
+  }
+  return nullptr;
+}
+
+// Rs (the reference of quantization and total) is NaN where the candidate is a number: the
+// source values hold a NaN that the pool's codes do not.
+bool source_nan(Comparison comparison, const ComparisonResult& result) {
+  const ElementLocation& at = result.metrics.first_nonfinite_mismatch;
+  const bool against_source =
+      comparison == Comparison::kQuantization || comparison == Comparison::kTotal;
+  return against_source && std::isnan(at.reference) && std::isfinite(at.candidate);
+}
+
+std::string nonfinite_cause(Comparison comparison, const ComparisonResult& result) {
+  if (source_nan(comparison, result)) {
+    return "The dump's source values hold NaN: Rs (exact attention on the unquantized KV) is NaN "
+           "where the rows read a token whose kv_source (or, for a token a step writes, new_kv) "
+           "value is NaN, while the FP8 pool's codes there are finite. The source is at fault, "
+           "not a kernel; `kvaudit info` counts kv_source's NaN values by slot.";
+  }
+  const ElementLocation& at = result.metrics.first_nonfinite_mismatch;
+  if (std::isfinite(at.reference)) {
+    return "NaN/Inf in the output where the reference is finite: e.g. a NaN code in a slot the "
+           "attention masks reaching the output (a masked-NaN leak), or an overflow.";
+  }
+  return "The reference is NaN/Inf where the output is finite: the pool holds a NaN code in a "
+         "token the row reads (data: the reference is NaN there), and the output dropped it.";
+}
+
 std::string comparison_cause(const CheckRun& run, Comparison comparison, int layer_id,
                              const std::vector<const ComparisonResult*>& failing) {
-  const bool nonfinite = std::any_of(failing.begin(), failing.end(), [](const auto* r) {
-    return r->metrics.nonfinite_mismatches > 0;
-  });
-  if (nonfinite) {
-    return "NaN/Inf where the reference is finite (or the reverse): e.g. a NaN code in a slot "
-           "the attention masks reaching the output, or an overflow.";
+  if (const ComparisonResult* nonfinite = first_nonfinite(failing)) {
+    return nonfinite_cause(comparison, *nonfinite);
   }
   const Saturation s = layer_saturation(run)[layer_id];
   switch (comparison) {
@@ -473,16 +679,11 @@ std::string comparison_cause(const CheckRun& run, Comparison comparison, int lay
                    "limit on this data; a finer scale (per channel or per token) would be needed."
                  : "The kernel's error adds to the storage error (total = quantization + kernel).";
     case Comparison::kKernel:
-      return "The backend computes differently from exact attention on the very pool it read "
-             "(R8' uses it), so storage is ruled out: the kernel's arithmetic or how it reads the "
-             "pool. Start at the first divergence.";
+      return kernel_cause(failed_sides(run, comparison, layer_id, failing));
     case Comparison::kCache:
-      return "The backend's pool differs from the reference replay's in slots this step reads: "
-             "see the integrity failures for the slots and their class.";
+      return cache_cause(failed_sides(run, comparison, layer_id, failing));
     case Comparison::kCaptured:
-      return "The server's output differs from exact attention on the replayed pool: a kernel "
-             "fault or a convention mismatch (lse base, scales); see the diagnosis where there "
-             "is one.";
+      return captured_cause(failed_sides(run, comparison, layer_id, failing));
     case Comparison::kCapturedRead:
       return "The server's output differs from exact attention on the pool it captured (what it "
              "read): its kernel, not its cache; see the diagnosis where there is one.";
@@ -579,6 +780,8 @@ std::vector<FailureItem> integrity_items(const CheckRun& run) {
       item.details.push_back(fmt::format("and {} more steps", findings.size() - kListed));
     }
     item.likely_cause = slot_class_cause(slot_class);
+    const std::string misplaced = misplaced_text(findings);
+    if (!misplaced.empty()) item.likely_cause += fmt::format(" Misplaced: {}.", misplaced);
     items.push_back(std::move(item));
   }
   return items;

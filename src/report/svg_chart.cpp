@@ -159,7 +159,9 @@ std::string heat_colour(double value, std::optional<double> limit) {
   const std::array<int, 3> deep{0x08, 0x51, 0x9c};
   if (!limit) return mix(pale, deep, (std::log10(value) + 6.0) / 6.0);
   if (*limit <= 0.0 || value >= *limit) return "#cb181d";
-  return mix(pale, deep, (std::log10(value / *limit) + 3.0) / 3.0);
+  // Linear in value / limit: the share of the limit used, so a cell at half the limit is half as
+  // deep and the headroom reads off the colour (a log scale put every clean kernel near the top).
+  return mix(pale, deep, value / *limit);
 }
 
 // ---- heatmap -----------------------------------------------------------------------------------
@@ -193,7 +195,7 @@ void heat_cell(Svg& svg, const Heatmap& map, const HeatLayout& l, std::size_t r,
       cell.measured ? "" : " unmeasured", x, y, l.cell_w, l.cell_h, fill,
       cell.fail ? "#000" : "#bbb", cell.fail ? 2 : 0.5, xml_escape(cell.tooltip));
   if (!l.labels || !cell.measured) return;
-  const bool dark = cell.fail || (map.limit && *map.limit > 0 && cell.value / *map.limit > 0.1);
+  const bool dark = cell.fail || (map.limit && *map.limit > 0 && cell.value / *map.limit > 0.5);
   put(svg,
       "<text x=\"{:.1f}\" y=\"{:.1f}\" font-size=\"9\" text-anchor=\"middle\" {} fill=\"{}\">{}"
       "</text>",

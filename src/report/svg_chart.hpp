@@ -44,9 +44,10 @@ struct LogAxis {
 // "1e-3" style label of 10^exp.
 std::string decade_label(int exp);
 
-// The fill of a heat cell: `value` against `limit`. Below the limit a sequential blue, darker as
-// value / limit goes from 10^-3 to 1; at or above it red. Without a limit, the blue scale over
-// value from 10^-6 to 1. 0 (exact) is white.
+// The fill of a heat cell: `value` against `limit`. Below the limit a sequential blue, linear in
+// value / limit from the palest at 0 to the deepest at the limit (so the colour shows the headroom
+// left); at or above it red. Without a limit, a log scale over value from 10^-6 to 1. 0 (exact) is
+// white.
 std::string heat_colour(double value, std::optional<double> limit);
 
 struct HeatCell {

@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
 #include <set>
 #include <string>
 #include <vector>
@@ -33,7 +34,28 @@ nlohmann::json group_scales_info(const DumpAttributes& a) {
           {"layout", pool_layout_name(a.kv_cache_layout)}};
 }
 
-// One layer, with the codes of its initial pool (read here).
+// The NaN values of a layer's kv_source [S, D]: a NaN there makes Rs NaN for every row that reads
+// the slot, whatever the pool holds (the source's fault, not a kernel's). null without kv_source.
+Result<nlohmann::json> source_nan_info(const DumpReader& reader, std::size_t layer_index) {
+  if (!reader.layout().layers[layer_index].has_source) return nlohmann::json(nullptr);
+  KVAUDIT_ASSIGN_OR_RETURN(const std::vector<float> source, reader.read_source(layer_index));
+  const std::size_t width = static_cast<std::size_t>(reader.layout().attrs.row_width());
+  constexpr std::size_t kListed = 8;
+  std::int64_t values = 0;
+  std::int64_t slot_count = 0;
+  nlohmann::json slots = nlohmann::json::array();
+  for (std::size_t slot = 0; width > 0 && slot < source.size() / width; ++slot) {
+    std::int64_t in_slot = 0;
+    for (std::size_t c = 0; c < width; ++c) in_slot += std::isnan(source[slot * width + c]);
+    if (in_slot == 0) continue;
+    values += in_slot;
+    if (slots.size() < kListed) slots.push_back(slot);
+    ++slot_count;
+  }
+  return nlohmann::json{{"values", values}, {"slot_count", slot_count}, {"slots", slots}};
+}
+
+// One layer, with the codes of its initial pool and the NaN values of its kv_source (read here).
 Result<nlohmann::json> layer_info(const DumpReader& reader, std::size_t layer_index) {
   const DumpLayout& layout = reader.layout();
   const LayerMeta& layer = layout.layers[layer_index];
@@ -50,6 +72,7 @@ Result<nlohmann::json> layer_info(const DumpReader& reader, std::size_t layer_in
     entry["saturated_codes"] = nullptr;
   }
   if (layout.attrs.per_token_group()) entry["nan_scales"] = counts.nan_scales;
+  KVAUDIT_ASSIGN_OR_RETURN(entry["kv_source_nan"], source_nan_info(reader, layer_index));
   return entry;
 }
 
@@ -128,6 +151,23 @@ std::string capture_text(const nlohmann::json& groups, std::size_t layer_count) 
   return fmt::format("{}", fmt::join(names, " "));
 }
 
+// "yes", "no", "yes (1 NaN value in slot 2)", "yes (130 NaN values in slots 2, 9, ... (12 in
+// all))".
+std::string source_text(const nlohmann::json& layer) {
+  if (!layer["has_kv_source"].get<bool>()) return "no";
+  const nlohmann::json& nan = layer.value("kv_source_nan", nlohmann::json(nullptr));
+  if (nan.is_null() || nan["values"].get<std::int64_t>() == 0) return "yes";
+  const std::int64_t values = nan["values"].get<std::int64_t>();
+  const std::int64_t slot_count = nan["slot_count"].get<std::int64_t>();
+  std::vector<std::int64_t> slots;
+  for (const auto& slot : nan["slots"]) slots.push_back(slot.get<std::int64_t>());
+  const std::string more = static_cast<std::int64_t>(slots.size()) < slot_count
+                               ? fmt::format(", ... ({} in all)", slot_count)
+                               : "";
+  return fmt::format("yes ({} NaN value{} in slot{} {}{})", values, values == 1 ? "" : "s",
+                     slot_count == 1 ? "" : "s", fmt::join(slots, ", "), more);
+}
+
 std::string layer_line(const nlohmann::json& layer) {
   const auto& saturated = layer["saturated_codes"];
   const std::string nan_scales =
@@ -137,8 +177,7 @@ std::string layer_line(const nlohmann::json& layer) {
   return fmt::format(
       "  {}  layer_id={}  kv_scale={:.9g}  kv_source={}  nan_codes={}  saturated_codes={}{}\n",
       layer["group"].get<std::string>(), layer["layer_id"].get<int>(),
-      layer["kv_scale"].get<double>(), layer["has_kv_source"].get<bool>() ? "yes" : "no",
-      layer["nan_codes"].get<std::int64_t>(),
+      layer["kv_scale"].get<double>(), source_text(layer), layer["nan_codes"].get<std::int64_t>(),
       saturated.is_null() ? std::string("n/a") : std::to_string(saturated.get<std::int64_t>()),
       nan_scales);
 }

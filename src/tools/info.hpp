@@ -1,6 +1,7 @@
 // `kvaudit info`: a summary of a validated kvdump (root attributes, layers with the NaN and
-// saturated codes of their initial pool, steps with request/row/token/page counts, optional
-// captures), as JSON; the CLI prints it as text or as the JSON itself.
+// saturated codes of their initial pool and the NaN values of their kv_source, steps with
+// request/row/token/page counts, optional captures), as JSON; the CLI prints it as text or as the
+// JSON itself.
 #pragma once
 
 #include <cstdint>
@@ -23,7 +24,9 @@ namespace kvaudit {
 //               rope_dtype, layout },
 //   "layers": [ { group, layer_id, kv_scale, has_kv_source, nan_codes,
 //                 saturated_codes (null for a bf16 pool), nan_scales (v1.1 per_token_group
-//                 only: NaN group scales, one per scale) } ],
+//                 only: NaN group scales, one per scale),
+//                 kv_source_nan: null without kv_source, else { values: NaN values in it,
+//                   slot_count: slots holding one, slots: the first 8 of them } } ],
 //   "steps":  [ { group, kind, topk: { layer group: K } (v1.1 sparse layers), requests, rows,
 //                 tokens, page_refs, pages_used,
 //                 captures: { out: [layer groups], lse: [...], kv_cache_after: [...] } } ] }

@@ -197,6 +197,14 @@ const char* slot_class_name(SlotClass slot_class) {
   return "unknown";
 }
 
+std::string misplaced_row_text(const MisplacedRow& row) {
+  const std::string whose = row.request >= 0
+                                ? fmt::format("request {} token {}", row.request, row.token)
+                                : fmt::format("new_kv row {}", row.new_kv_row);
+  return fmt::format("{}'s row, meant for slot {}, landed in slot {}", whose, row.intended_slot,
+                     row.slot);
+}
+
 namespace {
 
 // A pool is intact until a check of it fails, and not checked until one runs.

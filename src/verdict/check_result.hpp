@@ -76,6 +76,21 @@ enum class SlotClass {
 // "swapped_group_scale", "codes_other_scale", "rope_saturated", "unused_slot", "other".
 const char* slot_class_name(SlotClass slot_class);
 
+// A row a step wrote that landed in another slot than its own (wrong_slot findings): where it
+// landed, the slot new_kv_slots gave it, and whose row it is (its row of new_kv, the request and
+// the token position that query row belongs to; -1 where not known).
+struct MisplacedRow {
+  std::int64_t slot = -1;
+  std::int64_t intended_slot = -1;
+  int new_kv_row = -1;
+  int request = -1;
+  std::int64_t token = -1;
+  bool operator==(const MisplacedRow&) const = default;
+};
+// "request 0 token 6's row, meant for slot 6, landed in slot 7" ("new_kv row 3's row" where the
+// request is not known).
+std::string misplaced_row_text(const MisplacedRow& row);
+
 struct IntegrityFinding {
   int step = 0;
   int layer_id = 0;
@@ -89,6 +104,9 @@ struct IntegrityFinding {
   // finding is not about damaged slots.
   SlotClass classification = SlotClass::kNone;
   int carried_from_step = -1;  // damage first seen at an earlier step (captured pools), else -1
+  // wrong_slot findings new at this step: the rows found in another slot (at most
+  // kMaxListedSlots, src/replay/integrity.hpp), in slot order; empty otherwise.
+  std::vector<MisplacedRow> misplaced_rows;
 };
 
 // The first element where a backend (or, without one, the captured output) leaves the reference:

@@ -11,7 +11,10 @@
 //   rel_l2       = ||a - b||_2 / ||a||_2
 //   cos_diff     = 1 - 2 sum(a b) / sum(a^2 + b^2)          (FlashMLA's)
 //   max_ulp_bf16 = max distance in bf16 ULPs between bf16(a) and bf16(b) (ordered bit distance),
-//                  over elements with |a| >= rel_floor (near zero the absolute metrics judge)
+//                  over elements with |a| >= max(rel_floor, 2^-4 S), S = max_d |a[row, head, d]|
+//                  the scale of the element's (row, head) (kUlpRowFraction, metrics.cpp derives
+//                  it): below that an absolute error at the row's scale reads as thousands of
+//                  ULPs (a sign change near zero); the absolute metrics judge those elements
 //   lse_max_abs  = max |lse_a - lse_b|
 //   NaN/Inf counts in each and the number of positions where they disagree (a NaN in one but not
 //   the other); these fail a comparison before any norm is looked at. Norms are taken over the
@@ -39,6 +42,9 @@ struct ElementLocation {
   double reference = 0.0;
   double candidate = 0.0;
 };
+
+// The ULP domain's fraction of the (row, head)'s largest |reference| (see max_ulp_bf16 above).
+inline constexpr double kUlpRowFraction = 0x1p-4;
 
 struct ComparisonMetrics {
   std::size_t elements = 0;         // out elements compared (rows * heads * dims)

@@ -56,6 +56,18 @@ nlohmann::json result_json(const ComparisonResult& result) {
           {"reasons", result.judgement.reasons}};
 }
 
+nlohmann::json misplaced_rows_json(const std::vector<MisplacedRow>& rows) {
+  nlohmann::json array = nlohmann::json::array();
+  for (const MisplacedRow& row : rows) {
+    array.push_back({{"slot", row.slot},
+                     {"intended_slot", row.intended_slot},
+                     {"new_kv_row", row.new_kv_row},
+                     {"request", row.request},
+                     {"token", row.token}});
+  }
+  return array;
+}
+
 nlohmann::json finding_json(const IntegrityFinding& finding) {
   return {{"step", finding.step},
           {"layer", finding.layer_id},
@@ -68,7 +80,8 @@ nlohmann::json finding_json(const IntegrityFinding& finding) {
           {"classification", slot_class_name(finding.classification)},
           {"carried_from_step", finding.carried_from_step >= 0
                                     ? nlohmann::json(finding.carried_from_step)
-                                    : nlohmann::json(nullptr)}};
+                                    : nlohmann::json(nullptr)},
+          {"misplaced_rows", misplaced_rows_json(finding.misplaced_rows)}};
 }
 
 nlohmann::json step_json(const StepSummary& summary) {
@@ -442,6 +455,25 @@ ComparisonResult read_result(JsonObjectReader reader) {
   return result;
 }
 
+// misplaced_rows: absent in reports written before it was recorded (none then).
+std::vector<MisplacedRow> read_misplaced_rows(JsonObjectReader& parent) {
+  std::vector<MisplacedRow> rows;
+  if (!parent.has("misplaced_rows")) return rows;
+  const nlohmann::json& array = parent.array("misplaced_rows");
+  for (std::size_t i = 0; i < array.size(); ++i) {
+    JsonObjectReader reader = parent.element(array, "misplaced_rows", i);
+    MisplacedRow row;
+    row.slot = reader.integer("slot");
+    row.intended_slot = reader.integer("intended_slot");
+    row.new_kv_row = reader.int32("new_kv_row");
+    row.request = reader.int32("request");
+    row.token = reader.integer("token");
+    reader.finish();
+    rows.push_back(row);
+  }
+  return rows;
+}
+
 IntegrityFinding read_finding(JsonObjectReader reader) {
   IntegrityFinding finding;
   finding.step = reader.int32("step");
@@ -454,6 +486,7 @@ IntegrityFinding read_finding(JsonObjectReader reader) {
   finding.slot_count = reader.integer("slot_count");
   finding.classification = read_enum(reader, "classification", kSlotClasses, slot_class_name);
   finding.carried_from_step = reader.int32_or_null("carried_from_step", -1);
+  finding.misplaced_rows = read_misplaced_rows(reader);
   reader.finish();
   return finding;
 }

@@ -4,6 +4,8 @@
 // pool by step, layer, row, head, dim or slot; tolerance mode lets through what another summation
 // order may change and nothing more; the mode follows the backend's description; provenance
 // differences are listed. The command line is tested in test_golden_cli.cpp.
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
@@ -238,6 +240,32 @@ TEST_CASE("golden file: other files are refused as bad input naming the object",
   const auto missing = read_golden_file(test_tmp_path("golden_missing.h5"));
   REQUIRE_FALSE(missing.ok());
   CHECK_THAT(missing.error().message(), Catch::Contains("no such golden file"));
+}
+
+TEST_CASE("golden compare: a NaN against a number is named as a NaN, not as inf ulp", "[golden]") {
+  const Recorded recorded = record_tiny("golden_nan_out");
+  Golden current = recorded.golden;
+  GoldenEntry& entry = entry_of(current, 1, 4);
+  const std::size_t index = out_index(entry, 1, 1, 5);
+  const double golden_value = bf16_to_float(entry.out[index]);
+  REQUIRE(std::isfinite(golden_value));
+  entry.out[index] = 0x7FC0;  // bf16 quiet NaN
+  const GoldenComparison comparison = compare_golden(recorded.golden, current, GoldenMode::kExact);
+  REQUIRE(comparison.first);
+  const std::string text = describe_move(*comparison.first);
+  CHECK_THAT(text,
+             Catch::Contains(fmt::format("NaN where the golden value is {:.9g}", golden_value)));
+  CHECK_THAT(text, !Catch::Contains("inf ulp") && !Catch::Contains("|diff| 0"));
+  std::ostringstream printed;
+  print_golden_comparison(printed, comparison);
+  CHECK_THAT(printed.str(), Catch::Contains("out[1,1,5] (NaN)"));
+  // And the reverse: a number where the golden file holds a NaN.
+  Golden nan_golden = recorded.golden;
+  entry_of(nan_golden, 1, 4).out[index] = 0x7FC0;
+  const GoldenComparison reverse = compare_golden(nan_golden, recorded.golden, GoldenMode::kExact);
+  REQUIRE(reverse.first);
+  CHECK_THAT(describe_move(*reverse.first),
+             Catch::Contains(fmt::format("{:.9g} where the golden value is NaN", golden_value)));
 }
 
 TEST_CASE("golden compare: one flipped bit of out names step, layer, row, head and dim",

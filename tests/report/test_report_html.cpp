@@ -66,6 +66,16 @@ TEST_CASE("heat colour: white for 0, red at the limit, blue below it", "[report_
   CHECK(kvaudit::heat_colour(0.0038999, 0.0039) == "#08519c");  // just under: deepest blue
 }
 
+TEST_CASE("heat colour: linear in value / limit, so the headroom to the limit shows",
+          "[report_html]") {
+  // pale #eff3ff at 0, deep #08519c at the limit, each channel mixed linearly and rounded:
+  // half the limit is (0xef + 0x08) / 2 = 123.5 -> 0x7c, (0xf3 + 0x51) / 2 = 162 -> 0xa2,
+  // (0xff + 0x9c) / 2 = 205.5 -> 0xce; a tenth is 239 - 23.1 -> 0xd8, 243 - 16.2 -> 0xe3,
+  // 255 - 9.9 -> 0xf5.
+  CHECK(kvaudit::heat_colour(0.0039 / 2, 0.0039) == "#7ca2ce");
+  CHECK(kvaudit::heat_colour(0.0039 / 10, 0.0039) == "#d8e3f5");
+}
+
 TEST_CASE("heatmap: one cell per (row, column), unmeasured ones hatched", "[report_html]") {
   kvaudit::Heatmap map;
   map.id = "kernel";
@@ -149,7 +159,10 @@ TEST_CASE("report.md: summary first, failures with saturation, passing checks co
   CHECK(md.find("| not judged | yes |") == std::string::npos);
   CHECK(md.find("| not judged | - |") != std::string::npos);
   CHECK(md.find("Kernel = backend vs R8\u2032") != std::string::npos);
-  CHECK(md.find("0.01 and -0.01 are about 30,800 apart") != std::string::npos);
+  // The ULP glossary says where a count is kept and why (src/verdict/metrics.cpp).
+  CHECK(md.find("counted only where |reference| >= 2^-4 of the largest |reference| of the same "
+                "(row, head)") != std::string::npos);
+  CHECK(md.find("0.01 that changes sign moves by about 30,800 ULPs") != std::string::npos);
   CHECK(md.find("| 3 | 0.07 | 0.00245 | 0.0175 | 1e-05 | 123 of 28,800 codes read (0.43%) at "
                 "step 1 | 0.025 |") != std::string::npos);
 }

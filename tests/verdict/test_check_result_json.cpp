@@ -41,6 +41,7 @@ CheckRun every_kind_of_value() {
   kernel.sets_exit = false;  // written as true: it has NaN/Inf mismatches
   run.comparisons[1].metrics.has_lse = false;
   run.integrity[1].carried_from_step = 0;
+  run.integrity[1].misplaced_rows = {{7, 6, 0, 0, 6}, {12, 11, 3, 1, 0}};
   run.first_divergence = Divergence{1, 3, 1, 5, 2, Comparison::kKernel, "rel_l2 0.025 > 0.00391"};
   run.notes = {"S000 L000: a note"};
   run.provenance.merged_from = {
@@ -67,6 +68,8 @@ TEST_CASE("report.json read back: a hand-built run of every kind of value", "[ch
   CHECK(std::isinf(run.comparisons[2].metrics.max_rel));
   CHECK(run.comparisons[2].metrics.first_nonfinite_mismatch.row == 1);
   CHECK(run.integrity[1].carried_from_step == 0);
+  REQUIRE(run.integrity[1].misplaced_rows.size() == 2);
+  CHECK(run.integrity[1].misplaced_rows[1] == MisplacedRow{12, 11, 3, 1, 0});
   CHECK(run.diagnosis.size() == testing::make_diagnosis().size());
   CHECK(run.coverage.size() == 2);
   CHECK(run.coverage[1].saturated_codes == -1);

@@ -145,6 +145,30 @@ TEST_CASE("relative error floor", "[metrics]") {
   }
 }
 
+TEST_CASE("ULPs count only where |a| is within 2^-4 of its (row, head)'s largest |a|",
+          "[metrics][bf16]") {
+  // Row scale S = max |a| = 1, so the ULP domain is |a| >= max(rel_floor, S / 16) = 0.0625.
+  // dim 1: a = 2^-7 (above rel_floor 2^-8, below S / 16) changes sign, an absolute error of
+  // 2^-6 (1.6% of S) that reads as bf16 0x3C00 -> 0xBC00, 2 x 15360 = 30720 ULPs: left out.
+  // dim 0: 1 -> 1.0078125 is 1 ULP (bf16 spacing at 1 is 2^-7): the count that is reported.
+  const std::vector<double> a = {1.0, 0.0078125, 0.5, 0.25};
+  const std::vector<double> b = {1.0078125, -0.0078125, 0.5, 0.25};
+  const ComparisonMetrics m = compare({1, 1, 4}, a, b, 0.00390625);
+  CHECK(m.max_ulp_bf16 == 1.0);
+  CHECK(m.max_ulp_at.dim == 0);
+  // The other metrics still see dim 1: it is the largest relative error, 2^-6 / 2^-7 = 2.
+  CHECK(m.max_rel == 2.0);
+  CHECK(m.max_rel_at.dim == 1);
+  // Each (row, head) has its own scale: a second head whose largest |a| is 2^-7 counts its own
+  // 1-ULP move at 2^-7 (bf16 spacing there is 2^-14).
+  const std::vector<double> a2 = {1.0, 0.5, 0.0078125, 0.00390625};
+  const std::vector<double> b2 = {1.0, 0.5, 0.0078125 + 0x1p-14, 0.00390625};
+  const ComparisonMetrics two = compare({1, 2, 2}, a2, b2, 0.00390625);
+  CHECK(two.max_ulp_bf16 == 1.0);
+  CHECK(two.max_ulp_at.head == 1);
+  CHECK(two.max_ulp_at.dim == 0);
+}
+
 TEST_CASE("all-zero reference: rel_l2 is 0 against zeros and infinite otherwise", "[metrics]") {
   const ComparisonMetrics same = compare({1, 1, 2}, {0, 0}, {0, 0});
   CHECK(same.rel_l2 == 0.0);
@@ -206,9 +230,10 @@ TEST_CASE("bf16 ULPs are counted only where |reference| reaches the floor", "[me
   const std::vector<double> a = {std::ldexp(1.0, -20), 1.0};
   const std::vector<double> b = {-std::ldexp(1.0, -20), 1.015625};
   CHECK(bf16_ulp_distance(a[0], b[0]) == 27392.0);
+  // Without a floor the row's scale still leaves 2^-20 out (below 2^-4 x max |a| = 2^-4).
   const ComparisonMetrics no_floor = compare({1, 1, 2}, a, b, 0.0);
-  CHECK(no_floor.max_ulp_bf16 == 27392.0);
-  CHECK(no_floor.max_ulp_at.dim == 0);
+  CHECK(no_floor.max_ulp_bf16 == 2.0);
+  CHECK(no_floor.max_ulp_at.dim == 1);
   const ComparisonMetrics floored = compare({1, 1, 2}, a, b, 0.00390625);
   CHECK(floored.max_ulp_bf16 == 2.0);
   CHECK(floored.max_ulp_at.dim == 1);

@@ -161,7 +161,7 @@ TEST_CASE("a NaN/Inf mismatch fails first, with its location, whatever the norms
     CHECK_FALSE(judgement.pass);
     REQUIRE(judgement.reasons.size() == 2);
     CHECK(judgement.reasons[0] ==
-          "3 NaN/Inf mismatches, first at row 7 head 2 dim 100: reference 0.5, candidate nan");
+          "3 NaN/Inf mismatches, first at row 7 head 2 dim 100: NaN where the reference is 0.5");
     CHECK(judgement.reasons[1].rfind("rel_l2", 0) == 0);
   }
 }
