@@ -37,6 +37,7 @@
 
 #include "kvaudit_test_config.hpp"  // KVAUDIT_BINARY, KVAUDIT_SOURCE_DIR, KVAUDIT_TEST_TMPDIR
 #include "tests/prerequisites.hpp"
+#include "tests/test_paths.hpp"
 
 namespace {
 
@@ -44,10 +45,9 @@ namespace {
 // must hold a "diagnosis" array for a failing run.
 constexpr bool kRequireDiagnosis = true;
 
-// tests/python/test_exec_adapters.cpp -> the repository root (CMake compiles with full paths).
-std::filesystem::path source_root() {
-  return std::filesystem::path(__FILE__).parent_path().parent_path().parent_path();
-}
+// The repository root (tests/test_paths.hpp: the build's, or $KVAUDIT_TEST_SOURCE_DIR). Not
+// __FILE__: a compiler cache with a base_dir makes it relative to the build folder.
+std::filesystem::path source_root() { return kvaudit_test::source_dir(); }
 
 std::string quoted(const std::filesystem::path& path) { return fmt::format("'{}'", path.string()); }
 
@@ -160,18 +160,22 @@ std::string joined(const std::vector<std::string>& words) {
 // Fails the case, naming each option, when kvaudit's or the adapter's help text lacks one these
 // cases pass: the three have drifted apart.
 void require_options_in_help() {
-  const std::string kvaudit_help = output_of(fmt::format("{} check --help", KVAUDIT_BINARY));
-  INFO("kvaudit check --help:\n" << kvaudit_help);
-  if (const auto missing = missing_words(kvaudit_help, kKvauditOptions); !missing.empty()) {
-    FAIL("kvaudit check --help does not mention " << joined(missing)
-                                                  << ", which these cases pass it");
+  {
+    const std::string help = output_of(fmt::format("{} check --help", KVAUDIT_BINARY));
+    INFO("kvaudit check --help:\n" << help);
+    if (const auto missing = missing_words(help, kKvauditOptions); !missing.empty()) {
+      FAIL("kvaudit check --help does not mention " << joined(missing)
+                                                    << ", which these cases pass it");
+    }
+    SUCCEED("kvaudit check --help mentions " << joined(kKvauditOptions));
   }
-  const std::string adapter_help = output_of(torch_adapter_command() + " --help");
-  INFO(torch_adapter_command() << " --help:\n" << adapter_help);
-  if (const auto missing = missing_words(adapter_help, kAdapterOptions); !missing.empty()) {
+  const std::string help = output_of(torch_adapter_command() + " --help");
+  INFO(torch_adapter_command() << " --help:\n" << help);
+  if (const auto missing = missing_words(help, kAdapterOptions); !missing.empty()) {
     FAIL("the torch adapter's --help does not mention " << joined(missing)
                                                         << ", which these cases pass it");
   }
+  SUCCEED("the torch adapter's --help mentions " << joined(kAdapterOptions));
 }
 
 struct ExecRun {
