@@ -552,14 +552,16 @@ TEST_CASE("kvaudit info and check survive mutated kvdump v1.1 dumps", "[kvdump][
                         << ", through check " << tally.checked << ", HDF5 faults contained "
                         << tally.hdf5_reports);
     CHECK(tally.failures.empty());
-    // The edits reach the refusals and, past info, check (the small seeds' inputs).
-    CHECK(tally.refused > 0);
-    CHECK((tally.checked > 0) == seeds[s].check);
+    // The edits reach the refusals (given enough of them); only the small seeds' inputs run check.
+    if (mutations >= 20) CHECK(tally.refused > 0);
+    if (!seeds[s].check) CHECK(tally.checked == 0);
     inputs += tally.inputs;
     findings += static_cast<int>(tally.failures.size());
     hdf5 += tally.hdf5_reports;
     checked += tally.checked;
   }
+  // Past info, check: the small seeds' inputs that info accepts reach it.
+  if (small_mutations >= 20) CHECK(checked > 0);
   print_fuzz_line(
       "v1.1: 3 small synth dumps (split e8m0 with an e4m3 RoPE part, split float32, "
       "packed flashmla_fp8; topk_indices), " +
