@@ -12,6 +12,8 @@
 #   KVAUDIT_TEST_JOBS        parallel CTest jobs (default: 2)
 #   KVAUDIT_CUDA             ON or OFF (default: ON where nvcc is found)
 #   KVAUDIT_FUZZ_MUTATIONS   mutations per dump in the sanitizer fuzz (default: 300)
+#   KVAUDIT_FUZZ_V1_1_MUTATIONS  mutations per kvdump v1.1 seed in it (default: 100; a small
+#                            seed's accepted inputs also run `kvaudit check`)
 #   KVAUDIT_SANITIZER_FUZZ=0 skip the sanitizer build and fuzz
 #   KVAUDIT_WITH_TORCH=1     install PyTorch into the Python venv, so that the exec protocol is
 #                            tested end to end with the torch adapter (CI does; about 3.5 GB)
@@ -92,15 +94,25 @@ if [[ ${KVAUDIT_SANITIZER_FUZZ:-1} != 0 ]]; then
     -DKVAUDIT_SANITIZE=address,undefined > /dev/null
   cmake --build "$asan_dir" --target kvaudit -j"$jobs"
   mutations=${KVAUDIT_FUZZ_MUTATIONS:-300}
-  phase "mutation fuzz through the sanitizer build: $mutations mutations of each dump"
+  v1_1_mutations=${KVAUDIT_FUZZ_V1_1_MUTATIONS:-100}
+  phase "mutation fuzz through the sanitizer build: $mutations mutations of each v1 dump, $v1_1_mutations of each v1.1 dump"
   # tests/format/test_kvdump_fuzz.cpp and test_dump_probe.cpp: every run must end with exit 0, 1
   # or 2, and no sanitizer report may come from kvaudit's own code (HDF5's are contained by the
-  # probe child).
+  # probe child). Seeds: kvdump v1 and v1.1 (per-token-group scales, split and packed layouts,
+  # topk_indices; the accepted v1.1 inputs also go through `kvaudit check`). Each case prints a
+  # "fuzz: N mutated inputs over K seed dumps, F findings, ..." line; the total follows.
+  fuzz_log="$asan_dir/fuzz.log"
   if ! KVAUDIT_TEST_BINARY="$PWD/$asan_dir/kvaudit" KVAUDIT_FUZZ_MUTATIONS=$mutations \
-      "$build_dir/tests/kvaudit_tests" "[fuzz]"; then
+      KVAUDIT_FUZZ_V1_1_MUTATIONS=$v1_1_mutations \
+      "$build_dir/tests/kvaudit_tests" "[fuzz]" | tee "$fuzz_log"; then
     echo "sanitizer fuzz: FAILED (a crash, a hang, exit 3, or a sanitizer report from kvaudit)" >&2
     status=1
   fi
+  awk '$1 == "fuzz:" && $3 == "mutated" {
+         inputs += $2; findings += $9; hdf5 += $11
+         if ($15 == "v1.1:") v11 += $6; else v1 += $6 }
+       END { printf "fuzz: %d mutated inputs over %d seed dumps (%d v1, %d v1.1), %d sanitizer or exit-status findings, %d HDF5 faults contained\n",
+               inputs, v1 + v11, v1, v11, findings, hdf5 }' "$fuzz_log"
 fi
 
 # The [gpu] cases run outside CTest, so that their names show in the log: on a machine without a

@@ -16,21 +16,31 @@
 //
 // The interpreter: $KVAUDIT_PYTHON, else build/python-venv/bin/python (scripts/setup-python.sh;
 // KVAUDIT_WITH_TORCH=1 installs torch). The adapter runs from this checkout's python/ (PYTHONPATH),
-// not from the copy installed in the venv. Each case says by name why it checks nothing where that
-// interpreter or its torch is missing, or where kvaudit has no exec backends (its check --help
-// does not mention --backend-command).
+// not from the copy installed in the venv; $KVAUDIT_TORCH_ADAPTER replaces the whole adapter
+// command (`python -m kvdump.backends torch`), for the tests of these tests.
+//
+// Skips and failures (tests/prerequisites.hpp): a case tagged [torch] needs that interpreter with
+// torch, one tagged [python-venv] the interpreter alone; where it is missing the runner reports the
+// case skipped, by name and reason, and never runs it. A help text that lacks an option these cases
+// pass (kvaudit check's --backend-command, the adapter's --device, --write kvdump, --fault
+// round-toward-zero / lse-base2) is not a reason to skip: kvaudit, the adapter and these tests have
+// drifted apart, and the case fails, naming the option.
 #include <fmt/core.h>
 #include <sys/wait.h>
 
 #include <catch2/catch.hpp>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "kvaudit_test_config.hpp"  // KVAUDIT_BINARY, KVAUDIT_SOURCE_DIR, KVAUDIT_TEST_TMPDIR
+#include "tests/prerequisites.hpp"
+#include "tests/test_paths.hpp"
 
 namespace {
 
@@ -38,10 +48,9 @@ namespace {
 // must hold a "diagnosis" array for a failing run.
 constexpr bool kRequireDiagnosis = true;
 
-// tests/python/test_exec_adapters.cpp -> the repository root (CMake compiles with full paths).
-std::filesystem::path source_root() {
-  return std::filesystem::path(__FILE__).parent_path().parent_path().parent_path();
-}
+// The repository root (tests/test_paths.hpp: the build's, or $KVAUDIT_TEST_SOURCE_DIR). Not
+// __FILE__: a compiler cache with a base_dir makes it relative to the build folder.
+std::filesystem::path source_root() { return kvaudit_test::source_dir(); }
 
 std::string quoted(const std::filesystem::path& path) { return fmt::format("'{}'", path.string()); }
 
@@ -73,13 +82,20 @@ std::filesystem::path venv_python() {
   return source_root() / "build" / "python-venv" / "bin" / "python";
 }
 
-// Empty when the adapter can run here, else why not.
-std::string missing_prerequisite() {
+// Empty when the venv's interpreter exists, else why not.
+std::string missing_python() {
   const std::filesystem::path python = venv_python();
   if (!std::filesystem::exists(python)) {
     return fmt::format("{} does not exist (run scripts/setup-python.sh, or set KVAUDIT_PYTHON)",
                        python.string());
   }
+  return {};
+}
+
+// Empty when the adapter can run here, else why not.
+std::string missing_prerequisite() {
+  if (std::string missing = missing_python(); !missing.empty()) return missing;
+  const std::filesystem::path python = venv_python();
   if (exit_status(fmt::format("{} -c 'import torch, numpy' >/dev/null 2>&1", quoted(python))) !=
       0) {
     return fmt::format("{} cannot import torch (KVAUDIT_WITH_TORCH=1 scripts/setup-python.sh)",
@@ -88,10 +104,81 @@ std::string missing_prerequisite() {
   return {};
 }
 
-bool kvaudit_has_exec_backends() {
-  const std::string help =
-      fmt::format("{} check --help 2>/dev/null | grep -q -- --backend-command", KVAUDIT_BINARY);
-  return exit_status(help) == 0;
+const char* adapter_override() {
+  const char* command = std::getenv("KVAUDIT_TORCH_ADAPTER");
+  return command != nullptr && *command != '\0' ? command : nullptr;
+}
+
+const kvaudit_test::PrerequisiteRegistration torch_needed("torch", [] {
+  const std::string missing = missing_prerequisite();
+  return kvaudit_test::PrerequisiteState{missing.empty(), missing};
+});
+// The adapter's help text needs the interpreter only (the adapter imports torch when it serves),
+// or nothing when $KVAUDIT_TORCH_ADAPTER names the adapter.
+const kvaudit_test::PrerequisiteRegistration python_needed("python-venv", [] {
+  const std::string missing = adapter_override() != nullptr ? std::string() : missing_python();
+  return kvaudit_test::PrerequisiteState{missing.empty(), missing};
+});
+
+// The command that starts the torch adapter, before its options.
+std::string torch_adapter_command() {
+  if (const char* command = adapter_override()) return command;
+  return fmt::format("PYTHONPATH=\"{}\" \"{}\" -B -m kvdump.backends torch",
+                     (source_root() / "python").string(), venv_python().string());
+}
+
+// Standard output and error of a shell command (empty when it cannot be started).
+std::string output_of(const std::string& command) {
+  std::string output;
+  if (FILE* pipe = popen((command + " 2>&1").c_str(), "r")) {
+    char buffer[4096];
+    for (std::size_t n; (n = std::fread(buffer, 1, sizeof buffer, pipe)) > 0;)
+      output.append(buffer, n);
+    pclose(pipe);
+  }
+  return output;
+}
+
+// The words of `expected` that `help` does not contain.
+std::vector<std::string> missing_words(const std::string& help,
+                                       const std::vector<std::string>& expected) {
+  std::vector<std::string> missing;
+  for (const std::string& word : expected) {
+    if (help.find(word) == std::string::npos) missing.push_back(word);
+  }
+  return missing;
+}
+
+// What these cases pass to kvaudit and to the adapter.
+const std::vector<std::string> kKvauditOptions = {"--backend-command"};
+const std::vector<std::string> kAdapterOptions = {"--device", "--write",           "kvdump",
+                                                  "--fault",  "round-toward-zero", "lse-base2"};
+
+std::string joined(const std::vector<std::string>& words) {
+  std::string text;
+  for (const std::string& word : words) text += (text.empty() ? "" : ", ") + word;
+  return text;
+}
+
+// Fails the case, naming each option, when kvaudit's or the adapter's help text lacks one these
+// cases pass: the three have drifted apart.
+void require_options_in_help() {
+  {
+    const std::string help = output_of(fmt::format("{} check --help", KVAUDIT_BINARY));
+    INFO("kvaudit check --help:\n" << help);
+    if (const auto missing = missing_words(help, kKvauditOptions); !missing.empty()) {
+      FAIL("kvaudit check --help does not mention " << joined(missing)
+                                                    << ", which these cases pass it");
+    }
+    SUCCEED("kvaudit check --help mentions " << joined(kKvauditOptions));
+  }
+  const std::string help = output_of(torch_adapter_command() + " --help");
+  INFO(torch_adapter_command() << " --help:\n" << help);
+  if (const auto missing = missing_words(help, kAdapterOptions); !missing.empty()) {
+    FAIL("the torch adapter's --help does not mention " << joined(missing)
+                                                        << ", which these cases pass it");
+  }
+  SUCCEED("the torch adapter's --help mentions " << joined(kAdapterOptions));
 }
 
 struct ExecRun {
@@ -106,8 +193,7 @@ struct ExecRun {
 ExecRun check_with_torch_adapter(const std::string& name, const std::string& adapter_options) {
   const std::filesystem::path dir = case_dir(name);
   const std::string backend_command =
-      fmt::format("PYTHONPATH=\"{}\" \"{}\" -B -m kvdump.backends torch --device cpu {}",
-                  (source_root() / "python").string(), venv_python().string(), adapter_options);
+      fmt::format("{} --device cpu {}", torch_adapter_command(), adapter_options);
   ExecRun run;
   run.command =
       fmt::format("{} check {} --backend exec:torch --backend-command '{}' --json {} --threads 2",
@@ -172,25 +258,13 @@ bool diagnosis_names_lse_base(const nlohmann::json& diagnosis) {
 
 }  // namespace
 
-#define KVAUDIT_REQUIRE_EXEC_TORCH()                                                         \
-  do {                                                                                       \
-    if (!kvaudit_has_exec_backends()) {                                                      \
-      WARN("SKIPPED " << Catch::getResultCapture().getCurrentTestName()                      \
-                      << ": kvaudit check has no --backend-command (no exec backends yet)"); \
-      return;                                                                                \
-    }                                                                                        \
-    if (const std::string missing = missing_prerequisite(); !missing.empty()) {              \
-      WARN("SKIPPED " << Catch::getResultCapture().getCurrentTestName() << ": " << missing); \
-      return;                                                                                \
-    }                                                                                        \
-  } while (0)
+TEST_CASE("exec torch adapter: kvaudit's and the adapter's help name every option these cases pass",
+          "[python][exec][python-venv]") {
+  require_options_in_help();
+}
 
 TEST_CASE("python backends: the package's unittest suite passes under the venv python",
-          "[python][exec]") {
-  if (const std::string missing = missing_prerequisite(); !missing.empty()) {
-    WARN("SKIPPED " << Catch::getResultCapture().getCurrentTestName() << ": " << missing);
-    return;
-  }
+          "[python][exec][torch]") {
   const std::filesystem::path dir = case_dir("unittest");
   const std::string command =
       fmt::format("KVAUDIT_BINARY={} {} -B -m unittest discover -s {} > {} 2>&1",
@@ -201,8 +275,9 @@ TEST_CASE("python backends: the package's unittest suite passes under the venv p
   CHECK(status == 0);
 }
 
-TEST_CASE("exec torch adapter: with kvdump's write rule a shipped dump passes", "[python][exec]") {
-  KVAUDIT_REQUIRE_EXEC_TORCH();
+TEST_CASE("exec torch adapter: with kvdump's write rule a shipped dump passes",
+          "[python][exec][torch]") {
+  require_options_in_help();
   const ExecRun run = check_with_torch_adapter("clean", "--write kvdump");
   INFO(run.command << "\n" << run.output);
   CHECK(run.status == 0);
@@ -213,8 +288,8 @@ TEST_CASE("exec torch adapter: with kvdump's write rule a shipped dump passes", 
 }
 
 TEST_CASE("exec torch adapter: PyTorch's own write of a bf16 quotient is reported code by code",
-          "[python][exec]") {
-  KVAUDIT_REQUIRE_EXEC_TORCH();
+          "[python][exec][torch]") {
+  require_options_in_help();
   // glm5_page1's kv_scales are not 1, so new_kv / kv_scale is rounded to bf16 before the FP8
   // cast: about 2% of the written codes are one step from e4m3_rne_satfinite(x / kv_scale).
   const ExecRun run = check_with_torch_adapter("server_write", "");
@@ -225,8 +300,8 @@ TEST_CASE("exec torch adapter: PyTorch's own write of a bf16 quotient is reporte
 }
 
 TEST_CASE("exec torch adapter: a round-toward-zero write fails written_slots as off_by_one_code",
-          "[python][exec]") {
-  KVAUDIT_REQUIRE_EXEC_TORCH();
+          "[python][exec][torch]") {
+  require_options_in_help();
   const ExecRun run =
       check_with_torch_adapter("round_toward_zero", "--write kvdump --fault round-toward-zero");
   INFO(run.command << "\n" << run.output << "\n" << failing_integrity(run.report));
@@ -236,8 +311,9 @@ TEST_CASE("exec torch adapter: a round-toward-zero write fails written_slots as 
   CHECK(has_failing_integrity(run.report, "written_slots", "off_by_one_code"));
 }
 
-TEST_CASE("exec torch adapter: a base-2 lse fails the kernel comparison on lse", "[python][exec]") {
-  KVAUDIT_REQUIRE_EXEC_TORCH();
+TEST_CASE("exec torch adapter: a base-2 lse fails the kernel comparison on lse",
+          "[python][exec][torch]") {
+  require_options_in_help();
   const ExecRun run = check_with_torch_adapter("lse_base2", "--write kvdump --fault lse-base2");
   INFO(run.command << "\n" << run.output);
   CHECK(run.status == 1);
