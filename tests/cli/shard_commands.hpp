@@ -4,6 +4,7 @@
 #pragma once
 
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -51,10 +52,12 @@ inline CommandOutcome run_kvaudit(const std::string& name, const std::string& ar
 }
 
 // A signing key made once per test process by `kvaudit keygen` (sign-off runs need one); its
-// path, quoted, after " --signing-key ".
+// path, quoted, after " --signing-key ". The folder is the process's own: CTest runs cases in
+// parallel processes, and one process must not replace the key another is signing with.
 inline std::string signing_key_option() {
   static const std::string option = [] {
-    const std::filesystem::path dir = test_tmpdir() / "shard_commands_key";
+    const std::filesystem::path dir =
+        test_tmpdir() / ("shard_commands_key." + std::to_string(getpid()));
     std::filesystem::remove_all(dir);
     std::filesystem::create_directories(dir);
     const CommandOutcome made =
