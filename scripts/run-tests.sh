@@ -15,6 +15,8 @@
 #   KVAUDIT_FUZZ_V1_1_MUTATIONS  mutations per kvdump v1.1 seed in it (default: 100; a small
 #                            seed's accepted inputs also run `kvaudit check`)
 #   KVAUDIT_SANITIZER_FUZZ=0 skip the sanitizer build and fuzz
+#   KVAUDIT_REQUIRE          prerequisite tags whose cases must run, not skip (tests/test_main.cpp;
+#                            "torch" is added with KVAUDIT_WITH_TORCH=1, "gpu" on a GPU machine)
 #   KVAUDIT_WITH_TORCH=1     install PyTorch into the Python venv, so that the exec protocol is
 #                            tested end to end with the torch adapter (CI does; about 3.5 GB)
 #   KVAUDIT_PYTHON_VENV      the Python venv (default: build/python-venv, scripts/setup-python.sh)
@@ -38,9 +40,14 @@ phase "checking the build and test dependencies (scripts/setup.sh tests)"
 bash scripts/setup.sh tests
 # The Python package's venv (build/python-venv: pip install ./python), where its unittest suite
 # and the exec-backend tests run; torch in it with KVAUDIT_WITH_TORCH=1 (.ci/run sets it), else
-# the torch adapter's cases say by name that they were skipped.
+# the torch adapter's cases say by name that they were skipped. With torch asked for, its cases
+# are required (KVAUDIT_REQUIRE, tests/test_main.cpp): should torch not import after all, they
+# fail instead of being skipped.
 phase "Python package venv (scripts/setup-python.sh; KVAUDIT_WITH_TORCH=${KVAUDIT_WITH_TORCH:-0})"
 bash scripts/setup-python.sh
+if [[ ${KVAUDIT_WITH_TORCH:-0} == 1 ]]; then
+  export KVAUDIT_REQUIRE="${KVAUDIT_REQUIRE:+$KVAUDIT_REQUIRE,}torch"
+fi
 
 # CUDA toolkits install nvcc outside PATH; CMake finds the compiler through PATH or CUDACXX.
 if ! command -v nvcc >/dev/null && [[ -z ${CUDACXX:-} && -x /usr/local/cuda/bin/nvcc ]]; then

@@ -8,12 +8,18 @@
 //   else the status of the cases that ran (Catch2's: 0, or the number of failed assertions up to
 //       255; 77 failed assertions exit 78, so that a failure never reads as a skip).
 // Listing (--list-tests, --list-test-names-only, ...) and --help are Catch2's, untouched.
+// KVAUDIT_REQUIRE=TAG[,TAG...] names prerequisites this machine must have (CI sets "torch" where it
+// installed PyTorch): a selected case needing a missing one is then a failure (exit 1, naming the
+// prerequisite and why it is missing), not a skip, so that an install that broke cannot make the
+// run green by skipping what it was meant to test.
 #define CATCH_CONFIG_RUNNER
 #include <algorithm>
 #include <catch2/catch.hpp>
+#include <cstdlib>
 #include <iostream>
 #include <map>
 #include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -99,6 +105,38 @@ std::vector<std::string> selection_without(const std::vector<std::string>& args,
   return kvaudit_test::join_spec_filters(kept, excluded_tags);
 }
 
+// The tags in $KVAUDIT_REQUIRE ("torch,gpu"), lower case.
+std::set<std::string> required_tags() {
+  std::set<std::string> tags;
+  const char* value = std::getenv("KVAUDIT_REQUIRE");
+  if (value == nullptr) return tags;
+  std::istringstream list(value);
+  std::string tag;
+  while (std::getline(list, tag, ',')) {
+    tag = Catch::toLower(Catch::trim(tag));
+    if (!tag.empty()) tags.insert(tag);
+  }
+  return tags;
+}
+
+// Prints one line per skipped case whose prerequisite KVAUDIT_REQUIRE names; true when any.
+bool report_required_missing(const SkipPlan& plan, const std::vector<Catch::TestCase>& selected) {
+  const std::set<std::string> required = required_tags();
+  bool missing = false;
+  for (const SkippedCase& skipped : plan.skipped) {
+    for (const Catch::TestCase& test : selected) {
+      if (test.name != skipped.name) continue;
+      for (const std::string& tag : required) {
+        if (!has_tag(test, tag)) continue;
+        std::cerr << "FAILED: " << test.name << ": its prerequisite [" << tag
+                  << "] is required here (KVAUDIT_REQUIRE) but missing: " << skipped.reason << "\n";
+        missing = true;
+      }
+    }
+  }
+  return missing;
+}
+
 void print_skipped(const SkipPlan& plan) {
   for (const SkippedCase& test : plan.skipped) {
     std::cout << "SKIPPED: " << test.name << " (" << test.reason << ")\n";
@@ -157,6 +195,7 @@ int main(int argc, char** argv) {
     const int status = session.run();
     return status == kExitSkipped ? kExitSkipped + 1 : status;
   }
+  if (report_required_missing(plan, selected)) return 1;
   print_skipped(plan);
   if (plan.skipped.size() == selected.size()) {
     print_skip_summary(plan);

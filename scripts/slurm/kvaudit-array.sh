@@ -2,7 +2,8 @@
 # Submits a sharded `kvaudit check` to Slurm: a job array of N tasks, one shard each
 # (kvaudit-shard.sbatch: `kvaudit check DUMP --shard auto/N`), and a merge job that starts when
 # every task succeeded (--dependency=afterok, kvaudit-merge.sbatch: `kvaudit merge`) and writes
-# OUT/report/report.json and report.md, the report the unsharded check gives (README "Sharding").
+# OUT/report/ (report.json, report.md, report.html; with --signoff also report.manifest.json and
+# report.sig, signed), the report the unsharded check gives (README "Sharding").
 #
 #   scripts/slurm/kvaudit-array.sh --dump FILE --shards N --out DIR [--backend NAME]
 #       [--kvaudit PATH] [--cpus C] [--first-index K] [--signing-key FILE] [--sbatch OPTION]...
@@ -70,6 +71,11 @@ for option in "$@"; do
   fi
 done
 if [ -n "$signing_key" ]; then
+  case " $* " in
+    *" --signoff "*) ;;
+    *) echo "kvaudit-array.sh: --signing-key needs -- --signoff (only a sign-off is signed)" >&2
+       exit 2 ;;
+  esac
   [ -r "$signing_key" ] || { echo "kvaudit-array.sh: cannot read $signing_key" >&2; exit 2; }
   signing=(--signing-key "$(realpath "$signing_key")")
 fi

@@ -89,13 +89,14 @@ Status check_signoff_fields(const SignOffFields& fields, bool writes_report) {
   if (!writes_report) {
     return bad_input("--signoff",
                      "needs --report DIR (the signature covers a report directory; a sharded "
-                     "check's part is signed by kvaudit merge --report DIR --signing-key FILE)");
+                     "check's part, --shard with --json FILE, is signed by kvaudit merge --report "
+                     "DIR --signing-key FILE)");
   }
   return ok_status();
 }
 
 // The run's sign-off under --signoff (signer and key); the fields without --signoff are a usage
-// error. `writes_report`: --report DIR given, or --shard (the part goes to kvaudit merge).
+// error. `writes_report`: --report DIR given, or --shard with --json (the part goes to merge).
 Result<std::optional<SignOffRequest>> signoff_of(bool signoff, const SignOffFields& fields,
                                                  bool writes_report) {
   if (!signoff) {
@@ -358,7 +359,8 @@ Result<int> check_dump(const CheckOptions& options) {
   }
   KVAUDIT_ASSIGN_OR_RETURN(const std::optional<SignOffRequest> signoff,
                            signoff_of(options.signoff, options.signoff_fields,
-                                      !options.report_dir.empty() || !options.shard.empty()));
+                                      !options.report_dir.empty() ||
+                                          (!options.shard.empty() && !options.json_file.empty())));
   KVAUDIT_TRY(probe_dump_in_child(options.dump));
   KVAUDIT_ASSIGN_OR_RETURN(const DumpReader reader, DumpReader::open(options.dump));
   KVAUDIT_TRY(check_replay_fits(reader.layout()));

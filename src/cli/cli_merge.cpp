@@ -62,9 +62,20 @@ Result<std::optional<Ed25519KeyPair>> merge_signing_key(const MergeOptions& opti
                      "the parts are a sign-off: needs --signing-key FILE and --report DIR (the "
                      "merged report directory is signed with the key)");
   }
+  // The parts are plain JSON anyone can write: a sign-off without a signer, a model or the key
+  // that `check --signoff` records is refused here as check refuses it.
+  if (run.signoff->signed_by.empty() || run.signoff->model.empty() ||
+      run.signoff->public_key.empty()) {
+    return bad_input("merge",
+                     fmt::format("the parts are a sign-off without {} (check --signoff records "
+                                 "--signed-by, --model and the signing key's public key)",
+                                 run.signoff->signed_by.empty() ? "a signer"
+                                 : run.signoff->model.empty()   ? "a model"
+                                                                : "a public key"));
+  }
   KVAUDIT_ASSIGN_OR_RETURN(const Ed25519KeyPair key, read_private_key_file(options.signing_key));
   const std::string public_key = bytes_hex(key.public_key);
-  if (!run.signoff->public_key.empty() && run.signoff->public_key != public_key) {
+  if (run.signoff->public_key != public_key) {
     return bad_input(options.signing_key,
                      fmt::format("its public key {} is not the one the parts name, {} (check "
                                  "--signing-key)",

@@ -139,8 +139,13 @@ Result<Ed25519Signature> signature_from_hex(std::string_view hex, const std::str
 Status write_key_files(const Ed25519KeyPair& key, const std::filesystem::path& private_path,
                        const std::filesystem::path& public_path) {
   for (const std::filesystem::path& path : {private_path, public_path}) {
-    if (std::filesystem::exists(std::filesystem::symlink_status(path))) {
+    std::error_code error;
+    const auto status = std::filesystem::symlink_status(path, error);
+    if (std::filesystem::exists(status)) {
       return bad_input(path.string(), "exists already (a key is never overwritten)");
+    }
+    if (error && error != std::errc::no_such_file_or_directory) {
+      return bad_input(path.string(), "cannot be checked: " + error.message());
     }
   }
   KVAUDIT_TRY(write_new_file(private_path,
@@ -160,7 +165,8 @@ Result<Ed25519KeyPair> read_private_key_file(const std::filesystem::path& path) 
 }
 
 Result<Ed25519PublicKey> read_public_key(const std::string& key_or_file, const std::string& where) {
-  const bool is_file = std::filesystem::exists(key_or_file);
+  std::error_code error;  // a path that cannot be looked at is no file: the hex test decides
+  const bool is_file = std::filesystem::exists(key_or_file, error);
   if (!is_file) {
     if (key_or_file.size() == 64) return public_key_from_hex(key_or_file, where);
     return bad_input(where, "'" + key_or_file +

@@ -31,7 +31,8 @@
 //                   the spill of that row (elements D/2 .. D-1)
 //   nan_code        it holds a NaN code (0x7F / 0xFF) where a finite code was expected
 //   off_by_one_code every differing code is one step from the expected code (wrong rounding)
-//   unused_slot     a slot no request of the step holds (StepLayerWrites::held_slots): garbage
+//   unused_slot     a slot no request of any step of the dump holds (StepLayerWrites::held_slots):
+//                   garbage
 //                   there is judged (every slot must be bitwise as expected) but gets no rounding
 //                   or scale class; wrong_slot and bf16_bytes still apply
 //   other           anything else
@@ -68,9 +69,10 @@ struct StepLayerWrites {
   // The dump's attributes (may be null): messages then locate a differing byte in the file's own
   // datasets (kv_cache / kv_rope / kv_scales, or their _after forms) rather than in the slot form.
   const DumpAttributes* attrs = nullptr;
-  // The slots that hold a token of some request of the step (held_slots, sorted); absent: not
-  // known, every slot is taken as used. A differing slot outside them is classed unused_slot.
-  std::optional<std::vector<std::int64_t>> held_slots;
+  // The slots that hold a token of some request of any step of the dump (sorted): a slot a request
+  // not scheduled in this step holds is still used. Absent: not known, every slot is taken as used.
+  // A differing slot outside them is classed unused_slot.
+  std::optional<std::vector<std::int64_t>> held_slots = std::nullopt;
   // The step, to name the request and token of a misplaced row (MisplacedRow); null: rows are
   // named by their index in new_kv only.
   const StepMeta* meta = nullptr;

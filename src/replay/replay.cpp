@@ -218,6 +218,9 @@ struct ReplayContext {
   std::size_t num_layers = 0;    // selected
   std::set<int> reported_steps;  // empty: every step
   CertificationQueue* certification_queue = nullptr;
+  // The slots any request of any step of the dump holds (sorted): a slot outside them holds no
+  // token the dump ever reads, so a change there is classed unused_slot (integrity.hpp).
+  std::vector<std::int64_t> held_slots = {};
 
   bool is_reported(std::size_t step) const {
     return reported_steps.empty() || reported_steps.count(static_cast<int>(step)) != 0;
@@ -406,7 +409,7 @@ StepLayerWrites LayerReplay::write_reference(const StepInput& step) {
   StepLayerWrites writes{static_cast<int>(step.index), layer_.layer_id, step.meta.new_kv_slots,
                          step.tensors.new_kv,          layer_.kv_scale, step.where};
   writes.attrs = &attrs_;
-  writes.held_slots = held_slots(step.meta, attrs_.page_size);
+  writes.held_slots = context_.held_slots;
   writes.meta = &step.meta;  // names a misplaced row's request and token
   writes.page_size = attrs_.page_size;
   if (reciprocal) writes.rule = "e4m3_rne_satfinite(new_kv * fp32(1 / kv_scale))";
@@ -809,6 +812,21 @@ nlohmann::json summarize_dump(const DumpLayout& layout) {
           {"steps", steps}};
 }
 
+namespace {
+
+std::vector<std::int64_t> slots_held_by_any_step(const DumpLayout& layout) {
+  std::vector<std::int64_t> slots;
+  for (const StepMeta& step : layout.steps) {
+    const std::vector<std::int64_t> held = held_slots(step, layout.attrs.page_size);
+    slots.insert(slots.end(), held.begin(), held.end());
+  }
+  std::sort(slots.begin(), slots.end());
+  slots.erase(std::unique(slots.begin(), slots.end()), slots.end());
+  return slots;
+}
+
+}  // namespace
+
 Result<CheckRun> replay_dump(const DumpReader& reader, Backend* backend,
                              const ReplayOptions& options) {
   const auto total_start = Clock::now();
@@ -827,6 +845,7 @@ Result<CheckRun> replay_dump(const DumpReader& reader, Backend* backend,
       layers.size(), std::set<int>(options.step_indices.begin(), options.step_indices.end())};
   CertificationQueue certification_queue(std::max(1u, std::thread::hardware_concurrency() / 4));
   context.certification_queue = &certification_queue;
+  context.held_slots = slots_held_by_any_step(reader.layout());
   for (std::size_t order = 0; order < layers.size(); ++order) {
     const auto layer_start = Clock::now();
     LayerReplay layer(context, layers[order], order);

@@ -745,8 +745,8 @@ const char* slot_class_cause(SlotClass slot_class) {
     case SlotClass::kRopeSaturated:
       return "the RoPE part saturated at +-448: its scale was calibrated without it.";
     case SlotClass::kUnusedSlot:
-      return "bytes changed in a slot that holds no token: a stray write, or a capture of "
-             "another pool region.";
+      return "bytes changed in a slot that no request of any step holds: a stray write, or a "
+             "capture of another pool region.";
     case SlotClass::kOther:
       return "damage of no known class: compare the slots' bytes with the write rule.";
     case SlotClass::kNone:

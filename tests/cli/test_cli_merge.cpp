@@ -6,6 +6,7 @@
 // failures and notes the merge must reproduce. Then the refusals: exit 2 naming the part.
 #include <algorithm>
 #include <catch2/catch.hpp>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -233,6 +234,30 @@ TEST_CASE("kvaudit merge of sign-off parts signs with their key, and refuses to 
   CHECK(wrong_key.status == 2);
   CHECK_THAT(wrong_key.err, Catch::Contains("is not the one the parts name"));
   CHECK_FALSE(std::filesystem::exists(dir / "merged"));
+  // Parts edited to drop the signer, the model or the public key: refused, as check refuses a
+  // sign-off without them (the parts are plain JSON anyone can write).
+  for (const char* field : {"signed_by", "model", "public_key"}) {
+    std::string edited_parts;
+    for (int index = 0; index < 2; ++index) {
+      nlohmann::json part = read_json(dir / ("part-" + std::to_string(index) + ".json"));
+      REQUIRE(part.at("signoff").contains(field));
+      if (std::string(field) == "public_key") {
+        part["signoff"].erase(field);  // as in a part from before signatures
+      } else {
+        part["signoff"][field] = nullptr;
+      }
+      const auto path = dir / ("edited-" + std::to_string(index) + ".json");
+      std::ofstream(path) << part.dump();
+      edited_parts += " '" + path.string() + "'";
+    }
+    const CommandOutcome unsigned_parts =
+        run_kvaudit("signed-merge-no-" + std::string(field),
+                    "merge" + edited_parts + report + signing_key_option());
+    INFO(field << ": " << unsigned_parts.out << unsigned_parts.err);
+    CHECK(unsigned_parts.status == 2);
+    CHECK_THAT(unsigned_parts.err, Catch::Contains("the parts are a sign-off without"));
+    CHECK_FALSE(std::filesystem::exists(dir / "merged"));
+  }
   // With the parts' key: a signed report directory that verifies.
   const CommandOutcome merged =
       run_kvaudit("signed-merge", "merge" + parts + report + signing_key_option());

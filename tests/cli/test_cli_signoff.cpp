@@ -182,6 +182,9 @@ TEST_CASE("check --signoff without a signer, a model, a key or a report is refus
       {"no_model", signer + signing_key + report, "kvaudit: --signoff: needs --model NAME"},
       {"no_key", signer + model + report, "kvaudit: --signoff: needs --signing-key FILE"},
       {"no_report", signer + model + signing_key, "kvaudit: --signoff: needs --report DIR"},
+      // A shard without --json writes no part: nothing would be signed, by the merge either.
+      {"shard_no_json", signer + model + signing_key + " --shard 0/2",
+       "kvaudit: --signoff: needs --report DIR"},
   };
   for (const auto& c : cases) {
     const Ran ran =

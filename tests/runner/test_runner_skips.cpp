@@ -29,7 +29,8 @@ std::string self() { return std::filesystem::read_symlink("/proc/self/exe").stri
 // This binary with `arguments` (already shell-quoted) under `environment`.
 ChildRun run_self(const std::string& environment, const std::string& arguments) {
   const std::string command =
-      "env -u KVAUDIT_TORCH_ADAPTER CUDA_VISIBLE_DEVICES= KVAUDIT_PYTHON=/nonexistent/python " +
+      "env -u KVAUDIT_TORCH_ADAPTER -u KVAUDIT_REQUIRE CUDA_VISIBLE_DEVICES= "
+      "KVAUDIT_PYTHON=/nonexistent/python " +
       environment + " '" + self() + "' " + arguments + " 2>&1";
   ChildRun run;
   if (FILE* pipe = popen(command.c_str(), "r")) {
@@ -106,6 +107,24 @@ TEST_CASE("runner: the torch adapter's cases are reported skipped where the venv
   CHECK(run.output.find(count_line(torch_cases.size(), "/nonexistent/python does not exist")) !=
         std::string::npos);
   CHECK(run.output.find("passed") == std::string::npos);
+}
+
+TEST_CASE("runner: a prerequisite KVAUDIT_REQUIRE names fails its cases where it is missing",
+          "[runner]") {
+  // CI installs torch and sets KVAUDIT_REQUIRE=torch: an install that broke must fail the run,
+  // not skip what it was meant to test. Other missing prerequisites still skip.
+  const ChildRun torch = run_self("KVAUDIT_REQUIRE=torch", "'exec torch adapter: *'");
+  INFO(torch.output);
+  CHECK(torch.status == 1);
+  CHECK(torch.output.find("its prerequisite [torch] is required here (KVAUDIT_REQUIRE) but "
+                          "missing: /nonexistent/python does not exist") != std::string::npos);
+  const ChildRun gpu = run_self("KVAUDIT_REQUIRE=torch", "'[gpu]~[injection]'");
+  INFO(gpu.output);
+  CHECK(gpu.status == 77);
+  const ChildRun both = run_self("KVAUDIT_REQUIRE=' Torch , gpu'", "'[gpu]~[injection]'");
+  INFO(both.output);
+  CHECK(both.status == 1);
+  CHECK(both.output.find("its prerequisite [gpu] is required here") != std::string::npos);
 }
 
 TEST_CASE("runner: an option missing from the adapter's help text fails, it does not skip",
