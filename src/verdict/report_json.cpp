@@ -256,13 +256,14 @@ nlohmann::json signer_json(const SignOff& signer) {
   return j;
 }
 
-// Who signed, and the checksum of everything else but timing (src/verdict/report_digest.hpp; the
-// signature is beside report.json, src/report/report_signature.hpp); null for a run that is not
-// a sign-off.
+// A checksum: "signoff"."digest", or a plain report's top-level "checksum".
 nlohmann::json digest_json(const ReportDigest& digest) {
   return {{"algorithm", digest.algorithm}, {"covers", digest.covers}, {"value", digest.value}};
 }
 
+// Who signed, and the checksum of everything else but timing (src/verdict/report_digest.hpp; the
+// signature is beside report.json, src/report/report_signature.hpp); null for a run that is not
+// a sign-off.
 nlohmann::json signoff_json(const std::optional<SignOffRecord>& signoff) {
   if (!signoff) return nullptr;
   nlohmann::json j = signer_json(signoff->signer);

@@ -406,8 +406,10 @@ TEST_CASE("report.md and report.html of a plain report state its checksum, not a
   }
 }
 
-TEST_CASE("a plain report without a checksum (an older kvaudit's) is refused in one line",
-          "[cli][checksum]") {
+TEST_CASE(
+    "a plain report without a checksum (an older kvaudit's) or with a malformed one is refused "
+    "in one line",
+    "[cli][checksum]") {
   const PlainReport plain = make_plain_report("plain_without_checksum");
   nlohmann::json old = plain.json;
   old.erase("checksum");
@@ -417,6 +419,15 @@ TEST_CASE("a plain report without a checksum (an older kvaudit's) is refused in 
   CHECK(ran.status == 2);
   CHECK_THAT(ran.out, Catch::Contains("not a signed report and no checksum"));
   CHECK(std::count(ran.out.begin(), ran.out.end(), '\n') == 1);
+  // A checksum that is not {"algorithm": "sha256", "value": HEX}: bad input, one line.
+  old["checksum"] = "sha256:" + plain.checksum;
+  write_text(plain.dir / "report.json", old.dump(2) + "\n");
+  const Ran malformed =
+      kvaudit("verify_plain_malformed_checksum", "verify-report '" + plain.dir.string() + "'");
+  CHECK(malformed.status == 2);
+  CHECK_THAT(malformed.out, Catch::Contains((plain.dir / "report.json").string() +
+                                            ": \"checksum\" is not {\"algorithm\": \"sha256\""));
+  CHECK(std::count(malformed.out.begin(), malformed.out.end(), '\n') == 1);
 }
 
 TEST_CASE(
