@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Compares two kvaudit report.json files in everything but what may differ between two runs of the
 same check: `timing`, `provenance` (a merged report's names its parts), the dump's `path`
-(`dump.sha256` is compared) and a sign-off's checksum value (it covers the provenance; who signed
-is compared). Verdict, counts, backend, policy, dump summary, results in order,
+(`dump.sha256` is compared) and the checksum value (a sign-off's `signoff.digest`, a plain
+report's `checksum`: it covers the provenance; who signed is compared). Verdict, counts, backend, policy, dump summary, results in order,
 integrity findings, steps, notes and first divergence must be equal.
 
     python3 scripts/same_report.py A.json B.json
@@ -22,6 +22,9 @@ def comparable(report):
     report = {key: value for key, value in report.items() if key not in IGNORED}
     if isinstance(report.get("dump"), dict):
         report["dump"] = {key: value for key, value in report["dump"].items() if key != "path"}
+    if isinstance(report.get("checksum"), dict):
+        report["checksum"] = {key: value for key, value in report["checksum"].items()
+                              if key != "value"}
     signoff = report.get("signoff")
     if isinstance(signoff, dict) and isinstance(signoff.get("digest"), dict):
         digest = {key: value for key, value in signoff["digest"].items() if key != "value"}

@@ -443,8 +443,9 @@ void add_output_options(CLI::App& cmd, CheckOptions& options) {
   add_output_path(
       cmd, "--report", options.report_dir, OutputKind::kDirectory,
       "Write a report directory (report.json, report.md, report.html, and under --signoff their "
-      "signature: report.manifest.json, report.sig; created with its parents, an existing one "
-      "keeps its other files)");
+      "signature: report.manifest.json, report.sig; without --signoff report.json states its "
+      "checksum, which kvaudit verify-report DIR recomputes: no signature; created with its "
+      "parents, an existing one keeps its other files)");
   add_output_path(cmd, "--save-outputs", options.save_outputs, OutputKind::kFile,
                   "Write the reference and backend outputs per step and layer to this HDF5 file "
                   "(/steps/S###/L###/{reference_out, reference_lse, reference_source_out, "

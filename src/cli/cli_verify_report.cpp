@@ -1,8 +1,11 @@
 // `kvaudit verify-report DIR [--public-key KEY]`: check a signed report directory
 // (src/report/report_verify.hpp): its signature over its manifest, every file against the
-// manifest, report.json against both, and, given --public-key, the signer's key.
-// Exit status: 0 the report verifies, 1 it does not (each problem printed), 2 bad input (no such
-// file, not JSON, a report made without --signoff or before kvaudit signed reports, a bad key).
+// manifest, report.json against both, and, given --public-key, the signer's key. A report made
+// without --signoff: its checksum recomputed from report.json (no signature, no signer).
+// Exit status: 0 the report verifies (or its checksum matches), 1 it does not (each problem
+// printed), 2 bad input (no such file, not JSON, a report with neither a signature nor a
+// checksum, one signed before kvaudit signed reports, --public-key for a report that is not
+// signed, a bad key).
 #include <fmt/format.h>
 #include <fmt/ostream.h>
 
@@ -35,6 +38,14 @@ Result<int> verify(const VerifyOptions& options) {
     for (const std::string& problem : v.problems) fmt::print(std::cout, "MISMATCH: {}\n", problem);
     return kExitChecksFailed;
   }
+  if (v.proof == ReportProof::kChecksum) {
+    fmt::print(std::cout,
+               "checksum matches (not a signature: anyone who edits the report can compute it "
+               "again): {} sha256 {}; verdict {}\n"
+               "  not signed (made without --signoff): who made it is not known\n",
+               (v.dir / "report.json").string(), v.checksum, v.verdict);
+    return kExitPass;
+  }
   fmt::print(std::cout,
              "match: {} signature ed25519 verifies, every file as signed, checksum sha256 {}\n"
              "  signed by {}, model {}, deployment {}; verdict {}\n"
@@ -58,7 +69,8 @@ void register_verify_report_command(CLI::App& app, CommandRunner& runner) {
   auto options = std::make_shared<VerifyOptions>();
   CLI::App* cmd = add_command(
       app, "verify-report",
-      {"Check a signed report: its signature, every file, and who signed it.",
+      {"Check a report: a signed one's signature, every file and who signed it; a plain one's "
+       "checksum.",
        "For a report directory written by kvaudit check --signoff --signing-key FILE (or kvaudit "
        "merge of sign-off parts): check that report.sig is an Ed25519 signature over "
        "report.manifest.json by the public key the manifest names, that report.json, report.md "
@@ -67,10 +79,18 @@ void register_verify_report_command(CLI::App& app, CommandRunner& runner) {
        "(report.json without \"timing\" and \"signoff\".\"digest\", serialized compactly with "
        "sorted keys). Any edited file, edited manifest or replaced signature fails. Without "
        "--public-key this proves the report is as its key holder signed it, not who that is: "
-       "give the signer's public key to check that too.",
-       "0 the report verifies, 1 it does not (each problem printed), 2 bad input (no such file, "
-       "not JSON, a report made without --signoff or before kvaudit signed reports, a bad key), "
-       "3 internal error"});
+       "give the signer's public key to check that too.\n"
+       "For a report made without --signoff (kvaudit check --report DIR): recompute the checksum "
+       "report.json states (report.json without \"timing\" and \"checksum\", serialized the "
+       "same way) and print \"checksum matches (not a signature ...)\": it detects a report.json "
+       "changed by accident, but anyone who edits the report can compute it again, and report.md "
+       "and report.html are not covered. --public-key is refused for such a report: nobody "
+       "signed it.",
+       "0 the report verifies (a plain report: its checksum matches), 1 it does not (each "
+       "problem printed), 2 bad input (no such file, not JSON, --public-key for a report made "
+       "without --signoff, a report with neither signature nor checksum (made without --signoff "
+       "by an older kvaudit) or signed before kvaudit signed reports, a bad key), 3 internal "
+       "error"});
   add_input_file(*cmd, "REPORT", options->path, "Report directory, or its report.json")->required();
   cmd->add_option("--public-key", options->public_key,
                   "The signer's public key: the FILE.pub kvaudit keygen wrote, or its 64 hex "

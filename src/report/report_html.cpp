@@ -175,6 +175,20 @@ void signoff_block(Html& html, const std::optional<SignOffRecord>& signoff) {
       esc(signoff->digest.value), esc(signoff->digest.covers));
 }
 
+// Without --signoff: report.json's checksum, called what it is (no signature: nobody vouches for
+// it).
+void checksum_section(Html& html, const std::optional<ReportDigest>& checksum) {
+  if (!checksum) return;
+  put(html,
+      "<section id=\"checksum\"><h2>Checksum</h2><table><tr><th>report checksum (SHA-256)</th>"
+      "<td><code class=\"digest\">{}</code></td></tr></table><p class=\"small muted\">This "
+      "report is not signed (made without <code>--signoff</code>). report.json states the "
+      "checksum above ({}). It is a checksum, not a signature: it detects a report.json changed "
+      "by accident, but anyone who edits the report can compute it again. Recompute it with "
+      "<code>kvaudit verify-report DIR</code>.</p></section>\n",
+      esc(checksum->value), esc(checksum->covers));
+}
+
 std::string badge(LineState state) {
   switch (state) {
     case LineState::kPass:
@@ -689,6 +703,7 @@ std::string render_html(const ReportModel& model) {
   notes_section(html, run);
   dump_section(html, run);
   provenance_section(html, model);
+  checksum_section(html, model.checksum);
   put(html, "</main></body></html>\n");
   return fmt::to_string(html);
 }

@@ -494,6 +494,20 @@ void signoff_block(Markdown& md, const std::optional<SignOffRecord>& signoff) {
          signoff->digest.covers);
 }
 
+// Without --signoff: report.json's checksum, called what it is (no signature: nobody vouches for
+// it).
+void checksum_section(Markdown& md, const std::optional<ReportDigest>& checksum) {
+  if (!checksum) return;
+  append(md, "## Checksum\n\n| field | value |\n| --- | --- |\n");
+  append(md, "| report checksum (SHA-256) | {} |\n\n", code(checksum->value));
+  append(md,
+         "This report is not signed (made without `--signoff`). report.json states the checksum "
+         "above ({}). It is a checksum, not a signature: it detects a report.json changed by "
+         "accident, but anyone who edits the report can compute it again. Recompute it with "
+         "`kvaudit verify-report DIR`.\n\n",
+         checksum->covers);
+}
+
 void failures_section(Markdown& md, const CheckRun& run) {
   const std::vector<FailureItem> items = failure_items(run);
   if (items.empty()) return;
@@ -529,6 +543,7 @@ std::string render_markdown(const ReportModel& model) {
   timing_section(md, run);
   certification_section(md, model);
   provenance_section(md, run);
+  checksum_section(md, model.checksum);
   return fmt::to_string(md);
 }
 

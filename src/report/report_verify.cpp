@@ -1,4 +1,4 @@
-// Verifying a signed report (see report_verify.hpp).
+// Verifying a report: its signature, or a plain report's checksum (see report_verify.hpp).
 #include "src/report/report_verify.hpp"
 
 #include <fmt/format.h>
@@ -26,13 +26,18 @@ std::string text_field(const nlohmann::json& object, const char* key) {
   return it != object.end() && it->is_string() ? it->get<std::string>() : "";
 }
 
+bool is_signoff(const nlohmann::json& report) {
+  const auto signoff = report.find("signoff");
+  return signoff != report.end() && signoff->is_object();
+}
+
 // report.json's signoff block; an error when the report is not a signed one.
 Result<nlohmann::json> signoff_block(const nlohmann::json& report, const std::string& where,
                                      bool has_manifest) {
-  const auto signoff = report.find("signoff");
-  if (signoff == report.end() || !signoff->is_object()) {
+  if (!is_signoff(report)) {
     return bad_input(where, "not a signed report: no signoff block (made without --signoff)");
   }
+  const auto signoff = report.find("signoff");
   if (!signoff->contains("public_key") && !has_manifest) {
     return bad_input(where,
                      "not a signed report: made before kvaudit signed reports (no public key, no "
@@ -130,6 +135,46 @@ void check_report_json(const std::filesystem::path& json_path, const nlohmann::j
   }
 }
 
+// A report made without --signoff: the value its "checksum" states (bad input when malformed or
+// absent, or when a signer's key is expected: nobody signed it).
+Result<std::string> stated_checksum(const nlohmann::json& report, const std::string& where,
+                                    bool key_expected) {
+  const auto checksum = report.find("checksum");
+  if (checksum == report.end()) {
+    return bad_input(where,
+                     "not a signed report and no checksum: made without --signoff by a kvaudit "
+                     "from before plain reports kept their checksum; make it again to check it");
+  }
+  if (key_expected) {
+    return bad_input(where,
+                     "the report is not signed (made without --signoff): it carries a checksum, "
+                     "not a signature, so there is no signer to compare with --public-key");
+  }
+  if (!checksum->is_object() || checksum->value("algorithm", "") != kReportDigestAlgorithm ||
+      !checksum->contains("value") || !checksum->at("value").is_string()) {
+    return bad_input(where, fmt::format("\"checksum\" is not {{\"algorithm\": \"{}\", \"value\": "
+                                        "HEX, ...}}",
+                                        kReportDigestAlgorithm));
+  }
+  return checksum->at("value").get<std::string>();
+}
+
+// A report made without --signoff: its data against the checksum it states.
+Result<ReportVerification> verify_checksum(ReportVerification result,
+                                           const std::filesystem::path& json_path,
+                                           const nlohmann::json& report) {
+  result.proof = ReportProof::kChecksum;
+  KVAUDIT_ASSIGN_OR_RETURN(const std::string stated,
+                           stated_checksum(report, json_path.string(), result.key_expected));
+  result.checksum = report_digest(report);
+  if (result.checksum != stated) {
+    result.problems.push_back(fmt::format(
+        "{}: checksum mismatch: its data hashes to {}, it states {} (changed after it was written)",
+        json_path.string(), result.checksum, stated));
+  }
+  return result;
+}
+
 }  // namespace
 
 Result<ReportVerification> verify_report(const std::filesystem::path& path,
@@ -140,16 +185,17 @@ Result<ReportVerification> verify_report(const std::filesystem::path& path,
   const std::filesystem::path json_path = result.dir / kReportFiles[0];
   const std::filesystem::path manifest_path = result.dir / kManifestFile;
   result.key_expected = expected_key.has_value();
-  // Step 1: a signed report.
+  // Step 1: a signed report (or a plain one, with its checksum).
   KVAUDIT_ASSIGN_OR_RETURN(const std::string text, read_file(json_path));
   const nlohmann::json report = nlohmann::json::parse(text, nullptr, false);
   if (report.is_discarded() || !report.is_object()) {
     return bad_input(json_path.string(), "not a JSON object (not a kvaudit report.json)");
   }
+  result.verdict = text_field(report, "verdict");
+  if (!is_signoff(report)) return verify_checksum(std::move(result), json_path, report);
   const bool has_manifest = std::filesystem::exists(manifest_path);
   KVAUDIT_ASSIGN_OR_RETURN(const nlohmann::json signoff,
                            signoff_block(report, json_path.string(), has_manifest));
-  result.verdict = text_field(report, "verdict");
   if (!has_manifest) {
     result.problems.push_back(manifest_path.string() +
                               ": missing (report.json names a public key: it was signed)");

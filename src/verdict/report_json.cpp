@@ -4,8 +4,8 @@
 // shard parts. Each reader mirrors one writer, key for key; keys the writer derives from the run
 // (verdict, counts, steps, a result's worst and max_abs_over_ref_max, the throughput, version,
 // captured_pool_cost, unmeasured, a diagnosis' summary, the certification maxima, the sign-off
-// digest) are skipped, any key it does not write is refused. Numbers may be json_number's strings
-// "nan", "inf", "-inf".
+// digest and the plain report's checksum) are skipped, any key it does not write is refused.
+// Numbers may be json_number's strings "nan", "inf", "-inf".
 #include <fmt/format.h>
 
 #include <array>
@@ -256,15 +256,18 @@ nlohmann::json signer_json(const SignOff& signer) {
   return j;
 }
 
+// A checksum: "signoff"."digest", or a plain report's top-level "checksum".
+nlohmann::json digest_json(const ReportDigest& digest) {
+  return {{"algorithm", digest.algorithm}, {"covers", digest.covers}, {"value", digest.value}};
+}
+
 // Who signed, and the checksum of everything else but timing (src/verdict/report_digest.hpp; the
 // signature is beside report.json, src/report/report_signature.hpp); null for a run that is not
 // a sign-off.
 nlohmann::json signoff_json(const std::optional<SignOffRecord>& signoff) {
   if (!signoff) return nullptr;
   nlohmann::json j = signer_json(signoff->signer);
-  j["digest"] = {{"algorithm", signoff->digest.algorithm},
-                 {"covers", signoff->digest.covers},
-                 {"value", signoff->digest.value}};
+  j["digest"] = digest_json(signoff->digest);
   return j;
 }
 
@@ -311,6 +314,14 @@ SignOffRecord signed_record(const ReportModel& model, const SignOff& signer) {
   return {signer, {kReportDigestAlgorithm, kReportDigestCovers, report_digest(j)}};
 }
 
+// The checksum of a report made without --signoff: over what to_json writes ("signoff" null;
+// report_digest ignores timing and the checksum itself). Not a signature: anyone can recompute it.
+ReportDigest plain_checksum(const ReportModel& model) {
+  nlohmann::json j = unsigned_json(model);
+  j["signoff"] = nullptr;
+  return {kReportDigestAlgorithm, kPlainReportChecksumCovers, report_digest(j)};
+}
+
 }  // namespace
 
 ReportModel make_report_model(const CheckRun& run) {
@@ -323,13 +334,18 @@ ReportModel make_report_model(const CheckRun& run) {
   model.captured_pool_cost = captured_pool_cost(run);
   model.certification_maxima = certification_maxima(run.certification);
   model.unmeasured = measurement_gaps(run);
-  if (run.signoff) model.signoff = signed_record(model, *run.signoff);
+  if (run.signoff) {
+    model.signoff = signed_record(model, *run.signoff);
+  } else {
+    model.checksum = plain_checksum(model);
+  }
   return model;
 }
 
 nlohmann::json to_json(const ReportModel& model) {
   nlohmann::json j = unsigned_json(model);
   j["signoff"] = signoff_json(model.signoff);
+  if (model.checksum) j["checksum"] = digest_json(*model.checksum);
   return j;
 }
 
@@ -682,6 +698,7 @@ Result<CheckRun> check_run_from_json(const nlohmann::json& report, const std::st
   run.coverage = read_array<StepLayerCoverage>(reader, "coverage", read_coverage);
   reader.skip("unmeasured");  // measurement_gaps(run)
   run.signoff = read_signoff(reader);
+  reader.skip("checksum");  // a plain report's: derived (absent in sign-offs and older reports)
   read_timing(reader.object("timing"), run);
   run.provenance = read_provenance(reader.object("provenance"));
   reader.finish();

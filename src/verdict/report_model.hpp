@@ -3,7 +3,8 @@
 //     every key report.json reads back;
 //   - what a report derives from it, computed once here (make_report_model): the verdict, the
 //     counts, the per-step summary, the captured pool's cost, the certification maxima, what was
-//     not measured, the completed provenance and, under --signoff, the digest;
+//     not measured, the completed provenance and the checksum (under --signoff the sign-off's
+//     digest, otherwise the plain report's "checksum");
 //   - to_json writes the model (the keys of docs/report.schema.json, the authority on keys and
 //     types, described in docs/report-schema.md), check_run_from_json reads a report back into
 //     the run (kvaudit merge), and report.md and report.html render the same model
@@ -20,7 +21,8 @@
 
 namespace kvaudit {
 
-// report.json's "signoff"."digest" (src/verdict/report_digest.hpp).
+// report.json's checksum (src/verdict/report_digest.hpp): "signoff"."digest" of a sign-off, the
+// top-level "checksum" of a report made without --signoff.
 struct ReportDigest {
   std::string algorithm;
   std::string covers;
@@ -44,6 +46,7 @@ struct ReportModel {
   CertificationMaxima certification_maxima;
   std::vector<MeasurementGap> unmeasured;
   std::optional<SignOffRecord> signoff;  // --signoff runs
+  std::optional<ReportDigest> checksum;  // runs without --signoff: a checksum, no signature
 };
 
 ReportModel make_report_model(const CheckRun& run);

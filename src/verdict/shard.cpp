@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "src/verdict/json_object_reader.hpp"
+#include "src/verdict/report_digest.hpp"
 
 namespace kvaudit {
 
@@ -107,6 +108,8 @@ ShardInfo read_shard(JsonObjectReader reader, CheckRun& run) {
 nlohmann::json part_to_json(const CheckRun& run, const ShardInfo& shard) {
   nlohmann::json part = to_json(run);
   part["shard"] = shard_json(run, shard);
+  // A plain part's checksum covers the part as written, its "shard" block included.
+  if (part.contains("checksum")) part["checksum"]["value"] = report_digest(part);
   return part;
 }
 

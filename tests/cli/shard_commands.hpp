@@ -77,11 +77,14 @@ inline nlohmann::json read_json(const std::filesystem::path& path) {
 }
 
 // A report without what may differ between two runs of the same check: timing, provenance, the
-// dump's path and a sign-off's digest value, which covers the provenance (scripts/same_report.py
-// drops the same keys).
+// dump's path and the checksum value (a sign-off's digest, a plain report's checksum), which
+// covers the provenance (scripts/same_report.py drops the same keys).
 inline nlohmann::json comparable(nlohmann::json report) {
   report.erase("timing");
   report.erase("provenance");
+  if (report.contains("checksum") && report["checksum"].is_object()) {
+    report["checksum"].erase("value");
+  }
   if (report.contains("dump")) report["dump"].erase("path");
   if (report.contains("signoff") && report["signoff"].is_object()) {
     report["signoff"]["digest"].erase("value");

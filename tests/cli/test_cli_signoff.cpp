@@ -2,7 +2,8 @@
 // to end: a sign-off does not pass on what it never measured (page64_nan has no kv_source), a
 // failing sign-off names the saturated codes beside the quantization error (saturated_page16), a
 // sign-off needs a signer, a model, a key and a report directory, and a signed report verifies
-// until any of its files, its manifest, its signature or its key changes.
+// until any of its files, its manifest, its signature or its key changes; a plain report keeps a
+// checksum that verify-report recomputes (no signature).
 #include <sys/wait.h>
 
 #include <algorithm>
@@ -306,17 +307,130 @@ TEST_CASE(
     CHECK(ran.status == 1);
     CHECK_THAT(ran.out, Catch::Contains(std::string(name) + ": missing"));
   }
+  // A sign-off states its checksum in its signoff block only: no top-level "checksum".
+  CHECK_FALSE(report.contains("checksum"));
+}
 
-  // A report made without --signoff is not a signed report: bad input, one line.
-  const std::filesystem::path unsigned_dir = fresh_dir("unsigned_glm5");
-  REQUIRE(kvaudit("unsigned_glm5", "check " + dataset("glm5_page1.h5") +
-                                       " --threads 2 --steps 0 --report '" + unsigned_dir.string() +
-                                       "'")
-              .status == 0);
-  const Ran not_signed =
-      kvaudit("verify_unsigned", "verify-report '" + unsigned_dir.string() + "'");
-  CHECK(not_signed.status == 2);
-  CHECK_THAT(not_signed.out, Catch::Contains("not a signed report"));
+namespace {
+
+// A fresh plain report (check --report DIR, no --signoff) of glm5_page1's step 0, and its
+// report.json.
+struct PlainReport {
+  std::filesystem::path dir;
+  nlohmann::json json;
+  std::string checksum;  // report.json's "checksum"."value", "" when it has none
+};
+
+PlainReport make_plain_report(const std::string& name) {
+  const std::filesystem::path dir = fresh_dir(name);
+  const Ran made = kvaudit(name, "check " + dataset("glm5_page1.h5") +
+                                     " --threads 2 --steps 0 --report '" + dir.string() + "'");
+  INFO(made.out);
+  REQUIRE(made.status == 0);
+  const nlohmann::json json = nlohmann::json::parse(read_text(dir / "report.json"));
+  const nlohmann::json checksum = json.value("checksum", nlohmann::json::object());
+  return {dir, json, checksum.is_object() ? checksum.value("value", "") : ""};
+}
+
+}  // namespace
+
+TEST_CASE("a plain report carries its checksum, and verify-report recomputes and matches it",
+          "[cli][checksum]") {
+  const PlainReport plain = make_plain_report("plain_glm5");
+  CHECK_FALSE(std::filesystem::exists(plain.dir / "report.manifest.json"));
+  CHECK_FALSE(std::filesystem::exists(plain.dir / "report.sig"));
+  CHECK(plain.json.at("signoff").is_null());
+  REQUIRE(plain.json.contains("checksum"));
+  CHECK(plain.json.at("checksum").at("algorithm") == "sha256");
+  CHECK(plain.checksum.size() == 64);
+  CHECK(plain.checksum.find_first_not_of("0123456789abcdef") == std::string::npos);
+
+  const Ran verified = kvaudit("verify_plain", "verify-report '" + plain.dir.string() + "'");
+  INFO(verified.out);
+  CHECK(verified.status == 0);
+  CHECK_THAT(verified.out, Catch::StartsWith("checksum matches (not a signature"));
+  CHECK_THAT(verified.out, Catch::Contains(plain.checksum));
+  // Given report.json itself, the same.
+  CHECK(kvaudit("verify_plain_json", "verify-report '" + (plain.dir / "report.json").string() + "'")
+            .status == 0);
+  // Timing is not covered (it differs on every run): edited, the checksum still matches.
+  nlohmann::json retimed = plain.json;
+  retimed["timing"]["total_seconds"] = 1234.5;
+  write_text(plain.dir / "report.json", retimed.dump(2) + "\n");
+  CHECK(kvaudit("verify_plain_retimed", "verify-report '" + plain.dir.string() + "'").status == 0);
+}
+
+TEST_CASE("verify-report: a plain report whose results were edited no longer matches its checksum",
+          "[cli][checksum]") {
+  const PlainReport plain = make_plain_report("plain_edited");
+  nlohmann::json edited = plain.json;
+  edited["results"][0]["metrics"]["rel_l2"] = 0.5;
+  nlohmann::json failed = plain.json;
+  failed["verdict"] = "fail";
+  for (const auto& [name, json] : {std::pair{"results", edited}, std::pair{"verdict", failed}}) {
+    write_text(plain.dir / "report.json", json.dump(2) + "\n");
+    const Ran ran = kvaudit(std::string("verify_plain_edited_") + name,
+                            "verify-report '" + plain.dir.string() + "'");
+    INFO(name << ": " << ran.out);
+    CHECK(ran.status == 1);
+    CHECK_THAT(ran.out, Catch::StartsWith("MISMATCH: " + (plain.dir / "report.json").string() +
+                                          ": checksum mismatch"));
+    CHECK_THAT(ran.out, Catch::Contains("it states " + plain.checksum));
+  }
+}
+
+TEST_CASE("verify-report --public-key against a plain report fails: it is not signed",
+          "[cli][checksum]") {
+  const PlainReport plain = make_plain_report("plain_with_key");
+  // Without a key the checksum matches; with one, there is no signer to compare.
+  CHECK(kvaudit("verify_plain_no_key", "verify-report '" + plain.dir.string() + "'").status == 0);
+  const std::filesystem::path key = make_key("plain_glm5_key");
+  const Ran with_key =
+      kvaudit("verify_plain_with_key",
+              "verify-report '" + plain.dir.string() + "' --public-key '" + key.string() + ".pub'");
+  INFO(with_key.out);
+  CHECK((with_key.status == 1 || with_key.status == 2));
+  CHECK_THAT(with_key.out, Catch::Contains("the report is not signed"));
+  CHECK_THAT(with_key.out, !Catch::Contains("matches"));
+  CHECK(std::count(with_key.out.begin(), with_key.out.end(), '\n') == 1);
+}
+
+TEST_CASE("report.md and report.html of a plain report state its checksum, not a signature",
+          "[cli][checksum]") {
+  const PlainReport plain = make_plain_report("plain_pages");
+  CHECK(plain.checksum.size() == 64);
+  for (const char* page : {"report.md", "report.html"}) {
+    const std::string text = read_text(plain.dir / page);
+    INFO(page);
+    CHECK_THAT(text, Catch::Contains("Checksum"));
+    CHECK_THAT(text, Catch::Contains(plain.checksum));
+    CHECK_THAT(text, Catch::Contains("a checksum, not a signature"));
+    CHECK_THAT(text, Catch::Contains("anyone who edits the report can compute it again"));
+  }
+}
+
+TEST_CASE(
+    "a plain report without a checksum (an older kvaudit's) or with a malformed one is refused "
+    "in one line",
+    "[cli][checksum]") {
+  const PlainReport plain = make_plain_report("plain_without_checksum");
+  nlohmann::json old = plain.json;
+  old.erase("checksum");
+  write_text(plain.dir / "report.json", old.dump(2) + "\n");
+  const Ran ran =
+      kvaudit("verify_plain_without_checksum", "verify-report '" + plain.dir.string() + "'");
+  CHECK(ran.status == 2);
+  CHECK_THAT(ran.out, Catch::Contains("not a signed report and no checksum"));
+  CHECK(std::count(ran.out.begin(), ran.out.end(), '\n') == 1);
+  // A checksum that is not {"algorithm": "sha256", "value": HEX}: bad input, one line.
+  old["checksum"] = "sha256:" + plain.checksum;
+  write_text(plain.dir / "report.json", old.dump(2) + "\n");
+  const Ran malformed =
+      kvaudit("verify_plain_malformed_checksum", "verify-report '" + plain.dir.string() + "'");
+  CHECK(malformed.status == 2);
+  CHECK_THAT(malformed.out, Catch::Contains((plain.dir / "report.json").string() +
+                                            ": \"checksum\" is not {\"algorithm\": \"sha256\""));
+  CHECK(std::count(malformed.out.begin(), malformed.out.end(), '\n') == 1);
 }
 
 TEST_CASE(

@@ -55,3 +55,22 @@ TEST_CASE("report.md and report.html state the model's digest", "[report_model]"
   CHECK(kvaudit::render_markdown(signed_run()) == kvaudit::render_markdown(model));
   CHECK(kvaudit::render_html(signed_run()) == kvaudit::render_html(model));
 }
+
+TEST_CASE("a plain report's model holds its checksum, which report.md and report.html state",
+          "[report_model][checksum]") {
+  const kvaudit::ReportModel model =
+      kvaudit::make_report_model(kvaudit::testing::make_failing_run());
+  REQUIRE_FALSE(model.signoff.has_value());
+  REQUIRE(model.checksum.has_value());
+  const nlohmann::json j = kvaudit::to_json(model);
+  CHECK(j.at("checksum").at("value") == model.checksum->value);
+  CHECK(kvaudit::report_digest(j) == model.checksum->value);
+  for (const std::string& page : {kvaudit::render_markdown(model), kvaudit::render_html(model)}) {
+    CHECK_THAT(page, Catch::Contains(model.checksum->value));
+    CHECK_THAT(page, Catch::Contains("a checksum, not a signature"));
+  }
+  // A sign-off's checksum is its signoff block's digest; no second one at the top level.
+  const kvaudit::ReportModel signed_model = kvaudit::make_report_model(signed_run());
+  CHECK_FALSE(signed_model.checksum.has_value());
+  CHECK_FALSE(kvaudit::to_json(signed_model).contains("checksum"));
+}
