@@ -246,6 +246,16 @@ TEST_CASE(
   const Ran any_key = kvaudit("verify_glm5_any_key", "verify-report '" + dir.string() + "'");
   CHECK(any_key.status == 0);
   CHECK_THAT(any_key.out, Catch::Contains("not compared with an expected key"));
+  CHECK(any_key.out.find("not signed (not in the manifest") == std::string::npos);
+  // A file the manifest does not cover (a rendered PNG, a log) is named as not signed, so that
+  // "verifies" is not read as covering it.
+  write_text(dir / "notes.txt", "added after signing\n");
+  const Ran extra = kvaudit("verify_glm5_extra_file", "verify-report '" + dir.string() + "'");
+  CHECK(extra.status == 0);
+  CHECK_THAT(extra.out, Catch::Contains("report.json, report.md and report.html as signed"));
+  CHECK_THAT(extra.out,
+             Catch::Contains("not signed (not in the manifest, not checked): notes.txt"));
+  std::filesystem::remove(dir / "notes.txt");
 
   // Another key expected: the report was not signed by its holder.
   const std::filesystem::path other_key = make_key("signed_glm5_other_key");
