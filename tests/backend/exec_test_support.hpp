@@ -101,7 +101,8 @@ inline nlohmann::json load_json(const std::filesystem::path& path) {
 // A report.json without what names or times the backend: equal for the same backend in process
 // and behind the protocol.
 inline nlohmann::json without_backend(nlohmann::json report) {
-  for (const char* key : {"backend", "backend_description", "timing", "provenance"}) {
+  // The checksum covers the backend's name and the provenance too, so it differs with them.
+  for (const char* key : {"backend", "backend_description", "timing", "provenance", "checksum"}) {
     report.erase(key);
   }
   if (report.contains("dump")) report["dump"].erase("path");
