@@ -7,6 +7,7 @@
 //   77  every selected case was skipped (CTest's SKIP_RETURN_CODE: CTest says Skipped);
 //   else the status of the cases that ran (Catch2's: 0, or the number of failed assertions up to
 //       255; 77 failed assertions exit 78, so that a failure never reads as a skip).
+// A selection that matches no test case at all exits 2 (Catch2 2.13 would exit 0: nothing ran).
 // Listing (--list-tests, --list-test-names-only, ...) and --help are Catch2's, untouched.
 // KVAUDIT_REQUIRE=TAG[,TAG...] names prerequisites this machine must have (CI sets "torch" where it
 // installed PyTorch): a selected case needing a missing one is then a failure (exit 1, naming the
@@ -189,6 +190,14 @@ int main(int argc, char** argv) {
   const Catch::Config& config = session.config();
   const std::vector<Catch::TestCase> selected =
       Catch::filterTests(Catch::getAllTestCasesSorted(config), config.testSpec(), config);
+  if (selected.empty() && config.testSpec().hasFilters()) {
+    // Catch2 2.13 exits 0 here: a CTest entry whose name it cannot match (a ';' splits a name
+    // into two entries) would pass without running anything.
+    std::cerr << "test runner: the selection matches no test case:";
+    for (const std::string& arg : session.configData().testsOrTags) std::cerr << " '" << arg << "'";
+    std::cerr << "\n";
+    return 2;
+  }
   const SkipPlan plan = plan_skips(selected);
   for (const std::string& note : plan.notes) std::cout << note << "\n";
   if (plan.skipped.empty()) {

@@ -233,7 +233,7 @@ TEST_CASE("kvaudit check: a captured pool with NaN codes fails with --backend no
   CHECK_THAT(result.out, Catch::Contains("S000 L000") && Catch::Contains("nan_code"));
 }
 
-TEST_CASE("kvaudit check --list-diagnoses lists the catalogue; --diagnose N names the mismatch",
+TEST_CASE("kvaudit check --list-diagnoses lists the catalogue - --diagnose N names the mismatch",
           "[cli][check][diagnosis]") {
   const CommandResult listed = run_check("cli_list_diagnoses", "--list-diagnoses");
   CHECK(listed.status == 0);

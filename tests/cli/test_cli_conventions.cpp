@@ -156,7 +156,7 @@ TEST_CASE("option errors: one plain line, exit 2", "[cli]") {
                     "kvaudit: " + empty.string() + ": is empty (0 bytes), not an HDF5 file");
 }
 
-TEST_CASE("a mistyped command or option gets a suggestion; kvaudit help [COMMAND]", "[cli]") {
+TEST_CASE("a mistyped command or option gets a suggestion - kvaudit help [COMMAND]", "[cli]") {
   const Run typo = kvaudit("chek x.h5");
   check_one_line_error(typo);
   CHECK(typo.err.rfind("kvaudit: unknown command 'chek' (did you mean check?); commands: ", 0) ==
@@ -244,7 +244,7 @@ TEST_CASE("output paths are checked before any work", "[cli]") {
   CHECK(entries(dir).empty());
 }
 
-TEST_CASE("a command that fails writes nothing; one that succeeds writes every output", "[cli]") {
+TEST_CASE("a command that fails writes nothing - one that succeeds writes every output", "[cli]") {
   const fs::path dir = empty_dir("outputs");
   const std::string json = "'" + (dir / "r.json").string() + "'";
   const std::string outputs = " --json " + json + " --report '" + (dir / "report").string() +

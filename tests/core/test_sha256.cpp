@@ -27,7 +27,7 @@ TEST_CASE("sha256 of the standard short messages", "[sha256]") {
   CHECK(kvaudit::sha256_hex(kTwoBlockMessage) == kTwoBlockDigest);
 }
 
-TEST_CASE("sha256 fed in pieces equals one piece; finish starts over", "[sha256]") {
+TEST_CASE("sha256 fed in pieces equals one piece - finish starts over", "[sha256]") {
   kvaudit::Sha256 hasher;
   hasher.update(std::string_view(kTwoBlockMessage).substr(0, 7));
   hasher.update(std::string_view(kTwoBlockMessage).substr(7));
@@ -36,7 +36,7 @@ TEST_CASE("sha256 fed in pieces equals one piece; finish starts over", "[sha256]
   CHECK(kvaudit::to_hex(hasher.finish()) == kAbcDigest);
 }
 
-TEST_CASE("sha256 of a file equals that of its bytes; a missing file is bad input", "[sha256]") {
+TEST_CASE("sha256 of a file equals that of its bytes - a missing file is bad input", "[sha256]") {
   const std::filesystem::path dir = std::filesystem::temp_directory_path() / "kvaudit_test_sha256";
   std::filesystem::create_directories(dir);
   const std::filesystem::path file = dir / "abc.bin";

@@ -69,7 +69,7 @@ TEST_CASE("the writer refuses a step whose rows write one slot twice", "[kvdump]
   CHECK(status.error().where == path.string() + ":/steps/S000/new_kv_slots");
 }
 
-TEST_CASE("index datasets of 8 or 16 bits are refused; 32 and 64 bits are read", "[kvdump]") {
+TEST_CASE("index datasets of 8 or 16 bits are refused - 32 and 64 bits are read", "[kvdump]") {
   const std::int16_t narrow[] = {0, 3, 5, 5};
   const std::int64_t wide[] = {0, 3, 5, 5};
   const std::uint32_t unsigned_wide[] = {0, 3, 5, 5};

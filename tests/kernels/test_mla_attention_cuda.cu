@@ -660,7 +660,7 @@ TEST_CASE("cuda-cast-bf16 agrees with cuda-fp8", "[gpu][cuda-cast-bf16]") {
   }
 }
 
-TEST_CASE("cuda-fp8 holds no pool-sized buffer besides the pool; cuda-cast-bf16 does",
+TEST_CASE("cuda-fp8 holds no pool-sized buffer besides the pool - cuda-cast-bf16 does",
           "[gpu][cuda-fp8]") {
   KVAUDIT_REQUIRE_GPU();
   MlaCaseSpec small = model_case();

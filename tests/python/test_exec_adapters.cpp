@@ -352,7 +352,7 @@ ExecRun golden_with_torch_adapter(const std::string& name, const std::string& ar
 
 }  // namespace
 
-TEST_CASE("exec torch adapter: a golden file recorded through it matches; a fault moves it",
+TEST_CASE("exec torch adapter: a golden file recorded through it matches - a fault moves it",
           "[python][exec][golden][torch]") {
   require_options_in_help();
   const std::string dump = quoted(source_root() / "datasets" / "glm5_page1.h5");

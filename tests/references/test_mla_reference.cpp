@@ -127,7 +127,7 @@ TEST_CASE("double-double constants and exp/log agree with Boost at 50 digits", "
   }
 }
 
-TEST_CASE("reference at 50 and 100 digits agree to 1e-15; the default agrees with both",
+TEST_CASE("reference at 50 and 100 digits agree to 1e-15 - the default agrees with both",
           "[reference]") {
   for (const int page_size : {1, 4}) {
     MlaCaseSpec spec;
@@ -390,7 +390,7 @@ TEST_CASE("a request with no rows is skipped, pages or not", "[reference]") {
   for (const double v : r.out) REQUIRE(std::isfinite(v));
 }
 
-TEST_CASE("NaN codes in visible slots give NaN; elsewhere they do not leak", "[reference]") {
+TEST_CASE("NaN codes in visible slots give NaN - elsewhere they do not leak", "[reference]") {
   MlaCaseSpec spec;
   spec.requests = {{6, 1}, {3, 1}};
   spec.kind = StepKind::kDecode;

@@ -70,7 +70,7 @@ TEST_CASE("certification plan: N sites fixed by the shape, the same for a shard'
   CHECK(plan_certification(layout, {0, 3, 7}, steps, 0).empty());
 }
 
-TEST_CASE("certification: the reference agrees with 50 digits; a planted error is exit 3",
+TEST_CASE("certification: the reference agrees with 50 digits - a planted error is exit 3",
           "[certification]") {
   const TinyDump dump = make_tiny_dump(TinySpec{});
   const std::size_t s = 1;  // a prefill step: several rows, causal positions

@@ -148,6 +148,25 @@ TEST_CASE("runner: an option missing from the adapter's help text fails, it does
         std::string::npos);
 }
 
+TEST_CASE("runner: a selection that matches no test case fails, it does not pass", "[runner]") {
+  const ChildRun run = run_self("", "'no test case has this name'");
+  INFO(run.output);
+  CHECK(run.status == 2);
+  CHECK(run.output.find("the selection matches no test case: 'no test case has this name'") !=
+        std::string::npos);
+}
+
+TEST_CASE("runner: every test case name is one CTest name (no semicolon: CMake splits lists on it)",
+          "[runner]") {
+  // catch_discover_tests makes a CTest entry per name, and CMake lists split at ';': a name
+  // holding one became two entries that each selected nothing and passed.
+  for (const Catch::TestCase& test :
+       Catch::getAllTestCasesSorted(*Catch::getCurrentContext().getConfig())) {
+    INFO(test.name);
+    CHECK(test.name.find(';') == std::string::npos);
+  }
+}
+
 // ---- the spec rewriting, against Catch2's own parser -----------------------------------------
 
 std::set<std::string> selected(const std::vector<std::string>& args) {

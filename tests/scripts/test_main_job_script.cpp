@@ -103,7 +103,7 @@ std::string setup_packages(const std::string& set) {
   return "\n" + text;
 }
 
-TEST_CASE("main job: its set-up installs no browser; the tests' set-up does", "[scripts]") {
+TEST_CASE("main job: its set-up installs no browser - the tests' set-up does", "[scripts]") {
   CHECK(contains(dry_run(false), "+ bash scripts/setup.sh\n"));  // the build set, no argument
   const std::string build = setup_packages("");
   const std::string tests = setup_packages("tests");

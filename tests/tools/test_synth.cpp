@@ -276,7 +276,7 @@ TEST_CASE("synth calibrates kv_scale per layer as fp32(amax / 448) over source a
   CHECK(scales[0] != scales[1]);
 }
 
-TEST_CASE("synth --kv-scale fixes the scale; bfloat16 pools store the source bits", "[synth]") {
+TEST_CASE("synth --kv-scale fixes the scale - bfloat16 pools store the source bits", "[synth]") {
   SynthSpec spec = small_spec();
   spec.kv_scale = 0.0371f;
   const DumpReader fixed = write_and_open(spec, "fixed.h5");

@@ -108,7 +108,7 @@ TEST_CASE("first divergent (row, head): the first one past a limit on its own", 
   }
 }
 
-TEST_CASE("the first divergence: earliest step, then layer; kernel before captured",
+TEST_CASE("the first divergence: earliest step, then layer - kernel before captured",
           "[divergence]") {
   const StepMeta step = two_requests();
   const Policy policy = default_policy();

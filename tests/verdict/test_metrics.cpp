@@ -67,7 +67,8 @@ TEST_CASE("metrics locate the worst element by (row, head, dim)", "[metrics]") {
   CHECK(m.cos_diff == Approx(9.0 / 31.0).epsilon(1e-15));
 }
 
-TEST_CASE("NaN in the candidate only is a mismatch with its location; norms skip it", "[metrics]") {
+TEST_CASE("NaN in the candidate only is a mismatch with its location - norms skip it",
+          "[metrics]") {
   // [1 row, 2 heads, 2 dims]: candidate NaN at (0, 1, 0) where the reference is 2.
   const std::vector<double> a = {1, 1, 2, 1};
   const std::vector<double> b = {1, 1.5, kNan, 1};

@@ -130,7 +130,7 @@ TEST_CASE("each kernel limit on its own: just below passes, just above fails", "
   }
 }
 
-TEST_CASE("max_abs against an all-zero reference fails; a NaN metric fails", "[policy]") {
+TEST_CASE("max_abs against an all-zero reference fails - a NaN metric fails", "[policy]") {
   ComparisonMetrics m = quiet_metrics();
   m.reference_max_abs = 0.0;
   m.max_abs = 1e-30;
