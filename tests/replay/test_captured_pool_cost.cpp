@@ -19,11 +19,13 @@
 #include "src/report/report.hpp"
 #include "tests/replay/check_dumps.hpp"
 #include "tests/replay/planted_kernel.hpp"
+#include "tests/replay/replay_tiny.hpp"
 
 namespace kvaudit {
 namespace {
 
 using testing::make_tiny_dump;
+using testing::replay_tiny;
 using testing::TinyDump;
 using testing::TinySpec;
 
@@ -56,20 +58,6 @@ TinyDump server_dump(std::int64_t slot, Capture capture, std::optional<Hypothesi
     testing::plant_captured(dump, s, 0, server, planted);
   }
   return dump;
-}
-
-CheckRun replay_tiny(const TinyDump& dump, const std::string& name) {
-  ReplayOptions options;
-  options.policy = default_policy();
-  options.threads = 2;
-  const auto path = testing::test_tmp_path(name + ".h5");
-  std::string error;
-  REQUIRE(dump.write(path, &error));
-  auto reader = DumpReader::open(path);
-  if (!reader.ok()) FAIL(reader.error().message());
-  auto outcome = replay_dump(*reader, nullptr, options);
-  if (!outcome.ok()) FAIL(outcome.error().message());
-  return std::move(outcome.value());
 }
 
 const ComparisonResult* find(const CheckRun& run, int step, Comparison kind) {

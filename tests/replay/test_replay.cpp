@@ -17,11 +17,13 @@
 #include "src/core/fp8_e4m3.hpp"
 #include "src/replay/replay.hpp"
 #include "tests/replay/check_dumps.hpp"
+#include "tests/replay/replay_tiny.hpp"
 
 namespace kvaudit {
 namespace {
 
 using testing::make_tiny_dump;
+using testing::replay_tiny;
 using testing::TinyDump;
 using testing::TinySpec;
 
@@ -83,20 +85,6 @@ void plant_outputs(TinyDump& dump, std::size_t s, std::size_t l, Fault fault) {
   planted_attention(dump, s, l, fault, out, lse);
   dump.tensors[s][l].out = std::move(out);
   dump.tensors[s][l].lse = std::move(lse);
-}
-
-CheckRun replay_tiny(const TinyDump& dump, const std::string& name, Backend* backend,
-                     ReplayOptions options = {}) {
-  if (options.policy.name.empty()) options.policy = default_policy();
-  options.threads = 2;
-  const auto path = testing::test_tmp_path(name + ".h5");
-  std::string error;
-  REQUIRE(dump.write(path, &error));
-  auto reader = DumpReader::open(path);
-  if (!reader.ok()) FAIL(reader.error().message());
-  auto outcome = replay_dump(*reader, backend, options);
-  if (!outcome.ok()) FAIL(outcome.error().message());
-  return std::move(outcome.value());
 }
 
 const ComparisonResult* find_comparison(const CheckRun& run, int step, int layer_id,

@@ -24,27 +24,15 @@
 #include "src/tools/info.hpp"
 #include "tests/replay/check_dumps.hpp"
 #include "tests/replay/planted_kernel.hpp"
+#include "tests/replay/replay_tiny.hpp"
 
 namespace kvaudit {
 namespace {
 
 using testing::make_tiny_dump;
+using testing::replay_tiny;
 using testing::TinyDump;
 using testing::TinySpec;
-
-CheckRun replay_tiny(const TinyDump& dump, const std::string& name, Backend* backend) {
-  ReplayOptions options;
-  options.policy = default_policy();
-  options.threads = 2;
-  const auto path = testing::test_tmp_path(name + ".h5");
-  std::string error;
-  REQUIRE(dump.write(path, &error));
-  auto reader = DumpReader::open(path);
-  if (!reader.ok()) FAIL(reader.error().message());
-  auto outcome = replay_dump(*reader, backend, options);
-  if (!outcome.ok()) FAIL(outcome.error().message());
-  return std::move(outcome.value());
-}
 
 CheckRun replay_with_injection(const TinyDump& dump, const std::string& name,
                                const std::string& injection) {
