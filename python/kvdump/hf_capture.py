@@ -316,20 +316,37 @@ def capture(out, model="glm5", size="tiny", layers=(0,), prefix_tokens=24, exten
     for layer in layers:
         attention = build_attention(model, config, layer, seed, outlier_channels, outlier_gain,
                                     rope_gain, weights, weight_prefix)
-        per_layer[layer] = (attention, *run_module(model, config, attention, hidden, chunks))
+        results, latent, rope_rows = run_module(model, config, attention, hidden, chunks)
+        per_layer[layer] = (_ModuleWeights(attention), results, latent, rope_rows)
+        del attention  # a real-size layer is about 1.4 GB in float64
         if log:
             log(f"hf_capture: layer {layer}: module run over {total} tokens in {len(chunks)} calls")
     first = per_layer[layers[0]][0]
-    attrs = _model_attributes(config, first)
+    attrs = _model_attributes(config)
     _write_dump(out, model, config, first, layers, per_layer, chunks, attrs, transformers.__version__)
     return {"sm_scale": float(first.scaling), "layers": list(layers), "tokens": total,
             "steps": 1 + decode_steps, "side_file": module_side_file(out)}
 
 
-def _model_attributes(config, attention):
+class _ModuleWeights:
+    """What the dump and the side file need of a module once it has run: its dimensions, its
+    scaling, kv_b_proj's weight, and o_proj's weight when at most 2^24 elements."""
+
+    def __init__(self, attention):
+        self.name = type(attention).__name__
+        self.num_heads = attention.num_heads
+        self.qk_nope_head_dim = attention.qk_nope_head_dim
+        self.v_head_dim = attention.v_head_dim
+        self.scaling = float(attention.scaling)
+        self.kv_b_weight = attention.kv_b_proj.weight.detach().numpy().copy()
+        o_proj = attention.o_proj.weight
+        self.o_proj_weight = o_proj.detach().numpy().copy() if o_proj.numel() <= 1 << 24 else None
+
+
+def _model_attributes(config):
     rope = dict(config.rope_parameters or {})
-    attrs = {"qk_nope_head_dim": int(attention.qk_nope_head_dim),
-             "v_head_dim": int(attention.v_head_dim),
+    attrs = {"qk_nope_head_dim": int(config.qk_nope_head_dim),
+             "v_head_dim": int(config.v_head_dim),
              "rope_type": str(rope.get("rope_type", "default")),
              "rope_theta": float(rope.get("rope_theta", 10000.0)),
              "kv_rope_layout": "interleaved"}
@@ -349,12 +366,12 @@ def _write_dump(out, model, config, attention, layers, per_layer, chunks, attrs,
     permutation = interleave_permutation(dr)
     prefix, total = chunks[0], sum(chunks)
     name = {"glm5": "GLM-5", "deepseek-v32": "DeepSeek-V3.2"}[model]
-    producer = (f"kvdump.hf_capture transformers {version} {type(attention).__name__} float64 sdpa, "
+    producer = (f"kvdump.hf_capture transformers {version} {attention.name} float64 sdpa, "
                 f"{len(layers)} layers, {heads} heads")
     side = h5py.File(module_side_file(out) + ".tmp", "w")
     try:
         side.attrs["format"] = "kvdump-module-outputs"
-        side.attrs["module"] = type(attention).__name__
+        side.attrs["module"] = attention.name
         side.attrs["transformers"] = version
         side.attrs["sm_scale"] = float(attention.scaling)
         with KvDumpWriter(out, model=name, producer=producer, num_heads=heads, kv_lora_rank=dc,
@@ -363,7 +380,7 @@ def _write_dump(out, model, config, attention, layers, per_layer, chunks, attrs,
             absorbed = {}
             for layer in layers:
                 module, results, latent, rope_rows = per_layer[layer]
-                w = module.kv_b_proj.weight.detach().numpy().reshape(heads, dn + dv, dc)
+                w = module.kv_b_weight.reshape(heads, dn + dv, dc)
                 absorbed[layer] = w[:, :dn, :]
                 rows = np.concatenate([latent, rope_rows[:, permutation]], axis=1)
                 rows32 = rows.astype(np.float32)
@@ -375,9 +392,8 @@ def _write_dump(out, model, config, attention, layers, per_layer, chunks, attrs,
                 group = side.create_group(f"layers/L{layer:03d}")
                 group.create_dataset("w_uv", data=w[:, dn:, :])
                 group.create_dataset("w_uk", data=w[:, :dn, :])
-                o_proj = module.o_proj.weight.detach().numpy()
-                if o_proj.size <= 1 << 24:
-                    group.create_dataset("o_proj_weight", data=o_proj)
+                if module.o_proj_weight is not None:
+                    group.create_dataset("o_proj_weight", data=module.o_proj_weight)
                 per_layer[layer] = (module, results, rows32)
             start = prefix
             for index, length in enumerate(chunks[1:]):

@@ -393,6 +393,27 @@ def _grouping_options(kv_dtype, kv_lora_rank, kv_scale_kind, group_size, scale_f
             "kv_rope_dtype": rope_dtype, "kv_cache_layout": layout}
 
 
+FORMAT_ATTRIBUTES = ("format", "format_version", "format_minor_version", "model", "producer",
+                     "num_heads", "kv_lora_rank", "qk_rope_head_dim", "sm_scale", "page_size",
+                     "kv_dtype", "kv_scale_kind", "kv_scale_group_size", "kv_scale_format",
+                     "kv_rope_dtype", "kv_cache_layout")
+
+
+def _model_attributes(model_attributes):
+    """Optional root attributes describing the model's attention configuration
+    (docs/kvdump-v1.md "Optional model attributes"): numbers or strings, never a name the format
+    itself uses. Returns them as HDF5 attribute values."""
+    result = {}
+    for name, value in (model_attributes or {}).items():
+        if name in FORMAT_ATTRIBUTES:
+            _fail("/", f"model attribute {name} is a name the format uses")
+        if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
+            _fail("/", f"model attribute {name} = {value!r} is not a number or a string")
+        result[name] = value if isinstance(value, str) else (
+            np.int64(value) if isinstance(value, numbers.Integral) else np.float64(value))
+    return result
+
+
 class KvDumpWriter:
     """Writes one kvdump v1 file. Add every layer's pool first, then the steps in replay order:
 
@@ -438,6 +459,7 @@ class KvDumpWriter:
         for name, value in (("model", model), ("producer", producer)):
             if not isinstance(value, str):
                 _fail("/", f"{name} = {value!r} is not a string")
+        extra_attributes = _model_attributes(model_attributes)
         grouping = _grouping_options(kv_dtype, int(kv_lora_rank), kv_scale_kind,
                                      kv_scale_group_size, kv_scale_format, kv_rope_dtype,
                                      kv_cache_layout)
@@ -492,17 +514,8 @@ class KvDumpWriter:
         attrs["kv_scale_kind"] = kv_scale_kind
         for name, value in grouping.items():
             attrs[name] = np.int32(value) if name == "kv_scale_group_size" else value
-        # Optional root attributes describing the model's attention configuration
-        # (docs/kvdump-v1.md "Optional model attributes"): numbers or strings, never a name the
-        # format itself uses.
-        for name, value in (model_attributes or {}).items():
-            if name in attrs or name in ("format_minor_version", "kv_scale_group_size",
-                                         "kv_scale_format", "kv_rope_dtype", "kv_cache_layout"):
-                _fail("/", f"model attribute {name} is a name the format uses")
-            if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
-                _fail("/", f"model attribute {name} = {value!r} is not a number or a string")
-            attrs[name] = value if isinstance(value, str) else (
-                np.int64(value) if isinstance(value, numbers.Integral) else np.float64(value))
+        for name, value in extra_attributes.items():
+            attrs[name] = value
         # Both groups at once: a dump without steps is valid (kvaudit requires /steps to exist).
         self._file.create_group("layers")
         self._file.create_group("steps")
