@@ -172,6 +172,27 @@ class HfCaptureAgreement(unittest.TestCase):
                             extend_tokens=6, decode_steps=2, seed=3, index_topk=8)
         self.assertGreater(worst_ratio(dump, self.work), 100.0)
 
+    def test_fp8_cost_at_the_layer_output(self):
+        # kvdump.hf_compare: W_UV Rs (and o_proj of it) equals the module's outputs to float32
+        # precision; W_UV R8 differs by what e4m3 storage costs: above 2^-8 (the pool really is
+        # quantized: each stored value moves by up to 2^-4 relative) and below 2^-3 (not garbage).
+        from kvdump import hf_compare
+
+        outputs = os.path.join(self.work, "glm5_outputs.h5")
+        subprocess.run([_kvaudit(), "check", self.glm5, "--backend", "none", "--certify", "0",
+                        "--save-outputs", outputs], check=True, capture_output=True)
+        rows = hf_compare.compare(self.glm5, outputs)
+        kinds = {what for _, _, what, _ in rows}
+        self.assertEqual(kinds, {"source after W_UV", "source after o_proj", "fp8 after W_UV",
+                                 "fp8 after o_proj"})
+        for step, layer, what, errors in rows:
+            with self.subTest(step=step, layer=layer, what=what):
+                if what.startswith("source"):
+                    self.assertLess(errors["rel_l2"], 2.0**-20)
+                else:
+                    self.assertGreater(errors["rel_l2"], 2.0**-8)
+                    self.assertLess(errors["rel_l2"], 2.0**-3)
+
     def test_deepseek_v32_yarn_mscale(self):
         import h5py
 

@@ -6,7 +6,8 @@
 // kvdump.hf_capture, and requires kvaudit's exact reference on the captured source rows, mapped
 // through the module's W_UV, to equal the module's attention output within the float32-storage
 // bound, and planted copies (GLM-5 scale as 1/sqrt(192)'s ratio, the query absorbed with the
-// wrong head's W_UK, mscale^2 dropped) to miss it by more than 100 times the bound.
+// wrong head's W_UK, mscale^2 dropped) to miss it by more than 100 times the bound; and
+// kvdump.hf_compare to show FP8's cost after W_UV and o_proj between 2^-8 and 2^-3 rel_l2.
 //
 // The interpreter: $KVAUDIT_PYTHON, else build/python-venv/bin/python (scripts/setup-python.sh
 // with KVAUDIT_WITH_TORCH=1 installs torch and transformers 5.25.0). [torch]: skipped, by name,
@@ -59,6 +60,6 @@ TEST_CASE("hf capture: kvaudit's reference reproduces GLM-5's and DeepSeek-V3.2'
   REQUIRE(status != -1);
   CHECK(WIFEXITED(status));
   CHECK(WEXITSTATUS(status) == 0);
-  CHECK(log.find("Ran 5 tests") != std::string::npos);
+  CHECK(log.find("Ran 6 tests") != std::string::npos);
   CHECK(log.find("skipped") == std::string::npos);
 }
