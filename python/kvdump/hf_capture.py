@@ -32,7 +32,9 @@ and beside it, in FILE.module.h5 (`module_side_file`), what kvaudit's latent out
                                  input), and layer_output [Nq, hidden]: o_proj's output
 so that W_UV[h] @ (kvaudit's out[i, h, :]) must equal attn_output[i, h, :].
 
-q, the kv rows and kv_source are stored as float32 (the writer's float32_inputs), the pool as
+The kv rows and kv_source are stored as float32 (the writer's float32_inputs), q as bf16 (what a
+server's kernel reads; a kernel check on float32 q would charge the kernel with rounding q) or,
+with --q-dtype float32, as float32 (for the agreement with the module), the pool as
 e4m3 codes by the kvdump write rule with a per-tensor kv_scale = fp32(amax / 448) per layer, page
 size 1 (slot = position).
 
@@ -53,7 +55,7 @@ import sys
 
 import numpy as np
 
-from .codec import quantize_e4m3
+from .codec import bf16_bits_from_float32, quantize_e4m3
 from .writer import KvDumpWriter
 
 MODELS = ("glm5", "deepseek-v32")
@@ -300,8 +302,14 @@ def _topk_rows(topk, positions, width):
 
 def capture(out, model="glm5", size="tiny", layers=(0,), prefix_tokens=24, extend_tokens=8,
             decode_steps=3, seed=1, index_topk=None, rope=None, outlier_channels=8,
-            outlier_gain=16.0, rope_gain=2.0, weights=None, weight_prefix=None, log=None):
-    """Builds, runs and writes (see the module docstring). Returns a summary dict."""
+            outlier_gain=16.0, rope_gain=2.0, weights=None, weight_prefix=None, log=None,
+            q_dtype="bfloat16"):
+    """Builds, runs and writes (see the module docstring). Returns a summary dict.
+    q_dtype: "bfloat16" stores q_nope and q_pe as a server hands them to its kernel (a kernel
+    check judges the kernel on the bf16 q it must read); "float32" keeps them to 2^-24, for the
+    agreement of kvaudit's reference with the module."""
+    if q_dtype not in ("bfloat16", "float32"):
+        raise CaptureError(f"--q-dtype: '{q_dtype}' is not bfloat16 or float32")
     import transformers
 
     num_layers = max(layers) + 1
@@ -323,7 +331,8 @@ def capture(out, model="glm5", size="tiny", layers=(0,), prefix_tokens=24, exten
             log(f"hf_capture: layer {layer}: module run over {total} tokens in {len(chunks)} calls")
     first = per_layer[layers[0]][0]
     attrs = _model_attributes(config)
-    _write_dump(out, model, config, first, layers, per_layer, chunks, attrs, transformers.__version__)
+    _write_dump(out, model, config, first, layers, per_layer, chunks, attrs,
+                transformers.__version__, q_dtype)
     return {"sm_scale": float(first.scaling), "layers": list(layers), "tokens": total,
             "steps": 1 + decode_steps, "side_file": module_side_file(out)}
 
@@ -358,7 +367,12 @@ def _model_attributes(config):
     return attrs
 
 
-def _write_dump(out, model, config, attention, layers, per_layer, chunks, attrs, version):
+def _query_storage(q, q_dtype):
+    q32 = np.ascontiguousarray(q, dtype=np.float32)
+    return q32 if q_dtype == "float32" else bf16_bits_from_float32(q32)
+
+
+def _write_dump(out, model, config, attention, layers, per_layer, chunks, attrs, version, q_dtype):
     import h5py
 
     heads, dc, dr = attention.num_heads, config.kv_lora_rank, config.qk_rope_head_dim
@@ -367,7 +381,7 @@ def _write_dump(out, model, config, attention, layers, per_layer, chunks, attrs,
     prefix, total = chunks[0], sum(chunks)
     name = {"glm5": "GLM-5", "deepseek-v32": "DeepSeek-V3.2"}[model]
     producer = (f"kvdump.hf_capture transformers {version} {attention.name} float64 sdpa, "
-                f"{len(layers)} layers, {heads} heads")
+                f"{len(layers)} layers, {heads} heads, q {q_dtype}, kv rows float32")
     side = h5py.File(module_side_file(out) + ".tmp", "w")
     try:
         side.attrs["format"] = "kvdump-module-outputs"
@@ -410,7 +424,8 @@ def _write_dump(out, model, config, attention, layers, per_layer, chunks, attrs,
                     topk = None
                     if result["topk"] is not None:
                         topk = _topk_rows(result["topk"], positions, int(config.index_topk))
-                    step.add_layer(layer, q_nope.astype(np.float32), q_pe.astype(np.float32),
+                    step.add_layer(layer, _query_storage(q_nope, q_dtype),
+                                   _query_storage(q_pe, q_dtype),
                                    rows32[start:end], topk_indices=topk)
                     group = side.create_group(f"steps/S{index:03d}/L{layer:03d}")
                     group.create_dataset("attn_output", data=result["attn_output"])
@@ -462,6 +477,10 @@ def parse_args(argv):
                         help="the indexer's top-k (default: the config's; tiny 8, real 2048)")
     parser.add_argument("--rope-parameters", type=json.loads, default=None,
                         help="a JSON rope_parameters dict replacing the config's")
+    parser.add_argument("--q-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="q_nope / q_pe storage: bfloat16 as a server's kernel reads them "
+                             "(default), float32 to compare kvaudit's reference with the module "
+                             "to 2^-24")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--outlier-channels", type=int, default=8)
     parser.add_argument("--outlier-gain", type=float, default=16.0)
@@ -481,7 +500,7 @@ def main(argv=None):
                           args.extend_tokens, args.decode_steps, args.seed, args.index_topk,
                           args.rope_parameters, args.outlier_channels, args.outlier_gain,
                           args.rope_gain, args.weights, args.weight_prefix,
-                          log=lambda line: print(line, file=sys.stderr))
+                          log=lambda line: print(line, file=sys.stderr), q_dtype=args.q_dtype)
     except (CaptureError, ValueError) as error:
         print(f"hf_capture: {error}", file=sys.stderr)
         return 2

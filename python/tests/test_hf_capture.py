@@ -130,11 +130,12 @@ class HfCaptureAgreement(unittest.TestCase):
         cls.glm5 = os.path.join(cls.work, "glm5.h5")
         # index_topk 8 < the 24-token prefix: every row of every step is really sparse.
         hf_capture.capture(cls.glm5, model="glm5", size="tiny", layers=[0, 2], prefix_tokens=24,
-                           extend_tokens=6, decode_steps=2, seed=3, index_topk=8)
+                           extend_tokens=6, decode_steps=2, seed=3, index_topk=8,
+                           q_dtype="float32")
         cls.v32 = os.path.join(cls.work, "v32.h5")
         hf_capture.capture(cls.v32, model="deepseek-v32", size="tiny", layers=[1],
                            prefix_tokens=20, extend_tokens=4, decode_steps=2, seed=4,
-                           index_topk=8)
+                           index_topk=8, q_dtype="float32")
 
     @classmethod
     def tearDownClass(cls):
@@ -169,7 +170,8 @@ class HfCaptureAgreement(unittest.TestCase):
         dump = os.path.join(self.work, "glm5_absorb.h5")
         with mock.patch.object(self.hf, "absorb_query", wrong):
             self.hf.capture(dump, model="glm5", size="tiny", layers=[0], prefix_tokens=24,
-                            extend_tokens=6, decode_steps=2, seed=3, index_topk=8)
+                            extend_tokens=6, decode_steps=2, seed=3, index_topk=8,
+                            q_dtype="float32")
         self.assertGreater(worst_ratio(dump, self.work), 100.0)
 
     def test_fp8_cost_at_the_layer_output(self):
