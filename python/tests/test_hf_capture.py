@@ -195,6 +195,31 @@ class HfCaptureAgreement(unittest.TestCase):
                     self.assertGreater(errors["rel_l2"], 2.0**-8)
                     self.assertLess(errors["rel_l2"], 2.0**-3)
 
+    def test_layer_weights_from_safetensors(self):
+        # A checkpoint's layer given as safetensors files is what the module runs with.
+        import h5py
+        from safetensors.numpy import save_file
+
+        config = self.hf.model_config("glm5", "tiny", 4)
+        seeded = self.hf.build_attention("glm5", config, 3, seed=99)
+        weights = {f"model.layers.3.self_attn.{name}": value.detach().numpy().astype(np.float32)
+                   for name, value in seeded.state_dict().items()}
+        weights["model.layers.2.mlp.down_proj.weight"] = np.zeros((2, 2), dtype=np.float32)
+        path = os.path.join(self.work, "layer3.safetensors")
+        save_file(weights, path)
+        dump = os.path.join(self.work, "from_weights.h5")
+        self.hf.capture(dump, layers=[3], prefix_tokens=10, extend_tokens=2, decode_steps=1,
+                        weights=[path])
+        kv_b = weights["model.layers.3.self_attn.kv_b_proj.weight"].astype(np.float64)
+        with h5py.File(dump + ".module.h5", "r") as side:
+            np.testing.assert_array_equal(side["layers/L003/w_uv"][...],
+                                          kv_b.reshape(4, 48 + 32, 64)[:, 48:, :])
+        weights["model.layers.3.self_attn.kv_b_proj.weight_scale_inv"] = np.ones(1, np.float32)
+        save_file(weights, path)
+        with self.assertRaisesRegex(self.hf.CaptureError, "weight_scale_inv"):
+            self.hf.capture(dump, layers=[3], prefix_tokens=10, extend_tokens=2,
+                            decode_steps=1, weights=[path])
+
     def test_deepseek_v32_yarn_mscale(self):
         import h5py
 

@@ -60,6 +60,6 @@ TEST_CASE("hf capture: kvaudit's reference reproduces GLM-5's and DeepSeek-V3.2'
   REQUIRE(status != -1);
   CHECK(WIFEXITED(status));
   CHECK(WEXITSTATUS(status) == 0);
-  CHECK(log.find("Ran 6 tests") != std::string::npos);
+  CHECK(log.find("Ran 7 tests") != std::string::npos);
   CHECK(log.find("skipped") == std::string::npos);
 }
