@@ -225,10 +225,15 @@ class FlashMlaDenseFp8Adapter(PooledAdapter):
         self.extension = load_extension(path)
         self.rule = CallerRule(self.options.flashmla_caller, float(self.options.q_scale))
 
-    def library(self):
-        return {"flashmla_dense_fp8": self.options.flashmla_module, "upstream": UPSTREAM,
-                "entry_point": "fwd_kvcache_mla_fp8 + get_mla_decoding_metadata_dense_fp8",
-                "caller": self.options.flashmla_caller}
+    def describe(self):
+        """The common describe plus the kernel's provenance and the caller's rule."""
+        return {**super().describe(), "kernel": {
+            "module": self.options.flashmla_module, "upstream": UPSTREAM,
+            "entry_point": "fwd_kvcache_mla_fp8 (get_mla_decoding_metadata_dense_fp8 for the "
+                           "split-KV schedule)",
+            "caller": self.rule.describe(), "tile_tokens": TILE_TOKENS, "page_tokens": PAGE,
+            "pool": "in place" if self.model.page_size == PAGE else
+                    f"re-paged from page_size {self.model.page_size} each step"}}
 
     def check_model(self, model):
         why = dense_refusal(model)
