@@ -72,7 +72,8 @@ def dense_refusal(model):
         return ("FlashMLA's dense FP8 kernel reads an all-FP8 576-byte slot with one per-tensor "
                 "scale; this dump is per_token_group (flashmla-sparse reads those)")
     if model.kv_dtype != "float8_e4m3fn":
-        return f"FlashMLA's dense FP8 kernel reads an FP8 pool; this dump's kv_dtype is {model.kv_dtype}"
+        return (f"FlashMLA's dense FP8 kernel reads an FP8 pool; this dump's kv_dtype is "
+                f"{model.kv_dtype}")
     if (model.kv_lora_rank, model.qk_rope_head_dim) != (CKV, KPE):
         return (f"FlashMLA's dense FP8 kernel takes head_size 576 = 512 + 64 (pybind.cpp); this "
                 f"dump has {model.kv_lora_rank} + {model.qk_rope_head_dim}")
