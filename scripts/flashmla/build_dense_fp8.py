@@ -33,10 +33,16 @@ NAME = "flashmla_dense_fp8_sm90"
 sources = [os.path.join(KERNEL, name) for name in
            ("pybind.cpp", "flash_fwd_mla_fp8_sm90.cu", "flash_fwd_mla_metadata.cu")]
 include_dirs = [os.path.join(SRC, "csrc"), KERNEL, os.path.join(CUTLASS, "include")]
+# CUDA 13 keeps libcu++ (cuda/std/...) under include/cccl, which nvcc finds by itself but the host
+# compiler of pybind.cpp (it includes cutlass headers) does not.
+CCCL = os.path.join(cpp_extension.CUDA_HOME or "/usr/local/cuda", "include", "cccl")
+if os.path.isdir(CCCL):
+    include_dirs.append(CCCL)
 
 # FlashMLA's setup.py flags for this extension (C++17, NO_PYBIND11=1), sm90a only, without
-# -lineinfo and the sm100 target.
-cxx_flags = ["-O3", "-std=c++17", "-DNDEBUG", "-Wno-deprecated-declarations", "-DNO_PYBIND11=1"]
+# -lineinfo and the sm100 target; the host compiler gets C++20, which recent PyTorch headers
+# require (pybind.cpp is the only file that includes them; it comes after torch's own -std).
+cxx_flags = ["-O3", "-std=c++20", "-DNDEBUG", "-Wno-deprecated-declarations", "-DNO_PYBIND11=1"]
 nvcc_flags = [
     "-O3", "-std=c++17", "-DNDEBUG", "-D_USE_MATH_DEFINES", "-Wno-deprecated-declarations",
     "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
