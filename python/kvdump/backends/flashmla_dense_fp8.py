@@ -4,20 +4,21 @@ and used by vLLM's FLASHMLA backend and SGLang's flashmla backend with an FP8 KV
 
 The kernel (vllm-project/FlashMLA 46d64a8e, csrc/extension/sm90/dense_fp8/pybind.cpp and
 flash_fwd_mla_kernel.h; read, not trusted from the brief):
-  q        [B, s_q, H, 576] float8_e4m3fn (pybind.cpp:27 requires q in e4m3), any H (H rows of a
-           request are one m-block of 64 rows of s_q * H; pybind.cpp:62-75)
+  q        [B, s_q, H, 576] float8_e4m3fn (pybind.cpp:33 requires q in e4m3, :63 576), any H:
+           a request's s_q * H query rows are cut into m-blocks of 64 (pybind.cpp:88-92)
   kcache   [blocks, 64, 1, 576] float8_e4m3fn: the 512 latent + 64 RoPE codes of a token, all
-           FP8, no per-token scale (pybind.cpp:67 page_block_size must be 64, :121 the shape)
+           FP8, no per-token scale (pybind.cpp:70 page_block_size must be 64, :95 the shape)
   seqlens  int32 [B], block_table int32 [B, max_pages]: page ids of 64 slots each
-  descale_q, descale_k  float32 [1] each, required (pybind.cpp:71-80)
+  descale_q, descale_k  float32 [1] each, required (pybind.cpp:74-84)
   returns  out [B, s_q, H, 512] bf16 and lse [B, H, s_q] float32, natural log
 The math (flash_fwd_mla_kernel.h, softmax.h), per row of q codes qc and token codes kc:
   s      = (qc . kc) in e4m3 x e4m3 tensor cores with float32 accumulation, over 576 channels
-  scale  = sm_scale * descale_q * descale_k, folded into the softmax (kernel.h:565-573)
+  scale  = sm_scale * descale_q * descale_k, folded into the softmax (kernel.h:568-573)
   p      = exp2(s * scale * log2e - m * scale * log2e), m the running max up to this 64-token
            tile (softmax.h:112-119); the row sum takes p in float32; P is cast to e4m3 for the
-           P.V product (kernel.h:410-412: convert_type_out to Element = e4m3) against the same
-           running max: tiles of kBlockN = 64 tokens = one page (kernel.h:707)
+           P.V product (kernel.h:385, kernel.h = flash_fwd_mla_kernel.h: convert_type_out to
+           Element = e4m3) against the same running max: tiles of kBlockN = 64 tokens = one
+           page (kernel.h:707)
   o      = sum(P_e4m3 . V codes) * descale_k / sum(p) (softmax.h:190-196, descale_v = descale_k)
   lse    = m * scale + log(sum(p)) (softmax.h:193), natural log; +inf for a row without tokens
   split-KV: get_mla_decoding_metadata_dense_fp8 cuts the batch's 64-token blocks over
