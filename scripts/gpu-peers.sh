@@ -21,6 +21,10 @@ mkdir -p "$out" "$logs"
 summary="$out/summary.txt"
 : >"$summary"
 say() { echo "$*" | tee -a "$summary"; }
+# The logs go out even when the call's time limit ends the script (TERM) half-way.
+pack_logs() { cp "$summary" "$logs/" 2>/dev/null; tar -C "$work" -czf "$out/peers-logs.tar.gz" logs; }
+trap pack_logs EXIT
+trap 'say "stopped by a signal"; exit 143' TERM INT
 elapsed() { echo "$(( $(date +%s) - start ))s"; }
 start=$(date +%s)
 command -v nvcc >/dev/null || export PATH="/usr/local/cuda/bin:$PATH"
@@ -34,7 +38,7 @@ say "   $(python3 -c 'import torch; print("torch", torch.__version__, "cuda", to
 say "== [$(elapsed)] FlashMLA dense FP8: build"
 tar -xzf .gpu/flashmla-dense-fp8.tar.gz -C "$work"
 export FLASHMLA_BUILD_DIR="$work/flashmla-build"
-FLASHMLA_DENSE_SRC="$work/flashmla-dense-fp8" bash scripts/flashmla/build_dense_fp8.sh \
+FLASHMLA_DENSE_SRC="$work/flashmla-dense-fp8" timeout 420 bash scripts/flashmla/build_dense_fp8.sh \
   >"$logs/flashmla-build.log" 2>&1
 so="$FLASHMLA_BUILD_DIR/flashmla_dense_fp8_sm90.so"
 if [ -f "$so" ]; then
@@ -93,5 +97,3 @@ for dump in "${dumps[@]}"; do
 done
 cp "$FLASHMLA_BUILD_DIR.log" "$logs/" 2>/dev/null || true
 say "== [$(elapsed)] done; logs: $out/peers-logs.tar.gz"
-cp "$summary" "$logs/"
-tar -C "$work" -czf "$out/peers-logs.tar.gz" logs
