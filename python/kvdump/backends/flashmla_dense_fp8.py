@@ -63,8 +63,10 @@ SLOT_BYTES = CKV + KPE
 E4M3_MAX = np.float32(448.0)
 TORCH_E4M3_NAN_FROM = np.float32(480.0)  # PyTorch's float -> e4m3fn cast gives NaN at |x| >= 480
 CALLERS = ("vllm", "sglang")
-UPSTREAM = ("vllm-project/FlashMLA 46d64a8ebef03fa50b4ae74937276a5c940e3f95, "
-            "csrc/extension/sm90/dense_fp8 (FlashMLA PR 54)")
+UPSTREAM_REPOSITORY = "vllm-project/FlashMLA"
+UPSTREAM_COMMIT = "46d64a8ebef03fa50b4ae74937276a5c940e3f95"
+UPSTREAM = (f"{UPSTREAM_REPOSITORY} {UPSTREAM_COMMIT}, csrc/extension/sm90/dense_fp8 "
+            f"(FlashMLA PR 54)")
 
 
 def dense_refusal(model):
@@ -229,7 +231,10 @@ class FlashMlaDenseFp8Adapter(PooledAdapter):
 
     def describe(self):
         """The common describe plus the kernel's provenance and the caller's rule."""
-        return {**super().describe(), "kernel": {
+        tiles = {"block_m_rows": 64, "block_n_tokens": TILE_TOKENS, "page_tokens": PAGE,
+                 "p_rounding": f"e4m3 per {TILE_TOKENS}-token tile against the running max"}
+        return {**super().describe(), "tiles": tiles, "kernel": {
+            "package": UPSTREAM_REPOSITORY, "upstream_commit": UPSTREAM_COMMIT,
             "module": self.options.flashmla_module, "upstream": UPSTREAM,
             "entry_point": "fwd_kvcache_mla_fp8 (get_mla_decoding_metadata_dense_fp8 for the "
                            "split-KV schedule)",
