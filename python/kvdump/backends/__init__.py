@@ -9,6 +9,7 @@ missing one is an `unsupported` error reply naming it):
   flashinfer-fp8        flashinfer_fp8.py        FlashInfer's paged MLA on the FP8 pool, in place
   flashinfer-cast-bf16  flashinfer_cast_bf16.py  SGLang's old path: the whole pool cast to bf16
   flashmla-sparse       flashmla_sparse.py       FlashMLA's sparse FP8 decode (kvdump v1.1 dumps)
+  flashmla-dense-fp8    flashmla_dense_fp8.py    FlashMLA's dense FP8 decode (PR 54; vLLM, SGLang)
 The rest: protocol.py (message loop, array files, errors), pooled_adapter.py (what adapters share),
 writes.py (servers' write rules), faults.py (planted faults), paged_layout.py (which slots a row
 reads), pools.py (the pool on the host or the GPU), bench.py (timing), environment.py (describe).
@@ -29,6 +30,9 @@ ADAPTERS = {
     "flashmla-sparse": ("flashmla_sparse", "FlashMlaSparseAdapter",
                         "FlashMLA's sparse FP8 decode (DSA) on the 656-byte per-token-group pool, "
                         "in place (SM90, 64 or 128 heads)"),
+    "flashmla-dense-fp8": ("flashmla_dense_fp8", "FlashMlaDenseFp8Adapter",
+                           "FlashMLA's dense FP8 decode (fwd_kvcache_mla_fp8, PR 54) on the "
+                           "576-byte FP8 pool, q quantized as vLLM or SGLang does (SM90)"),
 }
 
 
