@@ -4,8 +4,9 @@ peer file's loading, the refusals, the per-row batch (triton_layout.py) and the 
 Model served: per-tensor FP8 pool uint8 [slots, 576] (512 latent + 64 RoPE e4m3 codes, one
 kv_scale), page size P from the dump, H query heads sharing one latent KV head. Each step's rows
 become Nq batch entries (triton_layout.py); out [Nq, H, 512] bf16 and lse [Nq, H] come back.
-A Triton kernel runs on a CUDA GPU, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1,
---device cpu), which is how it is tried without a GPU.
+A Triton kernel runs on a CUDA GPU (SM89 or newer). Under Triton's interpreter (TRITON_INTERPRET=1,
+--device cpu) both kernels run end to end, but Triton 3.6.0's interpreter computes tl.dot on bf16
+operands wrongly, so their outputs there are not the kernels' (docs/peer-kernels.md).
 """
 
 import os
