@@ -327,8 +327,8 @@ def check_lines(runs):
 
 
 def bench_lines(bench):
-    lines = ["| kernel | batch × context, heads, page | peer µs | cuda-fp8 µs | peer / cuda-fp8 | "
-             "peer % copy | cuda-fp8 % copy | copy GB/s | note |",
+    lines = ["| kernel | batch × context, heads, page | peer µs | cuda-fp8 µs | "
+             "peer / cuda-fp8 | peer % copy | cuda-fp8 % copy | copy GB/s | note |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in bench:
         shape = f"{row['batch']} × {row['context']}, {row['heads']}, {row['page_size']}"

@@ -10,11 +10,11 @@ missing one is an `unsupported` error reply naming it):
   flashinfer-cast-bf16  flashinfer_cast_bf16.py  SGLang's old path: the whole pool cast to bf16
   flashmla-sparse       flashmla_sparse.py       FlashMLA's sparse FP8 decode (kvdump v1.1 dumps)
   vllm-triton-mla       vllm_triton_mla.py       vLLM's Triton MLA decode (file from the wheel)
-  sglang-triton-mla     sglang_triton_mla.py     SGLang's Triton decode, MLA path (file from the wheel)
+  sglang-triton-mla     sglang_triton_mla.py     SGLang's Triton decode, MLA path (wheel's file)
 The rest: protocol.py (message loop, array files, errors), pooled_adapter.py (what adapters share),
 triton_mla.py and triton_layout.py (what the two Triton adapters share; their argument mapping),
-peer_kernels.py (loading a peer's kernel file), writes.py (servers' write rules), faults.py (planted faults), paged_layout.py (which slots a row
-reads), pools.py (the pool on the host or the GPU), bench.py (timing), environment.py (describe).
+peer_kernels.py (loading a peer's kernel file), writes.py (servers' write rules), faults.py
+(planted faults), paged_layout.py (which slots a row reads), pools.py (the pool on the host or the GPU), bench.py (timing), environment.py (describe).
 """
 
 import importlib

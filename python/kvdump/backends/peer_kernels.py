@@ -71,7 +71,8 @@ def kernel_file(peer, explicit):
     if explicit:
         candidates = [explicit]
     else:
-        roots = [os.environ.get("KVAUDIT_PEER_KERNELS") or "", os.path.join("build", "peer-kernels")]
+        roots = [os.environ.get("KVAUDIT_PEER_KERNELS") or "",
+                 os.path.join("build", "peer-kernels")]
         candidates = [os.path.join(r, peer.folder, peer.file_name) for r in roots if r]
     for path in candidates:
         if os.path.isfile(path):
