@@ -14,7 +14,8 @@ missing one is an `unsupported` error reply naming it):
 The rest: protocol.py (message loop, array files, errors), pooled_adapter.py (what adapters share),
 triton_mla.py and triton_layout.py (what the two Triton adapters share; their argument mapping),
 peer_kernels.py (loading a peer's kernel file), writes.py (servers' write rules), faults.py
-(planted faults), paged_layout.py (which slots a row reads), pools.py (the pool on the host or the GPU), bench.py (timing), environment.py (describe).
+(planted faults), paged_layout.py (which slots a row reads), pools.py (the pool on the host or
+the GPU), bench.py (timing), environment.py (describe).
 """
 
 import importlib
