@@ -347,7 +347,9 @@ def render_markdown(table):
     out = ["# FP8 MLA kernels on the H200: kvaudit check and bench per kernel and dump", "",
            f"Produced by `{table['command']}` on {table['date']} "
            f"({table.get('kvaudit_version', 'kvaudit')}); exec adapters write with "
-           f"`--write {table['write']}`.", "", "## Versions", "", "| | |", "| --- | --- |"]
+           f"`--write {table['write']}`. Regenerate on the GPU machine with "
+           "`bash scripts/gpu-kernels.sh OUTDIR` (docs/peer-kernels.md: what to carry).", "",
+           "## Versions", "", "| | |", "| --- | --- |"]
     for key, value in sorted((table.get("versions") or {}).items()):
         out.append(f"| {fi_table.cell(key)} | {fi_table.cell(value)} |")
     for key, value in sorted((table.get("pythonpath") or {}).items()):
