@@ -10,7 +10,7 @@
 # and run, from the checkout's root:
 #   bash scripts/gpu-kernels.sh "$OUT"
 # Env: KVAUDIT (default build-gpu/kvaudit), KERNELS_DEADLINE (seconds after which no new run
-# starts, default 300: with runs of at most 120 s, the whole call stays under 7 minutes), KERNELS_JOBS (default 6),
+# starts, default 270: with runs of at most 120 s the table ends within 400 s, the whole call under 7 minutes), KERNELS_JOBS (default 6),
 # KERNELS_ARGS (more arguments for kernels_table.py, e.g. "--kernels cuda-fp8 vllm-triton-mla").
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -39,9 +39,9 @@ install .whl-fi07 /tmp/site-fi07 flashinfer-0.7
 
 
 # shellcheck disable=SC2086 # KERNELS_ARGS is a list of words
-timeout 420 python3 scripts/kernels_table.py --kvaudit "$kvaudit" --python python3 \
+timeout 400 python3 scripts/kernels_table.py --kvaudit "$kvaudit" --python python3 \
   "${pythonpath[@]}" --work "$work/runs" --out "$work/kernels-h200" \
-  --jobs "${KERNELS_JOBS:-6}" --timeout 120 --deadline "${KERNELS_DEADLINE:-300}" \
+  --jobs "${KERNELS_JOBS:-6}" --timeout 120 --deadline "${KERNELS_DEADLINE:-270}" \
   ${KERNELS_ARGS:-}
 echo "kernels_table.py exit $? after $(( $(date +%s) - started )) s"
 cp "$work/kernels-h200.md" "$work/kernels-h200.json" "$out"/ 2>/dev/null
