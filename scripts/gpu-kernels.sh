@@ -11,7 +11,8 @@
 #   bash scripts/gpu-kernels.sh "$OUT"
 # Env: KVAUDIT (default build-gpu/kvaudit), KERNELS_DEADLINE (seconds after which no new run
 # starts, default 270: with runs of at most 120 s the table ends within 400 s, the whole call
-# under 7 minutes), KERNELS_JOBS (default 6), KERNELS_ARGS (more arguments for kernels_table.py, e.g. "--kernels cuda-fp8 vllm-triton-mla").
+# under 7 minutes), KERNELS_JOBS (default 6), KERNELS_ARGS (more arguments for
+# kernels_table.py, e.g. "--kernels cuda-fp8 vllm-triton-mla").
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${1:?usage: gpu-kernels.sh OUTDIR}
