@@ -56,6 +56,17 @@ def add_common_options(parser, adapter):
                                  "sparse_decode_fwd (default: the installed flash_mla package)")
     if adapter == "flashmla-dense-fp8":
         add_flashmla_dense_options(parser)
+    if adapter.endswith("triton-mla"):
+        parser.add_argument("--kernel-file", default=None, metavar="FILE.py",
+                            help="the peer's kernel file (default: $KVAUDIT_PEER_KERNELS or "
+                                 "build/peer-kernels, PACKAGE-VERSION/FILE, as "
+                                 "scripts/fetch-peer-kernels.sh puts it)")
+        parser.add_argument("--num-kv-splits", type=positive_int, default=0, metavar="N",
+                            help="KV splits of every entry (default: the server's own policy)")
+    if adapter == "vllm-triton-mla":
+        parser.add_argument("--lse-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                            help="the lse buffer's dtype: bfloat16 as vLLM's TritonMLAImpl "
+                                 "allocates it (q.dtype, default), or float32")
     if adapter == "flashinfer-cast-bf16":
         parser.add_argument("--cast-scale", choices=("none", "fold"), default="none",
                             help="none: the cast ignores kv_scale, as SGLang's did (default); "
@@ -76,6 +87,11 @@ def add_flashmla_dense_options(parser):
                         help="causal: run a prefill step through the kernel's causal multi-row "
                              "path, requests grouped by rows (default); refuse: answer it "
                              "unsupported")
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
 
 
 def reply_stream():
