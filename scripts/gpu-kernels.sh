@@ -6,7 +6,10 @@
 #   build-gpu/kvaudit        the portable CUDA build (docs/gpu.md)
 #   build/peer-kernels       vLLM's and SGLang's kernel files (scripts/fetch-peer-kernels.sh)
 #   .whl                     FlashInfer 0.6.18 and its three dependencies (docs/gpu.md)
-#   .whl-fi07                optional: FlashInfer 0.7.4's wheels (else its rows say "not run")
+#   .whl-fi07                optional: FlashInfer 0.7.4's wheels (else its rows say "not run"),
+#                            or .gpu/flashinfer-0.7.4.tar.gz (scripts/flashinfer/pack_074.sh)
+#   .gpu/flashmla-dense-fp8.tar.gz  optional: FlashMLA dense FP8's sources
+#                            (scripts/flashmla/pack_dense_fp8.sh), built here first
 # and run, from the checkout's root:
 #   bash scripts/gpu-kernels.sh "$OUT"
 # Env: KVAUDIT (default build-gpu/kvaudit), KERNELS_DEADLINE (seconds after which no new run
@@ -36,12 +39,33 @@ install() {  # install <wheel folder> <target> <key>
   fi
 }
 install .whl /tmp/site-fi06 flashinfer-0.6
-install .whl-fi07 /tmp/site-fi07 flashinfer-0.7
+if [[ -f .gpu/flashinfer-0.7.4.tar.gz ]]; then  # the trimmed tree scripts/flashinfer/pack_074.sh packs
+  mkdir -p /tmp/fi074 && tar -xzf .gpu/flashinfer-0.7.4.tar.gz -C /tmp/fi074 &&
+    pythonpath+=(--pythonpath flashinfer-0.7=/tmp/fi074/site) &&
+    export FLASHINFER_WORKSPACE_BASE=$work/flashinfer-workspace &&
+    echo "unpacked FlashInfer 0.7.4 (trimmed) into /tmp/fi074/site"
+else
+  install .whl-fi07 /tmp/site-fi07 flashinfer-0.7
+fi
+adapter_args=()
+if [[ -f .gpu/flashmla-dense-fp8.tar.gz ]]; then  # scripts/flashmla/pack_dense_fp8.sh
+  tar -xzf .gpu/flashmla-dense-fp8.tar.gz -C "$work"
+  export FLASHMLA_BUILD_DIR=$work/flashmla-build
+  FLASHMLA_DENSE_SRC=$work/flashmla-dense-fp8 MAX_JOBS=$(nproc) timeout 300 \
+    bash scripts/flashmla/build_dense_fp8.sh > "$work/flashmla-build.log" 2>&1
+  so=$FLASHMLA_BUILD_DIR/flashmla_dense_fp8_sm90.so
+  if [[ -f $so ]]; then
+    adapter_args+=(--adapter-args "flashmla-dense-fp8=--flashmla-module $so")
+    echo "built FlashMLA dense FP8 after $(( $(date +%s) - started )) s"
+  else
+    echo "FlashMLA dense FP8 build failed: $(grep -m3 -E 'error|Error' "$work/flashmla-build.log" | cut -c1-300)"
+  fi
+fi
 
 
 # shellcheck disable=SC2086 # KERNELS_ARGS is a list of words
 timeout 400 python3 scripts/kernels_table.py --kvaudit "$kvaudit" --python python3 \
-  "${pythonpath[@]}" --work "$work/runs" --out "$work/kernels-h200" \
+  "${pythonpath[@]}" "${adapter_args[@]}" --work "$work/runs" --out "$work/kernels-h200" \
   --jobs "${KERNELS_JOBS:-6}" --timeout 120 --deadline "${KERNELS_DEADLINE:-270}" \
   ${KERNELS_ARGS:-}
 echo "kernels_table.py exit $? after $(( $(date +%s) - started )) s"
