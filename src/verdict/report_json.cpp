@@ -113,15 +113,20 @@ nlohmann::json error_json(const ErrorSummary& error) {
 }
 
 nlohmann::json outcome_json(const HypothesisOutcome& outcome) {
-  return {{"hypothesis", outcome.hypothesis},      {"transform", outcome.transform},
-          {"after", error_json(outcome.after)},    {"explains", outcome.explains},
-          {"excess", json_number(outcome.excess)}, {"reasons", outcome.reasons}};
+  return {{"hypothesis", outcome.hypothesis},         {"transform", outcome.transform},
+          {"after", error_json(outcome.after)},       {"explains", outcome.explains},
+          {"excess", json_number(outcome.excess)},    {"reasons", outcome.reasons},
+          {"fraction", json_number(outcome.fraction)}};
 }
 
 nlohmann::json diagnosis_json(const DiagnosisFinding& finding) {
   nlohmann::json explained_by = nlohmann::json::array();
   for (const HypothesisOutcome& outcome : finding.explained_by) {
     explained_by.push_back(outcome_json(outcome));
+  }
+  nlohmann::json hypotheses = nlohmann::json::array();
+  for (const HypothesisOutcome& outcome : finding.hypotheses) {
+    hypotheses.push_back(outcome_json(outcome));
   }
   return {{"step", finding.step},
           {"layer", finding.layer_id},
@@ -134,6 +139,7 @@ nlohmann::json diagnosis_json(const DiagnosisFinding& finding) {
           {"closest", finding.closest ? outcome_json(*finding.closest) : nlohmann::json(nullptr)},
           {"hypotheses_tried", finding.tried},
           {"not_applicable", finding.not_applicable},
+          {"hypotheses", std::move(hypotheses)},
           {"summary", diagnosis_summary(finding)}};
 }
 
@@ -558,6 +564,7 @@ HypothesisOutcome read_outcome(JsonObjectReader reader) {
   outcome.explains = reader.boolean("explains");
   outcome.excess = reader.number("excess");
   outcome.reasons = reader.texts("reasons");
+  outcome.fraction = reader.number("fraction");
   reader.finish();
   return outcome;
 }
@@ -575,6 +582,7 @@ DiagnosisFinding read_diagnosis(JsonObjectReader reader) {
   if (!reader.raw("closest").is_null()) finding.closest = read_outcome(reader.object("closest"));
   finding.tried = reader.int32("hypotheses_tried");
   finding.not_applicable = reader.texts("not_applicable");
+  finding.hypotheses = read_array<HypothesisOutcome>(reader, "hypotheses", read_outcome);
   reader.finish();
   return finding;
 }
