@@ -10,6 +10,7 @@
 
 #include <array>
 #include <cstdint>
+#include <limits>
 
 #include "src/core/ed25519.hpp"
 #include "src/verdict/check_result.hpp"
@@ -564,7 +565,9 @@ HypothesisOutcome read_outcome(JsonObjectReader reader) {
   outcome.explains = reader.boolean("explains");
   outcome.excess = reader.number("excess");
   outcome.reasons = reader.texts("reasons");
-  outcome.fraction = reader.number("fraction");
+  // Absent in reports from before the fraction rule (issue 29): unknown, not 0.
+  outcome.fraction =
+      reader.has("fraction") ? reader.number("fraction") : std::numeric_limits<double>::quiet_NaN();
   reader.finish();
   return outcome;
 }
@@ -582,7 +585,9 @@ DiagnosisFinding read_diagnosis(JsonObjectReader reader) {
   if (!reader.raw("closest").is_null()) finding.closest = read_outcome(reader.object("closest"));
   finding.tried = reader.int32("hypotheses_tried");
   finding.not_applicable = reader.texts("not_applicable");
-  finding.hypotheses = read_array<HypothesisOutcome>(reader, "hypotheses", read_outcome);
+  if (reader.has("hypotheses")) {  // absent in reports from before issue 29
+    finding.hypotheses = read_array<HypothesisOutcome>(reader, "hypotheses", read_outcome);
+  }
   reader.finish();
   return finding;
 }
