@@ -136,6 +136,7 @@ struct CheckOptions {
   bool list_injections = false;
   bool list_diagnoses = false;
   int diagnose = kDefaultDiagnoseLimit;
+  std::string diagnose_tiles;  // --diagnose-tile "64", "64x4,128x2"
   int certify = kDefaultCertificationSamples;
 };
 
@@ -145,6 +146,41 @@ int print_injections() {
     fmt::print("{:<21} {}  [caught by: {}]\n", info.name, info.description, info.caught_by);
   }
   return kExitPass;
+}
+
+// --diagnose-tile: comma-separated TILE or TILExSPLITS, each a positive count.
+Result<std::vector<TileShape>> parse_tile_shapes(const std::string& text) {
+  std::vector<TileShape> shapes;
+  std::size_t start = 0;
+  while (start <= text.size()) {
+    const std::size_t comma = std::min(text.find(',', start), text.size());
+    const std::string item = text.substr(start, comma - start);
+    const std::size_t x = item.find('x');
+    TileShape shape;
+    std::size_t used_tile = 0;
+    std::size_t used_splits = 0;
+    try {
+      const std::string tile_text = item.substr(0, x);
+      shape.tile = std::stoi(tile_text, &used_tile);
+      if (used_tile != tile_text.size()) shape.tile = 0;
+      if (x != std::string::npos) {
+        const std::string splits_text = item.substr(x + 1);
+        shape.splits = std::stoi(splits_text, &used_splits);
+        if (used_splits != splits_text.size()) shape.splits = 0;
+      }
+    } catch (const std::exception&) {
+      shape.tile = 0;
+    }
+    if (shape.tile <= 0 || shape.tile > 65536 || shape.splits <= 0 || shape.splits > 65536) {
+      return bad_input("--diagnose-tile",
+                       fmt::format("'{}' is not TILE or TILExSPLITS with positive counts up to "
+                                   "65536 (e.g. 64 or 64x4)",
+                                   item));
+    }
+    shapes.push_back(shape);
+    start = comma + 1;
+  }
+  return shapes;
 }
 
 // --list-diagnoses: the catalogue of convention mismatches, one line each with what it models.
@@ -242,6 +278,9 @@ Result<ReplayOptions> replay_options(const CheckOptions& options, const DumpLayo
   KVAUDIT_TRY(check_reference_device(replay.reference));
   replay.reciprocal_scale = options.selection.reciprocal_scale;
   replay.diagnose = options.diagnose;
+  if (!options.diagnose_tiles.empty()) {
+    KVAUDIT_ASSIGN_OR_RETURN(replay.diagnose_tiles, parse_tile_shapes(options.diagnose_tiles));
+  }
   replay.certify = options.certify;
   replay.progress = options.progress || isatty(STDERR_FILENO) != 0;
   return replay;
@@ -464,11 +503,18 @@ void add_output_options(CLI::App& cmd, CheckOptions& options) {
   add_integer_option(
       cmd, "--diagnose", options.diagnose, 0, 1000000,
       "When a kernel or captured comparison fails, try the catalogue of convention "
-      "mismatches (lse base, kv_scale forms, softmax scale, FP8 variant, P rounding; "
-      "--list-diagnoses) on the pool its candidate read and name the ones that bring "
-      "the error to a clean kernel's level; at most N failing (step, layer)s, the "
-      "earliest first (0: off)")
+      "mismatches (lse base and storage, kv_scale forms, softmax scale, FP8 variant, q, K/V "
+      "and P roundings; --list-diagnoses), alone and then in pairs and triples, on the pool its "
+      "candidate read, and name the one whose replay lands closest to the candidate: within "
+      "the policy's explain_fraction (1/4) of the candidate's distance from the reference and "
+      "within the comparison's limits; at most N failing (step, layer)s, the earliest first "
+      "(0: off)")
       ->capture_default_str();
+  cmd.add_option("--diagnose-tile", options.diagnose_tiles,
+                 "The KV tile (and split count) p-e4m3-tile replays: TILE or TILExSPLITS, "
+                 "comma-separated (64, 64x4,128x2), as the kernel under test cuts a row's tokens "
+                 "(splits of ceil(len / SPLITS) rounded up to a multiple of TILE). Default: "
+                 "tiles 16, 32, 64 and 128 with one split each, the finding says which fits");
   cmd.add_flag("--list-diagnoses", options.list_diagnoses,
                "List the diagnosis catalogue, one line each with what it models");
   add_integer_option(

@@ -1,30 +1,44 @@
 // Diagnosis of convention mismatches (docs/design.md "Diagnosis"): when a kernel or captured
-// comparison fails for a (step, layer), try a catalogue of known mismatches and say which, if any,
-// explains the data, i.e. brings the error down to a clean kernel's level.
+// comparison fails for a (step, layer), try a catalogue of known implementation choices, alone and
+// in combinations, and say which, if any, explains the data: its replay lands close to the
+// candidate's own output, closer than any other.
 //
 // Each hypothesis is a variation of the R8 computation (or, for an output convention, of how the
 // candidate's outputs are read), recomputed for the failing (step, layer) on the same pool the
 // candidate read. Per query row i, head h, over its visible tokens t, with (c_t, r_t) the pool row
-// decoded under the hypothesis (latent part [Dc], rope part [Dr], unscaled):
-//   s_t = sm' * (a * q_nope[i,h,:] . c_t + b * q_pe[i,h,:] . r_t)
-//   m = max_t s_t,  w_t = exp(s_t - m),  l = sum_t w_t,  p_t = w_t (or e4m3(w_t): p-e4m3)
-//   out[i,h] = a * sum_t p_t c_t / l  [Dc],   lse[i,h] = m + ln l
-// where a (latent multiplier), b (rope multiplier) and sm' come from kv_scale and sm_scale by the
-// hypothesis's rules; R8 itself is a = b = kv_scale, sm' = sm_scale, e4m3 decoding, p = w.
+// decoded under the hypothesis (latent part [Dc], rope part [Dr], unscaled or with kv_scale folded
+// in by the read), q' = rq(q) the query as the hypothesis rounds it:
+//   s_t = sm' * qs * (a * q'_nope[i,h,:] . c_t + b * q'_pe[i,h,:] . r_t)
+//   m = max_t s_t,  w_t = exp(s_t - m),  p_t = rp(w_t),  l = sum_t w_t (or p_t: Normaliser)
+//   out[i,h] = v * sum_t p_t c_t / l  [Dc],   lse[i,h] = m + ln l
+// where a (latent multiplier), b (rope multiplier), v (value multiplier), sm' and qs (q's scale)
+// come from kv_scale, sm_scale and amax|q| by the hypothesis's rules, rq is none, e4m3 (optionally
+// of q / qs) or TF32, and rp none, e4m3 or TF32. p-e4m3-tile replaces the single max by the
+// running max of each KV tile within each split (TileShape): p_t = e4m3(exp(s_t - m_j)), the
+// split's sums rescaled by exp(m_{j-1} - m_j), the splits merged exactly by their lse. R8 itself
+// is a = b = v = kv_scale, sm' = sm_scale, qs = 1, e4m3 decoding, no rounding of q or p.
 // Shapes: q_nope [Nq, H, Dc], q_pe [Nq, H, Dr], pool [S, Dc + Dr], out [Nq, H, Dc], lse [Nq, H].
 // The variants are evaluated in plain double (~1e-16 relative, far below the clean-kernel level
-// they are judged at, 2^-8); the exact reference (references/mla_reference.hpp) stays the one
-// every verdict is made against. A hypothesis that changes nothing here (kv_scale already a power
-// of two for a rounding, 1 for "not applied", a bf16 pool for an FP8 variant) is not applicable.
+// they are judged at, 2^-8); the roundings a hypothesis models (e4m3, bf16, fp16, TF32, one fp32
+// product) are applied exactly where it says. The exact reference (references/mla_reference.hpp)
+// stays the one every verdict is made against. A hypothesis that changes nothing here (kv_scale
+// already a power of two for a rounding, 1 for "not applied", a bf16 pool for an FP8 variant, a
+// tile that holds every row) is not applicable.
 //
-// Whether a hypothesis explains the failure is the verdict's call (judge_hypothesis,
+// Whether a hypothesis explains the failure is the verdict's rule (judge_hypothesis,
 // src/verdict/policy.hpp): the candidate against the hypothesis's reference passes the failing
-// comparison's limits. Every hypothesis that explains is reported; two or more are
-// indistinguishable on this data (and the same computation when they resolve to the same
-// numbers, e.g. kv_scale rounded down and to the nearest power of two); none: the closest is named.
+// comparison's limits, and the replay lands within the policy's explain_fraction of the
+// candidate's distance from the reference; diagnose() then keeps the closest (those within
+// kHypothesisTieRatio of it are indistinguishable on this data, and the same computation when
+// they resolve to the same numbers); none: the closest is named. The search: every single; then
+// pairs of each of the kPairAnchors singles that help most with every other single; then the
+// closest pair with every other single (triples); only singles that change disjoint parts of the
+// computation combine (transform_parts), and a combination competes only when it is closer than
+// each of its parts by kHypothesisTieRatio.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <set>
 #include <span>
@@ -55,6 +69,17 @@ enum class Hypothesis : std::uint8_t {
   kReadAsBf16,
   kProbabilitiesE4m3,
   kDequantBf16,
+  kQueryE4m3,
+  kQueryE4m3Scaled,
+  kDequantFp32Bf16,
+  kProbabilitiesE4m3Tile,
+  kLseBf16,
+  kKeyScaleInSmScale,
+  kValueScaleOnOutput,
+  kTf32,
+  kScaleFp16,
+  kValueDescaleMissing,
+  kWriteUnitScale,
 };
 
 // How a hypothesis derives a KV multiplier from kv_scale s (all in fp32, as a kernel would).
@@ -65,11 +90,18 @@ enum class ScaleRule : std::uint8_t {
                  // s already is a power of two (the scale-mismatch injection)
   kE8m0,         // 2^ceil(log2 s): __nv_cvt_float_to_e8m0(s, ..., cudaRoundPosInf)
   kBf16,         // bf16(s), nearest even
+  kFp16,         // fp16(s), nearest even (subnormal below 2^-14, quantum 2^-24)
   kReciprocal,   // fp32(1 / s)
   kSquared,      // fp32(s * s)
   kOne,          // 1: not applied
 };
-enum class SmScaleRule : std::uint8_t { kAsIs, kOne, kTimesLog2e };
+// kTimesKvScaleFp32: fp32(sm_scale * s), the key scale folded into the softmax scale
+// (k-scale-in-sm-scale: the scores then read unscaled codes).
+enum class SmScaleRule : std::uint8_t { kAsIs, kOne, kTimesLog2e, kTimesKvScaleFp32 };
+// What multiplies P.V (the value scale): the latent multiplier a (R8), 1 (v-descale-missing; a
+// read that folds kv_scale into the rows), or kv_scale itself applied to P.V on the codes
+// (v-scale-on-output; with k-scale-in-sm-scale the scores read unscaled codes).
+enum class ValueScale : std::uint8_t { kAsLatent, kOne, kKvScale };
 // How the pool's bytes are decoded (an FP8 pool; a bf16 pool is always read as stored).
 enum class PoolRead : std::uint8_t {
   kAsStored,   // e4m3fn codes (or bf16 values)
@@ -77,12 +109,55 @@ enum class PoolRead : std::uint8_t {
   kBf16Bytes,  // the byte buffer addressed as a [S, D] bf16 array, as the fp8-read-as-bf16
                // injection reads it (src/backend/mla_attention_cpu.cpp): element j of slot t is the
                // little-endian bf16 at bytes 2 (t D + j), 2 (t D + j) + 1; 0 past the buffer
-  kDequantBf16,  // each element dequantized in bf16 arithmetic: bf16(e4m3(code) * bf16(s)), the
-                 // scale s = kv_scale folded into the row (multipliers a = b = 1); FlashInfer's
-                 // FP8 MLA kernels (0.6.x) repack FP8 tiles to bf16 this way (__hmul2)
+  kDequantBf16,      // each element dequantized in bf16 arithmetic: bf16(e4m3(code) * bf16(s)), the
+                     // scale s = kv_scale folded into the row (multipliers a = b = 1); FlashInfer's
+                     // FP8 MLA kernels (0.6.x) repack FP8 tiles to bf16 this way (__hmul2)
+  kDequantFp32Bf16,  // dequantized in fp32, fp32(e4m3(code) * s), then rounded to bf16 (nearest
+                     // even) for bf16 MMAs; s folded into the row (a = b = 1)
+  kDequantTf32,      // dequantized in fp32, fp32(e4m3(code) * s), then rounded to TF32 (tf32_round:
+                     // 10 explicit mantissa bits, ties away from zero) for TF32 MMAs; s folded in
+  kRequantizedUnitScale,  // the slot's unquantized row x (kv_source, or the new_kv row a step
+                          // wrote) re-quantized with scale 1 by the write rule, e4m3_satfinite(x),
+                          // decoded unscaled (the read applies a = b = s): write-unit-scale
 };
-enum class WeightRounding : std::uint8_t { kNone, kE4m3 };  // p_t before P.V
-enum class LseBase : std::uint8_t { kNatural, kTwo };       // how the candidate's lse is read
+// How q (q_nope and q_pe) enters the scores.
+enum class QueryRounding : std::uint8_t {
+  kNone,
+  kE4m3,        // e4m3_satfinite(q), no scale (|q| > 448 -> +-448)
+  kE4m3Scaled,  // e4m3_satfinite(fp32(q / q_scale)), scores times q_scale (QueryScaleDomain)
+  kTf32,        // tf32_round(q)
+};
+// Over what q_scale = fp32(amax |q| / 448) of kE4m3Scaled takes its amax. One domain is modelled:
+// the step's whole q tensor (every row and head, q_nope and q_pe together), FlashMLA dense FP8's
+// descale_q as vLLM computes it; a per-head or per-row domain would be a new enumerator.
+enum class QueryScaleDomain : std::uint8_t { kStepTensor };
+// p_t before P.V.
+enum class WeightRounding : std::uint8_t {
+  kNone,
+  kE4m3,      // e4m3_satfinite(exp(s_t - m)), m the row's max
+  kE4m3Tile,  // e4m3_satfinite(exp(s_t - m_j)), m_j the running max after KV tile j of a split
+              // (TileShape; a split-KV flash kernel)
+  kTf32,      // tf32_round(exp(s_t - m)): fp32 P into a TF32 MMA
+};
+// What the normaliser l sums: the unrounded weights w_t (SGLang's and vLLM's Triton decode:
+// `acc += tl.dot(p.to(v.dtype), v); e_sum = e_sum * re_scale + tl.sum(p, 1)`, p unrounded), or
+// the rounded p_t. The catalogue models the unrounded sum.
+enum class Normaliser : std::uint8_t { kUnrounded, kRounded };
+// How the candidate's lse is read (kTwo) or stored (kBf16: the reference's lse is rounded to bf16,
+// nearest even, before the comparison).
+enum class LseBase : std::uint8_t { kNatural, kTwo, kBf16 };
+
+// A split-KV kernel's tiling of a row's visible tokens: n tokens cut into `splits` contiguous
+// splits of ceil(ceil(n / splits) / tile) * tile tokens (the last one shorter; a split that
+// starts past n is empty), each split cut into tiles of `tile` tokens from its start. splits 1:
+// one split, tiles only.
+struct TileShape {
+  int tile = 0;  // tokens per KV tile; 0: untiled
+  int splits = 1;
+  bool operator==(const TileShape&) const = default;
+};
+// The tile sizes tried for p-e4m3-tile when none is given (--diagnose-tile): one split each.
+inline constexpr int kDefaultDiagnoseTiles[] = {16, 32, 64, 128};
 
 // A hypothesis's transform, as values: what it changes in the R8 computation and in how the
 // candidate's outputs are read.
@@ -93,7 +168,27 @@ struct Transform {
   PoolRead read = PoolRead::kAsStored;
   WeightRounding weights = WeightRounding::kNone;
   LseBase candidate_lse = LseBase::kNatural;
+  ValueScale value_scale = ValueScale::kAsLatent;  // v: multiplies P.V (out)
+  QueryRounding query = QueryRounding::kNone;
+  QueryScaleDomain query_scale_domain = QueryScaleDomain::kStepTensor;
+  Normaliser normaliser = Normaliser::kUnrounded;
 };
+
+// The parts of the computation a transform changes. Two hypotheses combine only when they change
+// disjoint parts (two q roundings, two P roundings, two scale conventions, two lse readings do
+// not combine); a read that folds kv_scale into the rows changes the scale too.
+enum TransformPart : unsigned {
+  kPartScale = 1u << 0,    // a, b, v, kv_scale folded into sm_scale or into the rows
+  kPartSmScale = 1u << 1,  // sm_scale missing or times log2 e
+  kPartRead = 1u << 2,     // how the pool's bytes become K/V values
+  kPartQuery = 1u << 3,
+  kPartWeights = 1u << 4,
+  kPartLse = 1u << 5,
+};
+unsigned transform_parts(const Transform& transform);
+// Whether two transforms change disjoint parts (transform_parts), and their union.
+bool combinable(const Transform& a, const Transform& b);
+Transform combine(const Transform& a, const Transform& b);
 
 struct HypothesisInfo {
   Hypothesis id;
@@ -112,9 +207,14 @@ const char* hypothesis_name(Hypothesis hypothesis);
 struct ResolvedVariant {
   double latent_scale = 1.0;  // a
   double rope_scale = 1.0;    // b
+  double value_scale = 1.0;   // v: out = v * sum_t p_t c_t / l
   double sm_scale = 0.0;      // sm'
   PoolRead read = PoolRead::kAsStored;
+  QueryRounding query = QueryRounding::kNone;
+  double query_scale = 1.0;  // q_scale of kE4m3Scaled (1 otherwise)
   WeightRounding weights = WeightRounding::kNone;
+  TileShape tiles;  // of kE4m3Tile ({0, 1} otherwise)
+  Normaliser normaliser = Normaliser::kUnrounded;
   LseBase candidate_lse = LseBase::kNatural;
   bool operator==(const ResolvedVariant&) const = default;
   // The same attention (the candidate's lse may still be read differently).
@@ -122,7 +222,22 @@ struct ResolvedVariant {
 };
 
 double apply_scale_rule(ScaleRule rule, float kv_scale);
-ResolvedVariant resolve(const Transform& transform, float kv_scale, double sm_scale);
+// `query_amax`: max |q| over the QueryScaleDomain (kE4m3Scaled only); `tiles`: kE4m3Tile only.
+ResolvedVariant resolve(const Transform& transform, float kv_scale, double sm_scale,
+                        float query_amax = 0.0f, TileShape tiles = {});
+// fp32 -> TF32 as cvt.rna.tf32.f32 (PTX ISA, "cvt": .rna, round to nearest, ties away from zero;
+// Ampere+ SASS adds 0x1000 to the fp32 bits and keeps the top 19, enp1s0's "tf32-rna" note): 10
+// explicit mantissa bits, fp32's exponent range; Inf and NaN pass through.
+float tf32_round(float x);
+// fp32 -> IEEE binary16, nearest even, back to fp32 (no library: C++20 has no std::float16_t).
+float fp16_round(float x);
+// The [begin, end) token ranges of row length n under `tiles`, in order: splits, then tiles.
+struct TokenRange {
+  std::int64_t begin = 0;
+  std::int64_t end = 0;
+  bool split_start = false;  // the first tile of a split
+};
+std::vector<TokenRange> tile_ranges(std::int64_t n, TileShape tiles);
 // What `variant` changes against R8's own variant (`identity`), for reports:
 // "kv_scale 0.0029 read as 0.001953125".
 std::string describe_variant(const ResolvedVariant& variant, const ResolvedVariant& identity);
@@ -131,9 +246,13 @@ std::string describe_variant(const ResolvedVariant& variant, const ResolvedVaria
 // and bf16 value is a float).
 class DecodedRows {
  public:
-  // `kv_scale` is used by kDequantBf16 only (the other reads are unscaled).
+  // `kv_scale` is used by the reads that fold it into the rows (kDequantBf16, kDequantFp32Bf16,
+  // kDequantTf32; the other reads are unscaled). `source_row` (kRequantizedUnitScale only): the
+  // slot's unquantized row, nullptr where unknown (then that slot is not decoded).
+  using SourceRowFn = std::function<const float*(std::int64_t slot)>;
   static DecodedRows decode(const KvPool& pool, PoolRead read,
-                            std::span<const std::int64_t> visible, float kv_scale = 1.0f);
+                            std::span<const std::int64_t> visible, float kv_scale = 1.0f,
+                            const SourceRowFn& source_row = {});
   // nullptr for a slot that was not decoded.
   const float* row(std::int64_t slot) const;
   int row_width() const { return row_width_; }
@@ -165,7 +284,18 @@ struct DiagnosisInput {
   OutputView candidate;
   const Policy& policy;
   int threads = 0;
+  // The unquantized row of a slot (kv_source, or the new_kv row the step wrote), nullptr where the
+  // dump has none: write-unit-scale is applicable only when every visible slot has one.
+  DecodedRows::SourceRowFn source_row = {};
+  // p-e4m3-tile's tile shapes: from the candidate's description or --diagnose-tile; empty: the
+  // kDefaultDiagnoseTiles with one split each.
+  std::vector<TileShape> tiles = {};
 };
+
+// The search's cap (docs/design.md "Diagnosis"): pairs of each of the kPairAnchors singles that
+// help most with every other single, then triples of the closest pair with every other single:
+// at most (kPairAnchors + 1) x (singles) combinations, each one replay of the step.
+inline constexpr int kPairAnchors = 2;
 
 Result<DiagnosisFinding> diagnose(const DiagnosisInput& input);
 

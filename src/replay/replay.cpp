@@ -113,6 +113,15 @@ class SourceRows {
   bool covers(const std::vector<std::int64_t>& visible) const {
     return count_unknown(visible) == 0;
   }
+  // The slot's row, nullptr where unknown.
+  const float* row(std::int64_t slot) const {
+    if (slot < 0 || slot >= static_cast<std::int64_t>(known_.size()) || known_[slot] == 0) {
+      return nullptr;
+    }
+    if (!dense_.empty()) return dense_.data() + slot * width_;
+    const auto found = sparse_.find(slot);
+    return found == sparse_.end() ? nullptr : found->second.data();
+  }
 
   // Rs for the step (the step must be covered). Sparse rows are gathered into the pages the step
   // uses, renumbered 0..P'-1 in a copy of the step, so memory follows the step.
@@ -687,7 +696,9 @@ Status LayerReplay::diagnose_failure(const StepInput& step, const ComparisonResu
                              operands.reference,
                              operands.candidate,
                              context_.options.policy,
-                             context_.options.threads};
+                             context_.options.threads,
+                             [this](std::int64_t slot) { return source_.row(slot); },
+                             context_.options.diagnose_tiles};
   KVAUDIT_ASSIGN_OR_RETURN(DiagnosisFinding finding, diagnose(input));
   context_.diagnosis.add(static_cast<int>(step.index), order_, std::move(finding));
   context_.run.diagnosis_seconds += seconds_since(start);

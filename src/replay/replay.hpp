@@ -88,6 +88,8 @@ struct ReplayOptions {
   bool reciprocal_scale = false;
   // At most this many failing (step, layer)s are diagnosed (the earliest); 0: no diagnosis.
   int diagnose = kDefaultDiagnoseLimit;
+  // p-e4m3-tile's tile shapes (--diagnose-tile); empty: kDefaultDiagnoseTiles, one split each.
+  std::vector<TileShape> diagnose_tiles;
   // Sites where the reference is certified against 50 digits (src/replay/certification.hpp); 0:
   // none. Drawn from `certification_layer_ids` (empty: the replayed layers), so that the shards
   // of one check certify the sites the whole check would.

@@ -62,9 +62,12 @@ std::string cell(const std::string& text) {
 const char* const kDiagnosisIntroduction =
     "Each failing kernel or captured comparison (at most --diagnose N steps and layers, the "
     "earliest) was recomputed under every hypothesis of the catalogue of convention mismatches "
-    "(kvaudit check --list-diagnoses), on the pool its candidate read. A hypothesis explains the "
-    "failure when the candidate passes the comparison's limits against it; errors are quoted "
-    "before -> after (after: the first hypothesis that explains, else the closest).";
+    "(kvaudit check --list-diagnoses), alone and in combinations, on the pool its candidate read. "
+    "A hypothesis explains the failure when the candidate passes the comparison's limits against "
+    "it, its replay lands within the policy's explain_fraction of the candidate's distance from "
+    "the reference, and it is the closest tried; errors are quoted before -> after (after: the "
+    "first hypothesis that explains, else the closest); report.json lists every hypothesis tried "
+    "with its distances.";
 
 std::vector<DiagnosisRow> diagnosis_rows(const CheckRun& run) {
   std::vector<DiagnosisRow> rows;

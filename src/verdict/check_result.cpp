@@ -301,7 +301,9 @@ std::string outcome_text(const HypothesisOutcome& outcome) {
 }
 
 std::string closest_text(const HypothesisOutcome& closest) {
-  return fmt::format("closest: {}, {:.3g}x its limits", outcome_text(closest), closest.excess);
+  return fmt::format(
+      "closest: {}, its replay {:.3g} of the candidate's distance, {:.3g}x its limits",
+      outcome_text(closest), closest.fraction, closest.excess);
 }
 
 }  // namespace

@@ -178,7 +178,10 @@ struct HypothesisOutcome {
   ErrorSummary after;
   bool explains = false;             // judge_hypothesis (src/verdict/policy.hpp)
   std::vector<std::string> reasons;  // why it does not explain (limits still exceeded)
-  double excess = 0.0;  // after's largest metric / limit ratio (<= 1 explains; inf: NaN/Inf)
+  double excess = 0.0;  // after's largest metric / limit ratio (<= 1 passes; inf: NaN/Inf)
+  // after / before over the metrics the fraction rule compares (judge_hypothesis): <=
+  // explain_fraction to explain; +inf with a NaN/Inf mismatch.
+  double fraction = 0.0;
 };
 
 // The diagnosis of one failing kernel, captured or captured_read comparison: every hypothesis
@@ -197,6 +200,10 @@ struct DiagnosisFinding {
   std::optional<HypothesisOutcome> closest;
   int tried = 0;                            // hypotheses tried (applicable here)
   std::vector<std::string> not_applicable;  // would change nothing here (e.g. kv_scale = 1)
+  // Every hypothesis and combination tried, in the order tried (singles in catalogue order, then
+  // pairs, then triples; a combination is named "a + b"): each with its two distances (after's
+  // rel_l2 and lse_max_abs) and its fraction, so a reader can check the rule.
+  std::vector<HypothesisOutcome> hypotheses;
 };
 // One line: "explained by NAME (TRANSFORM)", "explained by A, B (indistinguishable on this data:
 // ...)", or "no hypothesis in the catalogue explains this failure (N tried; closest NAME ...)".

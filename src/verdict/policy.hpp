@@ -73,6 +73,10 @@ struct Policy {
   ComparisonLimits total;
   bool quantization_sets_exit = false;  // true under --signoff or when a policy file asks
   std::string rel_floor_derivation;
+  // Diagnosis (judge_hypothesis): a hypothesis's replay must land within this fraction of the
+  // candidate's distance from the reference, in (0, 1].
+  double explain_fraction = 0.25;
+  std::string explain_fraction_derivation;
 };
 
 const ComparisonLimits& limits_for(const Policy& policy, Comparison comparison);
@@ -104,19 +108,37 @@ Result<Policy> policy_from_json(const nlohmann::json& object, const std::string&
 
 Judgement judge(const Policy& policy, Comparison comparison, const ComparisonMetrics& metrics);
 
-// Whether a hypothesis of the diagnosis (src/replay/diagnosis.hpp) explains a failing comparison:
-// `before` (the candidate against the comparison's reference) fails `comparison`'s limits and
-// `after` (the candidate against the reference recomputed under the hypothesis, on the same pool)
-// has no NaN/Inf mismatch and passes them, the lse limit widened in proportion to the hypothesis's
-// lse magnitude past 2^7 (max |lse| of its reference; policy.cpp's header derives it). `reasons`
-// say why it does not explain; `excess` how far `after` is past those limits: the largest
-// metric / limit ratio (<= 1 passes; +inf with a NaN/Inf mismatch, a NaN metric or a limit of 0
-// exceeded), which ranks the hypotheses when none explains.
+// Whether a hypothesis of the diagnosis (src/replay/diagnosis.hpp) can explain a failing
+// comparison: `before` (the candidate against the comparison's reference) fails `comparison`'s
+// limits, and `after` (the candidate against the reference recomputed under the hypothesis, on
+// the same pool)
+//  (1) has no NaN/Inf mismatch and passes those limits, the lse limit widened in proportion to the
+//      hypothesis's lse magnitude past 2^7 (max |lse| of its reference; policy.cpp's header), and
+//  (2) lands within policy.explain_fraction of the candidate's distance from the reference:
+//      fraction = max over the compared metrics of after / before <= explain_fraction, the
+//      compared metrics being out rel_l2 and lse_max_abs where `before` fails them (where it
+//      fails neither: max_abs_over_ref_max).
+// Whether it explains is then the diagnosis's call: it must also be the closest of the
+// hypotheses tried (smallest fraction; those within kHypothesisTieRatio of it are
+// indistinguishable). `reasons` say why it cannot explain; `excess` how far `after` is past the
+// limits: the largest metric / limit ratio (<= 1 passes; +inf with a NaN/Inf mismatch, a NaN
+// metric or a limit of 0 exceeded).
 struct HypothesisJudgement {
-  bool explains = false;
+  bool explains = false;  // passes_limits && within_fraction
+  bool passes_limits = false;
+  bool within_fraction = false;
+  double fraction = 0.0;  // after / before, the largest over the compared metrics; +inf: NaN/Inf
+  // The smallest after / before over the compared metrics: how much closer the hypothesis brings
+  // the one metric it helps most (a partial explanation, for the search's combinations).
+  double closest_metric_ratio = 0.0;
   std::vector<std::string> reasons;
   double excess = 0.0;
 };
+// Two hypotheses whose fractions are within this factor of each other cannot be told apart: the
+// distance from a bf16-rounded candidate carries that kernel's own rounding (rel_l2 ~2^-9,
+// policy.cpp's header), whose spread over a step's rows is of that order. A combination counts
+// only when it is closer than each of its parts by this factor.
+inline constexpr double kHypothesisTieRatio = 1.25;
 HypothesisJudgement judge_hypothesis(const Policy& policy, Comparison comparison,
                                      const ComparisonMetrics& before,
                                      const ComparisonMetrics& after, double lse_magnitude);

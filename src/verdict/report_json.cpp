@@ -10,6 +10,7 @@
 
 #include <array>
 #include <cstdint>
+#include <limits>
 
 #include "src/core/ed25519.hpp"
 #include "src/verdict/check_result.hpp"
@@ -113,15 +114,20 @@ nlohmann::json error_json(const ErrorSummary& error) {
 }
 
 nlohmann::json outcome_json(const HypothesisOutcome& outcome) {
-  return {{"hypothesis", outcome.hypothesis},      {"transform", outcome.transform},
-          {"after", error_json(outcome.after)},    {"explains", outcome.explains},
-          {"excess", json_number(outcome.excess)}, {"reasons", outcome.reasons}};
+  return {{"hypothesis", outcome.hypothesis},         {"transform", outcome.transform},
+          {"after", error_json(outcome.after)},       {"explains", outcome.explains},
+          {"excess", json_number(outcome.excess)},    {"reasons", outcome.reasons},
+          {"fraction", json_number(outcome.fraction)}};
 }
 
 nlohmann::json diagnosis_json(const DiagnosisFinding& finding) {
   nlohmann::json explained_by = nlohmann::json::array();
   for (const HypothesisOutcome& outcome : finding.explained_by) {
     explained_by.push_back(outcome_json(outcome));
+  }
+  nlohmann::json hypotheses = nlohmann::json::array();
+  for (const HypothesisOutcome& outcome : finding.hypotheses) {
+    hypotheses.push_back(outcome_json(outcome));
   }
   return {{"step", finding.step},
           {"layer", finding.layer_id},
@@ -134,6 +140,7 @@ nlohmann::json diagnosis_json(const DiagnosisFinding& finding) {
           {"closest", finding.closest ? outcome_json(*finding.closest) : nlohmann::json(nullptr)},
           {"hypotheses_tried", finding.tried},
           {"not_applicable", finding.not_applicable},
+          {"hypotheses", std::move(hypotheses)},
           {"summary", diagnosis_summary(finding)}};
 }
 
@@ -558,6 +565,9 @@ HypothesisOutcome read_outcome(JsonObjectReader reader) {
   outcome.explains = reader.boolean("explains");
   outcome.excess = reader.number("excess");
   outcome.reasons = reader.texts("reasons");
+  // Absent in reports from before the fraction rule (issue 29): unknown, not 0.
+  outcome.fraction =
+      reader.has("fraction") ? reader.number("fraction") : std::numeric_limits<double>::quiet_NaN();
   reader.finish();
   return outcome;
 }
@@ -575,6 +585,9 @@ DiagnosisFinding read_diagnosis(JsonObjectReader reader) {
   if (!reader.raw("closest").is_null()) finding.closest = read_outcome(reader.object("closest"));
   finding.tried = reader.int32("hypotheses_tried");
   finding.not_applicable = reader.texts("not_applicable");
+  if (reader.has("hypotheses")) {  // absent in reports from before issue 29
+    finding.hypotheses = read_array<HypothesisOutcome>(reader, "hypotheses", read_outcome);
+  }
   reader.finish();
   return finding;
 }

@@ -7,7 +7,11 @@
 //   k_t = decode(pool row), s_t = fp32(q . (a c_t, b r_t)) * sm * log2 e   (base 2, as cpu-fp8)
 //   m = max_t s_t, w_t = exp2(s_t - m), l = sum_t w_t, p_t = bf16(w_t)
 //   out = bf16(a * sum_t p_t c_t / l),  lse = (m + log2 l) * ln 2
-// with a = b = kv_scale, sm = sm_scale, e4m3 decoding. Each mismatch changes one ingredient.
+// with a = b = kv_scale, sm = sm_scale, e4m3 decoding. Each mismatch changes one ingredient; a
+// PlantedChoices may commit several at once (those that change different ingredients). The
+// tiled one (p-e4m3-tile) runs the flash loop: per split of ceil(ceil(n / S) / T) * T tokens, per
+// tile of T tokens, m_j = max(m_{j-1}, max of tile j), p = e4m3(exp2(s - m_j)), acc and l rescaled
+// by exp2(m_{j-1} - m_j), l summing the unrounded weights; the splits merged by their lse.
 // Shapes: q_nope [Nq, H, Dc], q_pe [Nq, H, Dr], pool [S, Dc + Dr], out [Nq, H, Dc], lse [Nq, H].
 #pragma once
 
@@ -28,6 +32,39 @@
 
 namespace kvaudit::testing {
 
+// What a planted kernel commits: none (the clean model), one mismatch, or several; the tile and
+// split of p-e4m3-tile.
+struct PlantedChoices {
+  std::vector<Hypothesis> mismatches;
+  int tile = 64;
+  int splits = 1;
+  PlantedChoices() = default;
+  PlantedChoices(std::nullopt_t) {}              // NOLINT: the clean model, as std::nullopt
+  PlantedChoices(std::optional<Hypothesis> h) {  // NOLINT: one mismatch, as before
+    if (h) mismatches.push_back(*h);
+  }
+  PlantedChoices(Hypothesis h) : mismatches{h} {}  // NOLINT
+  PlantedChoices(std::vector<Hypothesis> all, int tile_tokens, int split_count)
+      : mismatches(std::move(all)), tile(tile_tokens), splits(split_count) {}
+  bool has(Hypothesis h) const {
+    return std::find(mismatches.begin(), mismatches.end(), h) != mismatches.end();
+  }
+  std::string label() const {
+    std::string text;
+    for (const Hypothesis h : mismatches)
+      text += (text.empty() ? "" : " + ") + std::string(hypothesis_name(h));
+    return text.empty() ? "none (the clean model)" : text;
+  }
+};
+
+// fp32 -> TF32 from its definition: 11 significant bits, round half away from zero (std::round).
+inline float planted_tf32(float x) {
+  if (!std::isfinite(x) || x == 0.0f) return x;
+  int exponent = 0;
+  const double mantissa = std::frexp(static_cast<double>(x), &exponent);  // [0.5, 1)
+  return static_cast<float>(std::ldexp(std::round(std::ldexp(mantissa, 11)), exponent - 11));
+}
+
 // The multiplier a planted kernel reads a pool with, from each mismatch's definition.
 inline float planted_scale(std::optional<Hypothesis> planted, float s) {
   if (!planted) return s;
@@ -42,12 +79,16 @@ inline float planted_scale(std::optional<Hypothesis> planted, float s) {
       return std::exp2(std::ceil(std::log2(s)));
     case Hypothesis::kScaleBf16:
       return bf16_round(s);
+    case Hypothesis::kScaleFp16:
+      return static_cast<float>(static_cast<_Float16>(s));  // GCC's binary16: nearest even
     case Hypothesis::kScaleReciprocal:
       return 1.0f / s;
     case Hypothesis::kScaleSquared:
       return s * s;
     case Hypothesis::kScaleNotApplied:
     case Hypothesis::kDequantBf16:  // the scale is applied per element (planted_element)
+    case Hypothesis::kDequantFp32Bf16:
+    case Hypothesis::kTf32:
       return 1.0f;
     default:
       return s;
@@ -78,6 +119,10 @@ inline float planted_element(std::optional<Hypothesis> planted, const KvPool& po
     const float scale = bf16_round(kv_scale);
     return bf16_round(e4m3_decode(pool.row(slot)[j]) * scale);
   }
+  if (planted == Hypothesis::kDequantFp32Bf16) {
+    return bf16_round(e4m3_decode(pool.row(slot)[j]) * kv_scale);
+  }
+  if (planted == Hypothesis::kTf32) return planted_tf32(e4m3_decode(pool.row(slot)[j]) * kv_scale);
   if (planted == Hypothesis::kReadAsE5m2) return half_high_byte_value(pool.row(slot)[j]);
   if (planted == Hypothesis::kReadAsBf16) {
     // The fp8 buffer addressed as a bf16 [S, D] array (2 bytes per element, little endian).
@@ -93,22 +138,111 @@ struct PlantedOutput {
   std::vector<float> lse;  // [Nq, H]
 };
 
-// Attention of step `step` on `pool` (after the step's writes) as a kernel that commits `planted`
-// (nullopt: the clean model).
+// The ingredient-changing mismatch of `choices` that planted_scale / planted_element know, if any.
+inline std::optional<Hypothesis> scale_or_read_mismatch(const PlantedChoices& choices) {
+  for (const Hypothesis h : choices.mismatches) {
+    switch (h) {
+      case Hypothesis::kQueryE4m3:
+      case Hypothesis::kQueryE4m3Scaled:
+      case Hypothesis::kProbabilitiesE4m3:
+      case Hypothesis::kProbabilitiesE4m3Tile:
+      case Hypothesis::kLseBf16:
+      case Hypothesis::kLseBase2:
+      case Hypothesis::kKeyScaleInSmScale:
+      case Hypothesis::kValueScaleOnOutput:
+      case Hypothesis::kValueDescaleMissing:
+      case Hypothesis::kSmScaleMissing:
+      case Hypothesis::kSmScaleLog2e:
+        continue;
+      default:
+        return h;
+    }
+  }
+  return std::nullopt;
+}
+
+// q as the planted QK MMA reads it.
+inline float planted_query(const PlantedChoices& c, float q, float q_scale) {
+  if (c.has(Hypothesis::kQueryE4m3)) return e4m3_decode(e4m3_encode(q));
+  if (c.has(Hypothesis::kQueryE4m3Scaled)) return e4m3_decode(e4m3_encode(q / q_scale));
+  if (c.has(Hypothesis::kTf32)) return planted_tf32(q);
+  return q;
+}
+
+// The flash loop of p-e4m3-tile (header) over scores [0, n): acc (zeroed by the caller) and l
+// after the split merge; returns the row's max m.
+inline float planted_tiled(const PlantedChoices& c, const std::vector<float>& scores,
+                           const std::vector<std::vector<float>>& latent, std::int64_t n,
+                           std::vector<float>& acc, float& l) {
+  const std::int64_t tile = c.tile;
+  const std::int64_t per_split = (n + c.splits - 1) / c.splits;
+  const std::int64_t split_len = (per_split + tile - 1) / tile * tile;
+  const std::size_t dc = acc.size();
+  float total_m = -std::numeric_limits<float>::infinity();
+  l = 0.0f;
+  for (std::int64_t start = 0; start < n; start += split_len) {
+    const std::int64_t end = std::min(start + split_len, n);
+    float m = -std::numeric_limits<float>::infinity();
+    float split_l = 0.0f;
+    std::vector<float> split_acc(dc, 0.0f);
+    for (std::int64_t t0 = start; t0 < end; t0 += tile) {
+      const std::int64_t t1 = std::min(t0 + tile, end);
+      float m_new = m;
+      for (std::int64_t p = t0; p < t1; ++p) m_new = std::max(m_new, scores[p]);
+      const float r = std::exp2(m - m_new);  // 0 for the first tile (m = -inf)
+      split_l *= r;
+      for (float& x : split_acc) x *= r;
+      for (std::int64_t p = t0; p < t1; ++p) {
+        const float w = std::exp2(scores[p] - m_new);
+        split_l += w;
+        const float rounded = e4m3_decode(e4m3_encode(w));
+        for (std::size_t d = 0; d < dc; ++d) split_acc[d] += rounded * latent[p][d];
+      }
+      m = m_new;
+    }
+    const float merged = std::max(total_m, m);
+    const float old_factor = std::exp2(total_m - merged);
+    const float factor = std::exp2(m - merged);
+    for (std::size_t d = 0; d < dc; ++d) acc[d] = acc[d] * old_factor + split_acc[d] * factor;
+    l = l * old_factor + split_l * factor;
+    total_m = merged;
+  }
+  return total_m;
+}
+
+// Attention of step `step` on `pool` (after the step's writes) as a kernel that commits `choices`
+// (none: the clean model).
 inline PlantedOutput planted_attention(const DumpAttributes& attrs, const StepMeta& step,
                                        const StepLayerTensors& t, float kv_scale,
-                                       const KvPool& pool, std::optional<Hypothesis> planted) {
+                                       const KvPool& pool, const PlantedChoices& choices) {
   constexpr double kLog2e = 1.4426950408889634;
   constexpr double kLn2 = 0.6931471805599453;
   const int heads = attrs.num_heads;
   const int dc = attrs.kv_lora_rank;
   const int dr = attrs.qk_rope_head_dim;
-  const float a = planted_scale(planted, kv_scale);
+  const std::optional<Hypothesis> planted = scale_or_read_mismatch(choices);
+  const bool scale_in_sm = choices.has(Hypothesis::kKeyScaleInSmScale);
+  const float a = scale_in_sm ? 1.0f : planted_scale(planted, kv_scale);
   const float b = planted == Hypothesis::kScaleLatentOnly ? 1.0f : a;
+  // What multiplies P.V: a, or kv_scale on the codes (k-scale-in-sm-scale), or 1 (V unscaled).
+  float out_scale = scale_in_sm ? kv_scale : a;
+  if (choices.has(Hypothesis::kValueDescaleMissing)) out_scale = 1.0f;
   double sm = attrs.sm_scale;
-  if (planted == Hypothesis::kSmScaleMissing) sm = 1.0;
-  if (planted == Hypothesis::kSmScaleLog2e) sm *= kLog2e;
-  const float score_scale = static_cast<float>(sm * kLog2e);
+  if (choices.has(Hypothesis::kSmScaleMissing)) sm = 1.0;
+  if (choices.has(Hypothesis::kSmScaleLog2e)) sm *= kLog2e;
+  float score_scale = static_cast<float>(sm * kLog2e);
+  if (scale_in_sm) {
+    score_scale =
+        static_cast<float>(static_cast<float>(sm) * kv_scale) * static_cast<float>(kLog2e);
+  }
+  float q_scale = 1.0f;
+  if (choices.has(Hypothesis::kQueryE4m3Scaled)) {
+    float amax = 0.0f;
+    for (const float q : t.q_nope) amax = std::max(amax, std::abs(q));
+    for (const float q : t.q_pe) amax = std::max(amax, std::abs(q));
+    q_scale = amax / 448.0f;
+    score_scale *= q_scale;
+  }
   const int nq = step.num_rows();
   PlantedOutput result;
   result.out.assign(static_cast<std::size_t>(nq) * heads * dc, 0.0f);
@@ -129,27 +263,37 @@ inline PlantedOutput planted_attention(const DumpAttributes& attrs, const StepMe
         latent[p].resize(dc);
         for (int c = 0; c < dc; ++c) {
           latent[p][c] = planted_element(planted, pool, slot, c, kv_scale);
-          dot += qn[c] * (a * latent[p][c]);
+          dot += planted_query(choices, qn[c], q_scale) * (a * latent[p][c]);
         }
-        for (int c = 0; c < dr; ++c)
-          dot += qp[c] * (b * planted_element(planted, pool, slot, dc + c, kv_scale));
+        for (int c = 0; c < dr; ++c) {
+          dot += planted_query(choices, qp[c], q_scale) *
+                 (b * planted_element(planted, pool, slot, dc + c, kv_scale));
+        }
         scores[p] = dot * score_scale;
         m = std::max(m, scores[p]);
       }
       float sum = 0.0f;
       std::vector<float> acc(dc, 0.0f);
-      for (std::int64_t p = 0; p < visible; ++p) {
-        const float weight = std::exp2(scores[p] - m);
-        sum += weight;
-        const float rounded = planted == Hypothesis::kProbabilitiesE4m3
-                                  ? e4m3_decode(e4m3_encode(weight))
-                                  : bf16_round(weight);
-        for (int c = 0; c < dc; ++c) acc[c] += rounded * latent[p][c];
+      if (choices.has(Hypothesis::kProbabilitiesE4m3Tile)) {
+        m = planted_tiled(choices, scores, latent, visible, acc, sum);
+      } else {
+        for (std::int64_t p = 0; p < visible; ++p) {
+          const float weight = std::exp2(scores[p] - m);
+          sum += weight;
+          float rounded = bf16_round(weight);
+          if (choices.has(Hypothesis::kProbabilitiesE4m3))
+            rounded = e4m3_decode(e4m3_encode(weight));
+          if (choices.has(Hypothesis::kTf32)) rounded = planted_tf32(weight);
+          for (int c = 0; c < dc; ++c) acc[c] += rounded * latent[p][c];
+        }
       }
-      for (int c = 0; c < dc; ++c) result.out[pair * dc + c] = bf16_round(acc[c] * (a / sum));
+      for (int c = 0; c < dc; ++c)
+        result.out[pair * dc + c] = bf16_round(acc[c] * (out_scale / sum));
       const double log2_sum = m + std::log2(sum);
-      result.lse[pair] =
-          static_cast<float>(planted == Hypothesis::kLseBase2 ? log2_sum : log2_sum * kLn2);
+      float lse =
+          static_cast<float>(choices.has(Hypothesis::kLseBase2) ? log2_sum : log2_sum * kLn2);
+      if (choices.has(Hypothesis::kLseBf16)) lse = bf16_round(lse);
+      result.lse[pair] = lse;
     }
   }
   return result;
@@ -158,11 +302,10 @@ inline PlantedOutput planted_attention(const DumpAttributes& attrs, const StepMe
 // A backend that writes with the kvdump rule (write_new_kv) and attends with the planted model.
 class PlantedBackend : public Backend {
  public:
-  explicit PlantedBackend(std::optional<Hypothesis> planted) : planted_(planted) {}
+  explicit PlantedBackend(PlantedChoices planted) : planted_(std::move(planted)) {}
   std::string name() const override { return "planted"; }
   nlohmann::json describe() const override {
-    return {{"name", "planted"},
-            {"planted", planted_ ? hypothesis_name(*planted_) : "none (the clean model)"}};
+    return {{"name", "planted"}, {"planted", planted_.label()}};
   }
   Result<AttentionOutput> run_step(const StepLayerInput& input, KvPool& pool) override {
     KVAUDIT_TRY(write_new_kv(input.step, input.tensors.new_kv, input.layer.kv_scale,
@@ -176,13 +319,13 @@ class PlantedBackend : public Backend {
   }
 
  private:
-  std::optional<Hypothesis> planted_;
+  PlantedChoices planted_;
 };
 
 // The dump's captured out/lse at (step s, layer l), as a server committing `planted` computed them
 // on `pool` (what it read).
 inline void plant_captured(TinyDump& dump, std::size_t s, std::size_t l, const KvPool& pool,
-                           std::optional<Hypothesis> planted) {
+                           const PlantedChoices& planted) {
   PlantedOutput output = planted_attention(dump.attrs, dump.steps[s], dump.tensors[s][l],
                                            dump.layers[l].kv_scale, pool, planted);
   dump.tensors[s][l].out = std::move(output.out);

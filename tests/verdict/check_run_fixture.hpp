@@ -101,7 +101,8 @@ inline std::vector<DiagnosisFinding> make_diagnosis() {
                               error(0.0018, 0.0022, 2e-6),
                               true,
                               {},
-                              0.46});
+                              0.46,
+                              7.2e-5});
   one.tried = 14;
   DiagnosisFinding twins = one;
   twins.layer_id = 0;
@@ -110,13 +111,15 @@ inline std::vector<DiagnosisFinding> make_diagnosis() {
                          error(0.0017, 0.002, 1e-6),
                          true,
                          {},
-                         0.44},
+                         0.44,
+                         0.068},
                         {"scale-pow2-nearest",
                          "kv_scale 0.75 read as 0.5 (2^-1)",
                          error(0.0017, 0.002, 1e-6),
                          true,
                          {},
-                         0.44}};
+                         0.44,
+                         0.068}};
   twins.same_computation = true;
   DiagnosisFinding none = one;
   none.step = 2;
@@ -126,7 +129,9 @@ inline std::vector<DiagnosisFinding> make_diagnosis() {
                                    error(0.02, 0.03, 0.4),
                                    false,
                                    {"rel_l2 0.02 > 0.00391 (kernel limit)"},
-                                   5.12};
+                                   5.12,
+                                   0.8};
+  none.hypotheses = {*none.closest};
   none.not_applicable = {"scale-not-applied"};
   return {one, twins, none};
 }

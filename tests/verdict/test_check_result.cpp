@@ -269,7 +269,8 @@ TEST_CASE("diagnosis findings: one line each, and report.json's diagnosis array"
         "same computation here, kv_scale 0.75 read as 0.5 (2^-1))");
   CHECK(kvaudit::diagnosis_summary(run.diagnosis[2]) ==
         "no hypothesis in the catalogue explains this failure (14 tried; closest: scale-bf16 "
-        "(kv_scale 0.75 read as 0.75), 5.12x its limits)");
+        "(kv_scale 0.75 read as 0.75), its replay 0.8 of the candidate's distance, 5.12x its "
+        "limits)");
   kvaudit::DiagnosisFinding nothing_applies = run.diagnosis[2];
   nothing_applies.tried = 0;
   nothing_applies.closest.reset();
