@@ -117,6 +117,10 @@ constexpr HypothesisInfo kCatalogue[] = {
      "q (every row and head, q_nope and q_pe together), scores times q_scale (FlashMLA dense "
      "FP8's descale_q as vLLM computes it)",
      with_query(QueryRounding::kE4m3Scaled)},
+    {Hypothesis::kQueryNopeE4m3, "q-nope-e4m3",
+     "the latent part of q (q_nope) cast to e4m3 without a scale, satfinite, for an FP8 latent "
+     "dot, the RoPE part kept for a bf16 dot (SGLang 0.5.23's Triton decode on an FP8 MLA cache)",
+     with_query(QueryRounding::kE4m3Nope)},
     {Hypothesis::kDequantFp32Bf16, "k-dequant-fp32-bf16",
      "each K/V element dequantized in fp32, fp32(code * s), then rounded to bf16 before bf16 "
      "MMAs (dequant-bf16 multiplies in bf16 by bf16(s) instead)",
@@ -438,6 +442,9 @@ std::string describe_variant(const ResolvedVariant& v, const ResolvedVariant& id
                                 number_text(v.query_scale)));
   }
   if (v.query == QueryRounding::kTf32) parts.emplace_back("q rounded to tf32");
+  if (v.query == QueryRounding::kE4m3Nope) {
+    parts.emplace_back("q_nope cast to e4m3 (satfinite), no scale; q_pe unrounded");
+  }
   const char* l_sum = v.normaliser == Normaliser::kRounded ? "l rounded" : "l unrounded";
   if (v.weights == WeightRounding::kE4m3) {
     parts.push_back(fmt::format("P = exp(s - m) rounded to e4m3 before P.V, {}", l_sum));
@@ -558,6 +565,7 @@ double rounded_query(QueryRounding rounding, float q, float query_scale) {
     case QueryRounding::kNone:
       return q;
     case QueryRounding::kE4m3:
+    case QueryRounding::kE4m3Nope:  // run() keeps q_pe for this one
       return e4m3_decode(e4m3_encode(q, E4m3Overflow::kSatFinite));
     case QueryRounding::kE4m3Scaled:
       return e4m3_decode(e4m3_encode(q / query_scale, E4m3Overflow::kSatFinite));
@@ -599,7 +607,9 @@ class VariantKernel {
       q_[j] = rounded_query(v.query, p_.q_nope[pair * p_.dc + j], query_scale);
     }
     for (int j = 0; j < p_.dr; ++j) {
-      q_[p_.dc + j] = rounded_query(v.query, p_.q_pe[pair * p_.dr + j], query_scale);
+      q_[p_.dc + j] = v.query == QueryRounding::kE4m3Nope
+                          ? p_.q_pe[pair * p_.dr + j]
+                          : rounded_query(v.query, p_.q_pe[pair * p_.dr + j], query_scale);
     }
     const auto& rows = p_.token_rows[p_.request_of_row[row]];
     const std::int64_t n = p_.visible_of_row[row];

@@ -71,6 +71,7 @@ enum class Hypothesis : std::uint8_t {
   kDequantBf16,
   kQueryE4m3,
   kQueryE4m3Scaled,
+  kQueryNopeE4m3,
   kDequantFp32Bf16,
   kProbabilitiesE4m3Tile,
   kLseBf16,
@@ -125,6 +126,8 @@ enum class QueryRounding : std::uint8_t {
   kNone,
   kE4m3,        // e4m3_satfinite(q), no scale (|q| > 448 -> +-448)
   kE4m3Scaled,  // e4m3_satfinite(fp32(q / q_scale)), scores times q_scale (QueryScaleDomain)
+  kE4m3Nope,    // e4m3_satfinite(q_nope), no scale; q_pe as it is (a bf16 RoPE dot beside an
+                // FP8 latent dot: SGLang's Triton decode, MLA path)
   kTf32,        // tf32_round(q)
 };
 // Over what q_scale = fp32(amax |q| / 448) of kE4m3Scaled takes its amax. One domain is modelled:

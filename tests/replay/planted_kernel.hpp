@@ -144,6 +144,7 @@ inline std::optional<Hypothesis> scale_or_read_mismatch(const PlantedChoices& ch
     switch (h) {
       case Hypothesis::kQueryE4m3:
       case Hypothesis::kQueryE4m3Scaled:
+      case Hypothesis::kQueryNopeE4m3:
       case Hypothesis::kProbabilitiesE4m3:
       case Hypothesis::kProbabilitiesE4m3Tile:
       case Hypothesis::kLseBf16:
@@ -163,7 +164,9 @@ inline std::optional<Hypothesis> scale_or_read_mismatch(const PlantedChoices& ch
 
 // q as the planted QK MMA reads it.
 inline float planted_query(const PlantedChoices& c, float q, float q_scale) {
-  if (c.has(Hypothesis::kQueryE4m3)) return e4m3_decode(e4m3_encode(q));
+  if (c.has(Hypothesis::kQueryE4m3) || c.has(Hypothesis::kQueryNopeE4m3)) {
+    return e4m3_decode(e4m3_encode(q));
+  }
   if (c.has(Hypothesis::kQueryE4m3Scaled)) return e4m3_decode(e4m3_encode(q / q_scale));
   if (c.has(Hypothesis::kTf32)) return planted_tf32(q);
   return q;
@@ -266,7 +269,8 @@ inline PlantedOutput planted_attention(const DumpAttributes& attrs, const StepMe
           dot += planted_query(choices, qn[c], q_scale) * (a * latent[p][c]);
         }
         for (int c = 0; c < dr; ++c) {
-          dot += planted_query(choices, qp[c], q_scale) *
+          const bool pe_kept = choices.has(Hypothesis::kQueryNopeE4m3);  // a bf16 RoPE dot
+          dot += (pe_kept ? qp[c] : planted_query(choices, qp[c], q_scale)) *
                  (b * planted_element(planted, pool, slot, dc + c, kv_scale));
         }
         scores[p] = dot * score_scale;
