@@ -48,6 +48,7 @@ using CommandRunner = std::function<int()>;
 void register_info_command(CLI::App& app, CommandRunner& runner);
 void register_synth_command(CLI::App& app, CommandRunner& runner);
 void register_check_command(CLI::App& app, CommandRunner& runner);
+void register_calibrate_command(CLI::App& app, CommandRunner& runner);
 void register_bench_command(CLI::App& app, CommandRunner& runner);
 void register_golden_command(CLI::App& app, CommandRunner& runner);
 // `kvaudit help [COMMAND]`: prints the help of the program or of one command.
