@@ -73,7 +73,7 @@ void register_calibrate_command(CLI::App& app, CommandRunner& runner) {
        "PyTorch's .to(torch.float8_e4m3fn) would store NaN), that become subnormal and that are "
        "flushed to 0. Then, for candidate scales (amax/448; its power of two rounded up; the "
        "dump's kv_scale; 1.0, a server's default without checkpoint scales; and a sweep of "
-       "factors 2^(k/2) around the best), the error FP8 storage alone causes: attention on the "
+       "factors 2^(+-1/2) around the best), the error FP8 storage alone causes: attention on the "
        "quantized source against attention on the source (out rel_l2, lse max abs error, worst "
        "row), on the selection steps (even indices) and on the held-out steps (odd), so that a "
        "recommendation is judged on rows it was not chosen on.\n"

@@ -238,55 +238,90 @@ Status attend(const DumpAttributes& attrs, const StepMeta& step, const StepLayer
   return ok_status();
 }
 
-// R8 under `form` for one step: the step's visible source rows written with the form's rule.
-Status quantized_attention(const LayerInput& input, const StepMeta& step,
-                           const StepLayerTensors& tensors, const std::vector<float>& current,
-                           const WriteForm& form, Precision precision, int threads,
-                           StepReference& result) {
+// The pool one candidate writes, kept across the steps: a slot is written again only when a step
+// has written a new source row into it (each slot's current value is quantized once).
+class CandidatePool {
+ public:
+  CandidatePool(const LayerInput& input, WriteForm form)
+      : form_(std::move(form)),
+        pool_(KvPool::zeros_for(form_.attrs, input.layout->num_slots())),
+        fresh_(static_cast<std::size_t>(input.layout->num_slots()), 0) {}
+
+  void invalidate(const StepMeta& step) {
+    if (step.attention_only) return;
+    for (const std::int32_t slot : step.new_kv_slots) fresh_[slot] = 0;
+  }
+
+  // The step's visible rows of `current`, quantized by the form's write rule.
+  KvRows rows(const std::vector<float>& current, int width,
+              const std::vector<std::int64_t>& slots) {
+    for (const std::int64_t slot : slots) {
+      if (fresh_[slot]) continue;
+      pool_.write_row(slot, current.data() + slot * width, form_.kv_scale);
+      fresh_[slot] = 1;
+    }
+    return KvRows::from_pool_slots(pool_, form_.kv_scale, slots);
+  }
+
+ private:
+  WriteForm form_;
+  KvPool pool_;
+  std::vector<char> fresh_;
+};
+
+// Rs of every step, exactly, once per layer.
+Status source_references(const LayerInput& input, int threads,
+                         std::vector<StepReference>& references) {
   const int width = input.attrs->row_width();
-  const std::vector<std::int64_t> slots = step_visible_slots(*input.attrs, step, tensors);
-  KvPool pool = KvPool::zeros_for(form.attrs, input.layout->num_slots());
-  for (const std::int64_t slot : slots)
-    pool.write_row(slot, current.data() + slot * width, form.kv_scale);
-  const KvRows rows = KvRows::from_pool_slots(pool, form.kv_scale, slots);
-  return attend(*input.attrs, step, tensors, rows, precision, threads, result);
+  std::vector<float> current = input.source;
+  for (std::size_t s = 0; s < input.steps.size(); ++s) {
+    const StepMeta& meta = input.layout->steps[s];
+    apply_writes(meta, input.steps[s].tensors, width, current);
+    StepReference reference;
+    const KvRows rows = KvRows::from_values(current, width, 1.0);
+    KVAUDIT_TRY(attend(*input.attrs, meta, input.steps[s].tensors, rows, Precision::kExact, threads,
+                       reference));
+    references.push_back(std::move(reference));
+  }
+  return ok_status();
 }
 
-// Evaluates `candidates` (each with its sums) over every step; Rs from `references`, computed
-// (exactly) and stored on the first pass.
-Status evaluate(const LayerInput& input, std::vector<CandidateResult*> candidates,
-                std::vector<StepReference>& references, Precision precision, int threads) {
+// One candidate over every step (held_out_only: the held-out steps) against the stored Rs.
+Status evaluate_candidate(const LayerInput& input, CandidateResult& candidate,
+                          const std::vector<StepReference>& references, Precision precision,
+                          int threads, bool held_out_only = false) {
   const DumpAttributes& attrs = *input.attrs;
   const int width = attrs.row_width();
   std::vector<float> current = input.source;
-  std::vector<CandidateSums> sums(candidates.size());
+  CandidatePool pool(input, form_of(candidate, attrs));
+  CandidateSums sums;
   for (std::size_t s = 0; s < input.steps.size(); ++s) {
     const StepMeta& meta = input.layout->steps[s];
     const LayerStep& step = input.steps[s];
     apply_writes(meta, step.tensors, width, current);
-    if (references.size() <= s) {
-      StepReference reference;
-      const KvRows rows = KvRows::from_values(current, width, 1.0);
-      KVAUDIT_TRY(attend(attrs, meta, step.tensors, rows, Precision::kExact, threads, reference));
-      references.push_back(std::move(reference));
-    }
-    const StepReference& reference = references[s];
-    for (std::size_t c = 0; c < candidates.size(); ++c) {
-      StepReference quantized;
-      KVAUDIT_TRY(quantized_attention(input, meta, step.tensors, current,
-                                      form_of(*candidates[c], attrs), precision, threads,
-                                      quantized));
-      for (ErrorSums* target :
-           {step.held_out ? &sums[c].held_out : &sums[c].selection, &sums[c].all}) {
-        target->add_step(static_cast<int>(s), quantized.out, reference.out, quantized.lse,
-                         reference.lse, attrs.num_heads, attrs.kv_lora_rank);
-      }
+    pool.invalidate(meta);
+    if (held_out_only && !step.held_out) continue;
+    const KvRows rows = pool.rows(current, width, step_visible_slots(attrs, meta, step.tensors));
+    StepReference quantized;
+    KVAUDIT_TRY(attend(attrs, meta, step.tensors, rows, precision, threads, quantized));
+    for (ErrorSums* target : {step.held_out ? &sums.held_out : &sums.selection, &sums.all}) {
+      target->add_step(static_cast<int>(s), quantized.out, references[s].out, quantized.lse,
+                       references[s].lse, attrs.num_heads, attrs.kv_lora_rank);
     }
   }
-  for (std::size_t c = 0; c < candidates.size(); ++c) {
-    candidates[c]->selection = sums[c].selection.error;
-    candidates[c]->held_out = sums[c].held_out.error;
-    candidates[c]->all = sums[c].all.error;
+  candidate.selection = sums.selection.error;
+  candidate.held_out = sums.held_out.error;
+  candidate.all = sums.all.error;
+  return ok_status();
+}
+
+// Evaluates `candidates` over every step; Rs from `references`, computed (exactly) and stored
+// the first time.
+Status evaluate(const LayerInput& input, std::vector<CandidateResult*> candidates,
+                std::vector<StepReference>& references, Precision precision, int threads) {
+  if (references.empty()) KVAUDIT_TRY(source_references(input, threads, references));
+  for (CandidateResult* candidate : candidates) {
+    KVAUDIT_TRY(evaluate_candidate(input, *candidate, references, precision, threads));
   }
   return ok_status();
 }
@@ -408,7 +443,7 @@ Result<LayerCalibration> calibrate_layer(const DumpReader& reader, std::size_t l
   if (!layer.grouped) {
     const float center = layer.candidates[best_candidate(layer.candidates)].scale;
     const std::size_t before = layer.candidates.size();
-    for (const int k : {-2, -1, 1, 2}) {
+    for (const int k : {-1, 1}) {
       add_candidate(layer.candidates, CandidateKind::kSweep,
                     static_cast<float>(center * std::exp2(0.5 * k)));
     }
@@ -420,8 +455,11 @@ Result<LayerCalibration> calibrate_layer(const DumpReader& reader, std::size_t l
     KVAUDIT_TRY(evaluate(input, pending, references, Precision::kBinary64, options.threads));
   }
   choose(layer, options);
+  // The confirmation runs where the recommendation is judged: the held-out steps, if any.
   CandidateResult confirm = layer.candidates[layer.recommended];
-  KVAUDIT_TRY(evaluate(input, {&confirm}, references, Precision::kExact, options.threads));
+  const bool any_held_out = layout.steps.size() > 1;
+  KVAUDIT_TRY(evaluate_candidate(input, confirm, references, Precision::kExact, options.threads,
+                                 any_held_out));
   layer.confirmed_on_held_out = confirm.held_out.measured;
   layer.confirmed = confirm.held_out.measured ? confirm.held_out : confirm.all;
   return layer;

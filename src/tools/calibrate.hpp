@@ -27,7 +27,8 @@
 //
 // Candidates: r = fp32(amax / 448) (amax over the whole row of every step), 2^ceil(log2 r) (a power
 // of two rounded up: rounding down would overflow amax), the dump's kv_scale, 1.0, then a sweep
-// b * 2^(k/2), k = -2..2, around the best b of those on the selection steps.
+// b * 2^(+-1/2) around the best b of those on the selection steps (where nothing saturates
+// the curve repeats with every factor of two, so wider points would add little).
 // Held out: steps are split by index, even = selection, odd = held out (one step: none held out,
 // said so). The recommendation is r unless another candidate's selection out_rel_l2 is below
 // `margin` times r's (CalibrationOptions::margin); its held-out error is what it is judged by.
@@ -53,7 +54,7 @@ enum class CandidateKind : std::uint8_t {
   kAmaxRulePow2,  // 2^ceil(log2(amax / 448))
   kDumpScale,     // the dump's kv_scale
   kUnit,          // 1.0 (a server's default where the checkpoint has no scale)
-  kSweep,         // b * 2^(k/2) around the best
+  kSweep,         // b * 2^(+-1/2) around the best
   kGroupFloat32,  // per_token_group: amax / 448 per group (fp32 scales)
   kGroupPow2,     // per_token_group: power-of-two group scales, rounded up
 };
