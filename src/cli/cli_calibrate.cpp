@@ -1,4 +1,5 @@
 // `kvaudit calibrate DUMP`: which kv_scale should this cache use (src/tools/calibrate.hpp)?
+#include <algorithm>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -60,7 +61,63 @@ int run_calibrate(CalibrateCliOptions& options) {
   return kExitPass;
 }
 
+// A layer's calibration as the sign-off judges it: the dump's scale (the served one) and the
+// recommended one, each with its FP8-storage error over every step.
+LayerScaleCheck scale_check_of(const LayerCalibration& layer) {
+  LayerScaleCheck check;
+  check.layer_id = layer.layer_id;
+  const CandidateResult& best = layer.candidates[layer.recommended];
+  check.served_scale = layer.dump_scale;
+  check.recommended_scale = best.scale;
+  check.recommended_rule = candidate_kind_name(best.kind);
+  check.recommended_rel_l2 = best.all.out_rel_l2;
+  const auto underflow = [](const CandidateResult& c) {
+    const std::int64_t count = c.latent.count + c.rope.count;
+    const std::int64_t under =
+        c.latent.subnormal + c.latent.flushed + c.rope.subnormal + c.rope.flushed;
+    return count > 0 ? static_cast<double>(under) / static_cast<double>(count) : 0.0;
+  };
+  check.recommended_underflow_fraction = underflow(best);
+  std::vector<const CandidateResult*> sorted;
+  for (const CandidateResult& c : layer.candidates) sorted.push_back(&c);
+  std::sort(sorted.begin(), sorted.end(),
+            [](const auto* a, const auto* b) { return a->scale < b->scale; });
+  for (const CandidateResult* c : sorted) {
+    const std::int64_t count = c->latent.count + c->rope.count;
+    const double saturated = count > 0
+                                 ? static_cast<double>(c->latent.saturated + c->rope.saturated) /
+                                       static_cast<double>(count)
+                                 : 0.0;
+    check.curve.push_back({c->scale, c->all.out_rel_l2, saturated});
+    if (c->scale == layer.dump_scale) {  // the dump's scale is always a candidate (deduplicated)
+      check.served_rel_l2 = c->all.out_rel_l2;
+      check.served_saturated_fraction = saturated;
+      check.served_underflow_fraction = underflow(*c);
+    }
+  }
+  return check;
+}
+
 }  // namespace
+
+Result<std::vector<LayerScaleCheck>> served_scale_checks(const DumpReader& reader,
+                                                         const std::vector<int>& layer_ids,
+                                                         int threads) {
+  const DumpLayout& layout = reader.layout();
+  if (layout.attrs.per_token_group()) return std::vector<LayerScaleCheck>{};
+  for (const LayerMeta& layer : layout.layers) {
+    const bool selected = layer_ids.empty() || std::find(layer_ids.begin(), layer_ids.end(),
+                                                         layer.layer_id) != layer_ids.end();
+    if (selected && !layer.has_source) return std::vector<LayerScaleCheck>{};
+  }
+  CalibrationOptions options;
+  options.threads = threads;
+  options.layer_ids = layer_ids;
+  KVAUDIT_ASSIGN_OR_RETURN(const Calibration calibration, calibrate_dump(reader, options));
+  std::vector<LayerScaleCheck> checks;
+  for (const LayerCalibration& layer : calibration.layers) checks.push_back(scale_check_of(layer));
+  return checks;
+}
 
 void register_calibrate_command(CLI::App& app, CommandRunner& runner) {
   auto options = std::make_shared<CalibrateCliOptions>();
