@@ -753,8 +753,10 @@ Result<CheckRun> check_run_from_json(const nlohmann::json& report, const std::st
   run.certification = read_certification(reader.object("certification"));
   run.notes = reader.texts("notes");
   run.coverage = read_array<StepLayerCoverage>(reader, "coverage", read_coverage);
-  reader.skip("unmeasured");                                               // measurement_gaps(run)
-  run.scales = read_array<LayerScaleCheck>(reader, "scales", read_scale);  // absent: none
+  reader.skip("unmeasured");   // measurement_gaps(run)
+  if (reader.has("scales")) {  // absent where the run has no scales section (and older reports)
+    run.scales = read_array<LayerScaleCheck>(reader, "scales", read_scale);
+  }
   run.signoff = read_signoff(reader);
   reader.skip("checksum");  // a plain report's: derived (absent in sign-offs and older reports)
   read_timing(reader.object("timing"), run);
