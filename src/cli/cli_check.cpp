@@ -392,11 +392,12 @@ Result<int> check_dump(const CheckOptions& options) {
   run.dump_sha256 = sha;
   run.provenance = current_provenance();
   if (signoff) run.signoff = signoff->signer;
-  // The served scale against the recommended one (a whole run's sign-off; a shard's part has
-  // none, and kvaudit merge none either).
-  if (signoff && !shard) {
-    KVAUDIT_ASSIGN_OR_RETURN(run.scales,
-                             served_scale_checks(reader, replay.layer_ids, options.threads));
+  // The served scale against the recommended one, on the layers checked (a shard's part: its
+  // layers, none for a part without layers; kvaudit merge puts the parts' together).
+  if (signoff && !(shard && shard->layers.empty())) {
+    KVAUDIT_ASSIGN_OR_RETURN(
+        run.scales,
+        served_scale_checks(reader, shard ? shard->layers : replay.layer_ids, options.threads));
   }
   if (outputs) KVAUDIT_TRY(outputs->close());
 
