@@ -4,6 +4,7 @@
 // ones, and the one-line refusal of a dump without kv_source.
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "src/format/kvdump.hpp"
@@ -206,6 +207,45 @@ TEST_CASE("calibrate: a dump without kv_source is refused in one line naming the
   CHECK(message.find("/layers/L000") != std::string::npos);
   CHECK(message.find("no kv_source") != std::string::npos);
   CHECK(message.find('\n') == std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvaudit
+
+namespace kvaudit {
+namespace {
+
+// safetensors read back by hand (8-byte little-endian header length, JSON header, raw data), so
+// the test does not trust the writer's own layout.
+TEST_CASE("calibrate: the exports carry k_scale = v_scale per layer in the servers' forms",
+          "[calibrate]") {
+  const DumpReader reader = synth_dump(outlier_spec(), "exports.h5");
+  auto calibration = calibrate_dump(reader, CalibrationOptions{});
+  REQUIRE(calibration);
+  const float recommended =
+      calibration->layers[0].candidates[calibration->layers[0].recommended].scale;
+  const nlohmann::json param = quantization_param_json(*calibration, "glm_moe", 2);
+  CHECK(param["model_type"] == "glm_moe");
+  CHECK(param["kv_cache"]["dtype"] == "float8_e4m3fn");
+  CHECK(param["kv_cache"]["scaling_factor"]["0"]["0"].get<float>() == recommended);
+  CHECK(param["kv_cache"]["scaling_factor"]["1"]["0"].get<float>() == recommended);
+  const std::string file = scales_safetensors(*calibration);
+  REQUIRE(file.size() > 8);
+  std::uint64_t length = 0;
+  for (int i = 7; i >= 0; --i) length = (length << 8) | static_cast<unsigned char>(file[i]);
+  CHECK(length % 8 == 0);
+  const nlohmann::json header = nlohmann::json::parse(file.substr(8, length));
+  for (const char* name :
+       {"model.layers.0.self_attn.k_scale", "model.layers.0.self_attn.v_scale"}) {
+    INFO(name);
+    REQUIRE(header.contains(name));
+    CHECK(header[name]["dtype"] == "F32");
+    CHECK(header[name]["shape"] == nlohmann::json::array());
+    const std::size_t begin = header[name]["data_offsets"][0].get<std::size_t>();
+    float value = 0.0f;
+    std::memcpy(&value, file.data() + 8 + length + begin, sizeof value);
+    CHECK(value == recommended);
+  }
 }
 
 }  // namespace
