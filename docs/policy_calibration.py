@@ -20,6 +20,9 @@ import numpy as np
 
 RNG = np.random.default_rng(1)
 DC, DR, HEADS, ROWS = 512, 64, 16, 4
+# 192^-0.5 (DeepSeek-V3's qk_head_dim without YaRN's mscale^2; GLM-5's is 1/16): only a unit here,
+# each case's score_factor sets how sharp its softmax is (the |s| printed), which is what the
+# limits depend on; the numbers quoted in src/verdict/policy.cpp were printed with this value.
 SM_SCALE = 1 / np.sqrt(192)
 
 

@@ -7,7 +7,8 @@
 # only when it does not import yet. Prints what it did.
 #   KVAUDIT_PYTHON_VENV     where the venv goes (default: build/python-venv)
 #   KVAUDIT_PYTHON          the interpreter that creates it (default: python3)
-#   KVAUDIT_WITH_TORCH=1    also install torch (the package's [torch] extra)
+#   KVAUDIT_WITH_TORCH=1    also install torch (the package's [torch] extra) and transformers
+#                           5.25.0 (its [hf] extra: kvdump.hf_capture, GLM-5's own attention)
 #   KVAUDIT_TORCH_INDEX_URL a package index to take torch from (e.g. one serving CPU-only
 #                           wheels); default: pip's configured index
 set -euo pipefail
@@ -68,6 +69,15 @@ if [[ ${KVAUDIT_WITH_TORCH:-0} == 1 ]]; then
     say "free disk before torch: $(df -h --output=avail . | tail -1 | tr -d ' ')"
     "${pip[@]}" install --no-cache-dir "${index[@]}" 'torch>=2.1'
     say "installed torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
+  fi
+  # The version kvdump.hf_capture is written against (python/pyproject.toml, extra [hf]).
+  if [[ $("$venv/bin/python" -c 'import transformers; print(transformers.__version__)' \
+    2>/dev/null) == 5.25.0 ]]; then
+    say "transformers 5.25.0 already installed"
+  else
+    say "installing transformers 5.25.0 and safetensors"
+    "${pip[@]}" install --no-cache-dir 'transformers==5.25.0' safetensors
+    say "installed transformers $("$venv/bin/python" -c 'import transformers; print(transformers.__version__)')"
   fi
 else
   say "torch not requested (KVAUDIT_WITH_TORCH=1 installs it; the torch adapter's tests" \

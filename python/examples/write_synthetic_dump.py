@@ -27,7 +27,7 @@ import kvdump  # noqa: E402
 
 HEADS, DC, DR, PAGE_SIZE, NUM_PAGES = 4, 64, 16, 4, 16
 D = DC + DR
-SM_SCALE = 1.0 / np.sqrt(192.0)  # DeepSeek/GLM: 1/sqrt(qk head dim 128 + 64)
+SM_SCALE = 1.0 / 16.0  # GLM-5: qk_head_dim^-0.5 = (192 + 64)^-0.5 (no YaRN mscale)
 LAYERS = {0: 0.37, 3: 1.5}  # layer id -> kv_scale
 
 

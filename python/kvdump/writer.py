@@ -106,12 +106,16 @@ def _check_shape(arr, expected, path):
         _fail(path, f"shape {tuple(arr.shape)} != {tuple(expected)}")
 
 
-def _bf16_storage(x, shape, path):
-    """(uint16 little-endian bits, "bfloat16") of a bfloat16 tensor given as bits or float32."""
+def _bf16_storage(x, shape, path, keep_float32=False):
+    """(uint16 little-endian bits, "bfloat16") of a bfloat16 tensor given as bits or float32;
+    with keep_float32, a float32 tensor is stored as it is ("float32": the format accepts a float32
+    dataset wherever it names a bfloat16 tensor, and kvaudit uses its values unrounded)."""
     arr = to_numpy(x, path)
     _check_shape(arr, shape, path)
     if arr.dtype == np.uint16:
         return arr.astype("<u2", copy=False), "bfloat16"
+    if arr.dtype == np.float32 and keep_float32:
+        return arr.astype("<f4", copy=False), "float32"
     if arr.dtype == np.float32:
         return bf16_bits_from_float32(arr).astype("<u2", copy=False), "bfloat16"
     _fail(path, f"dtype {arr.dtype} is neither bfloat16 bits (uint16) nor float32")
@@ -389,6 +393,27 @@ def _grouping_options(kv_dtype, kv_lora_rank, kv_scale_kind, group_size, scale_f
             "kv_rope_dtype": rope_dtype, "kv_cache_layout": layout}
 
 
+FORMAT_ATTRIBUTES = ("format", "format_version", "format_minor_version", "model", "producer",
+                     "num_heads", "kv_lora_rank", "qk_rope_head_dim", "sm_scale", "page_size",
+                     "kv_dtype", "kv_scale_kind", "kv_scale_group_size", "kv_scale_format",
+                     "kv_rope_dtype", "kv_cache_layout")
+
+
+def _model_attributes(model_attributes):
+    """Optional root attributes describing the model's attention configuration
+    (docs/kvdump-v1.md "Optional model attributes"): numbers or strings, never a name the format
+    itself uses. Returns them as HDF5 attribute values."""
+    result = {}
+    for name, value in (model_attributes or {}).items():
+        if name in FORMAT_ATTRIBUTES:
+            _fail("/", f"model attribute {name} is a name the format uses")
+        if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
+            _fail("/", f"model attribute {name} = {value!r} is not a number or a string")
+        result[name] = value if isinstance(value, str) else (
+            np.int64(value) if isinstance(value, numbers.Integral) else np.float64(value))
+    return result
+
+
 class KvDumpWriter:
     """Writes one kvdump v1 file. Add every layer's pool first, then the steps in replay order:
 
@@ -421,7 +446,8 @@ class KvDumpWriter:
     def __init__(self, path, *, model, producer, num_heads, kv_lora_rank, qk_rope_head_dim,
                  sm_scale, page_size, kv_dtype="float8_e4m3fn", compression=None,
                  incremental=False, kv_scale_kind="per_tensor", kv_scale_group_size=None,
-                 kv_scale_format=None, kv_rope_dtype=None, kv_cache_layout=None):
+                 kv_scale_format=None, kv_rope_dtype=None, kv_cache_layout=None,
+                 float32_inputs=False, model_attributes=None):
         for name, value in (("num_heads", num_heads), ("kv_lora_rank", kv_lora_rank),
                             ("qk_rope_head_dim", qk_rope_head_dim), ("page_size", page_size)):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
@@ -433,6 +459,7 @@ class KvDumpWriter:
         for name, value in (("model", model), ("producer", producer)):
             if not isinstance(value, str):
                 _fail("/", f"{name} = {value!r} is not a string")
+        extra_attributes = _model_attributes(model_attributes)
         grouping = _grouping_options(kv_dtype, int(kv_lora_rank), kv_scale_kind,
                                      kv_scale_group_size, kv_scale_format, kv_rope_dtype,
                                      kv_cache_layout)
@@ -448,6 +475,9 @@ class KvDumpWriter:
         self.kv_rope_dtype = grouping.get("kv_rope_dtype")
         self.kv_cache_layout = grouping.get("kv_cache_layout")
         self.format_minor_version = 1 if grouping else 0
+        # float32_inputs: q_nope, q_pe, new_kv and kv_source given as float32 are stored as float32
+        # (not rounded to bf16): a capture from a float32/float64 model keeps 2^-24 precision.
+        self.float32_inputs = bool(float32_inputs)
         self.num_pages = None  # set by the first layer's pool
         self._compression = compression
         self._layers = {}  # layer_id -> group name
@@ -484,6 +514,8 @@ class KvDumpWriter:
         attrs["kv_scale_kind"] = kv_scale_kind
         for name, value in grouping.items():
             attrs[name] = np.int32(value) if name == "kv_scale_group_size" else value
+        for name, value in extra_attributes.items():
+            attrs[name] = value
         # Both groups at once: a dump without steps is valid (kvaudit requires /steps to exist).
         self._file.create_group("layers")
         self._file.create_group("steps")
@@ -634,7 +666,7 @@ class KvDumpWriter:
             tensors = self._pool_tensors(path, "", pool, kv_rope, kv_scales)
             if kv_source is not None:
                 tensors["kv_source"] = _bf16_storage(kv_source, self._pool_shape(self.row_width),
-                                                     f"{path}/kv_source")
+                                                     f"{path}/kv_source", self.float32_inputs)
         except ValueError:
             if first:
                 self.num_pages = None
@@ -731,9 +763,9 @@ class StepWriter:
             _fail(path, f"layer {layer_id} was already added to this step")
         nq, h, dc, dr = self.num_rows, w.num_heads, w.kv_lora_rank, w.qk_rope_head_dim
         tensors = {
-            "q_nope": _bf16_storage(q_nope, (nq, h, dc), f"{path}/q_nope"),
-            "q_pe": _bf16_storage(q_pe, (nq, h, dr), f"{path}/q_pe"),
-            "new_kv": _bf16_storage(new_kv, (nq, dc + dr), f"{path}/new_kv"),
+            "q_nope": _bf16_storage(q_nope, (nq, h, dc), f"{path}/q_nope", w.float32_inputs),
+            "q_pe": _bf16_storage(q_pe, (nq, h, dr), f"{path}/q_pe", w.float32_inputs),
+            "new_kv": _bf16_storage(new_kv, (nq, dc + dr), f"{path}/new_kv", w.float32_inputs),
         }
         if out is not None:
             tensors["out"] = _bf16_storage(out, (nq, h, dc), f"{path}/out")

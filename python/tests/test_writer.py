@@ -225,6 +225,51 @@ class RoundTripTest(WriterTestCase):
         self.assertEqual(result.returncode, 0)
 
 
+class CaptureOptionsTest(WriterTestCase):
+    """float32_inputs and model_attributes, which kvdump.hf_capture uses."""
+
+    def write_one_step(self, **options):
+        source = np.full((PAGES, PAGE, D), 1 + 2.0**-20, dtype=np.float32)
+        with self.writer(**options) as dump:
+            dump.add_layer(0, 0.5, self.pool(0), kv_source=source)
+            step = dump.add_step(**DECODE)
+            step.add_layer(0, **step_tensors(2, seed=3))
+
+    def test_float32_inputs_are_stored_unrounded(self):
+        self.write_one_step(float32_inputs=True)
+        expected = step_tensors(2, seed=3)
+        with h5py.File(self.path, "r") as f:
+            q_nope = f["steps/S000/L000/q_nope"]
+            self.assertEqual(q_nope.dtype, np.float32)
+            self.assertEqual(q_nope.attrs["dtype"], "float32")
+            np.testing.assert_array_equal(q_nope[...], expected["q_nope"])
+            np.testing.assert_array_equal(f["steps/S000/L000/new_kv"][...], expected["new_kv"])
+            # 1 + 2^-20 is no bf16 value: kept only when stored as float32.
+            self.assertEqual(float(f["layers/L000/kv_source"][0, 0, 0]), 1 + 2.0**-20)
+            # q_pe was given as bf16 bits: stays bf16.
+            self.assertEqual(f["steps/S000/L000/q_pe"].attrs["dtype"], "bfloat16")
+
+    def test_without_float32_inputs_floats_round_to_bf16(self):
+        self.write_one_step()
+        with h5py.File(self.path, "r") as f:
+            self.assertEqual(f["layers/L000/kv_source"].dtype, np.uint16)
+            self.assertEqual(f["steps/S000/L000/q_nope"].attrs["dtype"], "bfloat16")
+
+    def test_model_attributes(self):
+        self.write_one_step(model_attributes={"rope_type": "yarn", "rope_factor": 40.0,
+                                              "qk_nope_head_dim": 192})
+        with h5py.File(self.path, "r") as f:
+            self.assertEqual(f.attrs["rope_type"], "yarn")
+            self.assertEqual(float(f.attrs["rope_factor"]), 40.0)
+            self.assertEqual(int(f.attrs["qk_nope_head_dim"]), 192)
+        self.assert_refused("/", self.writer, model_attributes={"sm_scale": 0.1})
+        self.assert_refused("/", self.writer, model_attributes={"kv_rope_dtype": "bfloat16"})
+        self.assert_refused("/", self.writer, model_attributes={"rope_factor": [40.0]})
+        os.remove(self.path)
+        self.assert_refused("/", self.writer, model_attributes={"format": "x"})
+        self.assertFalse(os.path.exists(self.path))  # refused before the file is created
+
+
 class RefusalTest(WriterTestCase):
     def test_root_attributes(self):
         self.assert_refused("/", self.writer, sm_scale=float("nan"))

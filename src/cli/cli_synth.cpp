@@ -31,6 +31,8 @@ struct SynthOptions {
   CLI::Option* kv_scale_option = nullptr;
   int outlier_channels = 0;
   CLI::Option* outlier_channels_option = nullptr;
+  double sm_scale = 0.0;
+  CLI::Option* sm_scale_option = nullptr;
 };
 
 // The spec the options describe (the options CLI11 cannot hold in a SynthSpec directly).
@@ -49,6 +51,7 @@ Result<SynthSpec> spec_of(const SynthOptions& options) {
   if (options.outlier_channels_option->count() > 0) {
     spec.outlier_channels = options.outlier_channels;
   }
+  if (options.sm_scale_option->count() > 0) spec.sm_scale = options.sm_scale;
   return spec;
 }
 
@@ -137,9 +140,11 @@ void add_value_options(CLI::App& cmd, SynthOptions& options) {
                "of last pages, slots later steps write) with NaN codes 0x7F/0xFF");
   cmd.add_flag("--with-source", spec.with_source,
                "Write kv_source: the bf16 values the initial pool was quantized from");
-  add_number_option(cmd, "--sm-scale", spec.sm_scale, 1e-30, 1e30,
-                    "Softmax scale (default 1/sqrt(192))")
-      ->capture_default_str();
+  options.sm_scale_option = add_number_option(
+      cmd, "--sm-scale", options.sm_scale, 1e-30, 1e30,
+      "Softmax scale (default: the --model preset's, as its attention code derives it: "
+      "(qk_nope_head_dim + qk_rope_head_dim)^-0.5, times YaRN's mscale^2 where the config has "
+      "mscale_all_dim; GLM-5 1/16, DeepSeek-V3 and V3.2 0.1352; needed for other models)");
   cmd.add_option("--kv-dtype", options.kv_dtype, "Pool storage type")
       ->check(CLI::IsMember({"float8_e4m3fn", "bfloat16"}))
       ->capture_default_str();
@@ -201,7 +206,9 @@ void register_synth_command(CLI::App& app, CommandRunner& runner) {
       ->required();
   add_seed_option(*cmd, "--seed", options->spec.seed, "Seed of every random draw")
       ->capture_default_str();
-  cmd->add_option("--model", options->spec.model, "Model name stored in the dump")
+  cmd->add_option("--model", options->spec.model,
+                  "Model name stored in the dump; GLM-5, DeepSeek-V3 and DeepSeek-V3.2 also "
+                  "give the default --sm-scale")
       ->capture_default_str();
   add_shape_options(*cmd, *options);
   add_value_options(*cmd, *options);

@@ -14,6 +14,7 @@
 #include "src/core/fp8_e4m3.hpp"
 #include "src/core/parallel_for.hpp"
 #include "src/format/kvdump.hpp"
+#include "src/tools/model_presets.hpp"
 
 namespace kvaudit::bench {
 namespace {
@@ -122,7 +123,7 @@ Result<CpuBenchResult> run_cpu_reference_bench(const CpuBenchOptions& options) {
   attrs.num_heads = options.num_heads;
   attrs.kv_lora_rank = kDc;
   attrs.qk_rope_head_dim = kDr;
-  attrs.sm_scale = 1.0 / std::sqrt(192.0);
+  attrs.sm_scale = preset_softmax_scale(*find_model_preset("GLM-5"));  // 1/16
   attrs.page_size = 1;
   attrs.kv_dtype = KvDtype::kFloat8E4m3fn;
 

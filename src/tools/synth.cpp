@@ -19,6 +19,7 @@
 #include "src/core/fp8_e4m3.hpp"
 #include "src/core/memory_budget.hpp"
 #include "src/format/group_scales.hpp"
+#include "src/tools/model_presets.hpp"
 
 namespace kvaudit {
 namespace {
@@ -143,7 +144,7 @@ LayerProfile make_profile(const SynthSpec& spec, int layer_id) {
   profile.query_sigma.resize(static_cast<std::size_t>(spec.num_heads));
   for (auto& s : profile.query_sigma) {
     const double head_factor = 0.5 + rng.uniform();
-    s = kScoreStd * head_factor / (spec.sm_scale * key_norm);
+    s = kScoreStd * head_factor / (*synth_sm_scale(spec) * key_norm);
   }
   return profile;
 }
@@ -347,7 +348,14 @@ Status validate_synth_spec(const SynthSpec& spec) {
   if (spec.saturate_fraction > 0.0 && spec.kv_dtype == KvDtype::kBfloat16) {
     return bad("--saturate-fraction needs a float8_e4m3fn pool");
   }
-  if (!std::isfinite(spec.sm_scale) || spec.sm_scale <= 0.0) {
+  const std::optional<double> sm_scale = synth_sm_scale(spec);
+  if (!sm_scale) {
+    return bad(
+        fmt::format("--model '{}' has no preset (GLM-5, DeepSeek-V3, DeepSeek-V3.2): give "
+                    "its softmax scale as --sm-scale",
+                    spec.model));
+  }
+  if (!std::isfinite(*sm_scale) || *sm_scale <= 0.0) {
     return bad("--sm-scale must be finite and > 0");
   }
   if (spec.scale_group_size < 0 ||
@@ -609,6 +617,13 @@ Status check_synth_fits(const SynthSpec& spec, const std::filesystem::path& out)
   return ok_status();
 }
 
+std::optional<double> synth_sm_scale(const SynthSpec& spec) {
+  if (spec.sm_scale) return spec.sm_scale;
+  const ModelPreset* preset = find_model_preset(spec.model);
+  if (preset == nullptr) return std::nullopt;
+  return preset_softmax_scale(*preset);
+}
+
 std::string describe_synth_spec(const SynthSpec& spec) {
   const bool quote = spec.model.find_first_of(" \t'\"") != std::string::npos;
   // A single layer id is written "77," so that it is not read back as a layer count.
@@ -638,8 +653,10 @@ std::string describe_synth_spec(const SynthSpec& spec) {
   if (spec.outlier_channels) text += fmt::format(" --outlier-channels {}", *spec.outlier_channels);
   if (spec.outlier_gain != 10.0) text += fmt::format(" --outlier-gain {:.17g}", spec.outlier_gain);
   if (spec.topk > 0) text += fmt::format(" --topk {}", spec.topk);
-  text +=
-      fmt::format(" --sm-scale {:.17g} --kv-dtype {}", spec.sm_scale, kv_dtype_name(spec.kv_dtype));
+  if (const std::optional<double> sm_scale = synth_sm_scale(spec)) {
+    text += fmt::format(" --sm-scale {:.17g}", *sm_scale);
+  }
+  text += fmt::format(" --kv-dtype {}", kv_dtype_name(spec.kv_dtype));
   return text;
 }
 
@@ -654,7 +671,7 @@ DumpAttributes synth_attributes(const SynthSpec& spec) {
   attrs.num_heads = spec.num_heads;
   attrs.kv_lora_rank = spec.kv_lora_rank;
   attrs.qk_rope_head_dim = spec.rope_dim;
-  attrs.sm_scale = spec.sm_scale;
+  attrs.sm_scale = *synth_sm_scale(spec);
   attrs.page_size = spec.page_size;
   attrs.kv_dtype = spec.kv_dtype;
   attrs.kv_scale_kind = "per_tensor";

@@ -76,8 +76,9 @@ struct SynthSpec {
   double saturate_fraction = 0.0;
   bool nan_unused = false;
   bool with_source = false;
-  // 1 / sqrt(192): GLM-5 / DeepSeek-V3 qk_head_dim = qk_nope_head_dim 128 + qk_rope_head_dim 64.
-  double sm_scale = 0.07216878364870323;
+  // Default: the softmax scale of the `model` preset's attention (src/tools/model_presets.hpp:
+  // GLM-5 1/16, DeepSeek-V3 and V3.2 192^-0.5 * mscale^2); a model without a preset needs it.
+  std::optional<double> sm_scale;
   KvDtype kv_dtype = KvDtype::kFloat8E4m3fn;
   // kvdump v1.1 (any of these makes the dump v1.1):
   int scale_group_size = 0;  // > 0: per_token_group scales over groups of this many channels
@@ -102,6 +103,10 @@ struct SynthPlan {
   std::vector<std::vector<std::int32_t>> request_pages;  // [B][pages of b over the whole trace]
   std::vector<StepMeta> steps;
 };
+
+// The softmax scale a spec's dump carries: its sm_scale, else its model preset's; none when the
+// model has no preset and no sm_scale is given.
+std::optional<double> synth_sm_scale(const SynthSpec& spec);
 
 // Checks a spec; errors are bad input with where = "synth" and the option at fault in `what`.
 Status validate_synth_spec(const SynthSpec& spec);

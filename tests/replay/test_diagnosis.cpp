@@ -348,13 +348,20 @@ TEST_CASE(
   CHECK_FALSE(run.pass());
   REQUIRE_FALSE(run.diagnosis.empty());
   const std::set<std::string> rounding = {"scale-pow2-floor", "scale-pow2-nearest", "scale-e8m0"};
+  int misreads_explained = 0;
   for (const DiagnosisFinding& finding : run.diagnosis) {
     INFO("step " << finding.step << " layer " << finding.layer_id << ": "
                  << diagnosis_summary(finding));
     CHECK(finding.comparison == Comparison::kKernel);
     const std::vector<std::string> found = explaining(finding);
     if (std::string(injection) == "fp8-read-as-bf16") {
+      // Bytes of saturated codes read as bf16 are near bf16's largest (~3e38): the kernel's fp32
+      // q.k can overflow to Inf where the hypothesis, replayed in binary64, stays finite (step 0
+      // of saturated_page16 since its queries follow GLM-5's scale 1/16). Such a finding has
+      // NaN/Inf mismatches and no hypothesis explains it; every other finding must be the misread.
+      if (finding.before.nonfinite_mismatches > 0 && found.empty()) continue;
       CHECK(found == std::vector<std::string>{"fp8-read-as-bf16"});
+      ++misreads_explained;
       continue;
     }
     // kv_scale rounded to the nearest power of two, which is also its floor or its ceiling
@@ -364,6 +371,7 @@ TEST_CASE(
     for (const std::string& name : found) CHECK(rounding.count(name) == 1);
     CHECK(finding.same_computation);
   }
+  if (std::string(injection) == "fp8-read-as-bf16") CHECK(misreads_explained > 0);
 }
 
 }  // namespace kvaudit

@@ -109,6 +109,29 @@ TEST_CASE("validate_synth_spec refuses inconsistent specs with the option named"
   spec = small_spec();
   spec.page_size = 0;
   refused_with(spec, "--page-size");
+  spec = small_spec();
+  spec.model = "Llama-3";  // no preset, so no softmax scale to take from it
+  refused_with(spec, "--sm-scale");
+}
+
+TEST_CASE("synth takes the softmax scale from the model's preset unless --sm-scale is given",
+          "[synth]") {
+  // The values as each model's attention code derives them (Hugging Face transformers 5.25.0):
+  // GLM-5 (glm_moe_dsa): (qk_nope 192 + qk_rope 64)^-0.5 = 1/16, no mscale_all_dim in its rope
+  // config. DeepSeek-V3 and V3.2: (128 + 64)^-0.5 * mscale^2 with YaRN factor 40,
+  // mscale_all_dim 1: mscale = 0.1 ln 40 + 1 = 1.36888794541139..., 192^-0.5 * mscale^2 =
+  // 0.13523377886088... (worked out by hand to 14 digits, not by this code).
+  const auto sm_scale_of = [](const std::string& model, std::optional<double> given) {
+    SynthSpec spec = small_spec();
+    spec.model = model;
+    spec.sm_scale = given;
+    return write_and_open(spec, "preset.h5").layout().attrs.sm_scale;
+  };
+  CHECK(sm_scale_of("GLM-5", std::nullopt) == 0.0625);
+  CHECK(sm_scale_of("DeepSeek-V3", std::nullopt) == Approx(0.13523377886088).epsilon(1e-13));
+  CHECK(sm_scale_of("DeepSeek-V3.2", std::nullopt) == Approx(0.13523377886088).epsilon(1e-13));
+  CHECK(sm_scale_of("GLM-5", 0.07216878364870323) == 0.07216878364870323);
+  CHECK(sm_scale_of("Llama-3", 0.125) == 0.125);
 }
 
 TEST_CASE("plan_synth: page size 1, an empty request, a request with no prefill rows", "[synth]") {
@@ -219,7 +242,8 @@ TEST_CASE("synth file: layers sorted, shapes, empty request without rows or page
   CHECK(layout.attrs.num_heads == 2);
   CHECK(layout.attrs.row_width() == 40);
   CHECK(layout.attrs.page_size == 4);
-  CHECK(layout.attrs.sm_scale == Approx(1.0 / std::sqrt(192.0)).epsilon(1e-15));
+  // GLM-5's attention: qk_head_dim^-0.5 with qk_head_dim = 192 + 64 = 256, no YaRN mscale.
+  CHECK(layout.attrs.sm_scale == 0.0625);
   CHECK(layout.attrs.producer.rfind("kvaudit synth --seed 11", 0) == 0);
   REQUIRE(layout.layers.size() == 2);
   CHECK(layout.layers[0].layer_id == 0);

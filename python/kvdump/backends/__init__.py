@@ -9,9 +9,14 @@ missing one is an `unsupported` error reply naming it):
   flashinfer-fp8        flashinfer_fp8.py        FlashInfer's paged MLA on the FP8 pool, in place
   flashinfer-cast-bf16  flashinfer_cast_bf16.py  SGLang's old path: the whole pool cast to bf16
   flashmla-sparse       flashmla_sparse.py       FlashMLA's sparse FP8 decode (kvdump v1.1 dumps)
+  flashmla-dense-fp8    flashmla_dense_fp8.py    FlashMLA's dense FP8 decode (PR 54; vLLM, SGLang)
+  vllm-triton-mla       vllm_triton_mla.py       vLLM's Triton MLA decode (file from the wheel)
+  sglang-triton-mla     sglang_triton_mla.py     SGLang's Triton decode, MLA path (wheel's file)
 The rest: protocol.py (message loop, array files, errors), pooled_adapter.py (what adapters share),
-writes.py (servers' write rules), faults.py (planted faults), paged_layout.py (which slots a row
-reads), pools.py (the pool on the host or the GPU), bench.py (timing), environment.py (describe).
+triton_mla.py and triton_layout.py (what the two Triton adapters share; their argument mapping),
+peer_kernels.py (loading a peer's kernel file), writes.py (servers' write rules), faults.py
+(planted faults), paged_layout.py (which slots a row reads), pools.py (the pool on the host or
+the GPU), bench.py (timing), environment.py (describe).
 """
 
 import importlib
@@ -29,6 +34,15 @@ ADAPTERS = {
     "flashmla-sparse": ("flashmla_sparse", "FlashMlaSparseAdapter",
                         "FlashMLA's sparse FP8 decode (DSA) on the 656-byte per-token-group pool, "
                         "in place (SM90, 64 or 128 heads)"),
+    "flashmla-dense-fp8": ("flashmla_dense_fp8", "FlashMlaDenseFp8Adapter",
+                           "FlashMLA's dense FP8 decode (fwd_kvcache_mla_fp8, PR 54) on the "
+                           "576-byte FP8 pool, q quantized as vLLM or SGLang does (SM90)"),
+    "vllm-triton-mla": ("vllm_triton_mla", "VllmTritonMlaAdapter",
+                        "vLLM 0.34.0's Triton MLA decode (triton_decode_attention.py) on the FP8 "
+                        "pool, in place: K/V dequantized to bf16, bf16 dots"),
+    "sglang-triton-mla": ("sglang_triton_mla", "SglangTritonMlaAdapter",
+                          "SGLang 0.5.23's Triton decode (decode_attention.py, has_mla) on the FP8 "
+                          "pool, in place: q and P cast to e4m3, FP8 dots"),
 }
 
 

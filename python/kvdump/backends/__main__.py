@@ -54,10 +54,44 @@ def add_common_options(parser, adapter):
         parser.add_argument("--flashmla-module", default=None, metavar="FILE.so",
                             help="an extension built from FlashMLA's sources with "
                                  "sparse_decode_fwd (default: the installed flash_mla package)")
+    if adapter == "flashmla-dense-fp8":
+        add_flashmla_dense_options(parser)
+    if adapter.endswith("triton-mla"):
+        parser.add_argument("--kernel-file", default=None, metavar="FILE.py",
+                            help="the peer's kernel file (default: $KVAUDIT_PEER_KERNELS or "
+                                 "build/peer-kernels, PACKAGE-VERSION/FILE, as "
+                                 "scripts/fetch-peer-kernels.sh puts it)")
+        parser.add_argument("--num-kv-splits", type=positive_int, default=0, metavar="N",
+                            help="KV splits of every entry (default: the server's own policy)")
+    if adapter == "vllm-triton-mla":
+        parser.add_argument("--lse-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                            help="the lse buffer's dtype: bfloat16 as vLLM's TritonMLAImpl "
+                                 "allocates it (q.dtype, default), or float32")
     if adapter == "flashinfer-cast-bf16":
         parser.add_argument("--cast-scale", choices=("none", "fold"), default="none",
                             help="none: the cast ignores kv_scale, as SGLang's did (default); "
                                  "fold: apply kv_scale outside the kernel")
+
+
+def add_flashmla_dense_options(parser):
+    parser.add_argument("--flashmla-module", required=True, metavar="FILE.so",
+                        help="the extension scripts/flashmla/build_dense_fp8.sh builds (holds "
+                             "fwd_kvcache_mla_fp8 and get_mla_decoding_metadata_dense_fp8)")
+    parser.add_argument("--flashmla-caller", choices=("vllm", "sglang"), default="vllm",
+                        help="whose call to copy: vllm = q * (1 / q_scale) clamped to +-448 then "
+                             "e4m3, descale_q = q_scale, descale_k = kv_scale (default); sglang "
+                             "= q.to(float8_e4m3fn), descale_q = descale_k = 1")
+    parser.add_argument("--q-scale", type=float, default=1.0, metavar="S",
+                        help="vLLM's per-tensor q_scale (1.0 unless the checkpoint has one)")
+    parser.add_argument("--prefill", choices=("causal", "refuse"), default="causal",
+                        help="causal: run a prefill step through the kernel's causal multi-row "
+                             "path, requests grouped by rows (default); refuse: answer it "
+                             "unsupported")
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
 
 
 def reply_stream():

@@ -15,7 +15,7 @@ import numpy as np
 from .protocol import unsupported
 
 TORCH_HINT = "pip install 'kvaudit-kvdump[torch]' (or any torch >= 2.1)"
-FLASHINFER_HINT = "pip install flashinfer-python (0.6.18 was checked)"
+FLASHINFER_HINT = "pip install flashinfer-python (0.6.18 and 0.7.4 were checked)"
 
 
 def import_torch():

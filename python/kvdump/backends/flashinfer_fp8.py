@@ -39,7 +39,17 @@ Per-token scales (protocol version 2, a kvdump v1.1 per_token_group dump; FlashI
 
 FP8 KV needs an SM90 GPU, q in bf16, head_dim_ckv 512 and head_dim_kpe 64: anything else is
 refused at hello as unsupported. The first plan() of a kernel variant compiles it (about 20 s).
+
+FlashInfer 0.7.x (read in 0.7.4: flashinfer/mla/_batch_mla/_wrapper.py, _backends/_fa_common.py,
+include/flashinfer/attention/mla_hopper.cuh) keeps these calls: plan() with the flat CSR arrays and
+run() with q_nope, q_pe, ckv, kpe as arguments are deprecated there (each warns once, on stderr)
+but served unchanged, the LSE chosen at run() as before; the SM90 FP8 path still dequantizes each
+64-token tile to bf16 in shared memory (repack_fp8_kv_to_bf16) with the same roundings, and lse is
+still base 2 unless return_lse_base_on_e. So the calls are the same for 0.6 and 0.7; the version
+(flashinfer.__version__) and the series it falls in are recorded in describe.
 """
+
+import re
 
 import numpy as np
 
@@ -53,6 +63,27 @@ WORKSPACE_BYTES = 128 << 20
 CKV, KPE = 512, 64
 SCALE_GROUP = 128  # ckv_scale_arr: one scale per 128 latent channels
 PER_TOKEN_SCALE_FORMATS = ("float32", "power_of_two")  # float32 values in the slot
+
+
+# FlashInfer series whose MLA wrapper contract this adapter was checked against: series -> release
+CHECKED_SERIES = {(0, 6): "0.6.18", (0, 7): "0.7.4"}
+
+
+def flashinfer_series(version):
+    """(major, minor) of a FlashInfer version string ('0.7.4', '0.6.18+cu130', '0.7.0rc1'), or
+    None when it does not start with two numbers."""
+    match = re.match(r"(\d+)\.(\d+)", str(version))
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def series_note(version):
+    """What describe says about the FlashInfer version's API: which checked release it matches."""
+    series = flashinfer_series(version)
+    if series in CHECKED_SERIES:
+        return (f"{version}: the {series[0]}.{series[1]} series, calls checked against "
+                f"{CHECKED_SERIES[series]}")
+    checked = ", ".join(CHECKED_SERIES.values())
+    return f"{version}: not a series this adapter was checked against ({checked})"
 
 
 def per_token_refusal(model):
@@ -109,13 +140,17 @@ class FlashInferFp8Adapter(PooledAdapter):
                               f"SM90 GPU; this one is SM{major}{minor}")
 
     def prepare(self):
+        version = getattr(self.flashinfer, "__version__", "unknown")
+        if flashinfer_series(version) not in CHECKED_SERIES:
+            self.warn_once("version", f"flashinfer {series_note(version)}")
         torch = self.torch
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.wrapper = self.flashinfer.mla.BatchMLAPagedAttentionWrapper(
             self.workspace, backend=self.options.flashinfer_backend)
 
     def option_summary(self):
-        return {**super().option_summary(), "flashinfer_backend": self.options.flashinfer_backend}
+        return {**super().option_summary(), "flashinfer_backend": self.options.flashinfer_backend,
+                "flashinfer_api": series_note(getattr(self.flashinfer, "__version__", "unknown"))}
 
     def math(self):
         scales = ("ckv_scale_arr = the slots' float32 scales [pages, page_size, 4], kpe_scale = "

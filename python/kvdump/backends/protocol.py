@@ -374,10 +374,10 @@ def _field(message, key, kinds, what):
     return value
 
 
-# The model a hello without one (a bench session has no dump) stands for: GLM-5 / DeepSeek-V3's MLA,
-# the widths the bench's cases have.
+# The model a hello without one (a bench session has no dump) stands for: GLM-5's MLA, the widths
+# the bench's cases have, and its softmax scale (qk_head_dim 192 + 64 = 256)^-0.5.
 BENCH_MODEL = {"num_heads": 16, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
-               "sm_scale": 192 ** -0.5, "page_size": 1, "num_slots": 0,
+               "sm_scale": 256 ** -0.5, "page_size": 1, "num_slots": 0,
                "kv_dtype": "float8_e4m3fn", "kv_scale_kind": "per_tensor"}
 
 

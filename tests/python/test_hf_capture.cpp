@@ -1,0 +1,65 @@
+// kvaudit's model of GLM-5 and DeepSeek-V3.2 attention judged against the models' own code: the
+// Python suite python/tests/test_hf_capture.py, run under the venv's interpreter with
+// KVAUDIT_REQUIRE_HF=1 (so a missing transformers fails instead of skipping) against this build's
+// kvaudit and this checkout's kvdump package. It captures tiny GLM-5 (index_topk 8 below a
+// 24-token prefix: really sparse) and DeepSeek-V3.2 (YaRN, mscale_all_dim 1) modules with
+// kvdump.hf_capture, and requires kvaudit's exact reference on the captured source rows, mapped
+// through the module's W_UV, to equal the module's attention output within the float32-storage
+// bound, and planted copies (GLM-5 scale as 1/sqrt(192)'s ratio, the query absorbed with the
+// wrong head's W_UK, mscale^2 dropped) to miss it by more than 100 times the bound; and
+// kvdump.hf_compare to show FP8's cost after W_UV and o_proj between 2^-8 and 2^-3 rel_l2.
+//
+// The interpreter: $KVAUDIT_PYTHON, else build/python-venv/bin/python (scripts/setup-python.sh
+// with KVAUDIT_WITH_TORCH=1 installs torch and transformers 5.25.0). [torch]: skipped, by name,
+// where that interpreter has no torch (tests/prerequisites.hpp).
+#include <fmt/core.h>
+#include <sys/wait.h>
+
+#include <catch2/catch.hpp>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "tests/test_paths.hpp"
+
+namespace {
+
+std::string quoted(const std::filesystem::path& path) { return fmt::format("'{}'", path.string()); }
+
+std::filesystem::path interpreter() {
+  if (const char* python = std::getenv("KVAUDIT_PYTHON"); python != nullptr && *python != '\0') {
+    return python;
+  }
+  return kvaudit_test::source_dir() / "build" / "python-venv" / "bin" / "python";
+}
+
+std::string read_text(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+}  // namespace
+
+TEST_CASE("hf capture: kvaudit's reference reproduces GLM-5's and DeepSeek-V3.2's own attention",
+          "[python][torch][hf]") {
+  const std::filesystem::path dir = kvaudit_test::test_tmpdir() / "hf_capture";
+  std::filesystem::create_directories(dir);
+  const std::filesystem::path python_dir = kvaudit_test::source_dir() / "python";
+  const std::string command = fmt::format(
+      "cd {} && KVAUDIT_BINARY={} KVAUDIT_REQUIRE_HF=1 PYTHONPATH={} {} -B -m unittest -v "
+      "tests.test_hf_capture > {} 2>&1",
+      quoted(python_dir), quoted(kvaudit_test::kvaudit_binary()), quoted(python_dir),
+      quoted(interpreter()), quoted(dir / "unittest.log"));
+  const int status = std::system(command.c_str());
+  const std::string log = read_text(dir / "unittest.log");
+  INFO(command << "\n" << log);
+  REQUIRE(status != -1);
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  CHECK(log.find("Ran 7 tests") != std::string::npos);
+  CHECK(log.find("skipped") == std::string::npos);
+}
