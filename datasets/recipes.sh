@@ -44,3 +44,16 @@ cd "$here"
   --prefix-lens 33,200 --prefill-tokens 8,2 --decode-steps 2 --with-source \
   --scale-group-size 128 --scale-format float32 --rope-dtype float8_e4m3fn --rope-gain 8 \
   --zero-group-every 7
+
+# The scale question (`kvaudit calibrate`, issue 30): latents with the statistics real MLA caches
+# show, 48 of the 512 latent channels 400-800x wider than the rest and a RoPE part 20x narrower
+# than the default (so |latent| reaches ~1000 while RoPE stays below ~1). Written with scale 1.0,
+# as a server does when the checkpoint ships no k_scale: the outliers saturate. Then the same
+# trace with the recommended scale (synth's calibration, amax/448 per layer, which `kvaudit
+# calibrate glm5_outliers_scale1.h5` recommends): the same source rows, a different pool.
+"$KVAUDIT" synth --out glm5_outliers_scale1.h5 --seed 30 --model GLM-5 --layers 0,1 \
+  --prefix-lens 0,40,100 --prefill-tokens 0,3,5 --decode-steps 3 --with-source \
+  --outlier-channels 48 --outlier-gain 400 --rope-gain 0.1 --kv-scale 1
+"$KVAUDIT" synth --out glm5_outliers_calibrated.h5 --seed 30 --model GLM-5 --layers 0,1 \
+  --prefix-lens 0,40,100 --prefill-tokens 0,3,5 --decode-steps 3 --with-source \
+  --outlier-channels 48 --outlier-gain 400 --rope-gain 0.1

@@ -29,6 +29,8 @@
 #include "src/backend/cuda_kernel_variant.hpp"
 #include "src/core/output_file.hpp"
 #include "src/core/result.hpp"
+#include "src/format/kvdump.hpp"
+#include "src/verdict/check_result.hpp"
 
 namespace kvaudit {
 
@@ -48,6 +50,14 @@ using CommandRunner = std::function<int()>;
 void register_info_command(CLI::App& app, CommandRunner& runner);
 void register_synth_command(CLI::App& app, CommandRunner& runner);
 void register_check_command(CLI::App& app, CommandRunner& runner);
+void register_calibrate_command(CLI::App& app, CommandRunner& runner);
+// check --signoff's scales section: `kvaudit calibrate` on the layers checked (`layer_ids`, empty:
+// all), as CheckRun::scales; empty where a layer has no kv_source (the sign-off's gap rule
+// speaks for it) or the dump has per_token_group scales (computed at write time: no served
+// per-tensor scale to judge). Defined in cli_calibrate.cpp.
+Result<std::vector<LayerScaleCheck>> served_scale_checks(const DumpReader& reader,
+                                                         const std::vector<int>& layer_ids,
+                                                         int threads);
 void register_bench_command(CLI::App& app, CommandRunner& runner);
 void register_golden_command(CLI::App& app, CommandRunner& runner);
 // `kvaudit help [COMMAND]`: prints the help of the program or of one command.

@@ -431,6 +431,13 @@ Result<int> check_dump(const CheckOptions& options) {
   run.dump_sha256 = sha;
   run.provenance = current_provenance();
   if (signoff) run.signoff = signoff->signer;
+  // The served scale against the recommended one, on the layers checked (a shard's part: its
+  // layers, none for a part without layers; kvaudit merge puts the parts' together).
+  if (signoff && !(shard && shard->layers.empty())) {
+    KVAUDIT_ASSIGN_OR_RETURN(
+        run.scales,
+        served_scale_checks(reader, shard ? shard->layers : replay.layer_ids, options.threads));
+  }
   if (outputs) KVAUDIT_TRY(outputs->close());
 
   print_check_table(std::cout, run, options.verbose);
@@ -462,8 +469,11 @@ void add_input_options(CLI::App& cmd, CheckOptions& options) {
                  "Policy file (JSON, the keys of report.json's policy) instead of the default");
   cmd.add_flag("--signoff", options.signoff,
                "Sign-off: quantization and total error limits also set the exit status, a "
-               "step-layer where they could not be measured (no kv_source) fails, and the "
-               "report directory is signed. Needs --signed-by, --model, --signing-key and "
+               "step-layer where they could not be measured (no kv_source) fails, the served "
+               "kv_scale is judged against the one kvaudit calibrate recommends (a scales "
+               "section; it fails past the quantization limit or scale_error_factor x the "
+               "recommended error, naming saturation or underflow), and the report directory is "
+               "signed. Needs --signed-by, --model, --signing-key and "
                "--report DIR (with --shard, the part: kvaudit merge signs the merged report)");
   add_signoff_options(cmd, options.signoff_fields);
   cmd.add_option("--shard", options.shard,

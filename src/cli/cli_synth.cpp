@@ -29,6 +29,8 @@ struct SynthOptions {
   float kv_scale = 0.0f;
   CLI::Option* num_pages_option = nullptr;
   CLI::Option* kv_scale_option = nullptr;
+  int outlier_channels = 0;
+  CLI::Option* outlier_channels_option = nullptr;
   double sm_scale = 0.0;
   CLI::Option* sm_scale_option = nullptr;
 };
@@ -46,6 +48,9 @@ Result<SynthSpec> spec_of(const SynthOptions& options) {
   spec.layout = options.layout == "flashmla_fp8" ? PoolLayout::kFlashMlaFp8 : PoolLayout::kSplit;
   if (options.num_pages_option->count() > 0) spec.num_pages = options.num_pages;
   if (options.kv_scale_option->count() > 0) spec.kv_scale = options.kv_scale;
+  if (options.outlier_channels_option->count() > 0) {
+    spec.outlier_channels = options.outlier_channels;
+  }
   if (options.sm_scale_option->count() > 0) spec.sm_scale = options.sm_scale;
   return spec;
 }
@@ -168,6 +173,15 @@ void add_v1_1_options(CLI::App& cmd, SynthOptions& options) {
                      "v1.1: zero the last latent group of every Nth token (an all-zero group)");
   add_number_option(cmd, "--rope-gain", spec.rope_gain, 1e-6, 1e6,
                     "Multiply the RoPE part's spread (larger RoPE than latent values)");
+  options.outlier_channels_option = add_integer_option(
+      cmd, "--outlier-channels", options.outlier_channels, 0, 1 << 20,
+      "Latent channels drawn as outliers, as real MLA latents have a few (default: 2% of "
+      "--kv-lora-rank, at least 1; at most --kv-lora-rank), chosen from the seed");
+  add_number_option(cmd, "--outlier-gain", spec.outlier_gain, 1e-6, 1e6,
+                    "An outlier channel's spread is G to 2G times a regular channel's (drawn "
+                    "per channel from the seed); with --rope-gain it makes the statistics "
+                    "`kvaudit calibrate` is for")
+      ->capture_default_str();
   add_integer_option(cmd, "--topk", spec.topk, 0, INT_MAX,
                      "v1.1: sparse attention (DSA): each row lists this many token positions "
                      "(its own, the first four, the rest drawn), -1 padded");

@@ -191,6 +191,7 @@ int main(int argc, char** argv) {
   register_info_command(app, runner);
   register_synth_command(app, runner);
   register_check_command(app, runner);
+  register_calibrate_command(app, runner);
   register_bench_command(app, runner);
   register_golden_command(app, runner);
   register_verify_report_command(app, runner);

@@ -57,11 +57,19 @@ std::string verdict_summary(const CheckRun& run) {
       gaps_fail_run(run)
           ? fmt::format(" - sign-off incomplete: {}", gaps_headline(measurement_gaps(run)))
           : "";
+  // Under sign-off, a served scale the rule rejects: one sentence per layer, cause and remedy.
+  std::string scales;
+  if (scales_fail_run(run)) {
+    for (const ScaleFailure& failure : scale_failures(run)) {
+      scales += fmt::format(" - scale: {}", failure.sentence);
+    }
+  }
   return fmt::format(
       "verdict: {} (policy {}, backend {}, {} comparisons, {} failed{}, {} integrity checks, {} "
-      "failed){}",
+      "failed){}{}",
       run.pass() ? "PASS" : "FAIL", run.policy.name, backend_text(run), counts.comparisons,
-      counts.failed, report_only, counts.integrity_checks, counts.integrity_failed, incomplete);
+      counts.failed, report_only, counts.integrity_checks, counts.integrity_failed, incomplete,
+      scales);
 }
 
 void print_comparison_table(std::ostream& out, const CheckRun& run) {

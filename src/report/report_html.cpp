@@ -377,6 +377,59 @@ void layer_chart_section(Html& html, const CheckRun& run) {
       log_chart_svg(chart));
 }
 
+// The served scale against the recommended one: per layer, FP8-storage error against the
+// candidate scales (the error-versus-scale curve), the served and recommended scales marked.
+// Layers: every one up to 16, past that the failing ones (a 78-layer run stays readable).
+void scales_section(Html& html, const CheckRun& run) {
+  if (run.scales.empty()) return;
+  constexpr std::size_t kChartEveryLayerUpTo = 16;
+  put(html,
+      "<section id=\"scales\"><h2>Scales: error versus kv_scale</h2><p class=\"small muted\">"
+      "FP8-storage error alone (out rel_l2 of attention on the source quantized with the scale, "
+      "against the source) for each scale measured. One scale serves K and V (MLA caches one "
+      "tensor: k_scale = v_scale). A served scale fails above the quantization limit or {}x the "
+      "recommended scale's error.</p>\n",
+      short_number(run.policy.scale_error_factor));
+  for (const ScaleFailure& failure : scale_failures(run)) {
+    put(html, "<p class=\"fail\">{}</p>\n", esc(failure.sentence));
+  }
+  const std::optional<double> limit = run.policy.quantization.rel_l2;
+  for (const LayerScaleCheck& layer : run.scales) {
+    const bool fails = judge_served_scale(run.policy, layer).has_value();
+    if (run.scales.size() > kChartEveryLayerUpTo && !fails) continue;
+    LogChart chart;
+    chart.title = fmt::format("layer {}: out rel_l2 against kv_scale", layer.layer_id);
+    chart.id = fmt::format("scale-L{}", layer.layer_id);
+    chart.y_label = "rel_l2 (log)";
+    Series curve{"every scale measured", "#1f77b4", 0, {}, {}};
+    Series served{"served (the dump's kv_scale)", "#d62728", 1, {}, {}};
+    Series recommended{"recommended", "#2ca02c", 2, {}, {}};
+    for (const ScalePoint& point : layer.curve) {
+      chart.x_labels.push_back(short_number(point.scale));
+      curve.values.push_back(point.rel_l2);
+      curve.tooltips.push_back(fmt::format("kv_scale {}: rel_l2 {}, {}% saturated",
+                                           short_number(point.scale), short_number(point.rel_l2),
+                                           short_number(100.0 * point.saturated_fraction)));
+      const auto mark = [&](Series& series, double scale, const char* what) {
+        const bool here = point.scale == scale;
+        series.values.push_back(here ? std::optional<double>(point.rel_l2) : std::nullopt);
+        series.tooltips.push_back(here ? fmt::format("{} kv_scale {}", what, short_number(scale))
+                                       : "");
+      };
+      mark(served, layer.served_scale, "served");
+      mark(recommended, layer.recommended_scale, "recommended");
+    }
+    chart.join = true;
+    chart.series = {curve, served, recommended};
+    if (limit && *limit > 0) {
+      chart.limits.push_back(
+          {fmt::format("quantization limit {}", short_number(*limit)), *limit, "#d62728"});
+    }
+    put(html, "{}\n", log_chart_svg(chart));
+  }
+  put(html, "</section>\n");
+}
+
 // Whether step i of the dump is a prefill (dump summary "steps"[i].kind).
 std::vector<bool> prefill_steps(const CheckRun& run, const std::vector<int>& steps) {
   std::vector<bool> shaded;
@@ -697,6 +750,7 @@ std::string render_html(const ReportModel& model) {
   diagnosis_section(html, run);
   heatmap_section(html, run);
   layer_chart_section(html, run);
+  scales_section(html, run);
   step_chart_section(html, run, model.steps);
   integrity_section(html, run, model.counts);
   worst_section(html, run);

@@ -524,6 +524,36 @@ void failures_section(Markdown& md, const CheckRun& run) {
 
 std::string render_markdown(const CheckRun& run) { return render_markdown(make_report_model(run)); }
 
+// The served scale against the recommended one (CheckRun::scales; src/verdict/signoff.hpp).
+void scales_section(Markdown& md, const CheckRun& run) {
+  if (run.scales.empty()) return;
+  append(md, "## Scales: the served kv_scale against the recommended one\n\n");
+  append(md,
+         "FP8-storage error alone (attention on the source quantized with the scale vs on the "
+         "source, out rel_l2 over every step; `kvaudit calibrate` gives every candidate). MLA "
+         "caches one tensor (the latent is both K and V): one scale serves both, k_scale = "
+         "v_scale. A served scale fails when its error exceeds the quantization rel_l2 limit or "
+         "{}x the recommended scale's (policy `scale_error_factor`).\n\n",
+         run.policy.scale_error_factor);
+  append(md,
+         "| layer | served kv_scale | rel_l2 | saturated | underflow | recommended (k_scale = "
+         "v_scale) | rel_l2 | underflow | result |\n"
+         "| ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- |\n");
+  for (const LayerScaleCheck& layer : run.scales) {
+    const std::optional<ScaleFailure> failure = judge_served_scale(run.policy, layer);
+    append(md,
+           "| {} | {:.9g} | {:.3e} | {:.3g}% | {:.3g}% | {:.9g} ({}) | {:.3e} | {:.3g}% | {} |\n",
+           layer.layer_id, layer.served_scale, layer.served_rel_l2,
+           100.0 * layer.served_saturated_fraction, 100.0 * layer.served_underflow_fraction,
+           layer.recommended_scale, cell(layer.recommended_rule), layer.recommended_rel_l2,
+           100.0 * layer.recommended_underflow_fraction,
+           failure ? fmt::format("FAIL: {}", scale_cause_name(failure->cause)) : "PASS");
+  }
+  append(md, "\n");
+  for (const ScaleFailure& failure : scale_failures(run)) append(md, "- {}\n", failure.sentence);
+  if (!scale_failures(run).empty()) append(md, "\n");
+}
+
 std::string render_markdown(const ReportModel& model) {
   const CheckRun& run = model.run;
   Markdown md;
@@ -533,6 +563,7 @@ std::string render_markdown(const ReportModel& model) {
   failures_section(md, run);
   append(md, "{}", render_diagnosis_markdown(run));
   signoff_section(md, run);
+  scales_section(md, run);
   steps_section(md, model.steps);
   results_section(md, run);
   integrity_section(md, model);

@@ -128,14 +128,14 @@ LayerProfile make_profile(const SynthSpec& spec, int layer_id) {
     profile.sigma[dc + r] = kKpeSigma * spec.rope_gain * layer_factor * (0.6 + 0.8 * rng.uniform());
   }
   // Outlier channels: a partial Fisher-Yates pick of distinct ckv channels.
-  const int outliers =
-      std::max(1, static_cast<int>(std::lround(kOutlierChannelFraction * static_cast<double>(dc))));
+  const int outliers = spec.outlier_channels.value_or(std::max(
+      1, static_cast<int>(std::lround(kOutlierChannelFraction * static_cast<double>(dc)))));
   std::vector<int> channels(static_cast<std::size_t>(dc));
   std::iota(channels.begin(), channels.end(), 0);
   for (int i = 0; i < outliers && i < dc; ++i) {
     const auto j = i + static_cast<int>(rng.below(static_cast<std::uint64_t>(dc - i)));
     std::swap(channels[i], channels[j]);
-    profile.sigma[channels[i]] *= 10.0 + 10.0 * rng.uniform();
+    profile.sigma[channels[i]] *= spec.outlier_gain + spec.outlier_gain * rng.uniform();
   }
   // var(q . k) = s_h^2 * sum_c sigma_c^2 for iid zero-mean q and k; pick s_h for the score std.
   double sum_sq = 0.0;
@@ -375,6 +375,12 @@ Status validate_synth_spec(const SynthSpec& spec) {
   if (spec.topk < 0 || spec.zero_group_every < 0 || !(spec.rope_gain > 0.0)) {
     return bad("--topk and --zero-group-every must be >= 0, --rope-gain > 0");
   }
+  if (spec.outlier_channels &&
+      (*spec.outlier_channels < 0 || *spec.outlier_channels > spec.kv_lora_rank)) {
+    return bad(fmt::format("--outlier-channels {} is not from 0 to --kv-lora-rank {}",
+                           *spec.outlier_channels, spec.kv_lora_rank));
+  }
+  if (!(spec.outlier_gain > 0.0)) return bad("--outlier-gain must be > 0");
   return ok_status();
 }
 
@@ -644,6 +650,8 @@ std::string describe_synth_spec(const SynthSpec& spec) {
   if (spec.zero_group_every > 0)
     text += fmt::format(" --zero-group-every {}", spec.zero_group_every);
   if (spec.rope_gain != 1.0) text += fmt::format(" --rope-gain {:.17g}", spec.rope_gain);
+  if (spec.outlier_channels) text += fmt::format(" --outlier-channels {}", *spec.outlier_channels);
+  if (spec.outlier_gain != 10.0) text += fmt::format(" --outlier-gain {:.17g}", spec.outlier_gain);
   if (spec.topk > 0) text += fmt::format(" --topk {}", spec.topk);
   if (const std::optional<double> sm_scale = synth_sm_scale(spec)) {
     text += fmt::format(" --sm-scale {:.17g}", *sm_scale);

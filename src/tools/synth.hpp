@@ -13,7 +13,8 @@
 //
 // Values (all rounded to bf16, as a server's latent cache is):
 //   ckv channel c ~ N(0, sigma_c^2), sigma_c = 0.5 * layer_factor * u_c, u_c in [0.6, 1.4);
-//     2% of the Dc channels (at least one) are outliers, sigma 10-20x larger;
+//     2% of the Dc channels (at least one; outlier_channels when given, 0 allowed) are outliers,
+//     sigma G-2G times larger, G = outlier_gain (default 10), drawn from the seed;
 //   kpe channel  ~ N(0, sigma^2), sigma = 2 * layer_factor * u, u in [0.6, 1.4);
 //   layer_factor in [0.5, 2) per layer, so calibrated scales differ between layers.
 //   q_nope, q_pe ~ N(0, s_h^2), s_h chosen so that the score s_t = sm_scale * q . k has standard
@@ -87,6 +88,10 @@ struct SynthSpec {
   int zero_group_every = 0;  // > 0: the last latent group of every Nth token position is zero
   double rope_gain = 1.0;    // multiplies the RoPE part's sigma
   int topk = 0;              // > 0: sparse rows, topk_indices [Nq, topk] per (step, layer)
+  // Outlier latent channels (the statistics `kvaudit calibrate` is for): how many (default: 2% of
+  // Dc, at least one), and G: each one's sigma is G to 2G times its regular value.
+  std::optional<int> outlier_channels;
+  double outlier_gain = 10.0;
 };
 
 // The request/page plan a spec produces (no tensors): what write_synth_dump writes as steps.

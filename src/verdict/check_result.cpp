@@ -117,7 +117,7 @@ bool CheckRun::pass() const {
   for (const IntegrityFinding& finding : integrity) {
     if (!finding.pass) return false;
   }
-  return !gaps_fail_run(*this);
+  return !gaps_fail_run(*this) && !scales_fail_run(*this);
 }
 
 RunCounts count_results(const CheckRun& run) {

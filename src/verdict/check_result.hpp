@@ -138,6 +138,29 @@ struct StepLayerCoverage {
   std::int64_t saturated_codes = -1;
 };
 
+// The served scale against the recommended one, per layer (`kvaudit calibrate`,
+// src/tools/calibrate.hpp; measured under --signoff where every layer has kv_source and a
+// per-tensor scale). The errors are FP8 storage alone (attention on the source quantized with the
+// scale vs on the source, plain binary64 over every step: out relative L2). MLA caches one tensor,
+// so the scale is k_scale = v_scale. The sign-off rule is scale_failures (src/verdict/signoff.hpp).
+struct ScalePoint {
+  double scale = 0.0;
+  double rel_l2 = 0.0;
+  double saturated_fraction = 0.0;
+};
+struct LayerScaleCheck {
+  int layer_id = 0;
+  double served_scale = 0.0;       // the dump's kv_scale: what the server wrote with
+  double recommended_scale = 0.0;  // kvaudit calibrate's recommendation
+  std::string recommended_rule;    // "amax/448", "pow2-up(amax/448)", "sweep", ...
+  double served_rel_l2 = 0.0;
+  double recommended_rel_l2 = 0.0;
+  double served_saturated_fraction = 0.0;  // values past 464 * s (satfinite: +-448)
+  double served_underflow_fraction = 0.0;  // values stored subnormal or flushed to 0
+  double recommended_underflow_fraction = 0.0;
+  std::vector<ScalePoint> curve;  // every candidate measured, ascending scale
+};
+
 // Who and what a sign-off report signs for (--signed-by, --model, --deployment; the deployment
 // empty when not given) and the public key of the --signing-key that signs it. Only --signoff
 // runs carry one; report.json's "signoff" block adds the report's checksum
@@ -280,6 +303,7 @@ struct CheckRun {
   std::vector<std::string> notes;  // what the run could not do, or did differently, and why
   std::vector<StepLayerCoverage> coverage;  // one per reported (step, layer), in replay order
   std::optional<SignOff> signoff;           // --signoff runs
+  std::vector<LayerScaleCheck> scales;      // --signoff runs with kv_source (per-tensor scales)
   std::string reference_device = "cpu";     // where the exact reference ran: "cpu" or "cuda"
   double reference_seconds = 0.0;
   double reference_rows_heads_tokens = 0.0;  // work done, for throughput

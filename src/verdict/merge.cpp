@@ -305,6 +305,7 @@ CheckRun concatenate(const std::vector<NamedPart>& parts,
     run.comparisons.insert(run.comparisons.end(), part.comparisons.begin(), part.comparisons.end());
     run.integrity.insert(run.integrity.end(), part.integrity.begin(), part.integrity.end());
     run.coverage.insert(run.coverage.end(), part.coverage.begin(), part.coverage.end());
+    run.scales.insert(run.scales.end(), part.scales.begin(), part.scales.end());
     run.certification.insert(run.certification.end(), part.certification.begin(),
                              part.certification.end());
     const std::vector<std::string> notes = layer_notes(named);

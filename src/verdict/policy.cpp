@@ -479,9 +479,16 @@ Status read_policy_key(const FileContext& context, const std::string& key,
     policy.quantization_sets_exit = value.get<bool>();
     return ok_status();
   }
+  if (key == "scale_error_factor") {
+    if (!value.is_number() || !(value.get<double>() >= 1.0)) {
+      return wrong_type(context, pointer, "a number >= 1", value);
+    }
+    policy.scale_error_factor = value.get<double>();
+    return ok_status();
+  }
   return bad_input(context.where(pointer),
                    "unknown key (expected name, rel_floor, explain_fraction, kernel, cache, "
-                   "captured, quantization, total, quantization_sets_exit)");
+                   "captured, quantization, total, quantization_sets_exit, scale_error_factor)");
 }
 
 Result<nlohmann::json> read_json_object(const std::filesystem::path& path,
@@ -627,6 +634,7 @@ nlohmann::json to_json(const Policy& policy) {
     j[comparison_name(comparison)] = limits_json(limits_for(policy, comparison));
   }
   j["quantization_sets_exit"] = policy.quantization_sets_exit;
+  j["scale_error_factor"] = policy.scale_error_factor;
   return j;
 }
 

@@ -63,6 +63,11 @@ struct ComparisonLimits {
 
 std::optional<double> limit_value(const ComparisonLimits& limits, Limit limit);
 
+// 2: a served scale may cost up to twice the error of the best scale measured before the sign-off
+// calls it wrong; where nothing saturates or underflows the curve is flat to ~10% (it repeats
+// with every factor of two), so only saturation or lost precision moves it past 2x.
+inline constexpr double kDefaultScaleErrorFactor = 2.0;
+
 struct Policy {
   std::string name;        // "default", "signoff", or the policy file's name
   double rel_floor = 0.0;  // floor for max_rel denominators (reported, not judged)
@@ -77,6 +82,9 @@ struct Policy {
   // candidate's distance from the reference, in (0, 1].
   double explain_fraction = 0.25;
   std::string explain_fraction_derivation;
+  // Sign-off of the served scale (src/verdict/signoff.hpp): it fails when its FP8-storage out
+  // rel_l2 exceeds the quantization rel_l2 limit, or this factor times the recommended scale's.
+  double scale_error_factor = kDefaultScaleErrorFactor;
 };
 
 const ComparisonLimits& limits_for(const Policy& policy, Comparison comparison);

@@ -238,6 +238,32 @@ nlohmann::json coverage_json(const StepLayerCoverage& site) {
                                                         : nlohmann::json(nullptr)}};
 }
 
+nlohmann::json scale_point_json(const ScalePoint& point) {
+  return {{"scale", point.scale},
+          {"rel_l2", json_number(point.rel_l2)},
+          {"saturated_fraction", point.saturated_fraction}};
+}
+
+// One layer's served scale against the recommended one, with the rule's verdict on it.
+nlohmann::json scale_json(const Policy& policy, const LayerScaleCheck& layer) {
+  nlohmann::json curve = nlohmann::json::array();
+  for (const ScalePoint& point : layer.curve) curve.push_back(scale_point_json(point));
+  const std::optional<ScaleFailure> failure = judge_served_scale(policy, layer);
+  return {{"layer", layer.layer_id},
+          {"served_scale", layer.served_scale},
+          {"recommended_scale", layer.recommended_scale},
+          {"recommended_rule", layer.recommended_rule},
+          {"served_rel_l2", json_number(layer.served_rel_l2)},
+          {"recommended_rel_l2", json_number(layer.recommended_rel_l2)},
+          {"served_saturated_fraction", layer.served_saturated_fraction},
+          {"served_underflow_fraction", layer.served_underflow_fraction},
+          {"recommended_underflow_fraction", layer.recommended_underflow_fraction},
+          {"curve", curve},
+          {"pass", !failure.has_value()},
+          {"cause", failure ? nlohmann::json(scale_cause_name(failure->cause)) : nullptr},
+          {"sentence", failure ? nlohmann::json(failure->sentence) : nullptr}};
+}
+
 nlohmann::json gap_json(const MeasurementGap& gap) {
   return {{"layer", gap.layer_id},
           {"comparison", comparison_name(gap.comparison)},
@@ -309,6 +335,11 @@ nlohmann::json unsigned_json(const ReportModel& model) {
   j["notes"] = run.notes;
   j["coverage"] = array_json(run.coverage, coverage_json);
   j["unmeasured"] = array_json(model.unmeasured, gap_json);
+  if (!run.scales.empty()) {  // absent from runs without a scales section (and older reports)
+    j["scales"] = nlohmann::json::array();
+    for (const LayerScaleCheck& layer : run.scales)
+      j["scales"].push_back(scale_json(run.policy, layer));
+  }
   j["timing"] = timing_json(run);
   j["provenance"] = provenance_json(run.provenance);
   return j;
@@ -615,6 +646,32 @@ std::vector<CertificationSample> read_certification(JsonObjectReader reader) {
   return samples;
 }
 
+ScalePoint read_scale_point(JsonObjectReader reader) {
+  ScalePoint point;
+  point.scale = reader.number("scale");
+  point.rel_l2 = reader.number("rel_l2");
+  point.saturated_fraction = reader.number("saturated_fraction");
+  reader.finish();
+  return point;
+}
+
+LayerScaleCheck read_scale(JsonObjectReader reader) {
+  LayerScaleCheck layer;
+  layer.layer_id = reader.int32("layer");
+  layer.served_scale = reader.number("served_scale");
+  layer.recommended_scale = reader.number("recommended_scale");
+  layer.recommended_rule = reader.text("recommended_rule");
+  layer.served_rel_l2 = reader.number("served_rel_l2");
+  layer.recommended_rel_l2 = reader.number("recommended_rel_l2");
+  layer.served_saturated_fraction = reader.number("served_saturated_fraction");
+  layer.served_underflow_fraction = reader.number("served_underflow_fraction");
+  layer.recommended_underflow_fraction = reader.number("recommended_underflow_fraction");
+  layer.curve = read_array<ScalePoint>(reader, "curve", read_scale_point);
+  for (const char* derived : {"pass", "cause", "sentence"}) reader.skip(derived);  // the rule's
+  reader.finish();
+  return layer;
+}
+
 StepLayerCoverage read_coverage(JsonObjectReader reader) {
   StepLayerCoverage site;
   site.step = reader.int32("step");
@@ -709,7 +766,10 @@ Result<CheckRun> check_run_from_json(const nlohmann::json& report, const std::st
   run.certification = read_certification(reader.object("certification"));
   run.notes = reader.texts("notes");
   run.coverage = read_array<StepLayerCoverage>(reader, "coverage", read_coverage);
-  reader.skip("unmeasured");  // measurement_gaps(run)
+  reader.skip("unmeasured");   // measurement_gaps(run)
+  if (reader.has("scales")) {  // absent where the run has no scales section (and older reports)
+    run.scales = read_array<LayerScaleCheck>(reader, "scales", read_scale);
+  }
   run.signoff = read_signoff(reader);
   reader.skip("checksum");  // a plain report's: derived (absent in sign-offs and older reports)
   read_timing(reader.object("timing"), run);

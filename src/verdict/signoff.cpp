@@ -106,3 +106,89 @@ std::string gaps_headline(const std::vector<MeasurementGap>& gaps) {
 }
 
 }  // namespace kvaudit
+
+namespace kvaudit {
+
+const char* scale_cause_name(ScaleCause cause) {
+  switch (cause) {
+    case ScaleCause::kSaturation:
+      return "saturation";
+    case ScaleCause::kUnderflow:
+      return "underflow";
+    case ScaleCause::kBoth:
+      return "saturation and underflow";
+    case ScaleCause::kNeither:
+      return "neither saturation nor underflow";
+  }
+  return "unknown";
+}
+
+namespace {
+
+ScaleCause cause_of(const LayerScaleCheck& layer) {
+  const bool saturates = layer.served_saturated_fraction > 0.0;
+  const bool underflows = layer.served_underflow_fraction > layer.recommended_underflow_fraction;
+  if (saturates && underflows) return ScaleCause::kBoth;
+  if (saturates) return ScaleCause::kSaturation;
+  if (underflows) return ScaleCause::kUnderflow;
+  return ScaleCause::kNeither;
+}
+
+std::string cause_text(const LayerScaleCheck& layer, ScaleCause cause) {
+  const std::string saturation = fmt::format("saturation ({:.3g}% of the values past 464*s)",
+                                             100.0 * layer.served_saturated_fraction);
+  const std::string underflow = fmt::format(
+      "underflow ({:.3g}% of the values subnormal or flushed to 0, {:.3g}% under the "
+      "recommended scale)",
+      100.0 * layer.served_underflow_fraction, 100.0 * layer.recommended_underflow_fraction);
+  switch (cause) {
+    case ScaleCause::kSaturation:
+      return saturation;
+    case ScaleCause::kUnderflow:
+      return underflow;
+    case ScaleCause::kBoth:
+      return saturation + " and " + underflow;
+    case ScaleCause::kNeither:
+      return "neither saturation nor underflow (the rounding at this scale)";
+  }
+  return "";
+}
+
+}  // namespace
+
+std::optional<ScaleFailure> judge_served_scale(const Policy& policy, const LayerScaleCheck& layer) {
+  const std::optional<double> limit = policy.quantization.rel_l2;
+  const double relative_bound = policy.scale_error_factor * layer.recommended_rel_l2;
+  std::vector<std::string> exceeded;
+  if (limit && !(layer.served_rel_l2 <= *limit)) {
+    exceeded.push_back(fmt::format("over the quantization limit {:.3g}", *limit));
+  }
+  if (!(layer.served_rel_l2 <= relative_bound)) {
+    exceeded.push_back(fmt::format("over {:.3g}x the recommended scale's {:.3g}",
+                                   policy.scale_error_factor, layer.recommended_rel_l2));
+  }
+  if (exceeded.empty()) return std::nullopt;
+  ScaleFailure failure;
+  failure.layer_id = layer.layer_id;
+  failure.cause = cause_of(layer);
+  failure.sentence = fmt::format(
+      "layer {}: the served kv_scale {:.9g} costs out rel_l2 {:.3g} ({}): {}; use k_scale = "
+      "v_scale = {:.9g} ({})",
+      layer.layer_id, layer.served_scale, layer.served_rel_l2, fmt::join(exceeded, " and "),
+      cause_text(layer, failure.cause), layer.recommended_scale, layer.recommended_rule);
+  return failure;
+}
+
+std::vector<ScaleFailure> scale_failures(const CheckRun& run) {
+  std::vector<ScaleFailure> failures;
+  for (const LayerScaleCheck& layer : run.scales) {
+    if (auto failure = judge_served_scale(run.policy, layer)) failures.push_back(*failure);
+  }
+  return failures;
+}
+
+bool scales_fail_run(const CheckRun& run) {
+  return run.policy.quantization_sets_exit && !scale_failures(run).empty();
+}
+
+}  // namespace kvaudit

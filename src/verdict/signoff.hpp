@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -49,5 +50,30 @@ bool gaps_fail_run(const CheckRun& run);
 // read have no source value: no kv_source)"; one clause per distinct (comparisons, reason); empty
 // when nothing is missing.
 std::string gaps_headline(const std::vector<MeasurementGap>& gaps);
+
+// ---- The served scale (CheckRun::scales, from `kvaudit calibrate`) ------------------------------
+// One rule: a layer's served scale fails the sign-off when its FP8-storage error (out rel_l2)
+// exceeds the policy's quantization rel_l2 limit, or exceeds scale_error_factor times the
+// recommended scale's. The cause named: saturation (values past 464 * s under the served scale),
+// underflow (more values subnormal or flushed to 0 than under the recommended scale), both, or
+// neither (the error of that scale's rounding alone).
+enum class ScaleCause { kSaturation, kUnderflow, kBoth, kNeither };
+const char* scale_cause_name(ScaleCause cause);  // "saturation" | "underflow" | "both" | "neither"
+
+struct ScaleFailure {
+  int layer_id = 0;
+  ScaleCause cause = ScaleCause::kNeither;
+  // "layer 1: the served kv_scale 1 costs out rel_l2 0.232 (over the quantization limit 0.0625
+  // and 2x the recommended scale's 0.0399): saturation (0.3% of the values past 464*s); use
+  // k_scale = v_scale = 2.69642854 (amax/448)"
+  std::string sentence;
+};
+
+// Whether one layer's served scale fails, and why (nullopt: it passes).
+std::optional<ScaleFailure> judge_served_scale(const Policy& policy, const LayerScaleCheck& layer);
+// Every failing layer of the run, in CheckRun::scales order.
+std::vector<ScaleFailure> scale_failures(const CheckRun& run);
+// Whether they fail the run: the policy judges quantization (sign-off) and some layer fails.
+bool scales_fail_run(const CheckRun& run);
 
 }  // namespace kvaudit
