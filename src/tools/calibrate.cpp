@@ -755,7 +755,7 @@ std::string incomplete_layers_warning(const Calibration& calibration) {
   if (complete) return "";
   return fmt::format(
       "warning: the exported scales cover {} layer(s), not every layer 0..N-1; servers expect a "
-      "scale for every layer (SGLang/vLLM refuse the file and fall back to scale 1.0)",
+      "scale for every layer (vLLM's loader refuses the file, logs an error and serves 1.0)",
       ids.size());
 }
 
