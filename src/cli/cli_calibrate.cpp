@@ -45,10 +45,9 @@ Status write_file(const std::string& path, const char* option, const std::string
 Status write_outputs(const CalibrateCliOptions& options, const Calibration& calibration) {
   KVAUDIT_TRY(
       write_file(options.json_path, "--json", calibration_json(calibration).dump(2) + "\n"));
-  const std::string model = options.model_type.empty() ? calibration.model : options.model_type;
-  KVAUDIT_TRY(
-      write_file(options.quantization_param_path, "--quantization-param",
-                 quantization_param_json(calibration, model, options.tp_size).dump(2) + "\n"));
+  KVAUDIT_TRY(write_file(
+      options.quantization_param_path, "--quantization-param",
+      quantization_param_json(calibration, options.model_type, options.tp_size).dump(2) + "\n"));
   return write_file(options.safetensors_path, "--safetensors", scales_safetensors(calibration));
 }
 
@@ -58,6 +57,10 @@ int run_calibrate(CalibrateCliOptions& options) {
   std::cout << format_calibration(*calibration);
   const Status written = write_outputs(options, *calibration);
   if (!written) return report_error(written.error());
+  const bool exports =
+      !options.quantization_param_path.empty() || !options.safetensors_path.empty();
+  const std::string warning = incomplete_layers_warning(*calibration);
+  if (exports && !warning.empty()) std::cerr << warning << "\n";
   return kExitPass;
 }
 
@@ -115,7 +118,9 @@ Result<std::vector<LayerScaleCheck>> served_scale_checks(const DumpReader& reade
   options.layer_ids = layer_ids;
   KVAUDIT_ASSIGN_OR_RETURN(const Calibration calibration, calibrate_dump(reader, options));
   std::vector<LayerScaleCheck> checks;
-  for (const LayerCalibration& layer : calibration.layers) checks.push_back(scale_check_of(layer));
+  for (const LayerCalibration& layer : calibration.layers) {
+    if (layer.recommended >= 0) checks.push_back(scale_check_of(layer));  // else nothing to judge
+  }
   return checks;
 }
 
@@ -151,14 +156,16 @@ void register_calibrate_command(CLI::App& app, CommandRunner& runner) {
   add_output_path(*cmd, "--quantization-param", options->quantization_param_path, OutputKind::kFile,
                   "Write the recommended per-layer scales as the JSON that SGLang's "
                   "--quantization-param-path reads ({\"kv_cache\": {\"scaling_factor\": {rank: "
-                  "{layer: s}}}}); one scale serves K and V");
+                  "{layer: s}}}}); one scale serves K and V. Servers expect every layer "
+                  "0..N-1: a --layers subset (or a dump with some layers) gets a warning");
   add_output_path(*cmd, "--safetensors", options->safetensors_path, OutputKind::kFile,
                   "Write the recommended scales as a safetensors file of float32 scalars "
                   "model.layers.N.self_attn.k_scale and .v_scale (equal), to merge into a "
                   "checkpoint (docs/calibrate.md)");
   cmd->add_option("--model-type", options->model_type,
-                  "model_type written into --quantization-param (default: the dump's model "
-                  "attribute); servers compare it with the checkpoint's config.json");
+                  "model_type written into --quantization-param: the checkpoint config.json's "
+                  "model_type (\"deepseek_v3\", \"glm_moe_dsa\"), which servers compare it "
+                  "with; default null (the dump's model attribute is a display name, refused)");
   add_integer_option(*cmd, "--tp-size", options->tp_size, 1, 4096,
                      "Tensor-parallel ranks listed in --quantization-param (each gets the same "
                      "per-tensor scales)");

@@ -113,9 +113,10 @@ constexpr HypothesisInfo kCatalogue[] = {
      "Triton's fp32 -> fp8e4nv cast on sm90 (cvt.rn.satfinite) before an FP8 QK MMA",
      with_query(QueryRounding::kE4m3)},
     {Hypothesis::kQueryE4m3Scaled, "q-e4m3-scaled",
-     "q cast to e4m3 with a per-tensor scale q_scale = fp32(amax|q| / 448) over the step's whole "
-     "q (every row and head, q_nope and q_pe together), scores times q_scale (FlashMLA dense "
-     "FP8's descale_q as vLLM computes it)",
+     "q cast to e4m3 with a dynamic per-step q scale q_scale = fp32(amax|q| / 448) over the "
+     "step's whole q (every row and head, q_nope and q_pe together), applied as a reciprocal "
+     "multiply e4m3(q * fp32(1 / q_scale)) (the code path of vLLM's QuantFP8, whose q_scale is "
+     "static, 1.0 by default), scores times q_scale (FlashMLA dense FP8's descale_q)",
      with_query(QueryRounding::kE4m3Scaled)},
     {Hypothesis::kQueryNopeE4m3, "q-nope-e4m3",
      "the latent part of q (q_nope) cast to e4m3 without a scale, satfinite, for an FP8 latent "
@@ -127,7 +128,7 @@ constexpr HypothesisInfo kCatalogue[] = {
      Transform{ScaleRule::kOne, ScaleRule::kOne, SmScaleRule::kAsIs, PoolRead::kDequantFp32Bf16}},
     {Hypothesis::kProbabilitiesE4m3Tile, "p-e4m3-tile",
      "P rounded to e4m3 (satfinite) against the running max of each KV tile within each split "
-     "(a split-KV flash kernel: SGLang's and vLLM's Triton decode, FlashMLA dense FP8), partials "
+     "(a split-KV flash kernel: SGLang's Triton decode, FlashMLA dense FP8), partials "
      "rescaled exactly, l summed unrounded, splits merged by their lse; tile and split sizes from "
      "--diagnose-tile, else tiles of 16, 32, 64, 128 with one split each",
      with_weights(WeightRounding::kE4m3Tile)},
@@ -186,8 +187,8 @@ double sm_scale_of(SmScaleRule rule, double sm_scale, float kv_scale) {
       return 1.0;
     case SmScaleRule::kTimesLog2e:
       return sm_scale * kLog2e;
-    case SmScaleRule::kTimesKvScaleFp32:  // the kernel's fp32 product, rounded once
-      return static_cast<float>(static_cast<float>(sm_scale) * kv_scale);
+    case SmScaleRule::kTimesKvScaleFp32:  // SGLang's rule: the product in double, rounded to fp32
+      return static_cast<float>(sm_scale * static_cast<double>(kv_scale));
   }
   return sm_scale;
 }
@@ -567,8 +568,10 @@ double rounded_query(QueryRounding rounding, float q, float query_scale) {
     case QueryRounding::kE4m3:
     case QueryRounding::kE4m3Nope:  // run() keeps q_pe for this one
       return e4m3_decode(e4m3_encode(q, E4m3Overflow::kSatFinite));
-    case QueryRounding::kE4m3Scaled:
-      return e4m3_decode(e4m3_encode(q / query_scale, E4m3Overflow::kSatFinite));
+    case QueryRounding::kE4m3Scaled: {  // a reciprocal multiply, as vLLM's QuantFP8 applies it
+      const float reciprocal = 1.0f / query_scale;
+      return e4m3_decode(e4m3_encode(q * reciprocal, E4m3Overflow::kSatFinite));
+    }
     case QueryRounding::kTf32:
       return tf32_round(q);
   }

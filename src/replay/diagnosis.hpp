@@ -125,14 +125,15 @@ enum class PoolRead : std::uint8_t {
 enum class QueryRounding : std::uint8_t {
   kNone,
   kE4m3,        // e4m3_satfinite(q), no scale (|q| > 448 -> +-448)
-  kE4m3Scaled,  // e4m3_satfinite(fp32(q / q_scale)), scores times q_scale (QueryScaleDomain)
+  kE4m3Scaled,  // e4m3_satfinite(q * fp32(1 / q_scale)), scores times q_scale (QueryScaleDomain)
   kE4m3Nope,    // e4m3_satfinite(q_nope), no scale; q_pe as it is (a bf16 RoPE dot beside an
                 // FP8 latent dot: SGLang's Triton decode, MLA path)
   kTf32,        // tf32_round(q)
 };
 // Over what q_scale = fp32(amax |q| / 448) of kE4m3Scaled takes its amax. One domain is modelled:
-// the step's whole q tensor (every row and head, q_nope and q_pe together), FlashMLA dense FP8's
-// descale_q as vLLM computes it; a per-head or per-row domain would be a new enumerator.
+// the step's whole q tensor (every row and head, q_nope and q_pe together), a dynamic per-step q
+// scale (vLLM's FlashMLA caller uses a static q_scale, 1.0 by default, with the same reciprocal
+// multiply); a per-head or per-row domain would be a new enumerator.
 enum class QueryScaleDomain : std::uint8_t { kStepTensor };
 // p_t before P.V.
 enum class WeightRounding : std::uint8_t {
@@ -290,8 +291,8 @@ struct DiagnosisInput {
   // The unquantized row of a slot (kv_source, or the new_kv row the step wrote), nullptr where the
   // dump has none: write-unit-scale is applicable only when every visible slot has one.
   DecodedRows::SourceRowFn source_row = {};
-  // p-e4m3-tile's tile shapes: from the candidate's description or --diagnose-tile; empty: the
-  // kDefaultDiagnoseTiles with one split each.
+  // p-e4m3-tile's tile shapes: from --diagnose-tile only; empty: the kDefaultDiagnoseTiles with
+  // one split each.
   std::vector<TileShape> tiles = {};
 };
 

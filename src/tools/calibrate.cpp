@@ -127,12 +127,21 @@ double nearest_rank(std::vector<double>& magnitudes, double fraction) {
   return magnitudes[index];
 }
 
+// Over the finite values only: NaN breaks max and nth_element's ordering (undefined behaviour),
+// and an Inf amax gives no scale; they are counted in stats.nonfinite and reported.
 void distribution(const LayerInput& input, int begin, int end, PartStats& stats) {
   const int width = input.attrs->row_width();
   std::vector<double> magnitudes;
   magnitudes.reserve(static_cast<std::size_t>(input.num_rows * (end - begin)));
   for (std::int64_t n = 0; n < input.num_rows; ++n) {
-    for (int c = begin; c < end; ++c) magnitudes.push_back(std::fabs(input.rows[n * width + c]));
+    for (int c = begin; c < end; ++c) {
+      const float x = input.rows[n * width + c];
+      if (!std::isfinite(x)) {
+        ++stats.nonfinite;
+        continue;
+      }
+      magnitudes.push_back(std::fabs(x));
+    }
   }
   stats.count = static_cast<std::int64_t>(magnitudes.size());
   stats.amax = magnitudes.empty() ? 0.0 : *std::max_element(magnitudes.begin(), magnitudes.end());
@@ -386,6 +395,12 @@ void choose(LayerCalibration& layer, const CalibrationOptions& options) {
       std::find_if(layer.candidates.begin(), layer.candidates.end(), [&](const auto& c) {
         return c.kind == (layer.grouped ? CandidateKind::kGroupFloat32 : CandidateKind::kAmaxRule);
       });
+  if (rule_it == layer.candidates.end()) {  // amax/448 is no usable scale (0 in fp32)
+    layer.recommended = -1;
+    layer.reason = fmt::format("amax {:.4g} gives no usable amax/448 scale: no recommendation",
+                               std::max(layer.latent.amax, layer.rope.amax));
+    return;
+  }
   const std::size_t rule = static_cast<std::size_t>(rule_it - layer.candidates.begin());
   const std::size_t best = best_candidate(layer.candidates);
   const double rule_error = selection_error(layer.candidates[rule]);
@@ -434,6 +449,11 @@ Result<LayerCalibration> calibrate_layer(const DumpReader& reader, std::size_t l
   distribution(input, 0, dc, layer.latent);
   distribution(input, dc, layout.attrs.row_width(), layer.rope);
   classify(input, WriteForm{layout.attrs, meta.kv_scale}, layer.latent, layer.rope);
+  if (!(std::max(layer.latent.amax, layer.rope.amax) > 0.0)) {
+    layer.recommended = -1;
+    layer.reason = "no finite nonzero value in kv_source: no scale to recommend";
+    return layer;
+  }
   layer.candidates = base_candidates(layer);
   for (CandidateResult& c : layer.candidates) classify_candidate(input, layer, c);
   std::vector<StepReference> references;
@@ -455,6 +475,7 @@ Result<LayerCalibration> calibrate_layer(const DumpReader& reader, std::size_t l
     KVAUDIT_TRY(evaluate(input, pending, references, Precision::kBinary64, options.threads));
   }
   choose(layer, options);
+  if (layer.recommended < 0) return layer;
   // The confirmation runs where the recommendation is judged: the held-out steps, if any.
   CandidateResult confirm = layer.candidates[layer.recommended];
   const bool any_held_out = layout.steps.size() > 1;
@@ -581,6 +602,11 @@ std::string layer_text(const LayerCalibration& layer) {
                                  layer.dump_scale, layer.grouped ? ", the RoPE part's" : "");
   text += part_text("latent", layer.latent);
   text += part_text("rope", layer.rope);
+  if (layer.latent.nonfinite + layer.rope.nonfinite > 0) {
+    text += fmt::format("    {} non-finite source values, left out of the statistics\n",
+                        layer.latent.nonfinite + layer.rope.nonfinite);
+  }
+  if (layer.recommended < 0) return text + fmt::format("    no recommendation: {}\n", layer.reason);
   text += fmt::format("    {:<26} {:<12} {:>8} {:>8}  {:<36} {}\n", "candidate", "scale", "satur.",
                       "underfl.", "selection: rel_l2 lse_err worst_row",
                       "held out: rel_l2 lse_err worst_row");
@@ -616,6 +642,7 @@ std::string steps_text(const std::vector<int>& steps) {
 
 nlohmann::json part_json(const PartStats& stats) {
   return {{"count", stats.count},
+          {"nonfinite", stats.nonfinite},
           {"amax", stats.amax},
           {"abs_percentiles",
            {{"p50", stats.p50}, {"p90", stats.p90}, {"p99", stats.p99}, {"p99.9", stats.p999}}},
@@ -645,18 +672,21 @@ nlohmann::json layer_json(const LayerCalibration& layer) {
                           {"held_out", error_json(c.held_out)},
                           {"all", error_json(c.all)}});
   }
-  const CandidateResult& best = layer.candidates[layer.recommended];
+  const bool recommends = layer.recommended >= 0;
   nlohmann::json json = {{"layer_id", layer.layer_id},
                          {"dump_kv_scale", layer.dump_scale},
                          {"per_token_group", layer.grouped},
                          {"latent", part_json(layer.latent)},
                          {"rope", part_json(layer.rope)},
                          {"candidates", candidates},
-                         {"recommended", candidate_kind_name(best.kind)},
+                         {"recommended", nullptr},
                          {"reason", layer.reason},
                          {"flat", layer.flat},
-                         {"confirmed_exact", error_json(layer.confirmed)},
+                         {"confirmed_exact", recommends ? error_json(layer.confirmed) : nullptr},
                          {"confirmed_on_held_out", layer.confirmed_on_held_out}};
+  if (!recommends) return json;  // "recommended": null, "reason" says why
+  const CandidateResult& best = layer.candidates[layer.recommended];
+  json["recommended"] = candidate_kind_name(best.kind);
   if (!layer.grouped) {
     json["k_scale"] = best.scale;
     json["v_scale"] = best.scale;
@@ -699,17 +729,34 @@ nlohmann::json calibration_json(const Calibration& calibration) {
 
 namespace kvaudit {
 
-nlohmann::json quantization_param_json(const Calibration& calibration, const std::string& model,
-                                       int tp_size) {
+nlohmann::json quantization_param_json(const Calibration& calibration,
+                                       const std::string& model_type, int tp_size) {
   nlohmann::json layers = nlohmann::json::object();
   for (const LayerCalibration& layer : calibration.layers) {
-    if (layer.grouped) continue;
+    if (layer.grouped || layer.recommended < 0) continue;
     layers[std::to_string(layer.layer_id)] = layer.candidates[layer.recommended].scale;
   }
   nlohmann::json ranks = nlohmann::json::object();
   for (int rank = 0; rank < tp_size; ++rank) ranks[std::to_string(rank)] = layers;
-  return {{"model_type", model},
+  nlohmann::json type = nullptr;
+  if (!model_type.empty()) type = model_type;
+  return {{"model_type", type},
           {"kv_cache", {{"dtype", "float8_e4m3fn"}, {"scaling_factor", ranks}}}};
+}
+
+std::string incomplete_layers_warning(const Calibration& calibration) {
+  std::vector<int> ids;
+  for (const LayerCalibration& layer : calibration.layers) {
+    if (!layer.grouped && layer.recommended >= 0) ids.push_back(layer.layer_id);
+  }
+  std::sort(ids.begin(), ids.end());
+  bool complete = true;
+  for (std::size_t i = 0; i < ids.size(); ++i) complete = complete && ids[i] == static_cast<int>(i);
+  if (complete) return "";
+  return fmt::format(
+      "warning: the exported scales cover {} layer(s), not every layer 0..N-1; servers expect a "
+      "scale for every layer (vLLM's loader refuses the file, logs an error and serves 1.0)",
+      ids.size());
 }
 
 // safetensors (the format of Hugging Face checkpoints): an 8-byte little-endian header length,
@@ -720,7 +767,7 @@ std::string scales_safetensors(const Calibration& calibration) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   std::string data;
   for (const LayerCalibration& layer : calibration.layers) {
-    if (layer.grouped) continue;
+    if (layer.grouped || layer.recommended < 0) continue;
     const float scale = layer.candidates[layer.recommended].scale;
     for (const char* name : {"k_scale", "v_scale"}) {
       const std::size_t begin = data.size();

@@ -61,7 +61,8 @@ enum class CandidateKind : std::uint8_t {
 const char* candidate_kind_name(CandidateKind kind);  // "amax/448", "pow2-up(amax/448)", ...
 
 struct PartStats {
-  std::int64_t count = 0;
+  std::int64_t count = 0;      // finite values: the statistics are over these
+  std::int64_t nonfinite = 0;  // NaN or +-Inf in kv_source (the format allows NaN), left out
   double amax = 0.0;
   double p50 = 0.0, p90 = 0.0, p99 = 0.0, p999 = 0.0;
   std::int64_t saturated = 0;  // under the scale the statistics were taken with
@@ -96,7 +97,7 @@ struct LayerCalibration {
   PartStats latent;  // |x| statistics, and saturation / underflow under the dump's own scale
   PartStats rope;
   std::vector<CandidateResult> candidates;
-  int recommended = 0;  // index into candidates
+  int recommended = 0;  // index into candidates; -1: none (no finite nonzero amax, `reason`)
   bool flat = false;
   StorageError confirmed;  // the recommended scale, exact reference, held-out steps (else all)
   bool confirmed_on_held_out = false;
@@ -139,8 +140,17 @@ nlohmann::json calibration_json(const Calibration& calibration);
 //   scales_safetensors: one float32 scalar per layer and name,
 //     "model.layers.<id>.self_attn.k_scale" and ".v_scale" (equal: MLA's one cache tensor), the
 //     per-layer names compressed-tensors / llm-compressor checkpoints carry.
-nlohmann::json quantization_param_json(const Calibration& calibration, const std::string& model,
-                                       int tp_size);
+//     model_type: `model_type`, or null where it is empty. QuantParamSchema (vLLM, SGLang) has
+//     `model_type: Optional[str]` with no default (the key is required, null accepted) and
+//     compares it with the checkpoint config's model_type ("deepseek_v3", "glm_moe_dsa"), not a
+//     display name such as the dump's model attribute.
+//   Layers without a recommendation (no finite nonzero amax) have no entry either.
+nlohmann::json quantization_param_json(const Calibration& calibration,
+                                       const std::string& model_type, int tp_size);
+// One warning line where the exported layer ids are not 0..N-1 (a --layers subset, a dump with
+// some layers, a layer without a recommendation): servers expect a scale for every layer
+// (QuantParamSchema refuses a rank map of another length). Empty where they are complete.
+std::string incomplete_layers_warning(const Calibration& calibration);
 std::string scales_safetensors(const Calibration& calibration);
 
 }  // namespace kvaudit

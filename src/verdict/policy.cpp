@@ -767,7 +767,19 @@ HypothesisJudgement judge_hypothesis(const Policy& policy, Comparison comparison
   constexpr double kInfinity = std::numeric_limits<double>::infinity();
   judgement.fraction = 0.0;
   judgement.closest_metric_ratio = kInfinity;
-  for (const Limit limit : fraction_metrics(limits_for(policy, comparison), before)) {
+  const std::vector<Limit> compared = fraction_metrics(limits_for(policy, comparison), before);
+  // Nothing finite compared: the candidate fails only on NaN/Inf mismatches, or its failing
+  // metrics are not finite. The replay then explains only by reproducing every one of those
+  // mismatches (fraction 0: nothing is left); otherwise the fraction is unknown, NaN, not within.
+  const bool reproduces_nonfinite =
+      before.nonfinite_mismatches > 0 && after.nonfinite_mismatches == 0;
+  if (compared.empty() && !reproduces_nonfinite) {
+    judgement.fraction = std::numeric_limits<double>::quiet_NaN();
+    judgement.reasons.emplace_back(
+        "nothing finite was compared: the candidate's failing metrics are not finite, or it "
+        "fails only on NaN/Inf mismatches that this replay does not reproduce");
+  }
+  for (const Limit limit : compared) {
     double ratio = metric_value(after, limit) / metric_value(before, limit);
     if (std::isnan(ratio)) ratio = kInfinity;
     judgement.fraction = std::max(judgement.fraction, ratio);
@@ -778,7 +790,7 @@ HypothesisJudgement judge_hypothesis(const Policy& policy, Comparison comparison
     judgement.closest_metric_ratio = kInfinity;
   }
   judgement.within_fraction = judgement.fraction <= policy.explain_fraction;
-  if (!judgement.within_fraction) {
+  if (!judgement.within_fraction && !std::isnan(judgement.fraction)) {
     judgement.reasons.push_back(fmt::format(
         "its replay is {} of the candidate's distance from the reference (explain_fraction {})",
         format_number(judgement.fraction), format_number(policy.explain_fraction)));

@@ -167,7 +167,10 @@ inline float planted_query(const PlantedChoices& c, float q, float q_scale) {
   if (c.has(Hypothesis::kQueryE4m3) || c.has(Hypothesis::kQueryNopeE4m3)) {
     return e4m3_decode(e4m3_encode(q));
   }
-  if (c.has(Hypothesis::kQueryE4m3Scaled)) return e4m3_decode(e4m3_encode(q / q_scale));
+  if (c.has(Hypothesis::kQueryE4m3Scaled)) {  // QuantFP8's path: times the fp32 reciprocal
+    const float inverse_scale = 1.0f / q_scale;
+    return e4m3_decode(e4m3_encode(q * inverse_scale));
+  }
   if (c.has(Hypothesis::kTf32)) return planted_tf32(q);
   return q;
 }
@@ -235,8 +238,9 @@ inline PlantedOutput planted_attention(const DumpAttributes& attrs, const StepMe
   if (choices.has(Hypothesis::kSmScaleLog2e)) sm *= kLog2e;
   float score_scale = static_cast<float>(sm * kLog2e);
   if (scale_in_sm) {
-    score_scale =
-        static_cast<float>(static_cast<float>(sm) * kv_scale) * static_cast<float>(kLog2e);
+    // SGLang forms sm_scale * k_scale in double (Python floats) and hands the kernel one fp32.
+    const double sm_times_scale = sm * static_cast<double>(kv_scale);
+    score_scale = static_cast<float>(sm_times_scale) * static_cast<float>(kLog2e);
   }
   float q_scale = 1.0f;
   if (choices.has(Hypothesis::kQueryE4m3Scaled)) {

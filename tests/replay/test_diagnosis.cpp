@@ -272,8 +272,9 @@ TEST_CASE(
     "twins on the data",
     "[diagnosis]") {
   const std::vector<PlantedCase> cases = planted_cases();
-  const std::size_t index = GENERATE(range<std::size_t>(0, 26));
   REQUIRE(cases.size() == 27);
+  // range's end is exclusive: every case, the last (v-descale-missing) included.
+  const std::size_t index = GENERATE(range<std::size_t>(0, 27));
   const PlantedCase& c = cases[index];
   INFO("planted " << hypothesis_name(c.planted) << ", kv_scale " << c.kv_scale);
   const TinyDump dump = make_tiny_dump(planted_spec(c));
@@ -381,7 +382,11 @@ TEST_CASE(
   CHECK(resolve(hypothesis_info(H::kValueScaleOnOutput).transform, 0.0029f, 0.35) == identity);
   const ResolvedVariant folded =
       resolve(hypothesis_info(H::kKeyScaleInSmScale).transform, 0.0029f, 0.35);
-  CHECK(folded.sm_scale == static_cast<double>(0.35f * 0.0029f));  // one fp32 rounding
+  // SGLang's rule: sm_scale * k_scale in double (Python floats), one rounding to fp32; an fp32
+  // product of fp32(0.35) and 0.0029f would be 0.0010149999, this is 0.001015.
+  const double product = 0.35 * static_cast<double>(0.0029f);
+  CHECK(folded.sm_scale == static_cast<double>(static_cast<float>(product)));
+  CHECK(folded.sm_scale != static_cast<double>(0.35f * 0.0029f));
   CHECK(folded.value_scale == static_cast<double>(0.0029f));
   CHECK_FALSE(folded.same_computation(identity));
 }

@@ -2,8 +2,11 @@
 // against an independent float64 computation written here (its own e4m3 rounding and its own
 // attention loop, not the reference's), the held-out figures reported apart from the selection
 // ones, and the one-line refusal of a dump without kv_source.
+#include <hdf5.h>
+
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -209,6 +212,55 @@ TEST_CASE("calibrate: a dump without kv_source is refused in one line naming the
   CHECK(message.find('\n') == std::string::npos);
 }
 
+// kv_source (bf16) of layer L000 with column 0 of every slot NaN and column 1 +Inf: the format
+// allows NaN there; returns the number of slots.
+std::int64_t plant_nonfinite_source(const std::filesystem::path& path) {
+  const hid_t file = H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+  REQUIRE(file >= 0);
+  const hid_t dataset = H5Dopen2(file, "/layers/L000/kv_source", H5P_DEFAULT);
+  REQUIRE(dataset >= 0);
+  const hid_t space = H5Dget_space(dataset);
+  hsize_t dims[3] = {0, 0, 0};
+  REQUIRE(H5Sget_simple_extent_dims(space, dims, nullptr) == 3);
+  std::vector<std::uint16_t> bits(dims[0] * dims[1] * dims[2]);
+  REQUIRE(H5Dread(dataset, H5T_NATIVE_UINT16, H5S_ALL, H5S_ALL, H5P_DEFAULT, bits.data()) >= 0);
+  const std::int64_t slots = static_cast<std::int64_t>(dims[0] * dims[1]);
+  for (std::int64_t t = 0; t < slots; ++t) {
+    bits[t * dims[2] + 0] = 0x7FC0;  // bf16 quiet NaN
+    bits[t * dims[2] + 1] = 0x7F80;  // bf16 +Inf
+  }
+  REQUIRE(H5Dwrite(dataset, H5T_NATIVE_UINT16, H5S_ALL, H5S_ALL, H5P_DEFAULT, bits.data()) >= 0);
+  H5Sclose(space);
+  H5Dclose(dataset);
+  H5Fclose(file);
+  return slots;
+}
+
+TEST_CASE("calibrate: NaN and Inf in kv_source are left out of the statistics and counted",
+          "[calibrate]") {
+  const auto path = test_tmp_dir("calibrate") / "nonfinite_source.h5";
+  REQUIRE(write_synth_dump(path, outlier_spec()));
+  plant_nonfinite_source(path);
+  auto reader = DumpReader::open(path);
+  REQUIRE(reader);
+  auto calibration = calibrate_dump(*reader, CalibrationOptions{});
+  REQUIRE(calibration);
+  const LayerCalibration& layer = calibration->layers.at(0);
+  // Columns 0 and 1 of every visible slot that kv_source still holds (a step's new_kv row
+  // replaces its slot's source row): some, and two per such row.
+  CHECK(layer.latent.nonfinite > 0);
+  CHECK(layer.latent.nonfinite % 2 == 0);
+  CHECK(layer.rope.nonfinite == 0);
+  CHECK(std::isfinite(layer.latent.amax));
+  CHECK(std::isfinite(layer.latent.p999));
+  REQUIRE(layer.recommended >= 0);
+  REQUIRE(layer.recommended < static_cast<int>(layer.candidates.size()));
+  CHECK(std::isfinite(layer.candidates[layer.recommended].scale));
+  const std::string text = format_calibration(*calibration);
+  CHECK(text.find(std::to_string(layer.latent.nonfinite) + " non-finite source values, left out") !=
+        std::string::npos);
+}
+
 }  // namespace
 }  // namespace kvaudit
 
@@ -229,6 +281,19 @@ TEST_CASE("calibrate: the exports carry k_scale = v_scale per layer in the serve
   CHECK(param["kv_cache"]["dtype"] == "float8_e4m3fn");
   CHECK(param["kv_cache"]["scaling_factor"]["0"]["0"].get<float>() == recommended);
   CHECK(param["kv_cache"]["scaling_factor"]["1"]["0"].get<float>() == recommended);
+  // Without --model-type: null (the schema's Optional[str] key), never the dump's model name.
+  const nlohmann::json untyped = quantization_param_json(*calibration, "", 1);
+  REQUIRE(untyped.contains("model_type"));
+  CHECK(untyped["model_type"].is_null());
+  // Layer 0 alone is every layer 0..N-1 of a one-layer dump: no warning; layers {1, 3} are not.
+  CHECK(incomplete_layers_warning(*calibration).empty());
+  Calibration partial = *calibration;
+  partial.layers = {calibration->layers[0], calibration->layers[0]};
+  partial.layers[0].layer_id = 1;
+  partial.layers[1].layer_id = 3;
+  const std::string warning = incomplete_layers_warning(partial);
+  CHECK(warning.find("cover 2 layer(s), not every layer 0..N-1") != std::string::npos);
+  CHECK(warning.find('\n') == std::string::npos);
   const std::string file = scales_safetensors(*calibration);
   REQUIRE(file.size() > 8);
   std::uint64_t length = 0;

@@ -2,6 +2,7 @@
 // policy-file parsing. Limit values below are written out from the derivations in policy.cpp
 // (2^-8 = 0.00390625 ...), not read back from the code.
 #include <catch2/catch.hpp>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -420,4 +421,40 @@ TEST_CASE("judge_hypothesis: the lse limit follows the hypothesis's lse past 2^7
   REQUIRE(past.reasons.size() == 1);
   CHECK(past.reasons[0] ==
         "lse_max_abs 2 > 0.916 (kernel limit; lse limit x938 for |lse| up to 1.2e+05)");
+}
+
+TEST_CASE(
+    "judge_hypothesis: nothing finite compared is no fraction, unless the replay "
+    "reproduces the candidate's NaN/Inf",
+    "[policy][diagnosis]") {
+  const Policy policy = kvaudit::default_policy();
+  // The candidate fails only on NaN/Inf mismatches: every finite metric is clean.
+  ComparisonMetrics before = quiet_metrics();
+  before.rel_l2 = 0.0018;
+  before.nonfinite_mismatches = 3;
+  ComparisonMetrics after = quiet_metrics();
+  after.rel_l2 = 0.0018;
+  // The replay leaves the mismatches where they were (the same NaN/Inf against it as against the
+  // reference): no fraction, not within, not closest.
+  ComparisonMetrics unreproduced = after;
+  unreproduced.nonfinite_mismatches = 3;
+  const kvaudit::HypothesisJudgement left =
+      kvaudit::judge_hypothesis(policy, Comparison::kKernel, before, unreproduced, 10.0);
+  CHECK_FALSE(left.within_fraction);
+  CHECK_FALSE(left.explains);
+  // A finite failing metric that is not finite: rel_l2 NaN, nothing else fails.
+  ComparisonMetrics nan_metric = quiet_metrics();
+  nan_metric.rel_l2 = std::numeric_limits<double>::quiet_NaN();
+  const kvaudit::HypothesisJudgement unknown =
+      kvaudit::judge_hypothesis(policy, Comparison::kKernel, nan_metric, after, 10.0);
+  CHECK(std::isnan(unknown.fraction));
+  CHECK_FALSE(unknown.within_fraction);
+  CHECK_FALSE(unknown.explains);
+  CHECK(mentions(Judgement{false, unknown.reasons}, "nothing finite was compared"));
+  // The replay reproduces every NaN/Inf of the candidate (none left against it): it explains.
+  const kvaudit::HypothesisJudgement reproduced =
+      kvaudit::judge_hypothesis(policy, Comparison::kKernel, before, after, 10.0);
+  CHECK(reproduced.fraction == 0.0);
+  CHECK(reproduced.within_fraction);
+  CHECK(reproduced.explains);
 }
