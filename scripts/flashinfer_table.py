@@ -329,13 +329,14 @@ def run_all(options):
     return table
 
 
-def save(table, out, quiet=False):
+def save(table, out, quiet=False, render=None):
+    """OUT.json and OUT.md (rendered by `render`, this table's render_markdown by default)."""
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out + ".json", "w", encoding="utf-8") as f:
         json.dump(table, f, indent=1, sort_keys=True)
         f.write("\n")
     with open(out + ".md", "w", encoding="utf-8") as f:
-        f.write(render_markdown(table))
+        f.write((render or render_markdown)(table))
     if not quiet:
         print(f"wrote {out}.md and {out}.json")
 

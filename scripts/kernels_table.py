@@ -369,14 +369,7 @@ def render_markdown(table):
 
 
 def save(table, out, quiet=False):
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out + ".json", "w", encoding="utf-8") as f:
-        json.dump(table, f, indent=1, sort_keys=True)
-        f.write("\n")
-    with open(out + ".md", "w", encoding="utf-8") as f:
-        f.write(render_markdown(table))
-    if not quiet:
-        print(f"wrote {out}.md and {out}.json")
+    fi_table.save(table, out, quiet, render=render_markdown)
 
 
 def pythonpath_entry(text):
