@@ -220,3 +220,33 @@ class LaunchArguments(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class DiagnoseTiles(unittest.TestCase):
+    """The KV tiles each adapter declares for kvaudit's p-e4m3-tile replay (describe's
+    "diagnose_tiles"): SGLang rounds P to e4m3 per 32-key tile of each split, vLLM to bf16."""
+
+    @staticmethod
+    def bare(cls, **options):
+        import types
+
+        made = cls.__new__(cls)
+        made.options = types.SimpleNamespace(**{"num_kv_splits": 0, **options})
+        return made
+
+    def test_sglang_fixed_splits_is_one_shape(self):
+        from kvdump.backends.sglang_triton_mla import SglangTritonMlaAdapter
+
+        self.assertEqual(self.bare(SglangTritonMlaAdapter, num_kv_splits=4).diagnose_tiles(),
+                         "32x4")
+
+    def test_sglang_server_policy_offers_each_split_count(self):
+        from kvdump.backends.sglang_triton_mla import SglangTritonMlaAdapter
+
+        self.assertEqual(self.bare(SglangTritonMlaAdapter).diagnose_tiles(),
+                         "32x1,32x2,32x4,32x8")
+
+    def test_vllm_rounds_p_to_bf16_so_declares_none(self):
+        from kvdump.backends.vllm_triton_mla import VllmTritonMlaAdapter
+
+        self.assertIsNone(self.bare(VllmTritonMlaAdapter).diagnose_tiles())

@@ -148,8 +148,10 @@ int print_injections() {
   return kExitPass;
 }
 
-// --diagnose-tile: comma-separated TILE or TILExSPLITS, each a positive count.
-Result<std::vector<TileShape>> parse_tile_shapes(const std::string& text) {
+// --diagnose-tile (or a backend's describe "diagnose_tiles", named by `origin` in errors):
+// comma-separated TILE or TILExSPLITS, each a positive count.
+Result<std::vector<TileShape>> parse_tile_shapes(const std::string& text,
+                                                 std::string_view origin = "--diagnose-tile") {
   std::vector<TileShape> shapes;
   std::size_t start = 0;
   while (start <= text.size()) {
@@ -172,7 +174,7 @@ Result<std::vector<TileShape>> parse_tile_shapes(const std::string& text) {
       shape.tile = 0;
     }
     if (shape.tile <= 0 || shape.tile > 65536 || shape.splits <= 0 || shape.splits > 65536) {
-      return bad_input("--diagnose-tile",
+      return bad_input(std::string(origin),
                        fmt::format("'{}' is not TILE or TILExSPLITS with positive counts up to "
                                    "65536 (e.g. 64 or 64x4)",
                                    item));
@@ -390,6 +392,26 @@ Result<CheckRun> replay_check(const CheckOptions& options, const DumpReader& rea
   return std::move(part.run);
 }
 
+// The tile shapes p-e4m3-tile replays when --diagnose-tile is not given: the ones the backend
+// declares for its kernel (describe's "diagnose_tiles", the --diagnose-tile syntax: an exec
+// adapter states its kernel's KV tile and split counts, docs/backend-protocol.md); otherwise the
+// diagnosis's default tiles. --diagnose-tile wins over the backend's.
+Status take_backend_tiles(const CheckOptions& options, const Backend* backend,
+                          ReplayOptions& replay) {
+  if (!options.diagnose_tiles.empty() || backend == nullptr) return ok_status();
+  const nlohmann::json described = backend->describe();
+  const auto tiles = described.find("diagnose_tiles");
+  if (tiles == described.end() || tiles->is_null()) return ok_status();
+  const std::string origin =
+      fmt::format("backend {}'s describe \"diagnose_tiles\"", options.selection.backend);
+  if (!tiles->is_string()) return bad_input(origin, "is not a string like \"32x4\" or \"64\"");
+  KVAUDIT_ASSIGN_OR_RETURN(replay.diagnose_tiles,
+                           parse_tile_shapes(tiles->get<std::string>(), origin));
+  fmt::print(std::cout, "p-e4m3-tile replays the backend's KV tiles: {}\n",
+             tiles->get<std::string>());
+  return ok_status();
+}
+
 // The exit status of a check, or the error that stopped it. Everything is validated before any
 // work: dump, selection, policy, backend, output files.
 Result<int> check_dump(const CheckOptions& options) {
@@ -408,6 +430,7 @@ Result<int> check_dump(const CheckOptions& options) {
   KVAUDIT_ASSIGN_OR_RETURN(
       const std::unique_ptr<Backend> backend,
       make_selected_backend(options.selection, reader.layout(), options.threads));
+  KVAUDIT_TRY(take_backend_tiles(options, backend.get(), replay));
   KVAUDIT_ASSIGN_OR_RETURN(const std::optional<ResolvedShard> resolved, check_shard(options));
   KVAUDIT_ASSIGN_OR_RETURN(CheckOutputs files, open_outputs(options));
   std::optional<OutputsWriter> outputs;
@@ -524,7 +547,9 @@ void add_output_options(CLI::App& cmd, CheckOptions& options) {
                  "The KV tile (and split count) p-e4m3-tile replays: TILE or TILExSPLITS, "
                  "comma-separated (64, 64x4,128x2), as the kernel under test cuts a row's tokens "
                  "(splits of ceil(len / SPLITS) rounded up to a multiple of TILE). Default: "
-                 "tiles 16, 32, 64 and 128 with one split each, the finding says which fits");
+                 "the shapes the backend declares (an exec adapter's describe "
+                 "\"diagnose_tiles\", docs/backend-protocol.md), else tiles 16, 32, 64 and 128 "
+                 "with one split each; the finding says which fits");
   cmd.add_flag("--list-diagnoses", options.list_diagnoses,
                "List the diagnosis catalogue, one line each with what it models");
   add_integer_option(

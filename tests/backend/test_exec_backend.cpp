@@ -110,6 +110,29 @@ TEST_CASE("exec backend: an internal error reply is exit 2 and says the program 
                     "kvaudit): CUDA error (fake)");
 }
 
+TEST_CASE("exec backend: the tiles a backend's describe declares are the ones p-e4m3-tile replays",
+          "[exec][backend]") {
+  const auto dir = case_dir("fake_diagnose_tiles");
+  const CommandRun run = check_fake(dir, fake_command("diagnose-tiles"));
+  INFO(run.command << "\n" << run.output);
+  CHECK(run.status == 0);
+  CHECK_THAT(run.output, Catch::Contains("p-e4m3-tile replays the backend's KV tiles: 48x3"));
+
+  const auto flag_dir = case_dir("fake_diagnose_tiles_flag");
+  const CommandRun flag =
+      check_fake(flag_dir, fake_command("diagnose-tiles"), "", "--diagnose-tile 64x2");
+  INFO(flag.command << "\n" << flag.output);
+  CHECK(flag.status == 0);
+  CHECK_THAT(flag.output, !Catch::Contains("replays the backend's KV tiles"));
+
+  const auto bad_dir = case_dir("fake_diagnose_tiles_bad");
+  const CommandRun bad = check_fake(bad_dir, fake_command("diagnose-tiles-bad"));
+  INFO(bad.command << "\n" << bad.output);
+  CHECK(bad.status == 2);
+  CHECK_THAT(bad.output, Catch::Contains("backend exec:fake's describe \"diagnose_tiles\": '0x3' "
+                                         "is not TILE or TILExSPLITS"));
+}
+
 TEST_CASE("exec backend: an unsupported hello is exit 2 with the program's reason",
           "[exec][backend]") {
   const auto dir = case_dir("fake_refuse_hello");

@@ -233,7 +233,11 @@ class FlashMlaDenseFp8Adapter(PooledAdapter):
         """The common describe plus the kernel's provenance and the caller's rule."""
         tiles = {"block_m_rows": 64, "block_n_tokens": TILE_TOKENS, "page_tokens": PAGE,
                  "p_rounding": f"e4m3 per {TILE_TOKENS}-token tile against the running max"}
-        return {**super().describe(), "tiles": tiles, "kernel": {
+        # P is rounded per 64-token block against the running max of the split that holds it;
+        # FlashMLA's scheduler cuts splits by SM load, not by a per-entry count, so the replay
+        # is offered the tile with one split (exact for an entry the scheduler does not split).
+        return {**super().describe(), "tiles": tiles, "diagnose_tiles": f"{TILE_TOKENS}",
+                "kernel": {
             "package": UPSTREAM_REPOSITORY, "upstream_commit": UPSTREAM_COMMIT,
             "module": self.options.flashmla_module, "upstream": UPSTREAM,
             "entry_point": "fwd_kvcache_mla_fp8 (get_mla_decoding_metadata_dense_fp8 for the "

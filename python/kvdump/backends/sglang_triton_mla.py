@@ -76,6 +76,17 @@ class SglangTritonMlaAdapter(TritonMlaAdapter):
                 "_mla_decode_kv_splits_cap(8, SMs, L_max)",
                 "split_cut": "cdiv(cdiv(L, S), 32) * 32 keys per split"}
 
+    def diagnose_tiles(self):
+        """P goes to e4m3 per BLOCK_N-key tile against the split's running max; a split is
+        cdiv(cdiv(L, S), 32) * 32 keys, the cut kvaudit's tile replay makes. With --num-kv-splits
+        every entry has S splits and the replay is the kernel's cut. Otherwise S varies per entry
+        (the server's policy, sglang_num_kv_splits, up to its cap) while the replay applies one
+        S to every entry: S = 1, 2, 4 and 8 are offered and the diagnosis names the closest, an
+        approximation for a step whose entries got different S (--num-kv-splits makes it exact)."""
+        if self.options.num_kv_splits:
+            return f"{BLOCK_N}x{self.options.num_kv_splits}"
+        return ",".join(f"{BLOCK_N}x{s}" for s in (1, 2, 4, 8))
+
     def splits(self, seq_len, heads):
         if self.options.num_kv_splits:
             n = self.options.num_kv_splits

@@ -70,7 +70,15 @@ class TritonMlaAdapter(PooledAdapter):
         describe = super().describe()
         describe["kernel"] = self.library_summary()
         describe["tiles"] = self.tiles()
+        tiles = self.diagnose_tiles()
+        if tiles:
+            describe["diagnose_tiles"] = tiles
         return describe
+
+    def diagnose_tiles(self):
+        """The KV tiles (TILExSPLITS, --diagnose-tile's syntax) over which the kernel rounds P to
+        e4m3 against a running max, for kvaudit's p-e4m3-tile replay; None where it does not."""
+        return None
 
     def option_summary(self):
         return {**super().option_summary(), "kernel_file": self.kernel_path,

@@ -21,6 +21,9 @@ protocol or the pool the way a faulty program would (docs/backend-protocol.md):
                   would in a program whose own write went astray
   sleep           writes its pid to --pidfile and sleeps for ten minutes
   clean           nothing: the proxy alone (it must not change any result)
+  diagnose-tiles  the hello reply's describe says "diagnose_tiles": "48x3" (the KV tile and split
+                  count p-e4m3-tile replays for this kernel); nothing else changes
+  diagnose-tiles-bad  the same with "0x3", which is not a tile
 
 Python standard library only: kvaudit's tests run it with any python3.
 """
@@ -33,7 +36,8 @@ import sys
 import time
 
 MODES = ("crash", "garbage", "wrong-out-size", "missing-out", "error-internal", "storage-bf16",
-         "wrong-slot", "sleep", "clean")
+         "wrong-slot", "sleep", "clean", "diagnose-tiles", "diagnose-tiles-bad")
+DIAGNOSE_TILES = {"diagnose-tiles": "48x3", "diagnose-tiles-bad": "0x3"}
 
 
 def e4m3_value(code):
@@ -183,7 +187,10 @@ class Proxy:
             if kind == "step":
                 self.step(line, request)
                 continue
-            self.send(self.forward(line))
+            reply = self.forward(line)
+            if kind == "hello" and self.mode in DIAGNOSE_TILES:
+                reply.setdefault("describe", {})["diagnose_tiles"] = DIAGNOSE_TILES[self.mode]
+            self.send(reply)
             if kind == "bye":
                 return 0
         return 0
