@@ -101,6 +101,9 @@ class Summary(unittest.TestCase):
         self.assertIn("| vllm-triton-mla | a.h5 | not run | — | — | — | — | not run: why "
                       "| 0.0 |", text)
         self.assertIn("| triton | 3.6.0 |", text)
+        # SGLang's FA3 MLA serves the FP8 cache through a bf16 kernel: a row of evidence
+        self.assertIn("| sglang-fa3-mla | SGLang `--attention-backend fa3", text)
+        self.assertIn("HeaddimV > 256 requires fp16 and bf16 data type", text)
 
 
 if __name__ == "__main__":
