@@ -52,12 +52,16 @@ void register_synth_command(CLI::App& app, CommandRunner& runner);
 void register_check_command(CLI::App& app, CommandRunner& runner);
 void register_calibrate_command(CLI::App& app, CommandRunner& runner);
 // check --signoff's scales section: `kvaudit calibrate` on the layers checked (`layer_ids`, empty:
-// all), as CheckRun::scales; empty where a layer has no kv_source (the sign-off's gap rule
-// speaks for it) or the dump has per_token_group scales (computed at write time: no served
-// per-tensor scale to judge). Defined in cli_calibrate.cpp.
-Result<std::vector<LayerScaleCheck>> served_scale_checks(const DumpReader& reader,
-                                                         const std::vector<int>& layer_ids,
-                                                         int threads);
+// all), as CheckRun::scales. What it cannot judge is a note, never silently absent: a dump
+// whose checked layers lack kv_source (the sign-off's gap rule also speaks for it), one with
+// per_token_group scales (computed at write time: no served per-tensor scale to judge), a layer
+// with no recommendation (no finite nonzero amax). Defined in cli_calibrate.cpp.
+struct ServedScales {
+  std::vector<LayerScaleCheck> checks;
+  std::vector<std::string> notes;
+};
+Result<ServedScales> served_scale_checks(const DumpReader& reader,
+                                         const std::vector<int>& layer_ids, int threads);
 void register_bench_command(CLI::App& app, CommandRunner& runner);
 void register_golden_command(CLI::App& app, CommandRunner& runner);
 // `kvaudit help [COMMAND]`: prints the help of the program or of one command.

@@ -1,4 +1,7 @@
 // `kvaudit calibrate DUMP`: which kv_scale should this cache use (src/tools/calibrate.hpp)?
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <iostream>
 #include <memory>
@@ -103,25 +106,44 @@ LayerScaleCheck scale_check_of(const LayerCalibration& layer) {
 
 }  // namespace
 
-Result<std::vector<LayerScaleCheck>> served_scale_checks(const DumpReader& reader,
-                                                         const std::vector<int>& layer_ids,
-                                                         int threads) {
+Result<ServedScales> served_scale_checks(const DumpReader& reader,
+                                         const std::vector<int>& layer_ids, int threads) {
   const DumpLayout& layout = reader.layout();
-  if (layout.attrs.per_token_group()) return std::vector<LayerScaleCheck>{};
+  ServedScales served;
+  if (layout.attrs.per_token_group()) {
+    served.notes.push_back(
+        "Scales: not judged: the dump's pools carry per_token_group scales, computed at write "
+        "time, so there is no served per-tensor kv_scale to compare with a recommendation");
+    return served;
+  }
+  std::vector<int> without_source;
   for (const LayerMeta& layer : layout.layers) {
     const bool selected = layer_ids.empty() || std::find(layer_ids.begin(), layer_ids.end(),
                                                          layer.layer_id) != layer_ids.end();
-    if (selected && !layer.has_source) return std::vector<LayerScaleCheck>{};
+    if (selected && !layer.has_source) without_source.push_back(layer.layer_id);
+  }
+  if (!without_source.empty()) {
+    served.notes.push_back(fmt::format(
+        "Scales: not judged: layer(s) {} have no kv_source, the unquantized rows a scale's "
+        "FP8-storage error is measured on",
+        fmt::join(without_source, ", ")));
+    return served;
   }
   CalibrationOptions options;
   options.threads = threads;
   options.layer_ids = layer_ids;
   KVAUDIT_ASSIGN_OR_RETURN(const Calibration calibration, calibrate_dump(reader, options));
-  std::vector<LayerScaleCheck> checks;
   for (const LayerCalibration& layer : calibration.layers) {
-    if (layer.recommended >= 0) checks.push_back(scale_check_of(layer));  // else nothing to judge
+    if (layer.recommended >= 0) {
+      served.checks.push_back(scale_check_of(layer));
+    } else {
+      served.notes.push_back(
+          fmt::format("Scales: layer {}: served kv_scale not judged, no "
+                      "recommendation: {}",
+                      layer.layer_id, layer.reason));
+    }
   }
-  return checks;
+  return served;
 }
 
 void register_calibrate_command(CLI::App& app, CommandRunner& runner) {

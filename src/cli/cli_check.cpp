@@ -458,8 +458,10 @@ Result<int> check_dump(const CheckOptions& options) {
   // layers, none for a part without layers; kvaudit merge puts the parts' together).
   if (signoff && !(shard && shard->layers.empty())) {
     KVAUDIT_ASSIGN_OR_RETURN(
-        run.scales,
+        ServedScales served,
         served_scale_checks(reader, shard ? shard->layers : replay.layer_ids, options.threads));
+    run.scales = std::move(served.checks);
+    run.notes.insert(run.notes.end(), served.notes.begin(), served.notes.end());
   }
   if (outputs) KVAUDIT_TRY(outputs->close());
 

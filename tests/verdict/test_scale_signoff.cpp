@@ -100,8 +100,10 @@ TEST_CASE("scale sign-off: the scale-1.0 trace fails naming saturation, the reca
     return std::move(*reader);
   };
   const DumpReader unit = dataset("glm5_outliers_scale1.h5");
-  auto unit_checks = served_scale_checks(unit, {}, 0);
-  REQUIRE(unit_checks);
+  auto unit_served = served_scale_checks(unit, {}, 0);
+  REQUIRE(unit_served);
+  CHECK(unit_served->notes.empty());
+  const std::vector<LayerScaleCheck>* unit_checks = &unit_served->checks;
   REQUIRE(unit_checks->size() == 2);
   for (const LayerScaleCheck& layer : *unit_checks) {
     INFO("layer " << layer.layer_id);
@@ -112,8 +114,9 @@ TEST_CASE("scale sign-off: the scale-1.0 trace fails naming saturation, the reca
     CHECK(failure->sentence.find("use k_scale = v_scale = ") != std::string::npos);
   }
   const DumpReader calibrated = dataset("glm5_outliers_calibrated.h5");
-  auto calibrated_checks = served_scale_checks(calibrated, {}, 0);
-  REQUIRE(calibrated_checks);
+  auto calibrated_served = served_scale_checks(calibrated, {}, 0);
+  REQUIRE(calibrated_served);
+  const std::vector<LayerScaleCheck>* calibrated_checks = &calibrated_served->checks;
   REQUIRE(calibrated_checks->size() == 2);
   for (std::size_t i = 0; i < calibrated_checks->size(); ++i) {
     const LayerScaleCheck& layer = (*calibrated_checks)[i];
@@ -123,6 +126,29 @@ TEST_CASE("scale sign-off: the scale-1.0 trace fails naming saturation, the reca
           static_cast<float>((*unit_checks)[i].recommended_scale));
     CHECK_FALSE(judge_served_scale(signoff_policy(), layer));
   }
+}
+
+TEST_CASE("scale sign-off: what cannot be judged is a note naming why, not a silent gap",
+          "[signoff][scales]") {
+  const auto dataset = [](const char* name) {
+    auto reader = DumpReader::open(kvaudit_test::source_dir() / "datasets" / name);
+    if (!reader) FAIL(reader.error().message());
+    return std::move(*reader);
+  };
+  const DumpReader no_source = dataset("page64_nan.h5");  // written without kv_source
+  auto served = served_scale_checks(no_source, {}, 0);
+  REQUIRE(served);
+  CHECK(served->checks.empty());
+  REQUIRE(served->notes.size() == 1);
+  CHECK_THAT(served->notes[0], Catch::Contains("Scales: not judged: layer(s) 0, 1 have no "
+                                               "kv_source"));
+
+  const DumpReader grouped = dataset("glm5_pertoken_fp8rope.h5");  // per_token_group scales
+  auto grouped_served = served_scale_checks(grouped, {}, 0);
+  REQUIRE(grouped_served);
+  CHECK(grouped_served->checks.empty());
+  REQUIRE(grouped_served->notes.size() == 1);
+  CHECK_THAT(grouped_served->notes[0], Catch::Contains("per_token_group scales"));
 }
 
 }  // namespace
