@@ -112,6 +112,39 @@ class CallerRuleTests(unittest.TestCase):
         self.assertEqual(rule.descales(0.125), (1.0, 1.0))
 
 
+class BenchLaunchTests(unittest.TestCase):
+    """kvaudit bench --peer flashmla-dense-fp8: the case's pages and q as the kernel takes them."""
+
+    @staticmethod
+    def adapter(caller="vllm"):
+        made = dense.FlashMlaDenseFp8Adapter.__new__(dense.FlashMlaDenseFp8Adapter)
+        made.name = "flashmla-dense-fp8"
+        made.rule = dense.CallerRule(caller, 1.0)
+        return made
+
+    def test_pages_rows_and_q_codes_of_a_decode_case(self):
+        # Two requests of 74 and 128 tokens: pages [3, 1] (last page 10 tokens) and [0, 2].
+        case = SimpleNamespace(page_size=64)
+        data = SimpleNamespace(qo_indptr=np.array([0, 1, 2], np.int32),
+                               kv_indptr=np.array([0, 2, 4], np.int32),
+                               kv_indices=np.array([3, 1, 0, 2], np.int32),
+                               kv_last_page_len=np.array([10, 64], np.int32))
+        q = np.zeros((2, 1, 576), np.float32)
+        q[0, 0, 0], q[1, 0, 575] = 1.0, -2.0  # e4m3 0x38 and 0xC0
+        codes, launch = self.adapter().bench_launch(case, data, q)
+        self.assertEqual(launch.block_table.tolist(), [[3, 1], [0, 2]])
+        self.assertEqual(launch.seqlens.tolist(), [74, 128])
+        self.assertEqual(launch.rows.tolist(), [[0], [1]])
+        self.assertEqual(codes.shape, (2, 1, 1, 576))  # [B, s_q, H, 576]
+        self.assertEqual((int(codes[0, 0, 0, 0]), int(codes[1, 0, 0, 575])), (0x38, 0xC0))
+
+    def test_other_page_sizes_are_refused(self):
+        case = SimpleNamespace(page_size=16)
+        with self.assertRaises(Exception) as caught:
+            self.adapter().bench_launch(case, None, None)
+        self.assertIn("page_size 64", str(caught.exception))
+
+
 class FlashInferSeriesTests(unittest.TestCase):
     def test_versions_map_to_their_series(self):
         self.assertEqual(flashinfer_fp8.flashinfer_series("0.7.4"), (0, 7))

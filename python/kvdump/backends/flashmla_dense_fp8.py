@@ -48,6 +48,7 @@ the same causal multi-row path vLLM uses for uniform short prefills and speculat
 import importlib.util
 import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -317,6 +318,50 @@ class FlashMlaDenseFp8Adapter(PooledAdapter):
             q, cache, CKV, seqlens, table, float(self.model.sm_scale), True, tiles, splits,
             scale(descale_q), scale(descale_k))
         return out, lse
+
+    # -- bench ---------------------------------------------------------------------------------
+
+    def capabilities(self):
+        return ["check", "bench"] if self.device.type == "cuda" else ["check"]
+
+    def bench_launch(self, case, data, q_float32):
+        """(q codes uint8 [B, s_q, H, 576], Launch) of a bench case: its pool has 64-token pages
+        (the kernel's; other page sizes are refused rather than re-paged, which would time a
+        copy), every request q_len rows; q as the caller rule feeds it."""
+        if case.page_size != PAGE:
+            raise unsupported(f"{self.name}: bench needs page_size {PAGE} (the kernel's page); "
+                              f"the case has {case.page_size}")
+        step = SimpleNamespace(qo_indptr=data.qo_indptr, kv_indptr=data.kv_indptr,
+                               kv_indices=data.kv_indices, kv_last_page_len=data.kv_last_page_len)
+        (launch,) = launches(step, PAGE)  # every request has q_len rows: one group
+        return self.rule.q_codes(q_float32)[launch.rows], launch
+
+    def bench(self, case):
+        """fwd_kvcache_mla_fp8 alone timed: q's cast, the block table and the split-KV schedule
+        (get_mla_decoding_metadata_dense_fp8, once per batch in a server) are made before."""
+        from .bench import case_data, time_on_gpu
+
+        torch = self.torch
+        data = case_data(torch, case, self.device)
+        q_float32 = torch.cat([data.q_nope, data.q_pe], dim=-1).float().cpu().numpy()
+        codes, launch = self.bench_launch(case, data, q_float32)
+        q = torch.from_numpy(np.ascontiguousarray(codes)).to(self.device).view(torch.float8_e4m3fn)
+        cache = self.kernel_cache(data.pool, None)
+        seqlens = torch.from_numpy(launch.seqlens).to(self.device)
+        table = torch.from_numpy(launch.block_table).to(self.device)
+        tiles, splits = self.extension.get_mla_decoding_metadata_dense_fp8(
+            seqlens, launch.rows_per_request * case.num_heads, 1)
+        descale_q, descale_k = self.rule.descales(data.kv_scale)
+        scale = lambda v: torch.tensor([float(v)], dtype=torch.float32, device=self.device)  # noqa: E731
+        descale_q, descale_k = scale(descale_q), scale(descale_k)
+
+        def run():
+            return self.extension.fwd_kvcache_mla_fp8(
+                q, cache, CKV, seqlens, table, float(self.model.sm_scale), True, tiles, splits,
+                descale_q, descale_k)
+
+        return time_on_gpu(torch, run, case, label="fwd_kvcache_mla_fp8 only (q cast, block "
+                                                   "table and split schedule made before)")
 
     def kernel_cache(self, pool_tensor, gather):
         """[blocks, 64, 1, 576] float8_e4m3fn: the pool itself, or its re-paged copy."""
