@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole-model check, timed (issue 34): generate a GLM-5-shaped dump with `kvaudit synth` (78
 # layers, 16 heads as in reports/reference-cuda-h200.md's record, 8 requests of 512 prefill
-# tokens each over 4,096 cached ones, page 64, one decode step, kv_source) into build/, then run `kvaudit check` on it under /usr/bin/time -v and
+# tokens each over 4,096 cached ones, page 64, one decode step: the record's synth command) into
+# build/, then run `kvaudit check` on it under /usr/bin/time -v and
 # print the wall time, the peak resident memory and the split of the check's time (reference,
 # backend, reading, comparisons), with one --progress line per layer on stderr.
 #
@@ -66,7 +67,7 @@ if [[ ! -f $dump ]]; then
   synth_start=$SECONDS
   "$kvaudit" synth --out "$dump" --model GLM-5 --heads "$heads" --kv-lora-rank 512 --rope-dim 64 \
     --layers "$layers" --page-size 64 --prefix-lens "$(list "$prefix")" \
-    --prefill-tokens "$(list "$prefill")" --decode-steps "$decode_steps" --with-source >/dev/null
+    --prefill-tokens "$(list "$prefill")" --decode-steps "$decode_steps" >/dev/null
   echo "bench-whole-model: generated in $((SECONDS - synth_start)) s ($(du -h "$dump" | cut -f1))"
 fi
 
