@@ -23,7 +23,6 @@
 #include "src/cli/cli.hpp"
 #include "src/core/cuda_device.hpp"
 #include "src/core/ed25519.hpp"
-#include "src/core/memory_budget.hpp"
 #include "src/core/output_file.hpp"
 #include "src/core/sha256.hpp"
 #include "src/format/dump_probe.hpp"
@@ -288,23 +287,6 @@ Result<ReplayOptions> replay_options(const CheckOptions& options, const DumpLayo
   return replay;
 }
 
-// Whether the machine can hold the replay of one layer (layers are replayed one at a time): its
-// pool three times (the reference replay's, the backend's, the backend's before each step) and
-// kv_source as floats. A lower bound (step tensors and the reference's buffers come on top), so
-// only a dump that cannot fit is refused, before the replay rather than by running out of memory.
-Status check_replay_fits(const DumpLayout& layout) {
-  const double slots = static_cast<double>(layout.num_slots());
-  const double width = layout.attrs.row_width();
-  const double pool = slots * width * (layout.attrs.kv_dtype == KvDtype::kBfloat16 ? 2.0 : 1.0);
-  bool any_source = false;
-  for (const LayerMeta& layer : layout.layers) any_source = any_source || layer.has_source;
-  const double bytes = 3.0 * pool + (any_source ? slots * width * 4.0 : 0.0);
-  return check_memory_fits(
-      bytes, "check",
-      fmt::format("one layer's pool of {} slots x {} channels, three copies{}", layout.num_slots(),
-                  layout.attrs.row_width(), any_source ? ", and its kv_source" : ""));
-}
-
 // The outputs of one check, each under a temporary name from before the replay until commit().
 struct CheckOutputs {
   std::optional<AtomicOutputFile> json;
@@ -424,8 +406,8 @@ Result<int> check_dump(const CheckOptions& options) {
                                           (!options.shard.empty() && !options.json_file.empty())));
   KVAUDIT_TRY(probe_dump_in_child(options.dump));
   KVAUDIT_ASSIGN_OR_RETURN(const DumpReader reader, DumpReader::open(options.dump));
-  KVAUDIT_TRY(check_replay_fits(reader.layout()));
   KVAUDIT_ASSIGN_OR_RETURN(ReplayOptions replay, replay_options(options, reader.layout()));
+  KVAUDIT_TRY(check_replay_fits(reader.layout(), replay, options.selection.backend != "none"));
   KVAUDIT_TRY(check_backend_selection(options.selection, NoBackend::kAllowed));
   KVAUDIT_ASSIGN_OR_RETURN(
       const std::unique_ptr<Backend> backend,
@@ -576,8 +558,10 @@ void add_output_options(CLI::App& cmd, CheckOptions& options) {
                "Also print timings and the reference throughput (rows*heads*tokens/s)");
   cmd.add_flag("--progress", options.progress,
                "Print progress on stderr even when it is not a terminal: a line per finished "
-               "layer (its time, the time elapsed and an estimate of the time left) and, at most "
-               "five times a second, the layer and step running");
+               "layer (layer i/N, its steps, its time, the time elapsed, an estimate of the time "
+               "left from the mean time per layer so far, the time so far in reading, the "
+               "reference, the backend and the comparisons, and the bytes the layer held) and, at "
+               "most five times a second, the layer and step running");
 }
 
 }  // namespace
@@ -603,7 +587,15 @@ void register_check_command(CLI::App& app, CommandRunner& runner) {
        "signature over a manifest of its files); kvaudit verify-report DIR --public-key FILE.pub "
        "checks it.\n"
        "Every output path is checked before the replay starts; outputs appear only when the "
-       "check has run (a failing check, exit 1, writes its reports too).",
+       "check has run (a failing check, exit 1, writes its reports too).\n"
+       "Memory: layers are streamed, one computed while one reader thread reads the next, so "
+       "about read(L) + computed(L) + read(L+1) is resident, roughly 2 x (layer bytes): read = "
+       "the layer's pool, kv_source and every step's q, new_kv and captures; computed = the "
+       "backend's pool twice and the largest step's outputs (R8, Rs, the backend's and their "
+       "binary64 copies, about 34 bytes per out element). A dump larger than memory runs; a "
+       "layer that does not fit is refused before the replay (exit 2, naming the layer and the "
+       "bytes). --progress prints each layer's bytes. With --save-outputs the layers are read in "
+       "place instead (HDF5 is not thread-safe; one layer resident).",
        "0 pass, 1 checks failed, 2 bad input or usage (malformed dump, unknown backend, layer or "
        "step not in the dump, bad policy file, an output path that cannot be written, no CUDA "
        "device for a cuda backend, an exec backend's program that fails, refuses or breaks the "

@@ -11,14 +11,18 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <future>
+#include <mutex>
 #include <set>
 #include <thread>
 #include <unordered_map>
 
 #include "references/mla_reference.hpp"
+#include "src/core/memory_budget.hpp"
+#include "src/core/parallel_for.hpp"
 #include "src/format/pool_codes.hpp"
 #include "src/replay/integrity.hpp"
 #include "src/verdict/divergence.hpp"
@@ -33,9 +37,22 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
+// The time a check has spent so far in each stage, seconds (reading: the reader's own time, part
+// of it hidden behind the computation by the read-ahead).
+struct StageSeconds {
+  double read = 0.0;
+  double read_wait = 0.0;  // of it, what the replay waited for
+  double reference = 0.0;
+  double backend = 0.0;
+  double compare = 0.0;
+};
+
 // Progress on stderr: "layer 2/3 step 1/4" at most five times per second while a layer runs, and
-// one line per finished layer, always: "layer 2/78 (layer_id 5) done in 1.4 s; 2.9 s elapsed,
-// about 1 min 46 s left" (the estimate is the mean time per finished layer times those left).
+// one line per finished layer, always: "layer 2/78 (layer_id 5) done in 1.4 s (2 steps; so far
+// read 0.3 s, waited 0.1 s for it, reference 1.9 s, backend 0.4 s, compare 0.2 s; layer 1.05 GiB);
+// 2.9 s elapsed, about 1 min 46 s left" (the estimate is the mean time per finished layer times
+// those left, the split is the run's time so far per stage, and the layer's bytes are what it
+// held: read from the dump and computed).
 class Progress {
  public:
   explicit Progress(bool enabled) : enabled_(enabled), start_(Clock::now()) {}
@@ -49,13 +66,30 @@ class Progress {
     fmt::print(stderr, "kvaudit: layer {}/{} step {}/{}\n", layer + 1, layers, step + 1, steps);
   }
 
-  void layer_done(std::size_t layer, std::size_t layers, int layer_id, double layer_seconds) {
+  struct LayerDone {
+    std::size_t order = 0;  // among the selected layers
+    std::size_t layers = 0;
+    int layer_id = 0;
+    std::size_t steps = 0;
+    double seconds = 0.0;
+    StageSeconds split;  // the run's so far
+    double layer_bytes = 0.0;
+  };
+
+  void layer_done(const LayerDone& done_layer) {
     if (!enabled_) return;
     const double elapsed = seconds_since(start_);
-    const std::size_t done = layer + 1;
+    const std::size_t done = done_layer.order + 1;
+    const std::size_t layers = done_layer.layers;
     const double left = elapsed / static_cast<double>(done) * static_cast<double>(layers - done);
-    fmt::print(stderr, "kvaudit: layer {}/{} (layer_id {}) done in {:.1f} s; {} elapsed{}\n", done,
-               layers, layer_id, layer_seconds, duration_text(elapsed),
+    const StageSeconds& split = done_layer.split;
+    fmt::print(stderr,
+               "kvaudit: layer {}/{} (layer_id {}) done in {:.1f} s ({} steps; so far read {:.1f} "
+               "s, waited {:.1f} s for it, reference {:.1f} s, backend {:.1f} s, compare {:.1f} "
+               "s; layer {}); {} elapsed{}\n",
+               done, layers, done_layer.layer_id, done_layer.seconds, done_layer.steps, split.read,
+               split.read_wait, split.reference, split.backend, split.compare,
+               format_bytes(done_layer.layer_bytes), duration_text(elapsed),
                done < layers ? ", about " + duration_text(left) + " left" : std::string());
   }
 
@@ -73,14 +107,146 @@ class Progress {
   Clock::time_point last_;
 };
 
-std::vector<double> widen(std::span<const float> values) {
-  return std::vector<double>(values.begin(), values.end());
+// Bytes held by what is read of a step.
+double tensor_bytes(const StepLayerTensors& tensors) {
+  double bytes = 4.0 * static_cast<double>(tensors.q_nope.size() + tensors.q_pe.size() +
+                                           tensors.new_kv.size()) +
+                 4.0 * static_cast<double>(tensors.topk_indices.size());
+  if (tensors.out) bytes += 4.0 * static_cast<double>(tensors.out->size());
+  if (tensors.lse) bytes += 4.0 * static_cast<double>(tensors.lse->size());
+  if (tensors.kv_cache_after) bytes += static_cast<double>(tensors.kv_cache_after->bytes.size());
+  return bytes;
 }
 
-std::vector<double> widen_bf16(std::span<const std::uint16_t> bits) {
-  std::vector<double> values(bits.size());
-  for (std::size_t i = 0; i < bits.size(); ++i) values[i] = bf16_to_float(bits[i]);
-  return values;
+// One layer as read from the dump: its pool, its kv_source where it has one, and every step's
+// tensors in step order. Each read's result is kept for the replay to meet where it needs it, so
+// that a read error stops the check at the same point as a read in place would; after a failed
+// read nothing more of the layer is read.
+struct LayerData {
+  std::optional<Result<KvPool>> pool;
+  std::optional<Result<std::vector<float>>> source;
+  std::vector<Result<StepLayerTensors>> steps;
+  double read_seconds = 0.0;
+  double bytes = 0.0;  // held by the successful reads
+
+  bool failed() const {
+    if (pool && !pool->ok()) return true;
+    if (source && !source->ok()) return true;
+    return !steps.empty() && !steps.back().ok();
+  }
+};
+
+LayerData read_layer(const DumpReader& reader, std::size_t layer_index) {
+  LayerData data;
+  const auto start = Clock::now();
+  data.pool = reader.read_pool(layer_index);
+  if (!data.pool->ok()) return data;
+  data.bytes += static_cast<double>((*data.pool)->bytes.size());
+  if (reader.layout().layers[layer_index].has_source) {
+    data.source = reader.read_source(layer_index);
+    if (!data.source->ok()) return data;
+    data.bytes += 4.0 * static_cast<double>((*data.source)->size());
+  }
+  for (std::size_t step = 0; step < reader.layout().steps.size(); ++step) {
+    data.steps.push_back(reader.read_step_layer(step, layer_index));
+    if (!data.steps.back().ok()) break;
+    data.bytes += tensor_bytes(*data.steps.back());
+  }
+  data.read_seconds = seconds_since(start);
+  return data;
+}
+
+// The layers' reads, in replay order, on one reader thread: it reads layer L+1 while the replay
+// computes layer L, and waits until L+1 is taken before reading L+2 (one layer in flight, so about
+// two layers' bytes resident). HDF5 as Debian builds it is not thread-safe: this thread is the only
+// one that calls HDF5 while the replay runs, so `ahead` must be false while anything else does
+// (an observer writing --save-outputs or golden files): the layers are then read on the calling
+// thread, in place, as before.
+class LayerReader {
+ public:
+  LayerReader(const DumpReader& reader, std::vector<std::size_t> layers, bool ahead)
+      : reader_(reader), layers_(std::move(layers)) {
+    if (ahead && !layers_.empty()) thread_ = std::thread([this] { read_ahead(); });
+  }
+  ~LayerReader() {
+    if (!thread_.joinable()) return;
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    changed_.notify_all();
+    thread_.join();  // waits for the read in flight, if any
+  }
+  LayerReader(const LayerReader&) = delete;
+  LayerReader& operator=(const LayerReader&) = delete;
+
+  // The next layer in replay order; the time spent waiting for it goes into `waited_seconds`.
+  LayerData next(double& waited_seconds) {
+    const std::size_t order = taken_++;
+    if (!thread_.joinable()) return read_layer(reader_, layers_.at(order));
+    const auto start = Clock::now();
+    std::unique_lock<std::mutex> lock(mutex_);
+    changed_.wait(lock, [this] { return ready_.has_value(); });
+    LayerData data = std::move(*ready_);
+    ready_.reset();
+    lock.unlock();
+    changed_.notify_all();
+    waited_seconds += seconds_since(start);
+    return data;
+  }
+
+ private:
+  // The reader thread: each layer in turn, handed over once the one before was taken.
+  void read_ahead() {
+    for (const std::size_t layer_index : layers_) {
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        changed_.wait(lock, [this] { return stop_ || !ready_.has_value(); });
+        if (stop_) return;
+      }
+      LayerData data = read_layer(reader_, layer_index);
+      const bool failed = data.failed();
+      {
+        const std::lock_guard<std::mutex> lock(mutex_);
+        ready_ = std::move(data);
+      }
+      changed_.notify_all();
+      if (failed) return;  // the replay stops at this layer's error
+    }
+  }
+
+  const DumpReader& reader_;
+  std::vector<std::size_t> layers_;
+  std::size_t taken_ = 0;
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::optional<LayerData> ready_;
+  bool stop_ = false;
+  std::thread thread_;  // last: started once the members it uses are
+};
+
+// Each value exactly in binary64, in parallel over fixed chunks (a prefill step's out is 134M
+// values; each element's result is its own, so the thread count changes nothing).
+template <class T, class Convert>
+std::vector<double> widen_each(std::span<const T> values, int threads, Convert convert) {
+  constexpr std::size_t kChunk = std::size_t{1} << 16;
+  std::vector<double> wide(values.size());
+  parallel_for((values.size() + kChunk - 1) / kChunk, threads, [&] {
+    return [&](std::size_t chunk) {
+      const std::size_t end = std::min(values.size(), (chunk + 1) * kChunk);
+      for (std::size_t i = chunk * kChunk; i < end; ++i) wide[i] = convert(values[i]);
+    };
+  });
+  return wide;
+}
+
+std::vector<double> widen(std::span<const float> values, int threads) {
+  return widen_each(values, threads, [](float value) { return static_cast<double>(value); });
+}
+
+std::vector<double> widen_bf16(std::span<const std::uint16_t> bits, int threads) {
+  return widen_each(bits, threads,
+                    [](std::uint16_t value) { return static_cast<double>(bf16_to_float(value)); });
 }
 
 // The unquantized value of each slot, where known: the dump's kv_source (dense, every slot), or
@@ -289,8 +455,12 @@ class LayerReplay {
         order_(order),
         source_(context.reader.layout().num_slots(), attrs_.row_width()) {}
 
-  Status load_state();
+  // Takes the layer as read (pool, kv_source, step tensors), meeting its read errors in order.
+  Status load_state(LayerData data);
   Status replay_step(std::size_t step_index);
+  // What the layer held at most: what was read, the pools' working copies, and the largest step's
+  // reference and backend outputs (the --progress line states it).
+  double held_bytes() const;
   // After the last step: one note naming the steps whose quantization and total error could not
   // be measured (no source value for some token they read), if any.
   void note_unmeasured_steps();
@@ -319,6 +489,7 @@ class LayerReplay {
   Status observe(const StepInput& step, const StepResults& results) const;
   Status reference_on_pool(const KvPool& pool, const StepInput& step, std::vector<double>& out,
                            std::vector<double>& lse);
+  double output_bytes(const StepInput& step, const StepResults& results) const;
 
   ReplayContext& context_;
   const DumpAttributes& attrs_;
@@ -333,19 +504,23 @@ class LayerReplay {
   std::optional<KvPool> server_pool_;
   PoolNanCodes reference_nan_codes_;  // NaN codes of reference_pool_ (data), kept per write
   SourceRows source_;
+  LayerData data_;
+  double largest_step_bytes_ = 0.0;            // outputs of the step that computed the most
   std::vector<StepLayerCoverage> unmeasured_;  // reported steps whose tokens lack a source value
   std::size_t reported_steps_ = 0;
 };
 
-Status LayerReplay::load_state() {
+Status LayerReplay::load_state(LayerData data) {
   const DumpReader& reader = context_.reader;
-  const auto start = Clock::now();
-  KVAUDIT_ASSIGN_OR_RETURN(reference_pool_, reader.read_pool(layer_index_));
-  context_.run.read_seconds += seconds_since(start);
+  data_ = std::move(data);
+  context_.run.read_seconds += data_.read_seconds;
+  if (!data_.pool->ok()) return data_.pool->error();
+  reference_pool_ = std::move(**data_.pool);
   backend_pool_ = reference_pool_;
   reference_nan_codes_.scan(reference_pool_);
   if (!layer_.has_source) return ok_status();
-  KVAUDIT_ASSIGN_OR_RETURN(std::vector<float> source, reader.read_source(layer_index_));
+  if (!data_.source->ok()) return data_.source->error();
+  std::vector<float> source = std::move(**data_.source);
   if (source.size() != static_cast<std::size_t>(reader.layout().num_slots()) * attrs_.row_width()) {
     return internal_error(
         fmt::format("{}:/layers/{}/kv_source", reader.path().string(), layer_.group),
@@ -358,10 +533,13 @@ Status LayerReplay::load_state() {
 Status LayerReplay::replay_step(std::size_t step_index) {
   const std::size_t num_steps = context_.reader.layout().steps.size();
   context_.progress.update(order_, context_.num_layers, step_index, num_steps);
-  const auto read_start = Clock::now();
-  KVAUDIT_ASSIGN_OR_RETURN(const StepLayerTensors tensors,
-                           context_.reader.read_step_layer(step_index, layer_index_));
-  context_.run.read_seconds += seconds_since(read_start);
+  if (step_index >= data_.steps.size()) {
+    return internal_error(layer_.group,
+                          fmt::format("step {} of the layer was not read", step_index));
+  }
+  if (!data_.steps[step_index].ok()) return data_.steps[step_index].error();
+  // Moved out: the step's tensors are freed once it is replayed.
+  const StepLayerTensors tensors = std::move(*data_.steps[step_index]);
   const StepInput step = step_input(step_index, tensors);
   const StepLayerWrites writes = write_reference(step);
   StepResults results;
@@ -382,7 +560,36 @@ Status LayerReplay::replay_step(std::size_t step_index) {
   const auto judge_start = Clock::now();
   KVAUDIT_TRY(compare(step, results));
   context_.run.judge_seconds += seconds_since(judge_start);
+  largest_step_bytes_ = std::max(largest_step_bytes_, output_bytes(step, results));
   return observe(step, results);
+}
+
+// The outputs one step holds: R8, Rs, R8' and R8s where computed (double), the backend's (bf16 out,
+// float lse) and their binary64 copies for the comparisons, and the captured outputs' copies.
+double LayerReplay::output_bytes(const StepInput& step, const StepResults& results) const {
+  auto doubles = [](const std::vector<double>& values) {
+    return 8.0 * static_cast<double>(values.size());
+  };
+  double bytes = doubles(results.r8_out) + doubles(results.r8_lse) + doubles(results.rs_out) +
+                 doubles(results.rs_lse) + doubles(results.read_out) + doubles(results.read_lse) +
+                 doubles(results.server_out) + doubles(results.server_lse);
+  if (results.backend) {
+    const double elements = static_cast<double>(results.backend->out_bf16.size());
+    const double rows_heads = static_cast<double>(results.backend->lse.size());
+    bytes += 2.0 * elements + 4.0 * rows_heads + 8.0 * (elements + rows_heads);
+  }
+  if (step.tensors.out) bytes += 8.0 * static_cast<double>(step.tensors.out->size());
+  if (step.tensors.lse) bytes += 8.0 * static_cast<double>(step.tensors.lse->size());
+  return bytes;
+}
+
+double LayerReplay::held_bytes() const {
+  // data_.bytes counts the pool once (it became reference_pool_); the backend's copy and its
+  // before-image (run_backend), and the server's pool once tracked, come on top.
+  const double pool = static_cast<double>(reference_pool_.bytes.size());
+  const double server = server_pool_ ? static_cast<double>(server_pool_->bytes.size()) : 0.0;
+  return data_.bytes + (context_.backend != nullptr ? 2.0 * pool : 0.0) + server +
+         largest_step_bytes_;
 }
 
 StepInput LayerReplay::step_input(std::size_t step_index, const StepLayerTensors& tensors) const {
@@ -603,8 +810,8 @@ Status LayerReplay::compare(const StepInput& step, const StepResults& results) {
   std::vector<double> backend_out;
   std::vector<double> backend_lse;
   if (results.backend) {
-    backend_out = widen_bf16(results.backend->out_bf16);
-    backend_lse = widen(results.backend->lse);
+    backend_out = widen_bf16(results.backend->out_bf16, context_.options.threads);
+    backend_lse = widen(results.backend->lse, context_.options.threads);
     KVAUDIT_TRY(compare_backend(site, step, results, {backend_out, backend_lse}));
   }
   if (results.has_source_reference) {
@@ -652,9 +859,9 @@ Status LayerReplay::compare_captured(const ComparisonSite& site, const StepInput
                                      const StepResults& results) {
   const StepLayerTensors& tensors = step.tensors;
   const std::vector<double> captured_out =
-      tensors.out ? widen(*tensors.out) : std::vector<double>{};
+      tensors.out ? widen(*tensors.out, context_.options.threads) : std::vector<double>{};
   const std::vector<double> captured_lse =
-      tensors.lse ? widen(*tensors.lse) : std::vector<double>{};
+      tensors.lse ? widen(*tensors.lse, context_.options.threads) : std::vector<double>{};
   const OutputView candidate{captured_out, captured_lse};
   const TensorShape3 shape{step.shape.rows, step.shape.heads, tensors.out ? step.shape.dims : 0};
   auto as_captured = [&](const OutputView& full) {
@@ -792,6 +999,73 @@ Status check_selection(const DumpLayout& layout, const ReplayOptions& options) {
   return ok_status();
 }
 
+LayerBytes estimate_layer_bytes(const DumpLayout& layout, std::size_t layer_index,
+                                bool with_backend) {
+  const DumpAttributes& attrs = layout.attrs;
+  const double slots = static_cast<double>(layout.num_slots());
+  const double width = attrs.row_width();
+  const double element = attrs.kv_dtype == KvDtype::kBfloat16 ? 2.0 : 1.0;
+  const double pool = slots * (width * element + 4.0 * attrs.num_scale_groups());
+  const double heads = attrs.num_heads;
+  const double latent = attrs.kv_lora_rank;
+  LayerBytes bytes;
+  bytes.read = pool + (layout.layers[layer_index].has_source ? 4.0 * slots * width : 0.0);
+  double largest_outputs = 0.0;
+  for (const StepMeta& step : layout.steps) {
+    const double rows = step.num_rows();
+    const auto captured = [&](const std::vector<bool>& has) {
+      return layer_index < has.size() && has[layer_index];
+    };
+    const bool has_out = captured(step.has_out);
+    const bool has_lse = captured(step.has_lse);
+    const double topk = layer_index < step.topk.size() ? step.topk[layer_index] : 0;
+    bytes.read += 4.0 * rows * (heads * width + width + topk) +
+                  (has_out ? 4.0 * rows * heads * latent : 0.0) +
+                  (has_lse ? 4.0 * rows * heads : 0.0) +
+                  (captured(step.has_kv_cache_after) ? pool : 0.0);
+    // R8 and Rs in binary64; the backend's bf16 out, float lse and their binary64 copies; the
+    // captured outputs' binary64 copies.
+    const double out = rows * heads * latent;
+    const double lse = rows * heads;
+    double outputs = 2.0 * 8.0 * (out + lse);
+    if (with_backend) outputs += 2.0 * out + 4.0 * lse + 8.0 * (out + lse);
+    if (has_out) outputs += 8.0 * out;
+    if (has_lse) outputs += 8.0 * lse;
+    largest_outputs = std::max(largest_outputs, outputs);
+  }
+  bytes.computed = (with_backend ? 2.0 * pool : 0.0) + largest_outputs;
+  return bytes;
+}
+
+Status check_replay_fits(const DumpLayout& layout, const ReplayOptions& options,
+                         bool with_backend) {
+  const std::vector<std::size_t> layers = selected_layers(layout, options);
+  double largest_read = 0.0;
+  for (const std::size_t li : layers) {
+    largest_read = std::max(largest_read, estimate_layer_bytes(layout, li, with_backend).read);
+  }
+  std::optional<std::size_t> worst;
+  double worst_bytes = 0.0;
+  for (const std::size_t li : layers) {
+    const LayerBytes bytes = estimate_layer_bytes(layout, li, with_backend);
+    const double resident = bytes.read + bytes.computed + (layers.size() > 1 ? largest_read : 0.0);
+    if (!worst || resident > worst_bytes) {
+      worst = li;
+      worst_bytes = resident;
+    }
+  }
+  if (!worst) return ok_status();
+  const LayerBytes bytes = estimate_layer_bytes(layout, *worst, with_backend);
+  return check_memory_fits(
+      worst_bytes, "check",
+      fmt::format("layer {} (layer_id {}): {} read from the dump and {} computed{}",
+                  layout.layers[*worst].group, layout.layers[*worst].layer_id,
+                  format_bytes(bytes.read), format_bytes(bytes.computed),
+                  layers.size() > 1 ? fmt::format(", with the next layer's {} read ahead",
+                                                  format_bytes(largest_read))
+                                    : std::string()));
+}
+
 nlohmann::json summarize_dump(const DumpLayout& layout) {
   const DumpAttributes& attrs = layout.attrs;
   nlohmann::json layers = nlohmann::json::array();
@@ -857,16 +1131,23 @@ Result<CheckRun> replay_dump(const DumpReader& reader, Backend* backend,
   CertificationQueue certification_queue(std::max(1u, std::thread::hardware_concurrency() / 4));
   context.certification_queue = &certification_queue;
   context.held_slots = slots_held_by_any_step(reader.layout());
+  // Read ahead on one reader thread, unless an observer writes HDF5 during the replay.
+  LayerReader layer_reader(reader, layers, options.read_ahead && !options.observer);
+  double read_wait_seconds = 0.0;
+  const std::size_t num_steps = reader.layout().steps.size();
   for (std::size_t order = 0; order < layers.size(); ++order) {
     const auto layer_start = Clock::now();
     LayerReplay layer(context, layers[order], order);
-    KVAUDIT_TRY(layer.load_state());
-    for (std::size_t step = 0; step < reader.layout().steps.size(); ++step) {
+    KVAUDIT_TRY(layer.load_state(layer_reader.next(read_wait_seconds)));
+    for (std::size_t step = 0; step < num_steps; ++step) {
       KVAUDIT_TRY(layer.replay_step(step));
     }
     layer.note_unmeasured_steps();
-    progress.layer_done(order, layers.size(), reader.layout().layers[layers[order]].layer_id,
-                        seconds_since(layer_start));
+    progress.layer_done({order, layers.size(), reader.layout().layers[layers[order]].layer_id,
+                         num_steps, seconds_since(layer_start),
+                         StageSeconds{run.read_seconds, read_wait_seconds, run.reference_seconds,
+                                      run.backend_seconds, run.judge_seconds},
+                         layer.held_bytes()});
   }
   KVAUDIT_TRY(certification_queue.finish(run));
   if (backend != nullptr) run.backend_protocol = backend->protocol_statistics();

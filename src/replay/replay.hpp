@@ -95,6 +95,10 @@ struct ReplayOptions {
   // of one check certify the sites the whole check would.
   int certify = kDefaultCertificationSamples;
   std::vector<int> certification_layer_ids;
+  // Read layer L+1 on one reader thread while layer L is computed (one layer in flight). Off, or
+  // with an observer (it may write HDF5, which Debian's build does not allow from two threads at
+  // once), each layer is read in place before it is computed. The run is the same either way.
+  bool read_ahead = true;
 };
 
 // Checks that every requested layer id and step index exists (bad input naming it otherwise).
@@ -111,6 +115,23 @@ CheckRun begin_run(const DumpReader& reader, const Backend* backend, const Repla
 // fail are results, not errors.
 Result<CheckRun> replay_dump(const DumpReader& reader, Backend* backend,
                              const ReplayOptions& options);
+
+// The memory the replay of one layer holds, from the layout alone (before anything is read), in
+// bytes: what is read from the dump (its pool, kv_source, every step's tensors and captures) and
+// what is computed beside it (the backend's pool and its before-image, the largest step's R8 and
+// Rs, the backend's outputs and the binary64 copies the comparisons read; R8' and R8s, computed
+// only where a pool differs from the replay's, come on top). The replay reads the next layer
+// while it computes one, so about read(L) + computed(L) + read(L+1) is resident.
+struct LayerBytes {
+  double read = 0.0;
+  double computed = 0.0;
+};
+LayerBytes estimate_layer_bytes(const DumpLayout& layout, std::size_t layer_index,
+                                bool with_backend);
+
+// Whether the machine can hold the replay of every selected layer with the next one read ahead:
+// bad input "check" naming the layer that needs the most and its bytes otherwise.
+Status check_replay_fits(const DumpLayout& layout, const ReplayOptions& options, bool with_backend);
 
 // Dump facts for the report: model, producer, shapes, layers, steps.
 nlohmann::json summarize_dump(const DumpLayout& layout);

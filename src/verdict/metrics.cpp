@@ -7,7 +7,15 @@
 // either tensor; a position whose classes differ is a mismatch, and the first one in (row, head)
 // order, out before lse, is kept), then the norms over the positions where both are finite.
 //
-// Numerics of the metrics themselves: all sums are in binary64. cos_diff is evaluated as
+// Numerics of the metrics themselves: the terms are binary64 ((a - b)^2, a^2, a^2 + b^2 as
+// written below), summed in a fixed order that does not depend on the thread count: each
+// (row, head) pair's `dims` terms in order in binary64 (error <= (dims - 1) u of their sum, u =
+// 2^-53), then the pair sums in (row, head) order in double-double (TwoSum; error O(n u^2)), cut
+// into fixed blocks of kPairsPerBlock pairs whose double-double sums are added in block order,
+// and rounded to binary64 once. The terms being >= 0, the relative error of each sum is at most
+// (dims - 1) u + O(n u^2) (dims = 512: 2^-44), against (n - 1) u for one running binary64 sum
+// over all n = rows x heads x dims terms (2^-26 for a 4,096-row prefill of 64 heads), the order
+// used before 2026-12-05, whose last bits these sums may differ from. cos_diff is evaluated as
 //   sum (a - b)^2 / sum (a^2 + b^2),
 // which equals 1 - 2 sum(ab) / sum(a^2 + b^2) exactly in real arithmetic (sum(a^2 + b^2) -
 // 2 sum(ab) = sum (a - b)^2) but does not cancel catastrophically when a and b agree: the
@@ -28,10 +36,11 @@
 // far past the kernel limit (max_abs / max|ref| 2^-7). The elements below it are judged by the
 // absolute metrics (max_abs, rel_l2), which do not blow up there.
 //
-// Work: counts, maxima and their first locations run in parallel over blocks of (row, head) pairs,
-// merged in block order; the three sums run as one pass in order. So the result is bit-for-bit
-// that of a single pass in (row, head, dim) order, on any number of threads (a prefill step of
-// 4,096 rows x 16 heads x 512 is 33.5M elements per comparison).
+// Work: counts, maxima with their first locations, and the sums run in parallel over fixed blocks
+// of (row, head) pairs, merged in block order. So the result is bit-for-bit the same on any
+// number of threads (a prefill step of 4,096 rows x 64 heads x 512 is 134M elements per
+// comparison; one running sum in order, as before, took most of a comparison's time on 16
+// cores).
 #include "src/verdict/metrics.hpp"
 
 #include <algorithm>
@@ -110,6 +119,65 @@ double bf16_ulp_distance(double a, double b) {
 }
 
 namespace {
+
+// A sum of binary64 values carried as an unevaluated pair hi + lo (double-double): each add is
+// Knuth's TwoSum, whose error term is exact, then renormalised. Its result after many adds is
+// within O(n u^2) of the exact sum, so the order of the adds barely matters, and it is fixed
+// anyway (see "Numerics of the metrics" above).
+struct CompensatedSum {
+  double hi = 0.0;
+  double lo = 0.0;
+
+  void add(double x) {
+    const double sum = hi + x;
+    if (!std::isfinite(sum)) {  // overflow (terms of 1e155 and more): the sum is +inf, as before
+      hi = sum;
+      lo = 0.0;
+      return;
+    }
+    const double x_part = sum - hi;
+    const double error = (hi - (sum - x_part)) + (x - x_part);  // TwoSum: hi + x = sum + error
+    const double low = lo + error;
+    hi = sum + low;  // Fast2Sum renormalisation: |sum| >= |low|
+    lo = low - (hi - sum);
+  }
+  void add(const CompensatedSum& other) {
+    add(other.hi);
+    add(other.lo);
+  }
+  double value() const { return hi + lo; }
+};
+
+// The three sums the norms come from, over the elements where both are finite.
+struct NormSums {
+  CompensatedSum diff_sq;  // sum (a - b)^2
+  CompensatedSum ref_sq;   // sum a^2
+  CompensatedSum both_sq;  // sum a^2 + b^2
+
+  // One (row, head) pair's `dims` terms, summed in order in binary64, then added as one value
+  // each.
+  void add_pair(const double* a_row, const double* b_row, int dims) {
+    double pair_diff_sq = 0.0;
+    double pair_ref_sq = 0.0;
+    double pair_both_sq = 0.0;
+    for (int d = 0; d < dims; ++d) {
+      const double a = a_row[d];
+      const double b = b_row[d];
+      if (!std::isfinite(a) || !std::isfinite(b)) continue;
+      pair_diff_sq += (a - b) * (a - b);
+      pair_ref_sq += a * a;
+      pair_both_sq += a * a + b * b;
+    }
+    diff_sq.add(pair_diff_sq);
+    ref_sq.add(pair_ref_sq);
+    both_sq.add(pair_both_sq);
+  }
+  void add(const NormSums& later) {
+    diff_sq.add(later.diff_sq);
+    ref_sq.add(later.ref_sq);
+    both_sq.add(later.both_sq);
+  }
+};
 
 // The running state of compare_outputs over (row, head, dim) in order: non-finite bookkeeping,
 // maxima with their locations, and the binary64 sums the norms come from.
@@ -226,22 +294,11 @@ double row_scale(const double* reference, int dims) {
   return scale;
 }
 
-// The binary64 sums the norms come from, over the elements where both are finite, in (row, head,
-// dim) order: their rounding depends on the order, so they are one pass (cheap: three fused
-// multiply-adds per element), while everything else runs in parallel blocks.
-void add_norms(std::span<const double> reference_out, std::span<const double> candidate_out,
-               ComparisonMetrics& m) {
-  double sum_diff_sq = 0.0;
-  double sum_ref_sq = 0.0;
-  double sum_both_sq = 0.0;  // sum a^2 + b^2
-  for (std::size_t i = 0; i < reference_out.size(); ++i) {
-    const double a = reference_out[i];
-    const double b = candidate_out[i];
-    if (!std::isfinite(a) || !std::isfinite(b)) continue;
-    sum_diff_sq += (a - b) * (a - b);
-    sum_ref_sq += a * a;
-    sum_both_sq += a * a + b * b;
-  }
+// rms, rel_l2 and cos_diff from the sums, each rounded to binary64 once.
+void add_norms(const NormSums& sums, ComparisonMetrics& m) {
+  const double sum_diff_sq = sums.diff_sq.value();
+  const double sum_ref_sq = sums.ref_sq.value();
+  const double sum_both_sq = sums.both_sq.value();
   if (m.finite_elements > 0)
     m.rms = std::sqrt(sum_diff_sq / static_cast<double>(m.finite_elements));
   // ||a - b|| / ||a|| with ||a|| = 0: 0 if b is also 0, else infinitely wrong.
@@ -258,7 +315,8 @@ void add_norms(std::span<const double> reference_out, std::span<const double> ca
 ComparisonMetrics compare_outputs(TensorShape3 shape, std::span<const double> reference_out,
                                   std::span<const double> candidate_out,
                                   std::span<const double> reference_lse,
-                                  std::span<const double> candidate_lse, double rel_floor) {
+                                  std::span<const double> candidate_lse, double rel_floor,
+                                  int threads) {
   // Sizes come from a validated dump; a disagreement here is a bug in the caller.
   if (shape.rows < 0 || shape.heads < 0 || shape.dims < 0 || reference_out.size() != shape.size() ||
       candidate_out.size() != shape.size()) {
@@ -274,7 +332,8 @@ ComparisonMetrics compare_outputs(TensorShape3 shape, std::span<const double> re
   m.elements = shape.size();
   m.rel_floor = rel_floor;
   m.has_lse = has_lse;
-  // Maxima and counts per block of (row, head) pairs, in parallel, then merged in block order.
+  // Maxima, counts and sums per block of (row, head) pairs, in parallel, then merged in block
+  // order. The block size is fixed, never derived from the thread count (the sums' order).
   constexpr std::size_t kPairsPerBlock = 256;
   const std::size_t pairs = static_cast<std::size_t>(shape.rows) * shape.heads;
   const std::size_t blocks = (pairs + kPairsPerBlock - 1) / kPairsPerBlock;
@@ -282,9 +341,11 @@ ComparisonMetrics compare_outputs(TensorShape3 shape, std::span<const double> re
   std::vector<MetricsAccumulator> block_state;
   block_state.reserve(blocks);
   for (ComparisonMetrics& block : block_metrics) block_state.emplace_back(block, rel_floor);
-  parallel_for(blocks, 0, [&] {
+  std::vector<NormSums> block_sums(blocks);
+  parallel_for(blocks, threads, [&] {
     return [&](std::size_t block) {
       MetricsAccumulator& accumulator = block_state[block];
+      NormSums& sums = block_sums[block];
       const std::size_t end = std::min(pairs, (block + 1) * kPairsPerBlock);
       for (std::size_t index = block * kPairsPerBlock; index < end; ++index) {
         const int row = static_cast<int>(index / shape.heads);
@@ -299,6 +360,7 @@ ComparisonMetrics compare_outputs(TensorShape3 shape, std::span<const double> re
           if (accumulator.both_finite(a, b, row, head, dim))
             accumulator.add_out(a, b, row, head, dim, ulp_floor);
         }
+        sums.add_pair(a_row, b_row, shape.dims);
         if (!has_lse) continue;
         const double a = reference_lse[index];
         const double b = candidate_lse[index];
@@ -308,7 +370,9 @@ ComparisonMetrics compare_outputs(TensorShape3 shape, std::span<const double> re
   });
   MetricsAccumulator total(m, rel_floor);
   for (const MetricsAccumulator& block : block_state) total.merge(block);
-  add_norms(reference_out, candidate_out, m);
+  NormSums sums;
+  for (const NormSums& block : block_sums) sums.add(block);
+  add_norms(sums, m);
   return m;
 }
 

@@ -70,10 +70,13 @@ struct ComparisonMetrics {
 };
 
 // rel_floor: denominators below it are replaced by it (so near-zero outputs do not dominate).
+// threads: how many threads share the work (0: every core); the result is bit-for-bit the same
+// for any count (metrics.cpp: the sums run in a fixed order).
 ComparisonMetrics compare_outputs(TensorShape3 shape, std::span<const double> reference_out,
                                   std::span<const double> candidate_out,
                                   std::span<const double> reference_lse,
-                                  std::span<const double> candidate_lse, double rel_floor);
+                                  std::span<const double> candidate_lse, double rel_floor,
+                                  int threads = 0);
 
 // |error| / max|reference|, the scale-free form of an absolute error: 0 for 0/0, +inf for x/0 (an
 // error against an all-zero reference). The one place this ratio is computed: the policy judges

@@ -284,6 +284,13 @@ TEST_CASE("kvaudit check --progress: one line per finished layer, with the time 
   const std::size_t last = result.err.find("layer 3/3 (layer_id 9) done");
   REQUIRE(last != std::string::npos);
   CHECK(result.err.find(" left", last) == std::string::npos);  // none after the last
+  // The time so far per stage, and the bytes the layer held.
+  const std::string last_line = result.err.substr(last, result.err.find('\n', last) - last);
+  CHECK_THAT(last_line,
+             Catch::Matches("layer 3/3 \\(layer_id 9\\) done in [0-9.]+ s \\([0-9]+ steps; so "
+                            "far read [0-9.]+ s, waited [0-9.]+ s for it, reference "
+                            "[0-9.]+ s, backend [0-9.]+ s, compare [0-9.]+ s; layer "
+                            "[0-9.]+ (B|KiB|MiB|GiB)\\); [0-9.]+ s elapsed"));
 }
 
 TEST_CASE("kvaudit check: bad input exits 2 with one line on stderr", "[cli][check]") {

@@ -290,6 +290,9 @@ TEST_CASE("sizes the machine cannot hold are refused before allocating", "[cli][
   const Run check = kvaudit("check " + dump(), "KVAUDIT_MEMORY_BUDGET=64K");
   check_one_line_error(check);
   CHECK(check.err.rfind("kvaudit: check: needs about ", 0) == 0);
+  // It names the layer that needs the most, and what is read and computed for it.
+  CHECK_THAT(check.err, Catch::Matchers::Contains("of memory (layer L"));
+  CHECK_THAT(check.err, Catch::Matchers::Contains("read from the dump and"));
   // bench: the CPU reference's case.
   const Run bench = kvaudit("bench --cpu-only --cpu-batch 65536 --cpu-context 16777216");
   check_one_line_error(bench);

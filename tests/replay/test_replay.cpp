@@ -15,9 +15,12 @@
 #include "src/backend/backend.hpp"
 #include "src/cli/backend_registry.hpp"
 #include "src/core/fp8_e4m3.hpp"
+#include "src/format/kvdump.hpp"
 #include "src/replay/replay.hpp"
+#include "src/verdict/check_result.hpp"
 #include "tests/replay/check_dumps.hpp"
 #include "tests/replay/replay_tiny.hpp"
+#include "tests/test_paths.hpp"
 
 namespace kvaudit {
 namespace {
@@ -617,6 +620,46 @@ TEST_CASE("a captured lse without a captured out is compared on its own", "[repl
   CHECK(failing[0]->metrics.has_lse);
   CHECK(failing[0]->metrics.elements == 0);
   CHECK(failing[0]->metrics.lse_max_abs == Approx(0.5).epsilon(1e-3));
+}
+
+}  // namespace kvaudit
+
+namespace kvaudit {
+namespace {
+
+// report.json of a run without what differs from run to run (timing, provenance).
+nlohmann::json report_without_timing(const CheckRun& run) {
+  nlohmann::json report = to_json(run);
+  report.erase("timing");
+  report.erase("provenance");
+  return report;
+}
+
+}  // namespace
+
+TEST_CASE("reading ahead on a reader thread gives the report of reading each layer in place",
+          "[replay]") {
+  // Every shipped dump of more than one layer, so that layer L+1 is read while L is computed.
+  for (const char* name :
+       {"glm5_page1.h5", "glm5_outliers_calibrated.h5", "page64_nan.h5", "glm5_dsa_flashmla.h5"}) {
+    INFO(name);
+    Result<DumpReader> reader = DumpReader::open(kvaudit_test::source_dir() / "datasets" / name);
+    REQUIRE(reader.ok());
+    ReplayOptions options;
+    options.certify = 0;
+    options.threads = 2;
+    options.read_ahead = false;
+    auto in_place_backend = cpu_backend();
+    Result<CheckRun> in_place = replay_dump(*reader, in_place_backend.get(), options);
+    REQUIRE(in_place.ok());
+    options.read_ahead = true;
+    auto ahead_backend = cpu_backend();
+    Result<CheckRun> ahead = replay_dump(*reader, ahead_backend.get(), options);
+    REQUIRE(ahead.ok());
+    REQUIRE(reader->layout().layers.size() > 1);
+    CHECK(!in_place->comparisons.empty());
+    CHECK(report_without_timing(*ahead).dump() == report_without_timing(*in_place).dump());
+  }
 }
 
 }  // namespace kvaudit

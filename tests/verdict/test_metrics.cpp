@@ -1,7 +1,10 @@
 // Metrics on tensors small enough that every expected value is worked out by hand in the comments.
+#include <boost/multiprecision/cpp_bin_float.hpp>
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <random>
 #include <vector>
 
 #include "src/verdict/metrics.hpp"
@@ -238,4 +241,106 @@ TEST_CASE("bf16 ULPs are counted only where |reference| reaches the floor", "[me
   const ComparisonMetrics floored = compare({1, 1, 2}, a, b, 0.00390625);
   CHECK(floored.max_ulp_bf16 == 2.0);
   CHECK(floored.max_ulp_at.dim == 1);
+}
+
+namespace {
+
+// A [rows, heads, dims] pair of tensors: the reference drawn from N(0, 1) with outliers, the
+// candidate the reference plus relative noise of about 2^-9 (a bf16-sized error), so that the
+// sums of squares span many binades.
+struct RandomPair {
+  TensorShape3 shape;
+  std::vector<double> a;
+  std::vector<double> b;
+  std::vector<double> lse_a;
+  std::vector<double> lse_b;
+};
+
+RandomPair random_pair(TensorShape3 shape, unsigned seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  RandomPair pair{shape, {}, {}, {}, {}};
+  for (std::size_t i = 0; i < shape.size(); ++i) {
+    const double scale = i % 97 == 0 ? 1e3 : 1.0;
+    const double a = scale * normal(rng);
+    pair.a.push_back(a);
+    pair.b.push_back(a * (1.0 + std::ldexp(normal(rng), -9)));
+  }
+  for (int i = 0; i < shape.rows * shape.heads; ++i) {
+    pair.lse_a.push_back(normal(rng));
+    pair.lse_b.push_back(pair.lse_a.back() + std::ldexp(normal(rng), -12));
+  }
+  return pair;
+}
+
+std::uint64_t bits_of(double x) {
+  std::uint64_t bits = 0;
+  std::memcpy(&bits, &x, sizeof bits);
+  return bits;
+}
+
+ComparisonMetrics compare_on_threads(const RandomPair& pair, int threads) {
+  return compare_outputs(pair.shape, pair.a, pair.b, pair.lse_a, pair.lse_b, 0.00390625, threads);
+}
+
+// Every metric of `m` bit for bit against `expected` (the JSON form holds every field; the sums'
+// results are also compared as bits, where JSON's decimal text could round).
+void require_same_bits(const ComparisonMetrics& m, const ComparisonMetrics& expected) {
+  CHECK(bits_of(m.rms) == bits_of(expected.rms));
+  CHECK(bits_of(m.rel_l2) == bits_of(expected.rel_l2));
+  CHECK(bits_of(m.cos_diff) == bits_of(expected.cos_diff));
+  CHECK(kvaudit::to_json(m).dump() == kvaudit::to_json(expected).dump());
+}
+
+}  // namespace
+
+TEST_CASE("metrics are bit for bit the same on 1, 2 and 7 threads", "[metrics]") {
+  // 150 x 16 pairs: 10 blocks of 256 pairs (the last one short), more blocks than threads.
+  RandomPair pair = random_pair({150, 16, 64}, 20261205);
+  SECTION("random tensors") {}
+  SECTION("with NaN and Inf at scattered positions") {
+    for (std::size_t i = 5; i < pair.a.size(); i += 7919) pair.a[i] = kNan;
+    for (std::size_t i = 11; i < pair.b.size(); i += 6151) pair.b[i] = kInf;
+    for (std::size_t i = 3; i < pair.b.size(); i += 10007) pair.b[i] = -kInf;
+    pair.lse_b[17] = kNan;
+  }
+  const ComparisonMetrics one = compare_on_threads(pair, 1);
+  REQUIRE(one.finite_elements > 0);
+  REQUIRE(one.rms > 0.0);
+  for (const int threads : {2, 7}) {
+    INFO("threads " << threads);
+    require_same_bits(compare_on_threads(pair, threads), one);
+  }
+}
+
+TEST_CASE("the sums of squares are accurate to dims units in the last place", "[metrics]") {
+  // cos_diff = sum (a - b)^2 / sum (a^2 + b^2): each sum within (dims - 1) u of the exact sum of
+  // its binary64 terms (metrics.cpp), so the ratio within (2 dims - 1) u; the exact sums are
+  // taken here in 100 decimal digits, independently of the code under test.
+  using Exact = boost::multiprecision::cpp_bin_float_100;
+  RandomPair pair = random_pair({150, 16, 64}, 7);
+  SECTION("random tensors") {}
+  SECTION("one large difference, then many small ones") {
+    // (a - b)^2 is 1 at the first element, then 169 2^-62 (about u / 3) at every other: one
+    // running binary64 sum stays at 1 (each small term rounds away), off by about 51,000 u.
+    for (std::size_t i = 0; i < pair.a.size(); ++i) {
+      pair.a[i] = 1.0;
+      pair.b[i] = i == 0 ? 0.0 : 1.0 - 13.0 * std::ldexp(1.0, -31);
+    }
+  }
+  Exact diff_sq = 0;
+  Exact both_sq = 0;
+  for (std::size_t i = 0; i < pair.a.size(); ++i) {
+    const double a = pair.a[i];
+    const double b = pair.b[i];
+    diff_sq += Exact((a - b) * (a - b));
+    both_sq += Exact(a * a + b * b);
+  }
+  const double exact_cos_diff = static_cast<double>(Exact(diff_sq / both_sq));
+  const ComparisonMetrics m = compare_on_threads(pair, 2);
+  const double bound = (2.0 * pair.shape.dims - 1.0) * std::ldexp(1.0, -53);
+  const double relative_error = std::fabs(m.cos_diff - exact_cos_diff) / exact_cos_diff;
+  INFO("cos_diff relative error " << relative_error << " (" << relative_error / 0x1p-53
+                                  << " u), bound " << bound);
+  CHECK(relative_error <= bound);
 }
