@@ -8,14 +8,17 @@ transformers are installed.
 
 import os
 import shutil
+import sys
 import tempfile
 import unittest
 from unittest import mock
 
 import numpy as np
 
-from kvdump import absorption
-from kvdump.codec import bf16_bits_from_float32, float32_from_bf16_bits
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from kvdump import absorption  # noqa: E402
+from kvdump.codec import bf16_bits_from_float32, float32_from_bf16_bits  # noqa: E402
 
 
 def _bf16(x):
