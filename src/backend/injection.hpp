@@ -7,12 +7,15 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "kernels/kv_write_rules.hpp"
 #include "src/core/result.hpp"
+#include "src/format/kvdump.hpp"
 
 namespace kvaudit {
 
@@ -33,6 +36,13 @@ enum class Injection : std::uint8_t {
   kKvScaleSplit,            // latent codes quantized with a V scale, K scales stored
   kScaleReadAsPowerOfTwo,   // attention reads an fp32 scale as a power of two
   kScaleReadAsE8m0,         // attention reads the scale bytes as e8m0 codes
+  // Faults of the translation from the expanded (Hugging Face) MLA to the absorbed form a server
+  // runs: what the attention is handed (sm_scale, q_pe) is wrong; any pool kind.
+  kMscaleDropped,     // the softmax scale without YaRN's mscale^2: sm_scale / mscale^2
+  kMscaleTwice,       // YaRN's mscale^2 applied again: sm_scale * mscale^2
+  kKpeDeinterleaved,  // the cached RoPE part read de-interleaved against an interleaved q_pe
+  kQpeDeinterleaved,  // q_pe de-interleaved against an interleaved cached RoPE part
+  kRopeDotMissing,    // the RoPE dot dropped: scores q_nope . c only (q_pe zeroed)
 };
 
 struct InjectionInfo {
@@ -47,7 +57,10 @@ std::span<const InjectionInfo> injection_table();
 // the v1.1 ones on per_token_group pools; otherwise it would silently do nothing, so a backend
 // refuses it (unsupported input naming both).
 bool injection_for_grouped_pools(Injection injection);
-Status check_injection_applies(Injection injection, const std::string& kv_scale_kind);
+// A translation fault (kMscaleDropped ... kRopeDotMissing) acts on any pool; the mscale ones need
+// the dump's rope attributes (yarn_mscale_squared), and are refused without them.
+bool injection_for_any_pool(Injection injection);
+Status check_injection_applies(Injection injection, const DumpAttributes& attrs);
 Result<Injection> parse_injection(std::string_view name);  // "" -> kNone
 const InjectionInfo& injection_info(Injection injection);
 
@@ -74,5 +87,30 @@ constexpr int kv_write_slot_offset(Injection injection) {
 // The scale a kScaleMismatch decode reads with: kv_scale rounded to the nearest power of two
 // (twice kv_scale when it already is one).
 float power_of_two_scale(float kv_scale);
+
+// YaRN's factor on the softmax scale, mscale^2 with mscale = 0.1 * rope_mscale_all_dim *
+// ln(rope_factor) + 1 (1 for rope_factor <= 1; transformers' yarn_get_mscale, applied to
+// DeepseekV3Attention.scaling once when mscale_all_dim is non-zero), from the dump's optional
+// rope attributes (docs/kvdump-v1.md "Optional model attributes"); nullopt when the dump lacks
+// rope_factor or rope_mscale_all_dim (nothing is guessed), 1 when rope_mscale_all_dim is 0.
+std::optional<double> yarn_mscale_squared(const DumpAttributes& attrs);
+
+// The RoPE layouts. De-interleaved (the Hugging Face module's order): even elements, then odd,
+// y[j] = x[2j], y[Dr/2 + j] = x[2j + 1]; interleaved is its inverse. Dr is even.
+void deinterleave_rope(std::span<const float> x, std::span<float> y);
+void interleave_rope(std::span<const float> x, std::span<float> y);
+
+// What a translation fault hands the attention, per (step, layer): the dump's attributes with the
+// faulty sm_scale, and the step's q_nope, new_kv and topk_indices with q_pe [Nq, H, Dr] permuted
+// or zeroed (no captured outputs: a backend reads none). For kKpeDeinterleaved the scores
+// q_pe . D(r) are formed as I(q_pe) . r (a permutation is orthogonal: q . P r = P^T q . r), so the
+// pool is read as stored. Any other injection: the input unchanged.
+struct TranslatedInput {
+  DumpAttributes attrs;
+  StepLayerTensors tensors;
+};
+Result<TranslatedInput> translate_input(Injection injection, const DumpAttributes& attrs,
+                                        const StepLayerTensors& tensors);
+bool injection_translates(Injection injection);
 
 }  // namespace kvaudit

@@ -182,11 +182,23 @@ class CpuFp8Backend final : public Backend {
   }
 
   Result<AttentionOutput> run_step(const StepLayerInput& input, KvPool& pool) override {
+    if (!injection_translates(injection_)) return run_handed(input, pool);
+    // A translation fault: the attention is handed a faulty sm_scale or q_pe.
+    KVAUDIT_ASSIGN_OR_RETURN(const TranslatedInput translated,
+                             translate_input(injection_, input.attrs, input.tensors));
+    return run_handed({translated.attrs, input.step, input.layer, translated.tensors,
+                       input.step_index, input.layer_index},
+                      pool);
+  }
+
+ private:
+  // The write, then the attention, on what the backend was handed.
+  Result<AttentionOutput> run_handed(const StepLayerInput& input, KvPool& pool) {
     const std::string where = fmt::format("cpu-fp8 {}/{}", input.step.group, input.layer.group);
     if (pool.dtype != input.attrs.kv_dtype || pool.row_width != input.attrs.row_width()) {
       return bad_input(where, "pool type or row width disagrees with the dump attributes");
     }
-    KVAUDIT_TRY(check_injection_applies(injection_, input.attrs.kv_scale_kind));
+    KVAUDIT_TRY(check_injection_applies(injection_, input.attrs));
     KVAUDIT_TRY(check_step_indices(input.step, input.attrs.page_size, pool.num_slots));
     if (pool.grouped()) {
       KVAUDIT_TRY(write_grouped_step(input.step, input.tensors.new_kv, input.layer.kv_scale,
@@ -220,7 +232,6 @@ class CpuFp8Backend final : public Backend {
                              options);
   }
 
- private:
   BackendOptions options_;
   Injection injection_;
 };

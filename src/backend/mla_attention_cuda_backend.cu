@@ -241,6 +241,8 @@ class CudaMlaBackend final : public Backend {
   CudaBackendAllocations allocations() const { return allocations_; }
 
  private:
+  // run_step on what the attention is handed (a translation fault's input, else the step's own).
+  Result<AttentionOutput> run_handed(const StepLayerInput& input, KvPool& pool);
   // The device pipeline: upload, write (if `write`), attend (if `attend`), download.
   Result<AttentionOutput> run_on_device(const StepLayerInput& input, KvPool& pool, bool write,
                                         bool attend);
@@ -273,7 +275,19 @@ class CudaMlaBackend final : public Backend {
 };
 
 Result<AttentionOutput> CudaMlaBackend::run_step(const StepLayerInput& input, KvPool& pool) {
-  KVAUDIT_TRY(check_injection_applies(injection_, input.attrs.kv_scale_kind));
+  if (injection_translates(injection_)) {
+    // A translation fault: the attention is handed a faulty sm_scale or q_pe (as cpu-fp8).
+    KVAUDIT_ASSIGN_OR_RETURN(const TranslatedInput translated,
+                             translate_input(injection_, input.attrs, input.tensors));
+    return run_handed({translated.attrs, input.step, input.layer, translated.tensors,
+                       input.step_index, input.layer_index},
+                      pool);
+  }
+  return run_handed(input, pool);
+}
+
+Result<AttentionOutput> CudaMlaBackend::run_handed(const StepLayerInput& input, KvPool& pool) {
+  KVAUDIT_TRY(check_injection_applies(injection_, input.attrs));
   if (!pool.grouped() && !input.tensors.sparse()) return run_on_device(input, pool, true, true);
   if (pool.grouped()) {
     const std::string where = name() + ": step " + input.step.group;

@@ -60,6 +60,11 @@ struct DumpAttributes {
   GroupScaleFormat kv_scale_format = GroupScaleFormat::kFloat32;
   KvDtype kv_rope_dtype = KvDtype::kFloat8E4m3fn;
   PoolLayout kv_cache_layout = PoolLayout::kSplit;
+  // Optional model attributes (docs/kvdump-v1.md): YaRN's rope_factor and rope_mscale_all_dim
+  // where the producer recorded them (finite when present). Only the diagnosis of a dropped or
+  // doubled mscale^2 reads them; sm_scale stays what the replay uses.
+  std::optional<double> rope_factor;
+  std::optional<double> rope_mscale_all_dim;
 
   int row_width() const { return kv_lora_rank + qk_rope_head_dim; }  // D
   bool per_token_group() const { return kv_scale_group_size > 0; }

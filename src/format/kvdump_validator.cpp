@@ -355,6 +355,16 @@ Status read_group_scale_attributes(const ObjectReader& r, hid_t root, DumpAttrib
   return ok_status();
 }
 
+// An optional float root attribute (docs/kvdump-v1.md "Optional model attributes"): finite when
+// present.
+Result<std::optional<double>> read_optional_float(const ObjectReader& r, hid_t root,
+                                                  const char* name) {
+  if (H5Aexists(root, name) <= 0) return std::optional<double>();
+  KVAUDIT_ASSIGN_OR_RETURN(const double value, r.read_float(root, "/", name));
+  if (!std::isfinite(value)) return r.bad("/", fmt::format("attribute {} is not finite", name));
+  return std::optional<double>(value);
+}
+
 Result<DumpAttributes> read_root_attributes(const ObjectReader& r, hid_t root) {
   KVAUDIT_TRY(check_format(r, root));
   DumpAttributes attrs;
@@ -379,6 +389,9 @@ Result<DumpAttributes> read_root_attributes(const ObjectReader& r, hid_t root) {
                                              "per_tensor or per_token_group (v1.1)",
                                              attrs.kv_scale_kind));
   }
+  KVAUDIT_ASSIGN_OR_RETURN(attrs.rope_factor, read_optional_float(r, root, "rope_factor"));
+  KVAUDIT_ASSIGN_OR_RETURN(attrs.rope_mscale_all_dim,
+                           read_optional_float(r, root, "rope_mscale_all_dim"));
   return attrs;
 }
 

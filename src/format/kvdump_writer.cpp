@@ -322,6 +322,12 @@ Status DumpWriter::Impl::write_root_attributes(hid_t root) const {
     KVAUDIT_TRY(
         write_string(root, "/", "kv_cache_layout", pool_layout_name(attrs.kv_cache_layout)));
   }
+  const std::pair<const char*, const std::optional<double>*> rope[] = {
+      {"rope_factor", &attrs.rope_factor}, {"rope_mscale_all_dim", &attrs.rope_mscale_all_dim}};
+  for (const auto& [name, value] : rope) {
+    if (!value->has_value()) continue;
+    KVAUDIT_TRY(write_attribute(root, "/", name, H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &**value));
+  }
   return ok_status();
 }
 

@@ -58,6 +58,11 @@ constexpr Transform with_value(ValueScale value) {
   t.value_scale = value;
   return t;
 }
+constexpr Transform with_rope(RopePairing rope) {
+  Transform t;
+  t.rope = rope;
+  return t;
+}
 
 constexpr HypothesisInfo kCatalogue[] = {
     {Hypothesis::kLseBase2, "lse-base-2",
@@ -164,6 +169,29 @@ constexpr HypothesisInfo kCatalogue[] = {
      "new_kv) while the read applies s; needs kv_source (not applicable without). The reverse, "
      "written with s and read with 1, is scale-not-applied",
      with_read(PoolRead::kRequantizedUnitScale)},
+    {Hypothesis::kSmScaleMscaleDropped, "sm-scale-mscale-dropped",
+     "the softmax scale without YaRN's mscale^2: qk_head_dim^-0.5 = sm_scale / mscale^2, mscale = "
+     "0.1 * rope_mscale_all_dim * ln(rope_factor) + 1 from the dump's rope attributes (not "
+     "applicable without them): a server deriving the scale from the head widths alone "
+     "(TensorRT-LLM issue 3675)",
+     with_sm(SmScaleRule::kWithoutMscale)},
+    {Hypothesis::kSmScaleMscaleTwice, "sm-scale-mscale-twice",
+     "YaRN's mscale^2 applied twice: sm_scale * mscale^2 (qk_head_dim^-0.5 * mscale^4), a server "
+     "multiplying a model scale that already holds mscale^2 by it again; needs the dump's rope "
+     "attributes",
+     with_sm(SmScaleRule::kMscaleTwice)},
+    {Hypothesis::kKpeDeinterleaved, "kpe-deinterleaved",
+     "the cached RoPE part in the Hugging Face module's de-interleaved order (even elements, then "
+     "odd) while q_pe is interleaved: scores q_pe . D(r)",
+     with_rope(RopePairing::kKeyDeinterleaved)},
+    {Hypothesis::kQpeDeinterleaved, "qpe-deinterleaved",
+     "q_pe in the Hugging Face module's de-interleaved order while the cached RoPE part is "
+     "interleaved: scores D(q_pe) . r",
+     with_rope(RopePairing::kQueryDeinterleaved)},
+    {Hypothesis::kRopeDotMissing, "rope-dot-missing",
+     "the absorbed query formed without the RoPE split: the q_pe . r term missing from the "
+     "scores (a 512-wide latent attention, q_pe zeroed)",
+     with_rope(RopePairing::kDropped)},
 };
 
 // s = f * 2^e with f in [0.5, 1): floor(log2 s) = e - 1, and s is a power of two iff f = 0.5.
@@ -179,8 +207,14 @@ float pow2_ceil(float s) {
   return fraction == 0.5f ? s : std::ldexp(1.0f, exponent);
 }
 
-double sm_scale_of(SmScaleRule rule, double sm_scale, float kv_scale) {
+double sm_scale_of(SmScaleRule rule, double sm_scale, float kv_scale,
+                   std::optional<double> mscale_squared) {
+  const double unknown = std::numeric_limits<double>::quiet_NaN();
   switch (rule) {
+    case SmScaleRule::kWithoutMscale:
+      return mscale_squared ? sm_scale / *mscale_squared : unknown;
+    case SmScaleRule::kMscaleTwice:
+      return mscale_squared ? sm_scale * *mscale_squared : unknown;
     case SmScaleRule::kAsIs:
       return sm_scale;
     case SmScaleRule::kOne:
@@ -276,6 +310,7 @@ unsigned transform_parts(const Transform& t) {
   if (t.query != none.query) parts |= kPartQuery;
   if (t.weights != none.weights || t.normaliser != none.normaliser) parts |= kPartWeights;
   if (t.candidate_lse != none.candidate_lse) parts |= kPartLse;
+  if (t.rope != none.rope) parts |= kPartRope;
   return parts;
 }
 
@@ -297,6 +332,7 @@ Transform combine(const Transform& a, const Transform& b) {
   t.query = pick(a.query, b.query, none.query);
   t.query_scale_domain = pick(a.query_scale_domain, b.query_scale_domain, none.query_scale_domain);
   t.normaliser = pick(a.normaliser, b.normaliser, none.normaliser);
+  t.rope = pick(a.rope, b.rope, none.rope);
   return t;
 }
 
@@ -304,7 +340,7 @@ bool ResolvedVariant::same_computation(const ResolvedVariant& other) const {
   return latent_scale == other.latent_scale && rope_scale == other.rope_scale &&
          value_scale == other.value_scale && sm_scale == other.sm_scale && read == other.read &&
          query == other.query && query_scale == other.query_scale && weights == other.weights &&
-         tiles == other.tiles && normaliser == other.normaliser;
+         tiles == other.tiles && normaliser == other.normaliser && rope == other.rope;
 }
 
 float tf32_round(float x) {
@@ -371,7 +407,7 @@ double apply_scale_rule(ScaleRule rule, float kv_scale) {
 }
 
 ResolvedVariant resolve(const Transform& transform, float kv_scale, double sm_scale,
-                        float query_amax, TileShape tiles) {
+                        float query_amax, TileShape tiles, std::optional<double> mscale_squared) {
   ResolvedVariant variant;
   variant.latent_scale = apply_scale_rule(transform.latent_scale, kv_scale);
   variant.rope_scale = apply_scale_rule(transform.rope_scale, kv_scale);
@@ -386,7 +422,8 @@ ResolvedVariant resolve(const Transform& transform, float kv_scale, double sm_sc
       variant.value_scale = kv_scale;
       break;
   }
-  variant.sm_scale = sm_scale_of(transform.sm_scale, sm_scale, kv_scale);
+  variant.sm_scale = sm_scale_of(transform.sm_scale, sm_scale, kv_scale, mscale_squared);
+  variant.rope = transform.rope;
   variant.read = transform.read;
   variant.query = transform.query;
   if (transform.query == QueryRounding::kE4m3Scaled && query_amax > 0.0f) {
@@ -432,6 +469,13 @@ std::string describe_variant(const ResolvedVariant& v, const ResolvedVariant& id
     parts.push_back(fmt::format("sm_scale {} read as {}", number_text(identity.sm_scale),
                                 number_text(v.sm_scale)));
   }
+  if (v.rope == RopePairing::kKeyDeinterleaved) {
+    parts.emplace_back("rope part read de-interleaved against q_pe: q_pe . D(r)");
+  }
+  if (v.rope == RopePairing::kQueryDeinterleaved) {
+    parts.emplace_back("q_pe de-interleaved against the rope part: D(q_pe) . r");
+  }
+  if (v.rope == RopePairing::kDropped) parts.emplace_back("q_pe . r dropped from the scores");
   if (v.read == PoolRead::kE5m2) parts.emplace_back("FP8 bytes decoded as e5m2");
   if (v.read == PoolRead::kBf16Bytes) parts.emplace_back("FP8 pool read as bf16, 2 bytes/element");
   if (v.read == PoolRead::kRequantizedUnitScale) {
@@ -614,6 +658,7 @@ class VariantKernel {
                           ? p_.q_pe[pair * p_.dr + j]
                           : rounded_query(v.query, p_.q_pe[pair * p_.dr + j], query_scale);
     }
+    pair_rope(v.rope);
     const auto& rows = p_.token_rows[p_.request_of_row[row]];
     const std::int64_t n = p_.visible_of_row[row];
     double* out = p_.out.data() + pair * p_.dc;
@@ -643,6 +688,28 @@ class VariantKernel {
   }
 
  private:
+  // q_pe (q_[Dc:]) as it meets r_t under the pairing: q . D(r) = I(q) . r, the scores' RoPE dot
+  // then reads r_t as stored.
+  void pair_rope(RopePairing rope) {
+    if (rope == RopePairing::kAsStored) return;
+    double* q_pe = q_.data() + p_.dc;
+    if (rope == RopePairing::kDropped) {
+      std::fill_n(q_pe, p_.dr, 0.0);
+      return;
+    }
+    const int half = p_.dr / 2;
+    rope_.assign(q_pe, q_pe + p_.dr);
+    for (int j = 0; j < half; ++j) {
+      if (rope == RopePairing::kKeyDeinterleaved) {  // I(q): y[2j] = q[j], y[2j + 1] = q[half + j]
+        q_pe[2 * j] = rope_[j];
+        q_pe[2 * j + 1] = rope_[half + j];
+      } else {  // D(q): y[j] = q[2j], y[half + j] = q[2j + 1]
+        q_pe[j] = rope_[2 * j];
+        q_pe[half + j] = rope_[2 * j + 1];
+      }
+    }
+  }
+
   // acc += sum_{t in [begin, end)} p_t c_t with w_t = exp(s_t - m); returns the tokens' share of
   // l (sum of w_t, or of p_t with Normaliser::kRounded).
   double accumulate(const std::vector<const float*>& rows, std::int64_t begin, std::int64_t end,
@@ -705,7 +772,8 @@ class VariantKernel {
   }
 
   const VariantProblem& p_;
-  std::vector<double> q_;  // q_nope then q_pe, widened (and rounded) once per pair
+  std::vector<double> q_;     // q_nope then q_pe, widened (and rounded) once per pair
+  std::vector<double> rope_;  // q_pe before pair_rope's permutation
   std::vector<double> s_;
   std::vector<double> acc_;
   std::vector<double> split_acc_;
@@ -802,6 +870,7 @@ class Diagnoser {
   explicit Diagnoser(const DiagnosisInput& input)
       : input_(input),
         identity_(resolve(Transform{}, input.kv_scale, input.attrs.sm_scale)),
+        mscale_squared_(yarn_mscale_squared(input.attrs)),
         query_amax_(query_amax(input.tensors)),
         max_visible_(max_visible_of(input)),
         compares_out_(!input.reference.out.empty()),
@@ -809,11 +878,22 @@ class Diagnoser {
 
   const ResolvedVariant& identity() const { return identity_; }
 
+  // Why a candidate that changes the softmax scale by YaRN's mscale^2 was not tried here ("" for
+  // any other): the report's not_applicable entry says it, so nothing reads as guessed.
+  std::string mscale_unknown_note(const Transform& transform) const {
+    const bool mscale_rule = transform.sm_scale == SmScaleRule::kWithoutMscale ||
+                             transform.sm_scale == SmScaleRule::kMscaleTwice;
+    if (!mscale_rule) return "";
+    if (!mscale_squared_) return " (the dump has no rope_factor and rope_mscale_all_dim)";
+    if (*mscale_squared_ == 1.0) return " (mscale^2 is 1 for the dump's rope attributes)";
+    return "";
+  }
+
   // The candidate resolved for this (step, layer); a tiled rounding whose one split's tile holds
   // every row is p-e4m3 (the same computation), and is resolved as such.
   ResolvedVariant resolve_candidate(const Candidate& candidate) const {
     ResolvedVariant v = resolve(candidate.transform, input_.kv_scale, input_.attrs.sm_scale,
-                                query_amax_, candidate.tiles);
+                                query_amax_, candidate.tiles, mscale_squared_);
     if (v.weights == WeightRounding::kE4m3Tile && v.tiles.splits <= 1 &&
         v.tiles.tile >= max_visible_) {
       v.weights = WeightRounding::kE4m3;
@@ -828,6 +908,8 @@ class Diagnoser {
     if (v.read != PoolRead::kAsStored && !fp8) return false;
     if (v.candidate_lse != LseBase::kNatural && input_.candidate.lse.empty()) return false;
     if (v.read == PoolRead::kRequantizedUnitScale && !covers_sources()) return false;
+    if (!std::isfinite(v.sm_scale)) return false;  // an mscale rule without rope attributes
+    if (v.rope != RopePairing::kAsStored && input_.attrs.qk_rope_head_dim == 0) return false;
     return !(v.same_computation(identity_) && v.candidate_lse == identity_.candidate_lse);
   }
 
@@ -896,6 +978,7 @@ class Diagnoser {
 
   const DiagnosisInput& input_;
   ResolvedVariant identity_;
+  std::optional<double> mscale_squared_;
   float query_amax_;
   std::int64_t max_visible_;
   bool compares_out_;
@@ -1001,7 +1084,8 @@ Status try_candidates(Diagnoser& diagnoser, const std::vector<Candidate>& candid
     const bool untiled = candidate.transform.weights == WeightRounding::kE4m3Tile &&
                          variant.weights != WeightRounding::kE4m3Tile;
     if (duplicate || untiled || !diagnoser.applicable(variant)) {
-      const std::string name = display_name(candidate);
+      const std::string name =
+          display_name(candidate) + diagnoser.mscale_unknown_note(candidate.transform);
       if (std::find(finding.not_applicable.begin(), finding.not_applicable.end(), name) ==
           finding.not_applicable.end()) {
         finding.not_applicable.push_back(name);

@@ -8,11 +8,13 @@
 // candidate read. Per query row i, head h, over its visible tokens t, with (c_t, r_t) the pool row
 // decoded under the hypothesis (latent part [Dc], rope part [Dr], unscaled or with kv_scale folded
 // in by the read), q' = rq(q) the query as the hypothesis rounds it:
-//   s_t = sm' * qs * (a * q'_nope[i,h,:] . c_t + b * q'_pe[i,h,:] . r_t)
+//   s_t = sm' * qs * (a * q'_nope[i,h,:] . c_t + b * rho(q'_pe[i,h,:], r_t))
 //   m = max_t s_t,  w_t = exp(s_t - m),  p_t = rp(w_t),  l = sum_t w_t (or p_t: Normaliser)
 //   out[i,h] = v * sum_t p_t c_t / l  [Dc],   lse[i,h] = m + ln l
 // where a (latent multiplier), b (rope multiplier), v (value multiplier), sm' and qs (q's scale)
-// come from kv_scale, sm_scale and amax|q| by the hypothesis's rules, rq is none, e4m3 (optionally
+// come from kv_scale, sm_scale (and YaRN's mscale^2 from the dump's rope attributes) and amax|q|
+// by the hypothesis's rules, rho is the RoPE dot q_pe . r_t or a layout mismatch of it
+// (RopePairing: q_pe . D(r_t), D(q_pe) . r_t, or 0), rq is none, e4m3 (optionally
 // of q / qs) or TF32, and rp none, e4m3 or TF32. p-e4m3-tile replaces the single max by the
 // running max of each KV tile within each split (TileShape): p_t = e4m3(exp(s_t - m_j)), the
 // split's sums rescaled by exp(m_{j-1} - m_j), the splits merged exactly by their lse. R8 itself
@@ -40,6 +42,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <set>
 #include <span>
 #include <utility>
@@ -81,6 +84,11 @@ enum class Hypothesis : std::uint8_t {
   kScaleFp16,
   kValueDescaleMissing,
   kWriteUnitScale,
+  kSmScaleMscaleDropped,
+  kSmScaleMscaleTwice,
+  kKpeDeinterleaved,
+  kQpeDeinterleaved,
+  kRopeDotMissing,
 };
 
 // How a hypothesis derives a KV multiplier from kv_scale s (all in fp32, as a kernel would).
@@ -97,8 +105,17 @@ enum class ScaleRule : std::uint8_t {
   kOne,          // 1: not applied
 };
 // kTimesKvScaleFp32: fp32(sm_scale * s), the key scale folded into the softmax scale
-// (k-scale-in-sm-scale: the scores then read unscaled codes).
-enum class SmScaleRule : std::uint8_t { kAsIs, kOne, kTimesLog2e, kTimesKvScaleFp32 };
+// (k-scale-in-sm-scale: the scores then read unscaled codes). kWithoutMscale, kMscaleTwice:
+// sm_scale / mscale^2 and sm_scale * mscale^2, with mscale^2 = yarn_mscale_squared(attrs)
+// (src/backend/injection.hpp) from the dump's rope attributes; not applicable without them.
+enum class SmScaleRule : std::uint8_t {
+  kAsIs,
+  kOne,
+  kTimesLog2e,
+  kTimesKvScaleFp32,
+  kWithoutMscale,
+  kMscaleTwice
+};
 // What multiplies P.V (the value scale): the latent multiplier a (R8), 1 (v-descale-missing; a
 // read that folds kv_scale into the rows), or kv_scale itself applied to P.V on the codes
 // (v-scale-on-output; with k-scale-in-sm-scale the scores read unscaled codes).
@@ -147,6 +164,19 @@ enum class WeightRounding : std::uint8_t {
 // `acc += tl.dot(p.to(v.dtype), v); e_sum = e_sum * re_scale + tl.sum(p, 1)`, p unrounded), or
 // the rounded p_t. The catalogue models the unrounded sum.
 enum class Normaliser : std::uint8_t { kUnrounded, kRounded };
+// How q_pe meets the rope part r_t of a row in the scores (RoPE layouts: injection.hpp's
+// deinterleave_rope D, interleave_rope I = D^-1):
+//   kAsStored            q_pe . r_t
+//   kKeyDeinterleaved    q_pe . D(r_t) = I(q_pe) . r_t: the cached RoPE part in the Hugging Face
+//                        module's de-interleaved order (even elements, then odd), q_pe interleaved
+//   kQueryDeinterleaved  D(q_pe) . r_t: q_pe de-interleaved, the cached part interleaved
+//   kDropped             0: the absorbed query formed without its RoPE part
+enum class RopePairing : std::uint8_t {
+  kAsStored,
+  kKeyDeinterleaved,
+  kQueryDeinterleaved,
+  kDropped
+};
 // How the candidate's lse is read (kTwo) or stored (kBf16: the reference's lse is rounded to bf16,
 // nearest even, before the comparison).
 enum class LseBase : std::uint8_t { kNatural, kTwo, kBf16 };
@@ -176,6 +206,7 @@ struct Transform {
   QueryRounding query = QueryRounding::kNone;
   QueryScaleDomain query_scale_domain = QueryScaleDomain::kStepTensor;
   Normaliser normaliser = Normaliser::kUnrounded;
+  RopePairing rope = RopePairing::kAsStored;
 };
 
 // The parts of the computation a transform changes. Two hypotheses combine only when they change
@@ -188,6 +219,7 @@ enum TransformPart : unsigned {
   kPartQuery = 1u << 3,
   kPartWeights = 1u << 4,
   kPartLse = 1u << 5,
+  kPartRope = 1u << 6,  // how q_pe meets the rope part (RopePairing)
 };
 unsigned transform_parts(const Transform& transform);
 // Whether two transforms change disjoint parts (transform_parts), and their union.
@@ -212,7 +244,7 @@ struct ResolvedVariant {
   double latent_scale = 1.0;  // a
   double rope_scale = 1.0;    // b
   double value_scale = 1.0;   // v: out = v * sum_t p_t c_t / l
-  double sm_scale = 0.0;      // sm'
+  double sm_scale = 0.0;      // sm' (NaN: a rule this dump lacks the attributes for)
   PoolRead read = PoolRead::kAsStored;
   QueryRounding query = QueryRounding::kNone;
   double query_scale = 1.0;  // q_scale of kE4m3Scaled (1 otherwise)
@@ -220,15 +252,19 @@ struct ResolvedVariant {
   TileShape tiles;  // of kE4m3Tile ({0, 1} otherwise)
   Normaliser normaliser = Normaliser::kUnrounded;
   LseBase candidate_lse = LseBase::kNatural;
+  RopePairing rope = RopePairing::kAsStored;
   bool operator==(const ResolvedVariant&) const = default;
   // The same attention (the candidate's lse may still be read differently).
   bool same_computation(const ResolvedVariant& other) const;
 };
 
 double apply_scale_rule(ScaleRule rule, float kv_scale);
-// `query_amax`: max |q| over the QueryScaleDomain (kE4m3Scaled only); `tiles`: kE4m3Tile only.
+// `query_amax`: max |q| over the QueryScaleDomain (kE4m3Scaled only); `tiles`: kE4m3Tile only;
+// `mscale_squared`: YaRN's mscale^2 from the dump's rope attributes (kWithoutMscale and
+// kMscaleTwice only; nullopt: unknown, and those rules resolve to a NaN sm_scale, not applicable).
 ResolvedVariant resolve(const Transform& transform, float kv_scale, double sm_scale,
-                        float query_amax = 0.0f, TileShape tiles = {});
+                        float query_amax = 0.0f, TileShape tiles = {},
+                        std::optional<double> mscale_squared = std::nullopt);
 // fp32 -> TF32 as cvt.rna.tf32.f32 (PTX ISA, "cvt": .rna, round to nearest, ties away from zero;
 // Ampere+ SASS adds 0x1000 to the fp32 bits and keeps the top 19, enp1s0's "tf32-rna" note): 10
 // explicit mantissa bits, fp32's exponent range; Inf and NaN pass through.

@@ -11,7 +11,10 @@
 //                 an unused slot for masked-nan-leak) changes nothing: exit 0, as the clean run;
 //   the whole-pool cast is exact: exit 0 (the bench's pool sweep catches it, not check);
 //   a fault for another scale kind (the kvdump v1.1 per_token_group faults on these per_tensor
-//                 dumps) would do nothing: refused, exit 2, the message naming both kinds.
+//                 dumps) would do nothing: refused, exit 2, the message naming both kinds;
+//   the translation faults act on what the attention is handed, on any pool: the RoPE ones are
+//                 read faults everywhere; the mscale ones need rope attributes no shipped dump
+//                 has (GLM-5 has no YaRN mscale): refused, exit 2, naming rope_mscale_all_dim.
 // The per_token_group faults' own matrix, on the shipped v1.1 dumps, is kGroupInjectionMatrix.
 #pragma once
 
@@ -29,7 +32,9 @@
 
 namespace kvaudit_test {
 
-enum class Expect { kPass, kWriteFault, kReadFault, kRefused };
+// kRefusedWithoutRope: a fault that needs the dump's rope attributes (mscale-dropped,
+// mscale-twice) on a dump without them: exit 2, the message naming rope_mscale_all_dim.
+enum class Expect { kPass, kWriteFault, kReadFault, kRefused, kRefusedWithoutRope };
 
 struct InjectionExpectation {
   const char* injection;
@@ -59,6 +64,13 @@ inline constexpr InjectionExpectation kInjectionMatrix[] = {
     {"kv-scale-split", "", "", Expect::kRefused, Expect::kRefused, Expect::kRefused},
     {"scale-read-as-pow2", "", "", Expect::kRefused, Expect::kRefused, Expect::kRefused},
     {"scale-read-as-e8m0", "", "", Expect::kRefused, Expect::kRefused, Expect::kRefused},
+    {"mscale-dropped", "", "", Expect::kRefusedWithoutRope, Expect::kRefusedWithoutRope,
+     Expect::kRefusedWithoutRope},
+    {"mscale-twice", "", "", Expect::kRefusedWithoutRope, Expect::kRefusedWithoutRope,
+     Expect::kRefusedWithoutRope},
+    {"kpe-deinterleaved", "", "", Expect::kReadFault, Expect::kReadFault, Expect::kReadFault},
+    {"qpe-deinterleaved", "", "", Expect::kReadFault, Expect::kReadFault, Expect::kReadFault},
+    {"rope-dot-missing", "", "", Expect::kReadFault, Expect::kReadFault, Expect::kReadFault},
 };
 
 inline constexpr const char* kShippedDumps[] = {"glm5_page1", "page64_nan", "saturated_page16"};
@@ -97,6 +109,11 @@ inline constexpr GroupInjectionExpectation kGroupInjectionMatrix[] = {
      Expect::kWriteFault},
     {"scale-read-as-pow2", "", "", Expect::kPass, Expect::kReadFault},
     {"scale-read-as-e8m0", "", "", Expect::kReadFault, Expect::kReadFault},
+    {"mscale-dropped", "", "", Expect::kRefusedWithoutRope, Expect::kRefusedWithoutRope},
+    {"mscale-twice", "", "", Expect::kRefusedWithoutRope, Expect::kRefusedWithoutRope},
+    {"kpe-deinterleaved", "", "", Expect::kReadFault, Expect::kReadFault},
+    {"qpe-deinterleaved", "", "", Expect::kReadFault, Expect::kReadFault},
+    {"rope-dot-missing", "", "", Expect::kReadFault, Expect::kReadFault},
 };
 
 inline constexpr const char* kShippedGroupDumps[] = {"glm5_dsa_flashmla", "glm5_pertoken_fp8rope"};
@@ -153,6 +170,13 @@ inline void require_injection_outcome(const std::string& backend, const std::str
     CHECK(outcome.report.is_null());
     CHECK(outcome.output.find(std::string("--inject ") + e.injection) != std::string::npos);
     CHECK(outcome.output.find("per_token_group") != std::string::npos);
+    return;
+  }
+  if (expect == Expect::kRefusedWithoutRope) {
+    CHECK(outcome.exit_status == 2);
+    CHECK(outcome.report.is_null());
+    CHECK(outcome.output.find(std::string("--inject ") + e.injection) != std::string::npos);
+    CHECK(outcome.output.find("rope_mscale_all_dim") != std::string::npos);
     return;
   }
   REQUIRE(outcome.report.is_object());

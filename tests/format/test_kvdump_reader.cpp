@@ -108,6 +108,14 @@ TEST_CASE("kvdump reader refuses bad root attribute values", "[kvdump]") {
       {"page_size 0", [](RawFile& f) { f.set_int("/", "page_size", 0); }, "/", "page_size"},
       {"model is an integer", [](RawFile& f) { f.set_int("/", "model", 5); }, "/",
        "expected a string"},
+      // The optional rope attributes the mscale diagnosis reads: finite floats where present.
+      {"rope_factor NaN", [nan](RawFile& f) { f.set_double("/", "rope_factor", nan); }, "/",
+       "rope_factor is not finite"},
+      {"rope_mscale_all_dim inf",
+       [inf](RawFile& f) { f.set_double("/", "rope_mscale_all_dim", inf); }, "/",
+       "rope_mscale_all_dim is not finite"},
+      {"rope_factor string", [](RawFile& f) { f.set_string("/", "rope_factor", "40"); }, "/",
+       "expected a floating-point"},
   });
 }
 

@@ -726,7 +726,11 @@ TEST_CASE("cuda-fp8 injects every fault (and --reciprocal-scale) as cpu-fp8 does
   s.kv_scale = 0.37f;
   s.kv_sigma = 40.f;
   s.seed = 900;
-  const MlaCase c = make_mla_case(s);
+  MlaCase c = make_mla_case(s);
+  // DeepSeek-V3's YaRN rope attributes, so the mscale faults (translate_input) have a mscale^2 to
+  // drop or repeat (1.874); no other fault reads them.
+  c.attrs.rope_factor = 40.0;
+  c.attrs.rope_mscale_all_dim = 1.0;
   // The writes again with new_kv +-30 * (1 .. 7): 180 and 210 lie past 464 * 0.37 = 171.7, where
   // N(0, 40) above draws nothing (4.3 sigma), so no-saturation writes NaN codes where kvdump's rule
   // stores +-448. Only the pools are compared there: a read fault on such codes can overflow fp32
@@ -734,7 +738,9 @@ TEST_CASE("cuda-fp8 injects every fault (and --reciprocal-scale) as cpu-fp8 does
   // non-finite on one side only), where the GPU's and the model's summation orders need not agree.
   MlaCaseSpec saturating = s;
   saturating.new_kv_magnitude = 30.f;
-  const MlaCase c_saturating = make_mla_case(saturating);
+  MlaCase c_saturating = make_mla_case(saturating);
+  c_saturating.attrs.rope_factor = c.attrs.rope_factor;
+  c_saturating.attrs.rope_mscale_all_dim = c.attrs.rope_mscale_all_dim;
   const auto nan_codes = [](const std::vector<std::uint8_t>& bytes) {
     return std::count_if(bytes.begin(), bytes.end(),
                          [](std::uint8_t code) { return (code & 0x7F) == 0x7F; });

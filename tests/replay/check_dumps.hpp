@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -42,6 +43,9 @@ struct TinySpec {
   // 1 + amplitude/4 * u. Lets a test put every softmax weight where it wants it.
   bool crafted_scores = false;
   float crafted_kpe = -0.63488f;
+  // The optional YaRN rope attributes (docs/kvdump-v1.md "Optional model attributes").
+  std::optional<double> rope_factor;
+  std::optional<double> rope_mscale_all_dim;
 };
 
 struct TinyDump {
@@ -114,6 +118,8 @@ inline TinyDump make_tiny_dump(const TinySpec& spec) {
   dump.attrs.qk_rope_head_dim = spec.dr;
   dump.attrs.sm_scale = spec.sm_scale;
   dump.attrs.page_size = spec.page_size;
+  dump.attrs.rope_factor = spec.rope_factor;
+  dump.attrs.rope_mscale_all_dim = spec.rope_mscale_all_dim;
   const int width = spec.dc + spec.dr;
   const int requests = static_cast<int>(spec.prefix.size());
   const int page = spec.page_size;

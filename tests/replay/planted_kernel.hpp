@@ -7,12 +7,15 @@
 //   k_t = decode(pool row), s_t = fp32(q . (a c_t, b r_t)) * sm * log2 e   (base 2, as cpu-fp8)
 //   m = max_t s_t, w_t = exp2(s_t - m), l = sum_t w_t, p_t = bf16(w_t)
 //   out = bf16(a * sum_t p_t c_t / l),  lse = (m + log2 l) * ln 2
-// with a = b = kv_scale, sm = sm_scale, e4m3 decoding. Each mismatch changes one ingredient; a
-// PlantedChoices may commit several at once (those that change different ingredients). The
-// tiled one (p-e4m3-tile) runs the flash loop: per split of ceil(ceil(n / S) / T) * T tokens, per
-// tile of T tokens, m_j = max(m_{j-1}, max of tile j), p = e4m3(exp2(s - m_j)), acc and l rescaled
-// by exp2(m_{j-1} - m_j), l summing the unrounded weights; the splits merged by their lse.
-// Shapes: q_nope [Nq, H, Dc], q_pe [Nq, H, Dr], pool [S, Dc + Dr], out [Nq, H, Dc], lse [Nq, H].
+// with a = b = kv_scale, sm = sm_scale, e4m3 decoding. The translation faults: sm divided or
+// multiplied by YaRN's mscale^2 from the dump's rope attributes, q_pe or r_t read de-interleaved
+// (position c holds element 2c, then 2(c - Dr/2) + 1), or the RoPE dot left out. Each mismatch
+// changes one ingredient; a PlantedChoices may commit several at once (those that change
+// different ingredients). The tiled one (p-e4m3-tile) runs the flash loop: per split of
+// ceil(ceil(n / S) / T) * T tokens, per tile of T tokens, m_j = max(m_{j-1}, max of tile j),
+// p = e4m3(exp2(s - m_j)), acc and l rescaled by exp2(m_{j-1} - m_j), l summing the unrounded
+// weights; the splits merged by their lse. Shapes: q_nope [Nq, H, Dc], q_pe [Nq, H, Dr], pool [S,
+// Dc + Dr], out [Nq, H, Dc], lse [Nq, H].
 #pragma once
 
 #include <algorithm>
@@ -154,6 +157,11 @@ inline std::optional<Hypothesis> scale_or_read_mismatch(const PlantedChoices& ch
       case Hypothesis::kValueDescaleMissing:
       case Hypothesis::kSmScaleMissing:
       case Hypothesis::kSmScaleLog2e:
+      case Hypothesis::kSmScaleMscaleDropped:
+      case Hypothesis::kSmScaleMscaleTwice:
+      case Hypothesis::kKpeDeinterleaved:
+      case Hypothesis::kQpeDeinterleaved:
+      case Hypothesis::kRopeDotMissing:
         continue;
       default:
         return h;
@@ -174,6 +182,18 @@ inline float planted_query(const PlantedChoices& c, float q, float q_scale) {
   if (c.has(Hypothesis::kTf32)) return planted_tf32(q);
   return q;
 }
+
+// YaRN's factor on the softmax scale from its definition (transformers' yarn_get_mscale, squared
+// once into DeepseekV3Attention.scaling): (0.1 * mscale_all_dim * ln factor + 1)^2.
+inline double planted_mscale_squared(const DumpAttributes& attrs) {
+  const double mscale =
+      0.1 * attrs.rope_mscale_all_dim.value() * std::log(attrs.rope_factor.value()) + 1.0;
+  return mscale * mscale;
+}
+
+// Which element of a rope part of width dr sits at position c when the part is read in the
+// Hugging Face module's de-interleaved order (even elements, then odd): 2c, then 2(c - dr/2) + 1.
+inline int deinterleaved_source(int c, int dr) { return c < dr / 2 ? 2 * c : 2 * (c - dr / 2) + 1; }
 
 // The flash loop of p-e4m3-tile (header) over scores [0, n): acc (zeroed by the caller) and l
 // after the split merge; returns the row's max m.
@@ -236,6 +256,8 @@ inline PlantedOutput planted_attention(const DumpAttributes& attrs, const StepMe
   double sm = attrs.sm_scale;
   if (choices.has(Hypothesis::kSmScaleMissing)) sm = 1.0;
   if (choices.has(Hypothesis::kSmScaleLog2e)) sm *= kLog2e;
+  if (choices.has(Hypothesis::kSmScaleMscaleDropped)) sm /= planted_mscale_squared(attrs);
+  if (choices.has(Hypothesis::kSmScaleMscaleTwice)) sm *= planted_mscale_squared(attrs);
   float score_scale = static_cast<float>(sm * kLog2e);
   if (scale_in_sm) {
     // SGLang forms sm_scale * k_scale in double (Python floats) and hands the kernel one fp32.
@@ -272,10 +294,15 @@ inline PlantedOutput planted_attention(const DumpAttributes& attrs, const StepMe
           latent[p][c] = planted_element(planted, pool, slot, c, kv_scale);
           dot += planted_query(choices, qn[c], q_scale) * (a * latent[p][c]);
         }
-        for (int c = 0; c < dr; ++c) {
+        for (int c = 0; dr > 0 && c < dr && !choices.has(Hypothesis::kRopeDotMissing); ++c) {
           const bool pe_kept = choices.has(Hypothesis::kQueryNopeE4m3);  // a bf16 RoPE dot
-          dot += (pe_kept ? qp[c] : planted_query(choices, qp[c], q_scale)) *
-                 (b * planted_element(planted, pool, slot, dc + c, kv_scale));
+          // The layouts q_pe and the cached RoPE part meet in: one of them de-interleaved.
+          const int k_c =
+              choices.has(Hypothesis::kKpeDeinterleaved) ? deinterleaved_source(c, dr) : c;
+          const int q_c =
+              choices.has(Hypothesis::kQpeDeinterleaved) ? deinterleaved_source(c, dr) : c;
+          dot += (pe_kept ? qp[q_c] : planted_query(choices, qp[q_c], q_scale)) *
+                 (b * planted_element(planted, pool, slot, dc + k_c, kv_scale));
         }
         scores[p] = dot * score_scale;
         m = std::max(m, scores[p]);

@@ -11,9 +11,11 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "references/mla_reference.hpp"
+#include "src/backend/injection.hpp"
 #include "src/cli/backend_registry.hpp"
 #include "src/replay/diagnosis.hpp"
 #include "src/replay/replay.hpp"
@@ -71,6 +73,9 @@ struct PlantedCase {
   std::vector<std::string> expected;
   bool same_computation;             // the expected set resolves to one computation on this data
   std::vector<int> prefix = {6, 0};  // tokens cached per request before step 0
+  // The dump carries DeepSeek-V3's YaRN rope attributes (rope_factor 40, rope_mscale_all_dim 1:
+  // mscale^2 = (0.1 ln 40 + 1)^2 = 1.8739); without them the mscale hypotheses do not apply.
+  bool yarn_rope = false;
 };
 
 // kv_scale 0.0029: log2 = -8.43, so the nearest power of two is the ceiling (e8m0's) 2^-8, and
@@ -117,6 +122,20 @@ std::vector<PlantedCase> planted_cases() {
       {H::kTf32, 0.0029f, 20.0, names({H::kTf32}), false},
       {H::kScaleFp16, 0.0039119f, 20.0, names({H::kScaleFp16}), false},
       {H::kValueDescaleMissing, 0.0029f, 0.35, names({H::kValueDescaleMissing}), false},
+      // The translation faults (issue 33): the scale off by YaRN's mscale^2 either way, q_pe and
+      // the cached RoPE part in different layouts (each direction its own permutation: D and
+      // D^-1 differ for Dr = 8), the RoPE dot left out.
+      {H::kSmScaleMscaleDropped,
+       0.0029f,
+       0.35,
+       names({H::kSmScaleMscaleDropped}),
+       false,
+       {6, 0},
+       true},
+      {H::kSmScaleMscaleTwice, 0.0029f, 0.35, names({H::kSmScaleMscaleTwice}), false, {6, 0}, true},
+      {H::kKpeDeinterleaved, 0.0029f, 0.35, names({H::kKpeDeinterleaved}), false},
+      {H::kQpeDeinterleaved, 0.0029f, 0.35, names({H::kQpeDeinterleaved}), false},
+      {H::kRopeDotMissing, 0.0029f, 0.35, names({H::kRopeDotMissing}), false},
   };
 }
 
@@ -126,6 +145,10 @@ TinySpec planted_spec(const PlantedCase& c) {
   spec.kv_scale = c.kv_scale;
   spec.sm_scale = c.sm_scale;
   spec.prefix = c.prefix;
+  if (c.yarn_rope) {
+    spec.rope_factor = 40.0;
+    spec.rope_mscale_all_dim = 1.0;
+  }
   return spec;
 }
 
@@ -174,7 +197,7 @@ TEST_CASE("diagnosis: the catalogue has one row per hypothesis, each name once",
     CHECK(std::string(info.description).size() > 20);
     CHECK(std::string(hypothesis_name(info.id)) == info.name);
   }
-  CHECK(ids.size() == static_cast<std::size_t>(H::kWriteUnitScale) + 1);
+  CHECK(ids.size() == static_cast<std::size_t>(H::kRopeDotMissing) + 1);
   // Every case below plants one of them; together they cover the catalogue (write-unit-scale on
   // the captured comparison, k-scale-in-sm-scale and v-scale-on-output as kernels that pass).
   std::set<H> planted = {H::kWriteUnitScale, H::kKeyScaleInSmScale, H::kValueScaleOnOutput};
@@ -272,9 +295,9 @@ TEST_CASE(
     "twins on the data",
     "[diagnosis]") {
   const std::vector<PlantedCase> cases = planted_cases();
-  REQUIRE(cases.size() == 27);
-  // range's end is exclusive: every case, the last (v-descale-missing) included.
-  const std::size_t index = GENERATE(range<std::size_t>(0, 27));
+  REQUIRE(cases.size() == 32);
+  // range's end is exclusive: every case, the last (rope-dot-missing) included.
+  const std::size_t index = GENERATE(range<std::size_t>(0, 32));
   const PlantedCase& c = cases[index];
   INFO("planted " << hypothesis_name(c.planted) << ", kv_scale " << c.kv_scale);
   const TinyDump dump = make_tiny_dump(planted_spec(c));
@@ -306,7 +329,7 @@ TEST_CASE(
   // The captured limits are loose (a server may round K and V to bf16): the mismatches that move
   // outputs by O(1) fail them; each must be named alone.
   const std::vector<PlantedCase> all = planted_cases();
-  const std::size_t index = GENERATE(0, 1, 8, 9, 10, 12, 14, 15);
+  const std::size_t index = GENERATE(0, 1, 8, 9, 10, 12, 14, 15, 27, 28, 29, 30, 31);
   const PlantedCase& c = all[index];
   INFO("planted " << hypothesis_name(c.planted));
   TinyDump dump = make_tiny_dump(planted_spec(c));
@@ -525,6 +548,112 @@ TEST_CASE("diagnosis: at most N (step, layer)s, the earliest steps first, and a 
   for (const std::string& note : all.notes) CHECK(note.find("diagnosis") == std::string::npos);
 }
 
+TEST_CASE("diagnosis: YaRN's mscale^2 from the dump's rope attributes, on known numbers",
+          "[diagnosis]") {
+  DumpAttributes attrs;
+  attrs.sm_scale = 0.35;
+  CHECK_FALSE(yarn_mscale_squared(attrs).has_value());  // absent: nothing is guessed
+  attrs.rope_factor = 40.0;
+  CHECK_FALSE(yarn_mscale_squared(attrs).has_value());  // rope_mscale_all_dim still absent
+  attrs.rope_mscale_all_dim = 1.0;
+  // DeepSeek-V3's config: (0.1 ln 40 + 1)^2 = 1.368879...^2, and 192^-0.5 times it is the
+  // model's softmax scale 0.1352337788608801 (src/tools/model_presets.hpp).
+  REQUIRE(yarn_mscale_squared(attrs).has_value());
+  CHECK(*yarn_mscale_squared(attrs) == Approx(1.8738542070926265).epsilon(1e-15));
+  CHECK(std::pow(192.0, -0.5) * *yarn_mscale_squared(attrs) ==
+        Approx(0.1352337788608801).epsilon(1e-15));
+  const std::optional<double> m2 = yarn_mscale_squared(attrs);
+  CHECK(resolve(hypothesis_info(H::kSmScaleMscaleDropped).transform, 0.0029f, 0.35, 0.0f, {}, m2)
+            .sm_scale == Approx(0.18678080646575038).epsilon(1e-15));
+  CHECK(resolve(hypothesis_info(H::kSmScaleMscaleTwice).transform, 0.0029f, 0.35, 0.0f, {}, m2)
+            .sm_scale == Approx(0.6558489724824192).epsilon(1e-15));
+  // Unknown mscale: the rule resolves to no number (not applicable), never to sm_scale itself.
+  CHECK(std::isnan(
+      resolve(hypothesis_info(H::kSmScaleMscaleDropped).transform, 0.0029f, 0.35).sm_scale));
+  attrs.rope_mscale_all_dim = 0.0;  // YaRN without mscale_all_dim: the scale is not changed
+  CHECK(yarn_mscale_squared(attrs) == 1.0);
+  attrs.rope_mscale_all_dim = 1.0;
+  attrs.rope_factor = 1.0;  // yarn_get_mscale is 1 for factor <= 1
+  CHECK(yarn_mscale_squared(attrs) == 1.0);
+}
+
+TEST_CASE("diagnosis: RoPE layouts: de-interleaved is even elements then odd, and back",
+          "[diagnosis]") {
+  const std::vector<float> x = {0, 1, 2, 3, 4, 5, 6, 7};
+  std::vector<float> y(8);
+  deinterleave_rope(x, y);
+  CHECK(y == std::vector<float>{0, 2, 4, 6, 1, 3, 5, 7});
+  interleave_rope(x, y);
+  CHECK(y == std::vector<float>{0, 4, 1, 5, 2, 6, 3, 7});
+  // The injections hand the attention q_pe permuted per (row, head): kpe-deinterleaved's
+  // q_pe . D(r) as I(q_pe) . r, qpe-deinterleaved's D(q_pe) . r.
+  DumpAttributes attrs;
+  attrs.qk_rope_head_dim = 8;
+  StepLayerTensors q_pe;  // two (row, head) pairs
+  q_pe.q_pe = {0, 1, 2, 3, 4, 5, 6, 7, 10, 11, 12, 13, 14, 15, 16, 17};
+  auto kpe = translate_input(Injection::kKpeDeinterleaved, attrs, q_pe);
+  REQUIRE(kpe.ok());
+  CHECK(kpe->tensors.q_pe ==
+        std::vector<float>{0, 4, 1, 5, 2, 6, 3, 7, 10, 14, 11, 15, 12, 16, 13, 17});
+  auto qpe = translate_input(Injection::kQpeDeinterleaved, attrs, q_pe);
+  REQUIRE(qpe.ok());
+  CHECK(qpe->tensors.q_pe ==
+        std::vector<float>{0, 2, 4, 6, 1, 3, 5, 7, 10, 12, 14, 16, 11, 13, 15, 17});
+  auto dropped = translate_input(Injection::kRopeDotMissing, attrs, q_pe);
+  REQUIRE(dropped.ok());
+  CHECK(dropped->tensors.q_pe == std::vector<float>(16, 0.0f));
+  // The mscale faults need the rope attributes: refused without them, naming them.
+  auto refused = translate_input(Injection::kMscaleDropped, attrs, q_pe);
+  REQUIRE_FALSE(refused.ok());
+  CHECK_THAT(refused.error().message(), Catch::Contains("rope_mscale_all_dim"));
+}
+
+TEST_CASE(
+    "diagnosis: without rope attributes the mscale hypotheses are not tried, and the report "
+    "says why",
+    "[diagnosis]") {
+  const PlantedCase c{H::kSmScaleMissing, 0.0029f, 0.35, names({H::kSmScaleMissing}), false};
+  const TinyDump dump = make_tiny_dump(planted_spec(c));
+  PlantedBackend backend(c.planted);
+  const CheckRun run = replay_tiny(dump, "planted_no_rope_attributes", &backend);
+  REQUIRE_FALSE(run.diagnosis.empty());
+  for (const DiagnosisFinding& finding : run.diagnosis) {
+    for (const char* name : {"sm-scale-mscale-dropped", "sm-scale-mscale-twice"}) {
+      INFO(name);
+      CHECK(std::count(
+                finding.not_applicable.begin(), finding.not_applicable.end(),
+                std::string(name) + " (the dump has no rope_factor and rope_mscale_all_dim)") == 1);
+      CHECK(std::none_of(finding.hypotheses.begin(), finding.hypotheses.end(),
+                         [&](const HypothesisOutcome& o) {
+                           return o.hypothesis.find(name) != std::string::npos;
+                         }));
+    }
+  }
+}
+
+TEST_CASE("diagnosis: cpu-fp8 with a translation injection is named as that translation fault",
+          "[diagnosis]") {
+  // The backend under test commits the fault (src/backend/injection.cpp); the planted kernel
+  // cases above check the hypotheses against a model written from the definitions.
+  const auto [injection, hypothesis] =
+      GENERATE(std::make_pair("mscale-dropped", H::kSmScaleMscaleDropped),
+               std::make_pair("mscale-twice", H::kSmScaleMscaleTwice),
+               std::make_pair("kpe-deinterleaved", H::kKpeDeinterleaved),
+               std::make_pair("qpe-deinterleaved", H::kQpeDeinterleaved),
+               std::make_pair("rope-dot-missing", H::kRopeDotMissing));
+  INFO("--inject " << injection);
+  const PlantedCase c{hypothesis, 0.0029f, 0.35, names({hypothesis}), false, {6, 0}, true};
+  const TinyDump dump = make_tiny_dump(planted_spec(c));
+  BackendOptions backend_options;
+  backend_options.threads = 2;
+  backend_options.injection = injection;
+  auto backend = make_backend("cpu-fp8", backend_options);
+  REQUIRE(backend.ok());
+  const CheckRun run = replay_tiny(dump, std::string("translation_") + injection, backend->get());
+  REQUIRE(run.diagnosis.size() == dump.steps.size());
+  check_findings(run, c, Comparison::kKernel);
+}
+
 TEST_CASE(
     "diagnosis: cpu-fp8's scale-mismatch and fp8-read-as-bf16 injections are named on every "
     "shipped dump",
@@ -566,6 +695,28 @@ TEST_CASE(
     CHECK(finding.same_computation);
   }
   if (std::string(injection) == "fp8-read-as-bf16") CHECK(misreads_explained > 0);
+}
+
+TEST_CASE("diagnosis: cpu-fp8's RoPE translation injections are named on every shipped dump",
+          "[diagnosis][datasets]") {
+  const char* dump = GENERATE("glm5_page1", "page64_nan", "saturated_page16");
+  const char* injection = GENERATE("kpe-deinterleaved", "qpe-deinterleaved", "rope-dot-missing");
+  INFO(dump << " --inject " << injection);
+  BackendOptions backend_options;
+  backend_options.threads = 2;
+  backend_options.injection = injection;
+  auto backend = make_backend("cpu-fp8", backend_options);
+  REQUIRE(backend.ok());
+  const CheckRun run = replay_file(
+      kvaudit_test::source_dir() / "datasets" / (std::string(dump) + ".h5"), backend->get());
+  CHECK_FALSE(run.pass());
+  REQUIRE_FALSE(run.diagnosis.empty());
+  for (const DiagnosisFinding& finding : run.diagnosis) {
+    INFO("step " << finding.step << " layer " << finding.layer_id << ": "
+                 << diagnosis_summary(finding));
+    CHECK(finding.comparison == Comparison::kKernel);
+    CHECK(explaining(finding) == std::vector<std::string>{injection});
+  }
 }
 
 }  // namespace kvaudit
