@@ -52,10 +52,27 @@ if [[ ! -x $kvaudit ]]; then
   echo "bench-whole-model: $kvaudit is not an executable kvaudit (build it, or --kvaudit PATH)" >&2
   exit 2
 fi
-if [[ ! -x /usr/bin/time ]]; then
-  echo "bench-whole-model: /usr/bin/time is missing (Debian package: time)" >&2
-  exit 2
-fi
+# /usr/bin/time -v where it is installed (Debian package: time); else the same two lines of its
+# log (wall clock, peak resident set of the child) from python3's resource module.
+timed() {  # timed LOG COMMAND...
+  local log=$1; shift
+  if [[ -x /usr/bin/time ]]; then
+    /usr/bin/time -v -o "$log" "$@"
+    return
+  fi
+  python3 - "$log" "$@" <<'PY'
+import resource, subprocess, sys, time
+log, command = sys.argv[1], sys.argv[2:]
+start = time.monotonic()
+status = subprocess.call(command)
+wall = time.monotonic() - start
+rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+with open(log, "w") as f:
+    f.write(f"Elapsed (wall clock) time (h:mm:ss or m:ss): {int(wall // 60)}:{wall % 60:05.2f}\n")
+    f.write(f"Maximum resident set size (kbytes): {rss}\n")
+sys.exit(status)
+PY
+}
 
 mkdir -p "$out"
 dump="$out/glm5_L${layers}_h${heads}_p${prefix}_f${prefill}_d${decode_steps}.h5"
@@ -73,7 +90,7 @@ fi
 
 echo "bench-whole-model: kvaudit check $dump --backend $backend --reference $reference --threads $threads"
 status=0
-/usr/bin/time -v -o "$out/time.log" "$kvaudit" check "$dump" --backend "$backend" \
+timed "$out/time.log" "$kvaudit" check "$dump" --backend "$backend" \
   --reference "$reference" --threads "$threads" --verbose --progress --report "$out/report" \
   >"$out/check.log" 2>"$out/progress.log" || status=$?
 tail -n 3 "$out/progress.log" >&2

@@ -4,6 +4,7 @@
 // a value outside the set is one line naming the option and the valid values (exit 2); with a
 // backend that is not a CUDA one they are refused, not ignored (exit 2).
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <catch2/catch.hpp>
@@ -33,9 +34,11 @@ std::string file_text(const fs::path& path) {
   return {std::istreambuf_iterator<char>(in), {}};
 }
 
-// `kvaudit args` with stdin from /dev/null (backend-serve reads it), COLUMNS=200 for help.
+// `kvaudit args` with stdin from /dev/null (backend-serve reads it), COLUMNS=200 for help. The
+// files are per process: ctest runs this file's cases in parallel, each as its own process.
 Outcome run_kvaudit(const std::string& args) {
-  const fs::path dir = kvaudit_test::test_tmpdir() / "cli_cuda_variant";
+  const fs::path dir =
+      kvaudit_test::test_tmpdir() / ("cli_cuda_variant." + std::to_string(::getpid()));
   fs::create_directories(dir);
   const fs::path out = dir / "run.out";
   const fs::path err = dir / "run.err";
