@@ -73,7 +73,8 @@ std::vector<DiagnosisRow> diagnosis_rows(const CheckRun& run) {
   std::vector<DiagnosisRow> rows;
   for (const DiagnosisFinding& finding : run.diagnosis) {
     rows.push_back({finding.step, finding.layer_id, comparison_name(finding.comparison),
-                    diagnosis_summary(finding), error_change(finding)});
+                    diagnosis_summary(finding, run.policy.explain_fraction),
+                    error_change(finding)});
   }
   return rows;
 }

@@ -300,23 +300,30 @@ std::string outcome_text(const HypothesisOutcome& outcome) {
   return fmt::format("{} ({})", outcome.hypothesis, outcome.transform);
 }
 
-std::string closest_text(const HypothesisOutcome& closest) {
+std::string closest_text(const HypothesisOutcome& closest, double explain_fraction) {
+  // Within the fraction rule but not the limits: the hypothesis carries most of the error and
+  // something the catalogue does not model carries the rest.
+  const bool carries_most = closest.fraction <= explain_fraction;
   return fmt::format(
-      "closest: {}, its replay {:.3g} of the candidate's distance, {:.3g}x its limits",
-      outcome_text(closest), closest.fraction, closest.excess);
+      "closest: {}, its replay {:.3g} of the candidate's distance{}, {:.3g}x its limits{}",
+      outcome_text(closest), closest.fraction,
+      carries_most ? fmt::format(" (within explain_fraction {:g}: it carries most of the error)",
+                                 explain_fraction)
+                   : "",
+      closest.excess, carries_most ? ": the rest is not modelled by the catalogue" : "");
 }
 
 }  // namespace
 
-std::string diagnosis_summary(const DiagnosisFinding& finding) {
+std::string diagnosis_summary(const DiagnosisFinding& finding, double explain_fraction) {
   const std::vector<HypothesisOutcome>& explaining = finding.explained_by;
   if (explaining.empty()) {
     if (finding.tried == 0) {
       return "no hypothesis in the catalogue explains this failure (none applies here)";
     }
-    return fmt::format("no hypothesis in the catalogue explains this failure ({} tried{})",
-                       finding.tried,
-                       finding.closest ? "; " + closest_text(*finding.closest) : std::string());
+    return fmt::format(
+        "no hypothesis in the catalogue explains this failure ({} tried{})", finding.tried,
+        finding.closest ? "; " + closest_text(*finding.closest, explain_fraction) : std::string());
   }
   if (explaining.size() == 1) return "explained by " + outcome_text(explaining.front());
   std::vector<std::string> names;

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -230,7 +231,11 @@ struct DiagnosisFinding {
 };
 // One line: "explained by NAME (TRANSFORM)", "explained by A, B (indistinguishable on this data:
 // ...)", or "no hypothesis in the catalogue explains this failure (N tried; closest NAME ...)".
-std::string diagnosis_summary(const DiagnosisFinding& finding);
+// explain_fraction: the policy's; where none explains and the closest is within it, the summary
+// says that hypothesis carries most of the error and what the limits leave (a residual the
+// catalogue does not model), rather than only "closest". NaN: not said.
+std::string diagnosis_summary(const DiagnosisFinding& finding,
+                              double explain_fraction = std::numeric_limits<double>::quiet_NaN());
 // The run's note when the budget left failing (step, layer)s undiagnosed; none otherwise.
 std::optional<std::string> diagnosis_budget_note(std::size_t diagnosed_sites,
                                                  std::size_t failing_sites, int limit);

@@ -120,7 +120,7 @@ nlohmann::json outcome_json(const HypothesisOutcome& outcome) {
           {"fraction", json_number(outcome.fraction)}};
 }
 
-nlohmann::json diagnosis_json(const DiagnosisFinding& finding) {
+nlohmann::json diagnosis_json(const DiagnosisFinding& finding, double explain_fraction) {
   nlohmann::json explained_by = nlohmann::json::array();
   for (const HypothesisOutcome& outcome : finding.explained_by) {
     explained_by.push_back(outcome_json(outcome));
@@ -141,7 +141,7 @@ nlohmann::json diagnosis_json(const DiagnosisFinding& finding) {
           {"hypotheses_tried", finding.tried},
           {"not_applicable", finding.not_applicable},
           {"hypotheses", std::move(hypotheses)},
-          {"summary", diagnosis_summary(finding)}};
+          {"summary", diagnosis_summary(finding, explain_fraction)}};
 }
 
 nlohmann::json captured_pool_cost_json(const std::optional<CapturedPoolCost>& cost) {
@@ -329,7 +329,9 @@ nlohmann::json unsigned_json(const ReportModel& model) {
   j["integrity"] = array_json(run.integrity, finding_json);
   j["steps"] = array_json(model.steps, step_json);
   j["first_divergence"] = divergence_json(run.first_divergence);
-  j["diagnosis"] = array_json(run.diagnosis, diagnosis_json);
+  j["diagnosis"] = array_json(run.diagnosis, [&](const DiagnosisFinding& finding) {
+    return diagnosis_json(finding, run.policy.explain_fraction);
+  });
   j["captured_pool_cost"] = captured_pool_cost_json(model.captured_pool_cost);
   j["certification"] = certification_json(run.certification, model.certification_maxima);
   j["notes"] = run.notes;

@@ -343,3 +343,28 @@ TEST_CASE("captured pool cost: the first failing captured_cache, by step then la
   CHECK(j.at("damaged_since_step") == 1);
   CHECK(j.at("cost").at("rel_l2") == 0.1);
 }
+
+TEST_CASE("a closest hypothesis within explain_fraction but not the limits is said to carry most",
+          "[check_result][diagnosis]") {
+  DiagnosisFinding finding;
+  finding.tried = 90;
+  HypothesisOutcome closest;
+  closest.hypothesis = "q-e4m3 + p-e4m3-tile";
+  closest.transform = "q cast to e4m3";
+  closest.fraction = 0.137;
+  closest.excess = 6.48;
+  finding.closest = closest;
+  const std::string within = diagnosis_summary(finding, 0.25);
+  CHECK_THAT(within, Catch::StartsWith("no hypothesis in the catalogue explains this failure"));
+  CHECK_THAT(within,
+             Catch::Contains("its replay 0.137 of the candidate's distance (within "
+                             "explain_fraction 0.25: it carries most of the error), "
+                             "6.48x its limits: the rest is not modelled by the catalogue"));
+
+  finding.closest->fraction = 0.5;  // outside the fraction rule: only "closest"
+  const std::string outside = diagnosis_summary(finding, 0.25);
+  CHECK_THAT(outside,
+             Catch::Contains("its replay 0.5 of the candidate's distance, 6.48x its limits"));
+  CHECK_THAT(outside, !Catch::Contains("carries most"));
+  CHECK_THAT(diagnosis_summary(finding), !Catch::Contains("carries most"));  // no policy given
+}
