@@ -194,18 +194,52 @@ class _Recorder:
         self.calls = {}
         self._original_rope = self.modeling.apply_rotary_pos_emb_interleave
         self.modeling.apply_rotary_pos_emb_interleave = self._rope
+        # DeepSeek-V3.2's indexer rotates with the half-split RoPE, GLM-5's with the interleaved.
+        self._original_half_rope = getattr(self.modeling, "apply_rotary_pos_emb", None)
+        if self._original_half_rope is not None:
+            self.modeling.apply_rotary_pos_emb = self._half_rope
         self._hooks = [
             attention.q_b_proj.register_forward_hook(self._keep("q_states")),
             attention.o_proj.register_forward_hook(self._keep_o_proj),
         ]
-        if getattr(attention, "indexer", None) is not None:
-            self._hooks.append(attention.indexer.register_forward_hook(self._keep("topk")))
+        indexer = getattr(attention, "indexer", None)
+        if indexer is not None:
+            self._hooks += [indexer.register_forward_hook(self._keep("topk")),
+                            indexer.wq_b.register_forward_hook(self._keep("index_q")),
+                            indexer.k_norm.register_forward_hook(self._keep("index_k")),
+                            indexer.weights_proj.register_forward_hook(self._keep("index_w"))]
 
     def _rope(self, q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
         q_embed, k_embed = self._original_rope(q, k, cos, sin, position_ids, unsqueeze_dim)
         if unsqueeze_dim == 1 and q.dim() == 4 and q.shape[1] == self.attention.num_heads:
             self.calls["q_rot"] = q_embed  # the attention's call, not the indexer's
+        self._keep_indexer_rope(q_embed, k_embed, unsqueeze_dim)
         return q_embed, k_embed
+
+    def _half_rope(self, *args, **kwargs):
+        q_embed, k_embed = self._original_half_rope(*args, **kwargs)
+        self._keep_indexer_rope(q_embed, k_embed, kwargs.get("unsqueeze_dim", 1))
+        return q_embed, k_embed
+
+    def _keep_indexer_rope(self, q_embed, k_embed, unsqueeze_dim):
+        if unsqueeze_dim == 2:  # the indexer's call: [B, S, H_I, Dr] and [B, S, 1, Dr]
+            self.calls["index_q_rot"], self.calls["index_k_rot"] = q_embed, k_embed
+
+    def indexer_inputs(self):
+        """The indexer's query [S, H_I, D_I], key rows [S, D_I] and head weights [S, H_I] as
+        its forward forms them (RoPE part first; weights times H_I^-0.5), float64 numpy; None
+        without an indexer call."""
+        if "index_q" not in self.calls or "index_q_rot" not in self.calls:
+            return None
+        indexer = self.attention.indexer
+        heads, dim, dr = indexer.n_heads, indexer.head_dim, indexer.qk_rope_head_dim
+        q = self.calls["index_q"][0].reshape(-1, heads, dim)
+        q = np.concatenate([self.calls["index_q_rot"][0].numpy(), q[..., dr:].numpy()], axis=-1)
+        k = self.calls["index_k"][0]
+        k = np.concatenate([self.calls["index_k_rot"][0, :, 0].numpy(), k[:, dr:].numpy()],
+                           axis=-1)
+        weights = self.calls["index_w"][0].numpy() * heads ** -0.5
+        return q.copy(), k.copy(), weights.copy()
 
     def _keep(self, name):
         def hook(module, inputs, output):
@@ -222,6 +256,8 @@ class _Recorder:
 
     def close(self):
         self.modeling.apply_rotary_pos_emb_interleave = self._original_rope
+        if self._original_half_rope is not None:
+            self.modeling.apply_rotary_pos_emb = self._original_half_rope
         for hook in self._hooks:
             hook.remove()
 
@@ -260,6 +296,7 @@ def run_module(model, config, attention, hidden, chunks):
                 mask = torch.zeros(1, 1, length, start + length, dtype=torch.float64)
                 mask.masked_fill_(~visible[None], torch.finfo(torch.float64).min)
                 attention(x, (cos, sin), mask, cache=cache, position_ids=positions)
+                indexer_inputs = recorder.indexer_inputs()
                 calls = recorder.take()
                 q_states = calls["q_states"][0].view(length, heads, -1)
                 topk = calls.get("topk")
@@ -269,6 +306,7 @@ def run_module(model, config, attention, hidden, chunks):
                     "topk": None if topk is None else topk[0].numpy().astype(np.int64),
                     "attn_output": calls["attn_output"][0].view(length, heads, dv).numpy().copy(),
                     "layer_output": calls["layer_output"][0].numpy().copy(),
+                    "indexer": indexer_inputs,
                 })
                 start += length
     finally:
@@ -331,8 +369,11 @@ def capture(out, model="glm5", size="tiny", layers=(0,), prefix_tokens=24, exten
             log(f"hf_capture: layer {layer}: module run over {total} tokens in {len(chunks)} calls")
     first = per_layer[layers[0]][0]
     attrs = _model_attributes(config)
+    indexer_runs = {layer: [r["indexer"] for r in per_layer[layer][1]] for layer in layers}
     _write_dump(out, model, config, first, layers, per_layer, chunks, attrs,
                 transformers.__version__, q_dtype)
+    if all(run[0] is not None for run in indexer_runs.values()):
+        _write_indexer_cache(out, config, layers, indexer_runs, chunks)
     return {"sm_scale": float(first.scaling), "layers": list(layers), "tokens": total,
             "steps": 1 + decode_steps, "side_file": module_side_file(out)}
 
@@ -438,6 +479,24 @@ def _write_dump(out, model, config, attention, layers, per_layer, chunks, attrs,
             side.close()
         if os.path.exists(module_side_file(out) + ".tmp"):
             os.remove(module_side_file(out) + ".tmp")
+
+
+def _write_indexer_cache(out, config, layers, indexer_runs, chunks):
+    """The indexer's FP8 key cache as deployments keep it (kvdump v1.2, kvdump.indexer_fp8):
+    per layer the cache before the first step (the prefix's rows by the deployed rule) and its
+    source rows; per step the indexer query, head weights, new key rows, the deployed top-k and
+    the cache after the step. Page size 1: slot = position."""
+    import h5py
+
+    from . import indexer_fp8
+
+    with h5py.File(out, "a") as f:
+        for layer in layers:
+            runs = indexer_runs[layer]
+            indexer_fp8.write_indexer_cache(
+                f, f"L{layer:03d}", sum(chunks) + 1, 1, runs[0][1],
+                [(q, k, weights) for q, k, weights in runs[1:]], int(config.index_n_heads),
+                int(config.index_topk), float(config.index_head_dim) ** -0.5)
 
 
 # ---- command line -------------------------------------------------------------------------------

@@ -73,11 +73,32 @@ struct DumpAttributes {
   }
 };
 
+// v1.2: the DSA indexer's FP8 key cache of a layer (/layers/L###/indexer, docs/kvdump-v1.md
+// "Version 1.2"): e4m3 codes [num_pages, P, head_dim] with one float32 scale per block of
+// block_size values, its float32 source rows, and per step the indexer's query [Nq, n_heads,
+// head_dim], head weights [Nq, n_heads], new key rows [Nq, head_dim] and deployed top-k [Nq, topk].
+enum class IndexScaleFormat { kPowerOfTwo, kFloat32 };
+enum class IndexRotation { kHadamard, kNone };
+const char* index_scale_format_name(IndexScaleFormat format);  // "power_of_two" | "float32"
+const char* index_rotation_name(IndexRotation rotation);       // "hadamard" | "none"
+
+struct IndexerMeta {
+  int n_heads = 0;     // index_n_heads
+  int head_dim = 0;    // index_head_dim
+  int block_size = 0;  // index_block_size: values per scale, divides head_dim
+  int topk = 0;        // index_topk: K of the steps' indexer topk_indices
+  IndexScaleFormat scale_format = IndexScaleFormat::kPowerOfTwo;
+  IndexRotation rotation = IndexRotation::kHadamard;
+  double softmax_scale = 0.0;
+  int num_blocks() const { return head_dim / block_size; }
+};
+
 struct LayerMeta {
   std::string group;  // "L000" (the name under /layers and /steps/S###)
   int layer_id = 0;
   float kv_scale = 1.0f;
-  bool has_source = false;  // kv_source present
+  bool has_source = false;             // kv_source present
+  std::optional<IndexerMeta> indexer;  // v1.2: /layers/L###/indexer present
 };
 
 struct StepMeta {
@@ -95,7 +116,8 @@ struct StepMeta {
   std::vector<bool> has_out;
   std::vector<bool> has_lse;
   std::vector<bool> has_kv_cache_after;
-  std::vector<int> topk;  // K of the layer's topk_indices (v1.1), 0: dense
+  std::vector<int> topk;                      // K of the layer's topk_indices (v1.1), 0: dense
+  std::vector<bool> has_indexer_cache_after;  // v1.2: indexer/k_cache_after present
 
   int batch_size() const { return static_cast<int>(kv_last_page_len.size()); }
   int num_rows() const { return qo_indptr.empty() ? 0 : qo_indptr.back(); }
@@ -112,7 +134,7 @@ struct StepMeta {
 
 struct DumpLayout {
   int format_version = 1;
-  int format_minor_version = 0;  // 1: v1.1
+  int format_minor_version = 0;  // 1: v1.1, 2: v1.2
   DumpAttributes attrs;
   std::int64_t num_pages = 0;
   std::vector<LayerMeta> layers;  // in /layers order (by name)

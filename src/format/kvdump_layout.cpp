@@ -33,6 +33,14 @@ const char* pool_layout_name(PoolLayout layout) {
   return layout == PoolLayout::kFlashMlaFp8 ? "flashmla_fp8" : "split";
 }
 
+const char* index_scale_format_name(IndexScaleFormat format) {
+  return format == IndexScaleFormat::kFloat32 ? "float32" : "power_of_two";
+}
+
+const char* index_rotation_name(IndexRotation rotation) {
+  return rotation == IndexRotation::kNone ? "none" : "hadamard";
+}
+
 std::string layer_group_name(int layer_id) { return fmt::format("L{:03d}", layer_id); }
 
 std::string step_group_name(int step_index) { return fmt::format("S{:03d}", step_index); }

@@ -290,13 +290,13 @@ Status check_format(const ObjectReader& r, hid_t root) {
   return ok_status();
 }
 
-// format_minor_version: absent = 0 (v1), 1 = v1.1.
+// format_minor_version: absent = 0 (v1), 1 = v1.1, 2 = v1.2.
 Result<int> read_minor_version(const ObjectReader& r, hid_t root) {
   if (H5Aexists(root, "format_minor_version") <= 0) return 0;
   KVAUDIT_ASSIGN_OR_RETURN(const std::int64_t minor, r.read_int(root, "/", "format_minor_version"));
-  if (minor < 0 || minor > 1) {
+  if (minor < 0 || minor > 2) {
     return r.unsupported_at("/", fmt::format("format_minor_version {} is unknown; this reader "
-                                             "reads 1.0 and 1.1",
+                                             "reads 1.0, 1.1 and 1.2",
                                              minor));
   }
   return static_cast<int>(minor);
@@ -306,6 +306,12 @@ Status needs_v1_1(const ObjectReader& r, const DumpAttributes& attrs, const std:
                   const std::string& what) {
   if (attrs.format_minor_version >= 1) return ok_status();
   return r.bad(path, what + " is kvdump v1.1: the root needs format_minor_version = 1");
+}
+
+Status needs_v1_2(const ObjectReader& r, const DumpAttributes& attrs, const std::string& path,
+                  const std::string& what) {
+  if (attrs.format_minor_version >= 2) return ok_status();
+  return r.bad(path, what + " is kvdump v1.2: the root needs format_minor_version = 2");
 }
 
 Result<GroupScaleFormat> parse_scale_format(const ObjectReader& r, const std::string& text) {
@@ -527,6 +533,150 @@ Status check_companions_without_pool(const ObjectReader& r, hid_t group, const s
   return ok_status();
 }
 
+// ---- v1.2: the indexer's key cache -------------------------------------------------------------
+
+Result<IndexScaleFormat> parse_index_scale_format(const ObjectReader& r, const std::string& path,
+                                                  const std::string& text) {
+  if (text == "power_of_two") return IndexScaleFormat::kPowerOfTwo;
+  if (text == "float32") return IndexScaleFormat::kFloat32;
+  return r.unsupported_at(path, fmt::format("index_scale_format \"{}\" is unknown; expected "
+                                            "power_of_two or float32",
+                                            text));
+}
+
+Result<IndexRotation> parse_index_rotation(const ObjectReader& r, const std::string& path,
+                                           const std::string& text) {
+  if (text == "hadamard") return IndexRotation::kHadamard;
+  if (text == "none") return IndexRotation::kNone;
+  return r.unsupported_at(path, fmt::format("index_rotation \"{}\" is unknown; expected "
+                                            "hadamard or none",
+                                            text));
+}
+
+// The attributes of /layers/L###/indexer.
+Result<IndexerMeta> read_indexer_attributes(const ObjectReader& r, hid_t group,
+                                            const std::string& path) {
+  IndexerMeta meta;
+  KVAUDIT_ASSIGN_OR_RETURN(meta.n_heads, r.read_int_in(group, path, "index_n_heads", 1, kMaxDim));
+  KVAUDIT_ASSIGN_OR_RETURN(meta.head_dim, r.read_int_in(group, path, "index_head_dim", 1, kMaxDim));
+  KVAUDIT_ASSIGN_OR_RETURN(meta.block_size,
+                           r.read_int_in(group, path, "index_block_size", 1, meta.head_dim));
+  if (meta.head_dim % meta.block_size != 0) {
+    return r.bad(path, fmt::format("index_block_size {} does not divide index_head_dim {}",
+                                   meta.block_size, meta.head_dim));
+  }
+  KVAUDIT_ASSIGN_OR_RETURN(meta.topk, r.read_int_in(group, path, "index_topk", 1, kMaxDim));
+  KVAUDIT_ASSIGN_OR_RETURN(const std::string format,
+                           r.read_string(group, path, "index_scale_format"));
+  KVAUDIT_ASSIGN_OR_RETURN(meta.scale_format, parse_index_scale_format(r, path, format));
+  KVAUDIT_ASSIGN_OR_RETURN(const std::string rotation,
+                           r.read_string(group, path, "index_rotation"));
+  KVAUDIT_ASSIGN_OR_RETURN(meta.rotation, parse_index_rotation(r, path, rotation));
+  KVAUDIT_ASSIGN_OR_RETURN(meta.softmax_scale, r.read_float(group, path, "index_softmax_scale"));
+  if (!std::isfinite(meta.softmax_scale) || !(meta.softmax_scale > 0.0)) {
+    return r.bad(path, "attribute index_softmax_scale is not finite and positive");
+  }
+  return meta;
+}
+
+// One dataset of an indexer group: u8 e4m3 codes or float32 (kIndices: an integer index), of
+// the given shape.
+enum class IndexerTensor { kCodes, kFloat32, kIndices };
+struct IndexerRule {
+  const char* name;
+  IndexerTensor type;
+  std::vector<hsize_t> shape;
+  const char* meaning;
+};
+
+Status check_indexer_tensor(const ObjectReader& r, hid_t group, const std::string& path,
+                            const IndexerRule& rule) {
+  KVAUDIT_ASSIGN_OR_RETURN(const DatasetDesc desc, r.describe(group, path, rule.name));
+  if (rule.type == IndexerTensor::kCodes) KVAUDIT_TRY(expect_u8_dtype(r, desc, kDtypeFp8));
+  if (rule.type == IndexerTensor::kFloat32) KVAUDIT_TRY(expect_float32(r, desc));
+  if (rule.type == IndexerTensor::kIndices && desc.element != ElementClass::kOtherInteger) {
+    return r.bad(desc.path, fmt::format("element type {}{}; expected int32 token positions",
+                                        desc.type_text, dtype_suffix(desc)));
+  }
+  return expect_shape(r, desc, rule.shape, rule.meaning);
+}
+
+// /layers/L###/indexer (v1.2, optional): its attributes, k_cache, k_scales and k_source.
+Result<std::optional<IndexerMeta>> validate_layer_indexer(const ObjectReader& r, hid_t layer,
+                                                          const std::string& layer_path,
+                                                          const DumpAttributes& attrs,
+                                                          std::int64_t num_pages) {
+  KVAUDIT_ASSIGN_OR_RETURN(const bool present, r.has_link(layer, layer_path, "indexer"));
+  if (!present) return std::optional<IndexerMeta>();
+  const std::string path = join_path(layer_path, "indexer");
+  KVAUDIT_TRY(needs_v1_2(r, attrs, path, "the indexer key cache"));
+  KVAUDIT_ASSIGN_OR_RETURN(const h5::Group group, r.open_group(layer, path, "missing group"));
+  KVAUDIT_ASSIGN_OR_RETURN(const IndexerMeta meta, read_indexer_attributes(r, group.get(), path));
+  const hsize_t pages = static_cast<hsize_t>(num_pages);
+  const hsize_t p = static_cast<hsize_t>(attrs.page_size);
+  const hsize_t d = static_cast<hsize_t>(meta.head_dim);
+  const hsize_t g = static_cast<hsize_t>(meta.num_blocks());
+  using enum IndexerTensor;
+  const IndexerRule rules[] = {
+      {"k_cache", kCodes, {pages, p, d}, "[num_pages, page_size, index_head_dim]"},
+      {"k_scales", kFloat32, {pages, p, g}, "[num_pages, page_size, index_head_dim / block]"},
+      {"k_source", kFloat32, {pages, p, d}, "[num_pages, page_size, index_head_dim]"},
+  };
+  for (const IndexerRule& rule : rules) {
+    KVAUDIT_TRY(check_indexer_tensor(r, group.get(), path, rule));
+  }
+  return std::optional<IndexerMeta>(meta);
+}
+
+// /steps/S###/L###/indexer (v1.2): present exactly where the layer has an indexer; q, weights,
+// new_k, topk_indices, and k_cache_after with k_scales_after (both or neither). Returns whether
+// the cache after the step is there.
+Result<bool> validate_step_indexer(const ObjectReader& r, hid_t step_layer, const std::string& sl,
+                                   const LayerMeta& layer, const DumpLayout& layout, hsize_t rows) {
+  KVAUDIT_ASSIGN_OR_RETURN(const bool present, r.has_link(step_layer, sl, "indexer"));
+  const std::string path = join_path(sl, "indexer");
+  if (!layer.indexer) {
+    if (!present) return false;
+    return r.bad(path, fmt::format("present, but /layers/{} has no indexer group", layer.group));
+  }
+  KVAUDIT_ASSIGN_OR_RETURN(
+      const h5::Group group,
+      r.open_group(step_layer, path, "missing group: the layer has an indexer key cache"));
+  const IndexerMeta& m = *layer.indexer;
+  const hsize_t heads = static_cast<hsize_t>(m.n_heads);
+  const hsize_t d = static_cast<hsize_t>(m.head_dim);
+  const hsize_t pages = static_cast<hsize_t>(layout.num_pages);
+  const hsize_t p = static_cast<hsize_t>(layout.attrs.page_size);
+  using enum IndexerTensor;
+  const IndexerRule rules[] = {
+      {"q", kFloat32, {rows, heads, d}, "[Nq, index_n_heads, index_head_dim]"},
+      {"weights", kFloat32, {rows, heads}, "[Nq, index_n_heads]"},
+      {"new_k", kFloat32, {rows, d}, "[Nq, index_head_dim]"},
+      {"topk_indices", kIndices, {rows, static_cast<hsize_t>(m.topk)}, "[Nq, index_topk]"},
+  };
+  for (const IndexerRule& rule : rules) {
+    KVAUDIT_TRY(check_indexer_tensor(r, group.get(), path, rule));
+  }
+  KVAUDIT_ASSIGN_OR_RETURN(const bool codes, r.has_link(group.get(), path, "k_cache_after"));
+  KVAUDIT_ASSIGN_OR_RETURN(const bool scales, r.has_link(group.get(), path, "k_scales_after"));
+  if (codes != scales) {
+    return r.bad(join_path(path, codes ? "k_cache_after" : "k_scales_after"),
+                 "present without its companion: the indexer cache after the step is "
+                 "k_cache_after and k_scales_after together, or neither");
+  }
+  if (!codes) return false;
+  const IndexerRule after[] = {
+      {"k_cache_after", kCodes, {pages, p, d}, "[num_pages, page_size, index_head_dim]"},
+      {"k_scales_after",
+       kFloat32,
+       {pages, p, static_cast<hsize_t>(m.num_blocks())},
+       "[num_pages, page_size, index_head_dim / block]"},
+  };
+  for (const IndexerRule& rule : after)
+    KVAUDIT_TRY(check_indexer_tensor(r, group.get(), path, rule));
+  return true;
+}
+
 // /layers/<name>. `num_pages` is -1 for the first layer, which sets it.
 Result<LayerMeta> validate_layer(const ObjectReader& r, hid_t layers, const std::string& name,
                                  const DumpAttributes& attrs, std::int64_t* num_pages) {
@@ -543,6 +693,8 @@ Result<LayerMeta> validate_layer(const ObjectReader& r, hid_t layers, const std:
                           "kv_cache's shape"};
   KVAUDIT_ASSIGN_OR_RETURN(meta.has_source,
                            check_optional_tensor(r, group.get(), path, source, attrs.kv_dtype));
+  KVAUDIT_ASSIGN_OR_RETURN(meta.indexer,
+                           validate_layer_indexer(r, group.get(), path, attrs, *num_pages));
   return meta;
 }
 
@@ -575,7 +727,8 @@ struct Captures {
   bool out = false;
   bool lse = false;
   bool kv_cache_after = false;
-  int topk = 0;  // K of topk_indices [Nq, K]; 0 without
+  int topk = 0;                      // K of topk_indices [Nq, K]; 0 without
+  bool indexer_cache_after = false;  // v1.2: indexer/k_cache_after
 };
 
 // topk_indices (v1.1): an integer dataset [Nq, K], K >= 1; its values are checked when read
@@ -637,6 +790,8 @@ Result<Captures> validate_step_layer(const ObjectReader& r, hid_t step_group,
     KVAUDIT_TRY(check_companions_without_pool(r, g, path));
   }
   KVAUDIT_ASSIGN_OR_RETURN(captures.topk, check_topk_dataset(r, g, path, a, nq));
+  KVAUDIT_ASSIGN_OR_RETURN(captures.indexer_cache_after,
+                           validate_step_indexer(r, g, path, layer, layout, nq));
   return captures;
 }
 
@@ -697,6 +852,7 @@ Result<StepMeta> validate_step(const ObjectReader& r, hid_t steps, const std::st
     step.has_lse.push_back(captures.lse);
     step.has_kv_cache_after.push_back(captures.kv_cache_after);
     step.topk.push_back(captures.topk);
+    step.has_indexer_cache_after.push_back(captures.indexer_cache_after);
   }
   return step;
 }

@@ -12,6 +12,11 @@
 //              kv_cache_after in the pool type and shape.
 // v1.1 adds format_minor_version, the per_token_group attributes and pool datasets (split or
 // packed), and topk_indices [Nq, K] (shape here; values when read, check_topk_indices).
+// v1.2 adds the DSA indexer's FP8 key cache: /layers/L###/indexer (attributes, k_cache
+// [num_pages, page_size, Di] u8 e4m3, k_scales [.., Di / block] float32, k_source [.., Di]
+// float32) and, in every step of such a layer, /steps/S###/L###/indexer (q [Nq, Hi, Di],
+// weights [Nq, Hi], new_k [Nq, Di] float32, topk_indices [Nq, index_topk] integer, and
+// k_cache_after with k_scales_after, both or neither). Hi = index_n_heads, Di = index_head_dim.
 // (H = num_heads, Dc = kv_lora_rank, Dr = qk_rope_head_dim, D = Dc + Dr, Nq = rows of the step.)
 // Only attributes, dataspaces and the small index datasets are read. Every error is one Error
 // naming "file:/hdf5/path" and what is wrong there.

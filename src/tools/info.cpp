@@ -56,6 +56,19 @@ Result<nlohmann::json> source_nan_info(const DumpReader& reader, std::size_t lay
 }
 
 // One layer, with the codes of its initial pool and the NaN values of its kv_source (read here).
+// v1.2: the layer's indexer key cache, or null.
+nlohmann::json indexer_info(const LayerMeta& layer) {
+  if (!layer.indexer) return nullptr;
+  const IndexerMeta& m = *layer.indexer;
+  return {{"n_heads", m.n_heads},
+          {"head_dim", m.head_dim},
+          {"block_size", m.block_size},
+          {"topk", m.topk},
+          {"scale_format", index_scale_format_name(m.scale_format)},
+          {"rotation", index_rotation_name(m.rotation)},
+          {"softmax_scale", m.softmax_scale}};
+}
+
 Result<nlohmann::json> layer_info(const DumpReader& reader, std::size_t layer_index) {
   const DumpLayout& layout = reader.layout();
   const LayerMeta& layer = layout.layers[layer_index];
@@ -72,6 +85,7 @@ Result<nlohmann::json> layer_info(const DumpReader& reader, std::size_t layer_in
     entry["saturated_codes"] = nullptr;
   }
   if (layout.attrs.per_token_group()) entry["nan_scales"] = counts.nan_scales;
+  entry["indexer"] = indexer_info(layer);
   KVAUDIT_ASSIGN_OR_RETURN(entry["kv_source_nan"], source_nan_info(reader, layer_index));
   return entry;
 }
@@ -82,11 +96,15 @@ nlohmann::json step_info(const DumpLayout& layout, const StepMeta& step) {
   const std::set<std::int32_t> distinct(step.kv_indices.begin(), step.kv_indices.end());
   nlohmann::json captures = {{"out", nlohmann::json::array()},
                              {"lse", nlohmann::json::array()},
-                             {"kv_cache_after", nlohmann::json::array()}};
+                             {"kv_cache_after", nlohmann::json::array()},
+                             {"indexer_cache_after", nlohmann::json::array()}};
   for (std::size_t l = 0; l < layout.layers.size(); ++l) {
     if (step.has_out[l]) captures["out"].push_back(layout.layers[l].group);
     if (step.has_lse[l]) captures["lse"].push_back(layout.layers[l].group);
     if (step.has_kv_cache_after[l]) captures["kv_cache_after"].push_back(layout.layers[l].group);
+    if (l < step.has_indexer_cache_after.size() && step.has_indexer_cache_after[l]) {
+      captures["indexer_cache_after"].push_back(layout.layers[l].group);
+    }
   }
   nlohmann::json topk = nlohmann::json::object();  // v1.1 sparse layers: group -> K
   for (std::size_t l = 0; l < layout.layers.size() && l < step.topk.size(); ++l) {
@@ -168,6 +186,17 @@ std::string source_text(const nlohmann::json& layer) {
                      slot_count == 1 ? "" : "s", fmt::join(slots, ", "), more);
 }
 
+// "" without an indexer cache; else (v1.2) a line of its own:
+// "        indexer: 32 heads x 128, top-2048, e4m3 + power_of_two scale per 128, hadamard".
+std::string indexer_text(const nlohmann::json& layer) {
+  if (!layer.contains("indexer") || layer["indexer"].is_null()) return "";
+  const auto& x = layer["indexer"];
+  return fmt::format("        indexer: {} heads x {}, top-{}, e4m3 + {} scale per {}, {}\n",
+                     x["n_heads"].get<int>(), x["head_dim"].get<int>(), x["topk"].get<int>(),
+                     x["scale_format"].get<std::string>(), x["block_size"].get<int>(),
+                     x["rotation"].get<std::string>());
+}
+
 std::string layer_line(const nlohmann::json& layer) {
   const auto& saturated = layer["saturated_codes"];
   const std::string nan_scales =
@@ -175,11 +204,15 @@ std::string layer_line(const nlohmann::json& layer) {
           ? fmt::format("  nan_scales={}", layer["nan_scales"].get<std::int64_t>())
           : std::string();
   return fmt::format(
-      "  {}  layer_id={}  kv_scale={:.9g}  kv_source={}  nan_codes={}  saturated_codes={}{}\n",
-      layer["group"].get<std::string>(), layer["layer_id"].get<int>(),
-      layer["kv_scale"].get<double>(), source_text(layer), layer["nan_codes"].get<std::int64_t>(),
-      saturated.is_null() ? std::string("n/a") : std::to_string(saturated.get<std::int64_t>()),
-      nan_scales);
+             "  {}  layer_id={}  kv_scale={:.9g}  kv_source={}  nan_codes={}  "
+             "saturated_codes={}{}\n",
+             layer["group"].get<std::string>(), layer["layer_id"].get<int>(),
+             layer["kv_scale"].get<double>(), source_text(layer),
+             layer["nan_codes"].get<std::int64_t>(),
+             saturated.is_null() ? std::string("n/a")
+                                 : std::to_string(saturated.get<std::int64_t>()),
+             nan_scales) +
+         indexer_text(layer);
 }
 
 // "" for a dense step; "    sparse: L000 top-64, L001 top-64" (v1.1) on a line of its own.
@@ -192,17 +225,26 @@ std::string topk_text(const nlohmann::json& step) {
   return fmt::format("        sparse: {}\n", fmt::join(layers, ", "));
 }
 
+// "" for a dump without an indexer cache captured after a step; else "  indexer_cache_after=all".
+std::string indexer_after_text(const nlohmann::json& captures, std::size_t layer_count) {
+  if (!captures.contains("indexer_cache_after") || captures["indexer_cache_after"].empty()) {
+    return "";
+  }
+  return "  indexer_cache_after=" + capture_text(captures["indexer_cache_after"], layer_count);
+}
+
 std::string step_line(const nlohmann::json& step, std::size_t layer_count) {
   const auto& c = step["captures"];
   return fmt::format(
              "  {}  {}  requests={}  rows={}  tokens={}  pages_used={}  page_refs={}  out={}  "
              "lse={}  "
-             "kv_cache_after={}\n",
+             "kv_cache_after={}{}\n",
              step["group"].get<std::string>(), step["kind"].get<std::string>(),
              step["requests"].get<int>(), step["rows"].get<int>(),
              step["tokens"].get<std::int64_t>(), step["pages_used"].get<std::int64_t>(),
              step["page_refs"].get<std::int64_t>(), capture_text(c["out"], layer_count),
-             capture_text(c["lse"], layer_count), capture_text(c["kv_cache_after"], layer_count)) +
+             capture_text(c["lse"], layer_count), capture_text(c["kv_cache_after"], layer_count),
+             indexer_after_text(c, layer_count)) +
          topk_text(step);
 }
 

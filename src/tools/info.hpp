@@ -17,7 +17,7 @@ namespace kvaudit {
 // Reads every layer's initial pool (one at a time) to count codes, and every v1.1 topk_indices
 // dataset, whose values are checked as `check` checks them (an Error names the first bad one).
 // Schema:
-// { "file", "format_version", "format_minor_version" (1: v1.1), "model", "producer",
+// { "file", "format_version", "format_minor_version" (1: v1.1, 2: v1.2), "model", "producer",
 //   "shapes": { num_heads, kv_lora_rank, qk_rope_head_dim, page_size, num_pages, num_slots,
 //               kv_dtype, kv_scale_kind, sm_scale },
 //   "group_scales": null, or (v1.1 per_token_group) { group_size, groups, scale_format,
@@ -26,10 +26,13 @@ namespace kvaudit {
 //                 saturated_codes (null for a bf16 pool), nan_scales (v1.1 per_token_group
 //                 only: NaN group scales, one per scale),
 //                 kv_source_nan: null without kv_source, else { values: NaN values in it,
-//                   slot_count: slots holding one, slots: the first 8 of them } } ],
+//                   slot_count: slots holding one, slots: the first 8 of them },
+//                 indexer: null, or (v1.2) { n_heads, head_dim, block_size, topk, scale_format,
+//                   rotation, softmax_scale } } ],
 //   "steps":  [ { group, kind, topk: { layer group: K } (v1.1 sparse layers), requests, rows,
 //                 tokens, page_refs, pages_used,
-//                 captures: { out: [layer groups], lse: [...], kv_cache_after: [...] } } ] }
+//                 captures: { out: [layer groups], lse: [...], kv_cache_after: [...],
+//                             indexer_cache_after: [...] (v1.2) } } ] }
 // tokens = sum of kv_len over requests; page_refs = entries of kv_indices; pages_used = distinct.
 Result<nlohmann::json> dump_info(const DumpReader& reader);
 

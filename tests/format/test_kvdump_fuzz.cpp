@@ -9,9 +9,11 @@
 // variable-length string attributes in HDF5's global heap, the structure HDF5 1.10 reads
 // unchecked); kvdump v1.1, three small `synth` dumps (per-token-group scales in each of the three
 // scale formats, the split layout with an e4m3 and the packed flashmla_fp8 layout with a bf16
-// RoPE part, topk_indices) and the two shipped v1.1 dumps. The v1.1 seeds also get edits of the
-// v1.1 objects (the root's scale attributes, kv_scales, kv_rope, the packed slot, topk_indices),
-// and every mutated input of a small v1.1 seed that `info` accepts goes on through `kvaudit check
+// RoPE part, topk_indices) and the two shipped v1.1 dumps; kvdump v1.2, the Python package's small
+// indexer example dump (kvdump.indexer_fp8 --write-example), with edits of its indexer objects. The
+// v1.1 seeds also get edits of the v1.1 objects (the root's scale attributes, kv_scales, kv_rope,
+// the packed slot, topk_indices), and every mutated input of a small v1.1 seed that `info` accepts
+// goes on through `kvaudit check
 // --backend cpu-fp8`, which reads the step tensors (topk_indices' values are checked there) and
 // judges the group scales: it too must end with exit 0, 1 or 2 (the shipped v1.1 dumps, 40 times
 // larger, go through `info` only, to keep the sanitizer run short).
@@ -64,7 +66,8 @@ struct Outcome {
 struct DumpShape {
   std::vector<std::string> steps;   // "/steps/S000", ...
   std::vector<std::string> layers;  // "L000", ...
-  bool v1_1 = false;                // the root says format_minor_version 1
+  bool v1_1 = false;                // the root says format_minor_version 1 (or 2)
+  bool v1_2 = false;                // the root says format_minor_version 2: indexer objects
 };
 
 std::vector<std::string> members(hid_t file, const std::string& group) {
@@ -95,7 +98,8 @@ DumpShape shape_of(const std::filesystem::path& seed) {
     H5Aclose(attr);
   }
   H5Fclose(file);
-  shape.v1_1 = minor == 1;
+  shape.v1_1 = minor >= 1;
+  shape.v1_2 = minor == 2;
   REQUIRE(shape.steps.size() >= 2);
   REQUIRE_FALSE(shape.layers.empty());
   return shape;
@@ -240,6 +244,59 @@ void v1_1_mutation(RawFile& f, const DumpShape& shape, const Pick& pick, std::st
   }
 }
 
+// Edits of the v1.2 indexer objects: their attributes, datasets replaced by random shapes and
+// types, links deleted.
+void v1_2_mutation(RawFile& f, const DumpShape& shape, const Pick& pick, std::string* description) {
+  const std::string layer =
+      "/layers/" + shape.layers[pick(static_cast<int>(shape.layers.size()))] + "/indexer";
+  const std::string step = shape.steps[pick(static_cast<int>(shape.steps.size()))] + "/" +
+                           shape.layers[pick(static_cast<int>(shape.layers.size()))] + "/indexer";
+  switch (pick(4)) {
+    case 0: {
+      const char* names[] = {"index_n_heads", "index_head_dim", "index_block_size", "index_topk",
+                             "index_softmax_scale"};
+      const std::string name = names[pick(5)];
+      const std::int64_t value = any_int(pick);
+      *description = layer + " " + name + " = " + std::to_string(value);
+      if (link_exists(f, layer)) f.set_int(layer, name, value);
+      break;
+    }
+    case 1: {
+      const char* names[] = {"index_scale_format", "index_rotation"};
+      const char* values[] = {"power_of_two", "float32", "hadamard", "none", "e8m0", "", "\xff"};
+      const std::string name = names[pick(2)];
+      const std::string value = values[pick(7)];
+      *description = layer + " " + name + " = \"" + value + "\"";
+      if (link_exists(f, layer)) f.set_string(layer, name, value, pick(2) == 0);
+      break;
+    }
+    case 2: {
+      const std::string layer_sets[] = {"k_cache", "k_scales", "k_source"};
+      const std::string step_sets[] = {
+          "q", "weights", "new_k", "topk_indices", "k_cache_after", "k_scales_after"};
+      const std::string path =
+          pick(2) == 0 ? layer + "/" + layer_sets[pick(3)] : step + "/" + step_sets[pick(6)];
+      std::vector<hsize_t> dims(static_cast<std::size_t>(1 + pick(3)));
+      for (auto& d : dims) d = static_cast<hsize_t>(pick(40));
+      const hid_t types[] = {H5T_STD_U8LE, H5T_STD_U16LE, H5T_IEEE_F32LE, H5T_STD_I32LE};
+      const char* dtypes[] = {nullptr, "bfloat16", "float8_e4m3fn", "float32"};
+      *description = path + " replaced by a random shape/type";
+      if (link_exists(f, path.substr(0, path.rfind('/')))) {
+        f.replace_zeros(path, dims, types[pick(4)], dtypes[pick(4)]);
+      }
+      break;
+    }
+    default: {
+      const std::string targets[] = {layer, step, layer + "/k_scales", step + "/k_cache_after",
+                                     step + "/topk_indices"};
+      const std::string link = targets[pick(5)];
+      *description = "delete " + link;
+      if (link_exists(f, link)) f.delete_link(link);
+      break;
+    }
+  }
+}
+
 // Structural edits with random parameters, each valid HDF5 but likely breaking the format.
 void structural_mutation(RawFile& f, const DumpShape& shape, std::mt19937& rng,
                          std::string* description) {
@@ -255,7 +312,7 @@ void structural_mutation(RawFile& f, const DumpShape& shape, std::mt19937& rng,
                              "format_version"};
   const std::string first_step = steps.front();
   const std::string second_step = steps[1];
-  switch (pick(shape.v1_1 ? 8 : 7)) {
+  switch (pick(shape.v1_2 ? 10 : shape.v1_1 ? 8 : 7)) {
     case 0: {
       const char* name = root_ints[pick(5)];
       const std::int64_t value = any_int(pick);
@@ -325,8 +382,11 @@ void structural_mutation(RawFile& f, const DumpShape& shape, std::mt19937& rng,
       f.set_string("/", name, value, pick(2) == 0);
       break;
     }
-    default:
+    case 7:
       v1_1_mutation(f, shape, pick, description);
+      break;
+    default:
+      v1_2_mutation(f, shape, pick, description);
       break;
   }
 }
@@ -378,6 +438,10 @@ struct Seed {
   std::string bytes;
   std::optional<DumpShape> shape;
   bool check = false;
+  // KVAUDIT_OPEN_TIMEOUT for its runs (0: kvaudit's default, 60 s). HDF5 1.10 can spin forever
+  // on some damaged metadata of h5py-written files; kvaudit's probe child then refuses the file
+  // (exit 2) when the timeout passes, which must come before the fuzz's own 20 s hang limit.
+  int open_timeout_s = 0;
 };
 
 // The command lines of one mutated input: `info`, then (for v1.1 seeds) `check` on the CPU.
@@ -387,9 +451,11 @@ struct FuzzCommands {
 };
 
 FuzzCommands fuzz_commands(const std::filesystem::path& target,
-                           const std::filesystem::path& reports) {
-  const std::string prefix = testing::sanitizer_environment(reports) + "timeout 20 '" +
-                             kvaudit_test::kvaudit_binary().string() + "' ";
+                           const std::filesystem::path& reports, int open_timeout_s) {
+  const std::string open_timeout =
+      open_timeout_s > 0 ? "KVAUDIT_OPEN_TIMEOUT=" + std::to_string(open_timeout_s) + " " : "";
+  const std::string prefix = testing::sanitizer_environment(reports) + open_timeout +
+                             "timeout 20 '" + kvaudit_test::kvaudit_binary().string() + "' ";
   const std::string file = " '" + target.string() + "' > /dev/null 2>&1";
   return {prefix + "info" + file,
           prefix + "check --backend cpu-fp8 --certify 0 --diagnose 1 --threads 1" + file};
@@ -416,7 +482,7 @@ FuzzTally fuzz(const Seed& seed, int mutations, std::uint32_t rng_seed) {
   const auto reports = dir / (seed.label + "-sanitizer");
   std::filesystem::create_directories(reports);
   testing::collect_sanitizer_reports(reports);  // from an earlier run
-  const FuzzCommands commands = fuzz_commands(target, reports);
+  const FuzzCommands commands = fuzz_commands(target, reports, seed.open_timeout_s);
   std::mt19937 rng(rng_seed);
   FuzzTally tally;
   for (int i = 0; i < mutations; ++i) {
@@ -567,6 +633,39 @@ TEST_CASE("kvaudit info and check survive mutated kvdump v1.1 dumps", "[kvdump][
       "packed flashmla_fp8; topk_indices), " +
           std::to_string(checked) + " of their inputs also through check; the 2 shipped v1.1 dumps",
       inputs, static_cast<int>(seeds.size()), findings, hdf5);
+}
+
+// The small v1.2 example dump of the Python package (kvdump.indexer_fp8 --write-example), written
+// by Debian's /usr/bin/python3 with numpy and h5py.
+std::filesystem::path small_v1_2_dump(const std::string& name) {
+  const auto path = testing::kvdump_test_dir() / name;
+  std::filesystem::remove(path);
+  const std::string command = "PYTHONPATH='" + (kvaudit_test::source_dir() / "python").string() +
+                              "' /usr/bin/python3 -B -m kvdump.indexer_fp8 --write-example '" +
+                              path.string() + "' > /dev/null";
+  INFO(command);
+  REQUIRE(testing::run_command(command) == 0);
+  return path;
+}
+
+TEST_CASE("kvaudit info and check survive mutated kvdump v1.2 dumps", "[kvdump][fuzz][v1.2]") {
+  const int mutations = mutation_count(mutation_count(60), "KVAUDIT_FUZZ_V1_1_MUTATIONS");
+  Seed seed = seed_from_file("v1_2-indexer", small_v1_2_dump("indexer-seed.h5"), true, true);
+  seed.open_timeout_s = 5;
+  REQUIRE(seed.shape);
+  CHECK(seed.shape->v1_2);
+  const FuzzTally tally = fuzz(seed, mutations, 1200);
+  INFO(seed.label << ": accepted " << tally.accepted << ", refused " << tally.refused
+                  << ", through check " << tally.checked << ", HDF5 faults contained "
+                  << tally.hdf5_reports);
+  CHECK(tally.failures.empty());
+  if (mutations >= 20) {
+    CHECK(tally.refused > 0);
+    CHECK(tally.checked > 0);
+  }
+  print_fuzz_line("v1.2: the small indexer example dump (indexer attributes, datasets, links), " +
+                      std::to_string(tally.checked) + " of its inputs also through check",
+                  tally.inputs, 1, static_cast<int>(tally.failures.size()), tally.hdf5_reports);
 }
 
 TEST_CASE("sanitizer reports: HDF5's own faults told apart from kvaudit's", "[kvdump]") {
