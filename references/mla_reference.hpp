@@ -86,9 +86,21 @@ class KvRows {
   bool has_residual() const { return values_lo_ != nullptr; }
   const float* row_lo(std::int64_t slot) const;
 
+  // The fixed grid the held values lie on, the bound the reference's exact sliced sums are built
+  // on (mla_reference.cpp, "Exact slicing"): where has_value_grid(), every finite value v is an
+  // integer multiple of 2^grid_exponent() and |v| < 2^(grid_exponent() + magnitude_bits()). e4m3
+  // values: 2^-9 and at most 18 bits (448 < 2^9). False where a value is infinite, where the rows
+  // have residuals, or where the values span more than kMaxGridBits bits (fp32 source values
+  // usually do): the reference then takes its compensated path.
+  static constexpr int kMaxGridBits = 30;
+  bool has_value_grid() const { return has_value_grid_; }
+  int grid_exponent() const { return grid_exponent_; }
+  int magnitude_bits() const { return magnitude_bits_; }
+
  private:
   void decode_row(const KvPool& pool, float kv_scale, std::int64_t slot, std::int64_t row);
   void finish_grouped(const KvPool& pool);
+  void find_value_grid(std::span<const float> values, bool e4m3_values);
 
   std::vector<float> owned_;
   std::vector<float> owned_lo_;
@@ -98,6 +110,9 @@ class KvRows {
   std::int64_t num_slots_ = 0;
   int row_width_ = 0;
   double scale_ = 1.0;
+  bool has_value_grid_ = false;
+  int grid_exponent_ = 0;
+  int magnitude_bits_ = 0;
 };
 
 // Runs the reference for one (step, layer). Writes out [Nq, H, Dc] and lse [Nq, H]; returns the
