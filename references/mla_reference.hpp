@@ -17,6 +17,11 @@
 // (24 + 24 <= 53 bits), so the score dot products need only a compensated sum. A kvdump v1.1
 // per_token_group pool's values code * scale (up to 28 bits) are held as two floats hi + lo
 // (KvRows::row_lo), each visited like a row of its own: the same exactness, twice the work.
+// Where the KV values lie on one fixed grid (KvRows::has_value_grid: every e4m3 pool, integers
+// times 2^-9 of at most 18 bits), both sums are made exact by slicing instead of compensation
+// (mla_reference.cpp, "Exact slicing": q and the weights cut into fixed-grid slices whose sums
+// are integers below 2^53 grid units, so plain binary64 sums are exact by construction; the
+// weights' last slice leaves at most 2^-88 of each weight, inside the bound below).
 //
 // Accumulation type Acc (CUTLASS-style reference: templated on the compute type, separately from
 // the storage types):
@@ -28,10 +33,15 @@
 //       error is ~1e-25 or less relative to sum_t w_t |c_t| on out and absolute on lse, and the
 //       result is the double nearest the truth up to that: target relative <= 1e-15 on out,
 //       absolute <= 1e-15 on lse (beyond the final rounding to double), checked against Boost
-//       cpp_bin_float at 50 and 100 digits. Throughput at D = 576, 16 heads (`kvaudit bench
-//       --cpu-only` on the GPU machine's 16-core Xeon, 2026-12-01): 1.02e7 rows*heads*tokens per
-//       second on 16 threads, 2.3x slower than a plain binary64 loop over the same step
-//       (x86-64-v3 clones of the hot loops where the CPU has AVX2 + FMA).
+//       cpp_bin_float at 50 and 100 digits (tests/references/test_mla_reference_sliced.cpp checks
+//       the nearest-double statement itself against a 100-digit oracle). Throughput at D = 576,
+//       16 heads, e4m3 values (`kvaudit bench --cpu-only --cpu-seconds 3`, 2 threads, on a
+//       2-core Intel Xeon without a GPU, 2026-12-05, four runs while other builds loaded it to
+//       9-13): 7.0e5-9.5e5 rows*heads*tokens per second, 0.97-1.23x a plain binary64 loop over
+//       the same step in the same run (the compensated sums before the slicing, same conditions:
+//       1.90-2.20x, and 3.26x on the quiet machine; x86-64-v3 clones of the hot loops where the
+//       CPU has AVX2 + FMA). Rows without a value grid (fp32 or bf16 source values) still take the
+//       compensated sums, about 3x the plain loop.
 //   Float50 / Float100 (tags for boost::multiprecision::cpp_bin_float_50/_100, which
 //       references/mla_reference.cpp maps them to, so that Boost stays out of this header) — the
 //       same formulas evaluated naively in the multiprecision type; slow; they check the default.
