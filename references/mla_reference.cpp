@@ -681,6 +681,52 @@ inline void slice_weight(dd::DoubleDouble w, int bits, int slices, double* out) 
   }
 }
 
+// The compensated P.V over many (weight, row) entries, in their order: acc += e_i * v_i over the
+// first dc values of each row. Where the CPU has AVX2 + FMA, 8 dims are held in registers through
+// all entries (the accumulators loaded and stored once per 8 dims, not once per entry), with per
+// (entry, dim) accumulate_weighted_row_fma's operations in the same order: the same bits.
+#if defined(KVAUDIT_HAVE_CPU_V3_TARGET)
+KVAUDIT_CPU_V3_TARGET
+void accumulate_weighted_rows_fma(const dd::DoubleDouble* e, const float* const* rows, int n,
+                                  int dc, double* acc_hi, double* acc_lo) {
+  int d0 = 0;
+  for (; d0 + 8 <= dc; d0 += 8) {
+    Double4 hi[2], lo[2];
+    std::memcpy(hi, acc_hi + d0, sizeof hi);
+    std::memcpy(lo, acc_lo + d0, sizeof lo);
+    for (int t = 0; t < n; ++t) {
+      const Double4 h = Double4{} + e[t].hi;
+      const Double4 el = Double4{} + e[t].lo;
+      for (int i = 0; i < 2; ++i) {
+        Double4 c;
+        load_as_double4(rows[t] + d0 + 4 * i, c);
+        const Double4 p = _mm256_fmadd_pd(h, c, Double4{});
+        const Double4 p_error = _mm256_fmadd_pd(h, c, -p);
+        const Double4 sum = hi[i] + p;
+        const Double4 bb = sum - hi[i];
+        const Double4 err = (hi[i] - (sum - bb)) + (p - bb);
+        hi[i] = sum;
+        lo[i] += err + static_cast<Double4>(_mm256_fmadd_pd(el, c, p_error));
+      }
+    }
+    std::memcpy(acc_hi + d0, hi, sizeof hi);
+    std::memcpy(acc_lo + d0, lo, sizeof lo);
+  }
+  if (d0 == dc) return;
+  for (int t = 0; t < n; ++t) {
+    accumulate_weighted_row_fma(e[t], rows[t] + d0, dc - d0, acc_hi + d0, acc_lo + d0);
+  }
+}
+#endif
+
+void accumulate_weighted_rows(const dd::DoubleDouble* e, const float* const* rows, int n, int dc,
+                              double* acc_hi, double* acc_lo) {
+#if defined(KVAUDIT_HAVE_CPU_V3_TARGET)
+  if (kvaudit_cpu_has_v3()) return accumulate_weighted_rows_fma(e, rows, n, dc, acc_hi, acc_lo);
+#endif
+  for (int t = 0; t < n; ++t) accumulate_weighted_row_split(e[t], rows[t], dc, acc_hi, acc_lo);
+}
+
 // The default: double-double with exact products (see mla_reference.hpp), by exact slicing where
 // the KV rows have a value grid and by compensated sums elsewhere.
 class DoubleDoubleKernel {
@@ -692,6 +738,7 @@ class DoubleDoubleKernel {
         dots_(static_cast<std::size_t>(kMaxScoreSlices) * problem.max_visible),
         s_(problem.max_visible),
         sliced_rows_(kPvBlockTokens),
+        entry_weights_(kPvBlockTokens),
         sliced_weights_(static_cast<std::size_t>(kMaxWeightSlices) * kPvBlockTokens),
         acc_hi_(problem.dc),
         acc_lo_(problem.dc),
@@ -798,14 +845,25 @@ class DoubleDoubleKernel {
   }
 
   // Phase 3 (rows without a value grid): acc = sum_t w_t c_t, compensated (today's loop).
+  // (Each token's row, then its residual row, as entries of blocks of kPvBlockTokens.)
   void accumulate_compensated(const float* const* rows, const float* const* rows_lo,
                               std::int64_t n) {
-    for (std::int64_t t = 0; t < n; ++t) {
-      accumulate_weighted_row(s_[t], rows[t], p_.dc, acc_hi_.data(), acc_lo_.data());
-      if (rows_lo != nullptr) {
-        accumulate_weighted_row(s_[t], rows_lo[t], p_.dc, acc_hi_.data(), acc_lo_.data());
+    int held = 0;
+    auto add = [&](dd::DoubleDouble e, const float* row) {
+      entry_weights_[held] = e;
+      sliced_rows_[held++] = row;
+      if (held == kPvBlockTokens) {
+        accumulate_weighted_rows(entry_weights_.data(), sliced_rows_.data(), held, p_.dc,
+                                 acc_hi_.data(), acc_lo_.data());
+        held = 0;
       }
+    };
+    for (std::int64_t t = 0; t < n; ++t) {
+      add(s_[t], rows[t]);
+      if (rows_lo != nullptr) add(s_[t], rows_lo[t]);
     }
+    accumulate_weighted_rows(entry_weights_.data(), sliced_rows_.data(), held, p_.dc,
+                             acc_hi_.data(), acc_lo_.data());
   }
 
   // Phase 3 (rows with a value grid): the fewest weight slices that cover the smallest weight to
@@ -856,8 +914,9 @@ class DoubleDoubleKernel {
   std::vector<double> q_slices_;  // [kMaxScoreSlices][width]
   std::vector<double> dots_;      // [token][slice]
   std::vector<dd::DoubleDouble> s_;
-  std::vector<const float*> sliced_rows_;
-  std::vector<double> sliced_weights_;  // [token][slice]
+  std::vector<const float*> sliced_rows_;        // a block's rows (sliced or compensated)
+  std::vector<dd::DoubleDouble> entry_weights_;  // a compensated block's weights
+  std::vector<double> sliced_weights_;           // [token][slice]
   std::vector<double> acc_hi_;
   std::vector<double> acc_lo_;
   int score_bits_ = 0;   // bits per q slice; 0: no value grid, compensated scores

@@ -9,6 +9,7 @@
 #include <boost/multiprecision/cpp_bin_float.hpp>
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <iomanip>
 #include <limits>
 #include <random>
 #include <vector>
@@ -117,7 +118,8 @@ int check_against_oracle(const SlicedCase& c, const Outputs& got, int b, int h, 
     ++bad;
     if ((*printed)++ < 5) {
       UNSCOPED_INFO(what << " at request " << b << " head " << h << " dim " << d << ": got "
-                         << value << ", truth " << truth.str(25) << ", allowed " << delta.str(5));
+                         << std::setprecision(17) << value << ", truth " << truth.str(25)
+                         << ", allowed " << delta.str(5));
     }
   };
   for (int d = 0; d < kDc; ++d) {
@@ -254,13 +256,13 @@ TEST_CASE("sliced path: a NaN in a visible row gives NaN for that row only",
 TEST_CASE("compensated path: fp32 source rows and grouped hi + lo rows", "[reference][sliced]") {
   std::mt19937_64 rng(21);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  SlicedCase source = make_case(2, 2, 120, 0.0625);
+  SlicedCase source = make_case(2, 2, 300, 0.0625);  // past one block of 256 entries
   for (float& x : source.rows) x = normal(rng) * 0.3f;
   fill_q(source, rng, 1.0f);
   REQUIRE(!rows_of(source).has_value_grid());
   CHECK(outputs_outside_guarantee(source) == 0);
 
-  SlicedCase grouped = make_case(2, 2, 120, 0.0625);
+  SlicedCase grouped = make_case(2, 2, 150, 0.0625);  // 300 entries: hi and lo rows
   grouped.rows_lo.resize(grouped.rows.size());
   for (std::size_t k = 0; k < grouped.rows.size(); ++k) {
     // code * group scale (a float with 24 bits) as hi + lo, as KvRows::from_pool holds it
