@@ -21,7 +21,8 @@
 // times 2^-9 of at most 18 bits), both sums are made exact by slicing instead of compensation
 // (mla_reference.cpp, "Exact slicing": q and the weights cut into fixed-grid slices whose sums
 // are integers below 2^53 grid units, so plain binary64 sums are exact by construction; the
-// weights' last slice leaves at most 2^-88 of each weight, inside the bound below).
+// weights' last slice leaves at most 2^-88 of each weight, inside the bound below; more than 3
+// weight slices needed: the compensated sums).
 //
 // Accumulation type Acc (CUTLASS-style reference: templated on the compute type, separately from
 // the storage types):
@@ -36,12 +37,12 @@
 //       cpp_bin_float at 50 and 100 digits (tests/references/test_mla_reference_sliced.cpp checks
 //       the nearest-double statement itself against a 100-digit oracle). Throughput at D = 576,
 //       16 heads, e4m3 values (`kvaudit bench --cpu-only --cpu-seconds 3`, 2 threads, on a
-//       2-core Intel Xeon without a GPU, 2026-12-05, four runs while other builds loaded it to
-//       9-13): 7.0e5-9.5e5 rows*heads*tokens per second, 0.97-1.23x a plain binary64 loop over
-//       the same step in the same run (the compensated sums before the slicing, same conditions:
-//       1.90-2.20x, and 3.26x on the quiet machine; x86-64-v3 clones of the hot loops where the
-//       CPU has AVX2 + FMA). Rows without a value grid (fp32 or bf16 source values) still take the
-//       compensated sums, about 3x the plain loop.
+//       2-core Intel Xeon without a GPU, 2026-12-05, three runs at load 5): 2.1e6-2.2e6
+//       rows*heads*tokens per second, 1.14-1.20x a plain binary64 loop over the same step in the
+//       same run (the compensated sums before the slicing: 1.50-2.20x under load, 3.26x on the
+//       quiet machine; x86-64-v3 clones of the hot loops where the CPU has AVX2 + FMA). The bench's
+//       weights need 3 slices; a (row, head) needing more, and rows without a value grid (fp32 or
+//       bf16 source values), take the register-tiled compensated sums, about 2-3x the plain loop.
 //   Float50 / Float100 (tags for boost::multiprecision::cpp_bin_float_50/_100, which
 //       references/mla_reference.cpp maps them to, so that Boost stays out of this header) — the
 //       same formulas evaluated naively in the multiprecision type; slow; they check the default.

@@ -6,10 +6,14 @@
 # step instead of the prefill (--prefill-tokens 0 --decode-steps 1), so each of the 8 decode rows
 # attends over 513 tokens, 16 heads (GLM-5's preset), page 64, with kv_source (the bf16 values the
 # pool was quantized from), so the check computes both exact references, R8 on the FP8 pool and Rs
-# on the source. `kvaudit synth` generates it into the build directory (once; about 0.4 GB).
+# on the source. `kvaudit synth` generates it into the build directory once (0.7 GB; 5.1 GB with
+# KVAUDIT_CONTEXT=4096, the realistic context: 8 x 4096 tokens, 16 heads).
 #
 # Then `kvaudit check --backend cpu-fp8 --verbose` on it, timed with /usr/bin/time, prints the
 # split the check reports (reading, reference, backend, comparisons) and the wall time.
+#
+# Measured 2026-12-05 (2-core Xeon, no GPU, load 4-7): context 512: 9.5-12.4 s wall before and
+# after the exact slicing; KVAUDIT_CONTEXT=4096: 135.5 s before, 127.7 s after (docs/design.md).
 #
 # Usage: scripts/bench-decode-only.sh [KVAUDIT_BINARY] (default build-cpu/kvaudit)
 #   KVAUDIT_DUMP_DIR  where the dump goes (default build/decode-only)
