@@ -509,18 +509,20 @@ void weight_exps(const dd::DoubleDouble* x, std::int64_t n, dd::DoubleDouble* ou
 // units: each slice's block sum is exact, accumulated over 16 or 8 dims held in registers and
 // added into the (hi, lo) accumulators once per block with TwoSum. The slices leave
 // |r_t| <= 2^(-bw Kw) of each weight; a token is sliced only where r_t <= 2^-88 w_t, i.e.
-// w_t >= 2^(88 - bw Kw), with Kw the fewest slices (up to kMaxWeightSlices) that cover the
-// smallest weight; a token below that goes through the compensated accumulate_weighted_row. So the
-// truncation costs at most 2^-88 sum_t w_t |c_t| on out (relative to the quantity the guarantee
-// of mla_reference.hpp is stated against) and the guarantee holds by construction.
+// w_t >= 2^(88 - bw Kw), with Kw the fewest slices that cover the smallest weight (a (row, head)
+// needing more than kMaxFastWeightSlices takes the compensated sum whole); a token below that goes
+// through the compensated sum (accumulate_weighted_rows). So the truncation costs at most
+// 2^-88 sum_t w_t |c_t| on out (relative to the quantity the guarantee of mla_reference.hpp is
+// stated against) and the guarantee holds by construction.
 constexpr int kMaxScoreSlices = 4;
 constexpr int kMaxWeightSlices = 6;
 constexpr int kPvBlockLog2 = 8;
 constexpr int kPvBlockTokens = 1 << kPvBlockLog2;
 constexpr int kWeightRelativeBits = 88;  // truncation of a sliced weight <= 2^-88 of the weight
-// More weight slices than this cost more than the register-tiled compensated sum (measured on a
-// 78-layer GLM-5 decode dump, 4096 tokens: e4m3 values of 18 bits leave 26 bits per slice, and
-// weights spread over ~50 nats need 5 or 6): the (row, head) then takes the compensated sum.
+// More weight slices than this cost more than the register-tiled compensated sum: on a 78-layer
+// GLM-5 decode dump (scripts/bench-decode-only.sh, 4096 tokens; e4m3 values of 18 bits leave 26
+// bits per slice) the reference took 110.6 s with up to 6 slices and 95.7 s with up to 3.
+// kMaxWeightSlices stays the bound the kernels are instantiated for.
 constexpr int kMaxFastWeightSlices = 3;
 
 int ceil_log2(int n) {
