@@ -41,8 +41,10 @@
 //       rows*heads*tokens per second, 1.14-1.20x a plain binary64 loop over the same step in the
 //       same run (the compensated sums before the slicing: 1.50-2.20x under load, 3.26x on the
 //       quiet machine; x86-64-v3 clones of the hot loops where the CPU has AVX2 + FMA). The bench's
-//       weights need 3 slices; a (row, head) needing more, and rows without a value grid (fp32 or
-//       bf16 source values), take the register-tiled compensated sums, about 2-3x the plain loop.
+//       values (|v| < 3.75, 11 bits) let 3 weight slices cover its weights; a calibrated pool
+//       (values to 448, 18 bits) always needs 4 or more, so its P.V, like rows without a value
+//       grid (fp32 or bf16 source values), takes the register-tiled compensated sum (about 2-3x
+//       the plain loop) and only its scores are sliced.
 //   Float50 / Float100 (tags for boost::multiprecision::cpp_bin_float_50/_100, which
 //       references/mla_reference.cpp maps them to, so that Boost stays out of this header) — the
 //       same formulas evaluated naively in the multiprecision type; slow; they check the default.
