@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <bit>
 #include <boost/multiprecision/cpp_bin_float.hpp>
 #include <cmath>
 #include <cstring>
@@ -18,6 +19,10 @@
 #include "references/mla_reference_cuda.hpp"
 #include "src/core/cpu_clones.hpp"
 #include "src/core/parallel_for.hpp"
+
+#if defined(KVAUDIT_HAVE_CPU_V3_TARGET)
+#include <immintrin.h>
+#endif
 
 namespace kvaudit {
 
@@ -31,6 +36,7 @@ KvRows KvRows::from_values(std::span<const float> values, int row_width, double 
   rows.row_width_ = row_width;
   rows.num_slots_ = row_width > 0 ? static_cast<std::int64_t>(values.size()) / row_width : 0;
   rows.scale_ = scale;
+  if (residuals.empty()) rows.find_value_grid(values, false);
   return rows;
 }
 
@@ -94,6 +100,11 @@ KvRows KvRows::from_pool(const KvPool& pool, float kv_scale) {
   for (std::int64_t s = 0; s < pool.num_slots; ++s) rows.decode_row(pool, kv_scale, s, s);
   rows.values_ = rows.owned_.data();
   rows.finish_grouped(pool);
+  if (!rows.has_residual()) {
+    rows.find_value_grid(rows.owned_, pool.dtype == KvDtype::kFloat8E4m3fn &&
+                                          pool.rope_dtype == KvDtype::kFloat8E4m3fn &&
+                                          !pool.grouped());
+  }
   return rows;
 }
 
@@ -115,7 +126,61 @@ KvRows KvRows::from_pool_slots(const KvPool& pool, float kv_scale,
   }
   rows.values_ = rows.owned_.data();
   rows.finish_grouped(pool);
+  if (!rows.has_residual()) {
+    rows.find_value_grid(rows.owned_, pool.dtype == KvDtype::kFloat8E4m3fn &&
+                                          pool.rope_dtype == KvDtype::kFloat8E4m3fn &&
+                                          !pool.grouped());
+  }
   return rows;
+}
+
+namespace {
+
+// The exponents of a finite nonzero float v: v is a multiple of 2^low and |v| < 2^top.
+struct FloatExponents {
+  int low = 0;
+  int top = 0;
+};
+FloatExponents float_exponents(float v) {
+  const auto bits = std::bit_cast<std::uint32_t>(v);
+  const int field = static_cast<int>(bits >> 23 & 0xffu);
+  const std::uint32_t mantissa = bits & 0x7fffffu;
+  if (field == 0) {  // subnormal: mantissa * 2^-149
+    return {-149 + std::countr_zero(mantissa), -149 + static_cast<int>(std::bit_width(mantissa))};
+  }
+  const std::uint32_t significand = mantissa | (1u << 23);  // significand * 2^(field - 150)
+  return {field - 150 + std::countr_zero(significand), field - 126};
+}
+
+}  // namespace
+
+// Scans the held values once (NaNs ignored: they reach the result through the products anyway).
+// e4m3 values are multiples of 2^-9 by their format, so only their largest magnitude is looked
+// for; other values are scanned for their lowest set bit too, stopping once they span too much.
+void KvRows::find_value_grid(std::span<const float> values, bool e4m3_values) {
+  has_value_grid_ = false;
+  int low = std::numeric_limits<int>::max();
+  int top = std::numeric_limits<int>::min();
+  if (e4m3_values) {
+    float largest = 0.0f;
+    for (const float v : values) largest = std::max(largest, std::fabs(v));  // NaN: kept out
+    if (std::isinf(largest)) return;
+    low = -9;
+    top = largest == 0.0f ? -9 : float_exponents(largest).top;
+  } else {
+    for (const float v : values) {
+      if (v == 0.0f || std::isnan(v)) continue;
+      if (std::isinf(v)) return;
+      const FloatExponents e = float_exponents(v);
+      low = std::min(low, e.low);
+      top = std::max(top, e.top);
+      if (top - low > kMaxGridBits) return;
+    }
+    if (low > top) low = top = 0;  // no nonzero finite value
+  }
+  has_value_grid_ = top - low <= kMaxGridBits;
+  grid_exponent_ = low;
+  magnitude_bits_ = top - low;
 }
 
 const float* KvRows::row(std::int64_t slot) const {
@@ -299,65 +364,581 @@ void accumulate_weighted_row(dd::DoubleDouble e, const float* v, int n, double* 
 KVAUDIT_CPU_CLONES
 dd::DoubleDouble weight_exp(dd::DoubleDouble x) { return dd::exp(x); }
 
-// The default: double-double with exact products (see mla_reference.hpp).
+// Four doubles (four floats) as one AVX register in the x86-64-v3 code, two SSE ones elsewhere.
+using Double4 = double __attribute__((vector_size(32)));
+using Float4 = float __attribute__((vector_size(16)));
+
+#if defined(KVAUDIT_HAVE_CPU_V3_TARGET)
+// dd::exp of four arguments at once where the CPU has AVX2 + FMA: the same operations in the
+// same order as references/double_double.hpp's exp, one lane per argument (two_prod's fused
+// multiply-add as the vector instruction), so each lane's result is the scalar function's. Used
+// where all four arguments lie in [-708, 709] (2^k then a normal double, the scalar's plain
+// branch); the caller takes the scalar form for others. The weights are a quarter of the
+// reference's time otherwise.
+using Int4 = long long __attribute__((vector_size(32)));
+struct Dd4 {
+  Double4 hi;
+  Double4 lo;
+};
+
+KVAUDIT_CPU_V3_TARGET KVAUDIT_DD_INLINE Dd4 two_sum4(Double4 a, Double4 b) {
+  const Double4 s = a + b;
+  const Double4 bb = s - a;
+  return {s, (a - (s - bb)) + (b - bb)};
+}
+KVAUDIT_CPU_V3_TARGET KVAUDIT_DD_INLINE Dd4 fast_two_sum4(Double4 a, Double4 b) {
+  const Double4 s = a + b;
+  return {s, b - (s - a)};
+}
+KVAUDIT_CPU_V3_TARGET KVAUDIT_DD_INLINE Dd4 two_prod4(Double4 a, Double4 b) {
+  const Double4 p = a * b;
+  return {p, static_cast<Double4>(_mm256_fmadd_pd(a, b, -p))};
+}
+KVAUDIT_CPU_V3_TARGET KVAUDIT_DD_INLINE Dd4 add4(Dd4 a, Dd4 b) {
+  const Dd4 s = two_sum4(a.hi, b.hi);
+  const Dd4 t = two_sum4(a.lo, b.lo);
+  const Dd4 u = fast_two_sum4(s.hi, s.lo + t.hi);
+  return fast_two_sum4(u.hi, t.lo + u.lo);
+}
+KVAUDIT_CPU_V3_TARGET KVAUDIT_DD_INLINE Dd4 add4(Dd4 a, Double4 b) {
+  const Dd4 s = two_sum4(a.hi, b);
+  return fast_two_sum4(s.hi, s.lo + a.lo);
+}
+KVAUDIT_CPU_V3_TARGET KVAUDIT_DD_INLINE Dd4 mul4(Dd4 a, Double4 b) {
+  const Dd4 p = two_prod4(a.hi, b);
+  return fast_two_sum4(p.hi, p.lo + a.lo * b);
+}
+KVAUDIT_CPU_V3_TARGET KVAUDIT_DD_INLINE Dd4 mul4(Dd4 a, Dd4 b) {
+  const Dd4 p = two_prod4(a.hi, b.hi);
+  return fast_two_sum4(p.hi, p.lo + (a.hi * b.lo + a.lo * b.hi));
+}
+
+// 2^k for integral k in -1022..1023 (as the scalar power_of_two): k + 1023 + 2^52 holds k + 1023
+// in its low mantissa bits, which then move to the exponent field.
+KVAUDIT_CPU_V3_TARGET KVAUDIT_DD_INLINE Double4 power_of_two4(Double4 k) {
+  constexpr double kTwo52 = 4503599627370496.0;
+  const Double4 biased = k + (1023.0 + kTwo52);
+  const Int4 field = __builtin_bit_cast(Int4, biased) - std::bit_cast<long long>(kTwo52);
+  const Int4 bits = field << 52;
+  return __builtin_bit_cast(Double4, bits);
+}
+
+KVAUDIT_CPU_V3_TARGET
+void weight_exp4(const dd::DoubleDouble* x, dd::DoubleDouble* out) {
+  Dd4 a;
+  for (int i = 0; i < 4; ++i) {
+    a.hi[i] = x[i].hi;
+    a.lo[i] = x[i].lo;
+  }
+  const Double4 k =
+      _mm256_round_pd(a.hi / dd::kLn2Hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  Dd4 r = add4(a, mul4(Dd4{Double4{} + dd::kLn2Hi, Double4{} + dd::kLn2Lo}, -k));
+  r = {r.hi * 0.03125, r.lo * 0.03125};
+  constexpr double kInverseHi[12] = {
+      0x1.0000000000000p-1, 0x1.5555555555555p-2, 0x1.0000000000000p-2, 0x1.999999999999ap-3,
+      0x1.5555555555555p-3, 0x1.2492492492492p-3, 0x1.0000000000000p-3, 0x1.c71c71c71c71cp-4,
+      0x1.999999999999ap-4, 0x1.745d1745d1746p-4, 0x1.5555555555555p-4, 0x1.3b13b13b13b14p-4};
+  constexpr double kInverseLo[12] = {0.0,
+                                     0x1.5555555555555p-56,
+                                     0.0,
+                                     -0x1.999999999999ap-57,
+                                     0x1.5555555555555p-57,
+                                     0x1.2492492492492p-57,
+                                     0.0,
+                                     0x1.c71c71c71c71cp-58,
+                                     -0x1.999999999999ap-58,
+                                     -0x1.745d1745d1746p-59,
+                                     0x1.5555555555555p-58,
+                                     -0x1.3b13b13b13b14p-58};
+  Dd4 t{Double4{} + 1.0, Double4{}};
+#pragma GCC unroll 12
+  for (int n = 13; n >= 2; --n) {
+    const Dd4 inverse{Double4{} + kInverseHi[n - 2], Double4{} + kInverseLo[n - 2]};
+    t = add4(mul4(mul4(r, inverse), t), Double4{} + 1.0);
+  }
+  Dd4 e = mul4(r, t);
+  for (int i = 0; i < 5; ++i) e = add4(Dd4{2.0 * e.hi, 2.0 * e.lo}, mul4(e, e));
+  const Dd4 y = add4(e, Double4{} + 1.0);
+  const Double4 scale = power_of_two4(k);
+  const Double4 hi = y.hi * scale;
+  const Double4 lo = y.lo * scale;
+  for (int i = 0; i < 4; ++i) out[i] = {hi[i], lo[i]};
+}
+#endif
+
+// w_t = exp(x_t) for n arguments: four at a time where the CPU has AVX2 + FMA and the four lie
+// in the vector form's range, one at a time otherwise; the same values either way.
+void weight_exps(const dd::DoubleDouble* x, std::int64_t n, dd::DoubleDouble* out) {
+  std::int64_t t = 0;
+#if defined(KVAUDIT_HAVE_CPU_V3_TARGET)
+  if (kvaudit_cpu_has_v3()) {
+    for (; t + 4 <= n; t += 4) {
+      const bool in_range = std::all_of(x + t, x + t + 4, [](const dd::DoubleDouble& v) {
+        return v.hi >= -708.0 && v.hi <= 709.0;  // false for NaN
+      });
+      if (in_range) {
+        weight_exp4(x + t, out + t);
+      } else {
+        for (int i = 0; i < 4; ++i) out[t + i] = weight_exp(x[t + i]);
+      }
+    }
+  }
+#endif
+  for (; t < n; ++t) out[t] = weight_exp(x[t]);
+}
+
+// ---- Exact slicing (the path for KV rows with a value grid, KvRows::has_value_grid) ------------
+//
+// Where every KV value is an integer V times 2^G with |V| < 2^bV (e4m3: G = -9, bV <= 18), a sum
+// of products whose other factors all lie on one grid 2^g with magnitude <= 2^b grid units is a
+// sum of integers times 2^(g + G); while n * 2^(b + bV) <= 2^53 every partial sum, in any order,
+// is an integer below 2^53 in those units and so exact in binary64 (fused multiply-adds
+// included: an exact result is not rounded). Both sums of the reference are cut into such slices:
+//
+// Scores. q (one (row, head), width D) with |q_j| < 2^Eq is cut once into slices on the grids
+// g_k = 2^(Eq - bq k), k = 1..Kq (each slice q rounded to its grid, the remainder passed on,
+// exactly), bq = 53 - bV - ceil(log2 D): |slice_1| <= 2^bq units, later ones <= 2^(bq - 1). The
+// slices stop when the remainder is zero (bf16 q: usually 1, fp32 q: 2 or 3; more than
+// kMaxScoreSlices or a non-finite q: the compensated dot below). Each slice's dot product with a
+// KV row is exact by the bound above; the Kq exact dots are added in double-double (error
+// <= Kq 2^-106 sum_j |q_j k_j|, below the compensated dot's bound).
+//
+// P.V. The weights w_t = exp(s_t - m) (double-double, w_t < 2: the largest is 1 up to the
+// score's low word) are cut into slices on fixed grids 2^(-bw k), k = 1..Kw, bw = 44 - bV, so a
+// block of kPvBlockTokens = 2^8 tokens has sum_t |w_t,k V_t,d| <= 2^8 * 2^(bw + 1) * 2^bV = 2^53
+// units: each slice's block sum is exact, accumulated over 16 or 8 dims held in registers and
+// added into the (hi, lo) accumulators once per block with TwoSum. The slices leave
+// |r_t| <= 2^(-bw Kw) of each weight; a token is sliced only where r_t <= 2^-88 w_t, i.e.
+// w_t >= 2^(88 - bw Kw), with Kw the fewest slices that cover the smallest weight (a (row, head)
+// needing more than kMaxFastWeightSlices takes the compensated sum whole); a token below that goes
+// through the compensated sum (accumulate_weighted_rows). So the truncation costs at most
+// 2^-88 sum_t w_t |c_t| on out (relative to the quantity the guarantee of mla_reference.hpp is
+// stated against) and the guarantee holds by construction.
+constexpr int kMaxScoreSlices = 4;
+constexpr int kMaxWeightSlices = 6;
+constexpr int kPvBlockLog2 = 8;
+constexpr int kPvBlockTokens = 1 << kPvBlockLog2;
+constexpr int kWeightRelativeBits = 88;  // truncation of a sliced weight <= 2^-88 of the weight
+// More weight slices than this cost more than the register-tiled compensated sum: on a 78-layer
+// GLM-5 decode dump (scripts/bench-decode-only.sh, 4096 tokens; e4m3 values of 18 bits leave 26
+// bits per slice) the reference took 110.6 s with up to 6 slices and 95.7 s with up to 3.
+// kMaxWeightSlices stays the bound the kernels are instantiated for.
+constexpr int kMaxFastWeightSlices = 3;
+
+int ceil_log2(int n) {
+  return n <= 1 ? 0 : static_cast<int>(std::bit_width(static_cast<unsigned>(n - 1)));
+}
+
+// Bits per q slice and per weight slice for rows of `magnitude_bits` and width `width`, 0 where
+// the bound leaves too few for slicing to pay.
+int score_slice_bits(int magnitude_bits, int width) {
+  const int bits = 53 - magnitude_bits - ceil_log2(width);
+  return bits >= 8 ? bits : 0;
+}
+int weight_slice_bits(int magnitude_bits) {
+  const int bits = 53 - magnitude_bits - kPvBlockLog2 - 1;  // - 1: w_t < 2
+  return bits >= 8 ? bits : 0;
+}
+
+// (By reference: a vector return value would differ in ABI between the clones.)
+KVAUDIT_DD_INLINE void load_as_double4(const float* v, Double4& out) {
+  Float4 f;
+  std::memcpy(&f, v, sizeof f);
+  out = __builtin_convertvector(f, Double4);
+}
+
+// dots[t][k] = sum_j q_slices[k][j] * rows[t][j] for kTokens tokens (each exact: the bound above).
+template <int K, int kTokens>
+KVAUDIT_DD_INLINE void sliced_dots_tile(const double* q_slices, const float* const* rows, int width,
+                                        double* dots) {
+  Double4 acc[kTokens][K] = {};
+  int j = 0;
+  for (; j + 4 <= width; j += 4) {
+    Double4 qv[K];
+    for (int k = 0; k < K; ++k) std::memcpy(&qv[k], q_slices + k * width + j, sizeof qv[k]);
+    for (int t = 0; t < kTokens; ++t) {
+      Double4 v;
+      load_as_double4(rows[t] + j, v);
+      for (int k = 0; k < K; ++k) acc[t][k] += qv[k] * v;
+    }
+  }
+  for (int t = 0; t < kTokens; ++t) {
+    for (int k = 0; k < K; ++k) {
+      double sum = (acc[t][k][0] + acc[t][k][1]) + (acc[t][k][2] + acc[t][k][3]);
+      for (int jj = j; jj < width; ++jj) sum += q_slices[k * width + jj] * rows[t][jj];
+      dots[t * K + k] = sum;
+    }
+  }
+}
+
+// The dots of n tokens, 4 at a time (q slices loaded once per 4 tokens); the last group repeats
+// its last row where n is not a multiple of 4 (computed and dropped).
+template <int K>
+KVAUDIT_DD_INLINE void sliced_dots_impl(const double* q_slices, const float* const* rows,
+                                        std::int64_t n, int width, double* dots) {
+  constexpr int kTokens = K <= 2 ? 4 : 2;
+  for (std::int64_t t = 0; t < n; t += kTokens) {
+    const float* tile[kTokens];
+    for (int i = 0; i < kTokens; ++i) tile[i] = rows[std::min<std::int64_t>(t + i, n - 1)];
+    double tile_dots[kTokens * K];
+    sliced_dots_tile<K, kTokens>(q_slices, tile, width, tile_dots);
+    const int valid = static_cast<int>(std::min<std::int64_t>(kTokens, n - t));
+    std::copy_n(tile_dots, valid * K, dots + t * K);
+  }
+}
+
+KVAUDIT_CPU_CLONES
+void sliced_dots(int slices, const double* q_slices, const float* const* rows, std::int64_t n,
+                 int width, double* dots) {
+  switch (slices) {
+    case 1:
+      return sliced_dots_impl<1>(q_slices, rows, n, width, dots);
+    case 2:
+      return sliced_dots_impl<2>(q_slices, rows, n, width, dots);
+    case 3:
+      return sliced_dots_impl<3>(q_slices, rows, n, width, dots);
+    default:
+      return sliced_dots_impl<4>(q_slices, rows, n, width, dots);
+  }
+}
+
+// acc_hi/acc_lo[d] += sum_t (sum_k weights[t][k]) * rows[t][d] for d < dc over n <= 2^8 tokens:
+// kVectors * 4 dims at a time held in registers through all n tokens (each slice's sum exact),
+// then added with TwoSum, largest slice first.
+template <int K, int kVectors>
+KVAUDIT_DD_INLINE void sliced_pv_dims(const double* weights, const float* const* rows, int n,
+                                      int d0, double* acc_hi, double* acc_lo) {
+  Double4 acc[K][kVectors] = {};
+  for (int t = 0; t < n; ++t) {
+    Double4 v[kVectors];
+    for (int i = 0; i < kVectors; ++i) load_as_double4(rows[t] + d0 + 4 * i, v[i]);
+    for (int k = 0; k < K; ++k) {
+      const double w = weights[t * K + k];
+      for (int i = 0; i < kVectors; ++i) acc[k][i] += w * v[i];
+    }
+  }
+  for (int i = 0; i < kVectors; ++i) {
+    Double4 hi, lo;
+    std::memcpy(&hi, acc_hi + d0 + 4 * i, sizeof hi);
+    std::memcpy(&lo, acc_lo + d0 + 4 * i, sizeof lo);
+    for (int k = 0; k < K; ++k) {
+      const Double4 s = hi + acc[k][i];
+      const Double4 bb = s - hi;
+      lo += (hi - (s - bb)) + (acc[k][i] - bb);
+      hi = s;
+    }
+    std::memcpy(acc_hi + d0 + 4 * i, &hi, sizeof hi);
+    std::memcpy(acc_lo + d0 + 4 * i, &lo, sizeof lo);
+  }
+}
+
+template <int K>
+KVAUDIT_DD_INLINE void sliced_pv_impl(const double* weights, const float* const* rows, int n,
+                                      int dc, double* acc_hi, double* acc_lo) {
+  constexpr int kVectors = K <= 3 ? 4 : 2;
+  int d = 0;
+  for (; d + 4 * kVectors <= dc; d += 4 * kVectors) {
+    sliced_pv_dims<K, kVectors>(weights, rows, n, d, acc_hi, acc_lo);
+  }
+  for (; d + 4 <= dc; d += 4) sliced_pv_dims<K, 1>(weights, rows, n, d, acc_hi, acc_lo);
+  for (; d < dc; ++d) {
+    for (int k = 0; k < K; ++k) {
+      double sum = 0.0;
+      for (int t = 0; t < n; ++t) sum += weights[t * K + k] * rows[t][d];
+      const dd::DoubleDouble s = dd::two_sum(acc_hi[d], sum);
+      acc_hi[d] = s.hi;
+      acc_lo[d] += s.lo;
+    }
+  }
+}
+
+KVAUDIT_CPU_CLONES
+void sliced_pv_block(int slices, const double* weights, const float* const* rows, int n, int dc,
+                     double* acc_hi, double* acc_lo) {
+  switch (slices) {
+    case 1:
+      return sliced_pv_impl<1>(weights, rows, n, dc, acc_hi, acc_lo);
+    case 2:
+      return sliced_pv_impl<2>(weights, rows, n, dc, acc_hi, acc_lo);
+    case 3:
+      return sliced_pv_impl<3>(weights, rows, n, dc, acc_hi, acc_lo);
+    case 4:
+      return sliced_pv_impl<4>(weights, rows, n, dc, acc_hi, acc_lo);
+    case 5:
+      return sliced_pv_impl<5>(weights, rows, n, dc, acc_hi, acc_lo);
+    default:
+      return sliced_pv_impl<6>(weights, rows, n, dc, acc_hi, acc_lo);
+  }
+}
+
+// value rounded to the grid 2^grid_exponent (exact: a power-of-two scaling, an integer rounding).
+inline double round_to_grid(double value, int grid_exponent) {
+  return std::nearbyint(value * dd::power_of_two(-grid_exponent)) * dd::power_of_two(grid_exponent);
+}
+
+// Cuts w (double-double) into `slices` slices on the grids 2^(-bits k), exactly: w = sum of
+// slices + remainder, |remainder| <= 2^(-bits * slices) (half of it, plus the low word's last
+// bits). The remainder is renormalised with TwoSum before each cut, so nothing is lost.
+inline void slice_weight(dd::DoubleDouble w, int bits, int slices, double* out) {
+  for (int k = 1; k <= slices; ++k) {
+    w = dd::two_sum(w.hi, w.lo);
+    out[k - 1] = round_to_grid(w.hi, -bits * k);
+    w.hi -= out[k - 1];  // exact: w.hi and its rounding to a coarser grid share w.hi's last bit
+  }
+}
+
+// The compensated P.V over many (weight, row) entries, in their order: acc += e_i * v_i over the
+// first dc values of each row. Where the CPU has AVX2 + FMA, 8 dims are held in registers through
+// all entries (the accumulators loaded and stored once per 8 dims, not once per entry), with per
+// (entry, dim) accumulate_weighted_row_fma's operations in the same order: the same bits.
+#if defined(KVAUDIT_HAVE_CPU_V3_TARGET)
+KVAUDIT_CPU_V3_TARGET
+void accumulate_weighted_rows_fma(const dd::DoubleDouble* e, const float* const* rows, int n,
+                                  int dc, double* acc_hi, double* acc_lo) {
+  int d0 = 0;
+  for (; d0 + 8 <= dc; d0 += 8) {
+    Double4 hi[2], lo[2];
+    std::memcpy(hi, acc_hi + d0, sizeof hi);
+    std::memcpy(lo, acc_lo + d0, sizeof lo);
+    for (int t = 0; t < n; ++t) {
+      const Double4 h = Double4{} + e[t].hi;
+      const Double4 el = Double4{} + e[t].lo;
+      for (int i = 0; i < 2; ++i) {
+        Double4 c;
+        load_as_double4(rows[t] + d0 + 4 * i, c);
+        const Double4 p = _mm256_fmadd_pd(h, c, Double4{});
+        const Double4 p_error = _mm256_fmadd_pd(h, c, -p);
+        const Double4 sum = hi[i] + p;
+        const Double4 bb = sum - hi[i];
+        const Double4 err = (hi[i] - (sum - bb)) + (p - bb);
+        hi[i] = sum;
+        lo[i] += err + static_cast<Double4>(_mm256_fmadd_pd(el, c, p_error));
+      }
+    }
+    std::memcpy(acc_hi + d0, hi, sizeof hi);
+    std::memcpy(acc_lo + d0, lo, sizeof lo);
+  }
+  if (d0 == dc) return;
+  for (int t = 0; t < n; ++t) {
+    accumulate_weighted_row_fma(e[t], rows[t] + d0, dc - d0, acc_hi + d0, acc_lo + d0);
+  }
+}
+#endif
+
+void accumulate_weighted_rows(const dd::DoubleDouble* e, const float* const* rows, int n, int dc,
+                              double* acc_hi, double* acc_lo) {
+#if defined(KVAUDIT_HAVE_CPU_V3_TARGET)
+  if (kvaudit_cpu_has_v3()) return accumulate_weighted_rows_fma(e, rows, n, dc, acc_hi, acc_lo);
+#endif
+  for (int t = 0; t < n; ++t) accumulate_weighted_row_split(e[t], rows[t], dc, acc_hi, acc_lo);
+}
+
+// The default: double-double with exact products (see mla_reference.hpp), by exact slicing where
+// the KV rows have a value grid and by compensated sums elsewhere.
 class DoubleDoubleKernel {
  public:
   explicit DoubleDoubleKernel(const Problem& problem)
       : p_(problem),
         q_(problem.width()),
+        q_slices_(static_cast<std::size_t>(kMaxScoreSlices) * problem.width()),
+        dots_(static_cast<std::size_t>(kMaxScoreSlices) * problem.max_visible),
         s_(problem.max_visible),
+        sliced_rows_(kPvBlockTokens),
+        entry_weights_(kPvBlockTokens),
+        small_rows_(kPvBlockTokens),
+        sliced_weights_(static_cast<std::size_t>(kMaxWeightSlices) * kPvBlockTokens),
         acc_hi_(problem.dc),
-        acc_lo_(problem.dc) {}
+        acc_lo_(problem.dc),
+        score_bits_(problem.value_grid_bits < 0
+                        ? 0
+                        : score_slice_bits(problem.value_grid_bits, problem.width())),
+        weight_bits_(problem.value_grid_bits < 0 ? 0 : weight_slice_bits(problem.value_grid_bits)) {
+  }
 
   void run(int row, int head) {
-    const int dc = p_.dc;
-    const int width = p_.width();
     const float* qn = p_.q_nope_of(row, head);
     const float* qp = p_.q_pe_of(row, head);
-    for (int j = 0; j < dc; ++j) q_[j] = qn[j];
-    for (int j = 0; j < p_.dr; ++j) q_[dc + j] = qp[j];
-    const auto& rows = p_.token_rows[p_.request_of_row[row]];
+    std::copy_n(qn, p_.dc, q_.begin());
+    std::copy_n(qp, p_.dr, q_.begin() + p_.dc);
+    const float* const* rows = p_.token_rows[p_.request_of_row[row]].data();
     const std::int64_t n = p_.visible_of_row[row];
-    const dd::DoubleDouble factor = dd::two_prod(p_.sm_scale, p_.scale);
-    double m = -std::numeric_limits<double>::infinity();
-    const auto* rows_lo =
-        p_.token_rows_lo.empty() ? nullptr : &p_.token_rows_lo[p_.request_of_row[row]];
-    for (std::int64_t t = 0; t < n; ++t) {
-      dd::DoubleDouble dot = compensated_dot(q_.data(), rows[t], width);
-      if (rows_lo != nullptr) dot = dd::add(dot, compensated_dot(q_.data(), (*rows_lo)[t], width));
-      s_[t] = dd::mul(dot, factor);
-      if (std::isnan(s_[t].hi)) {
-        p_.write_nan(row, head);
-        return;
-      }
-      m = std::max(m, s_[t].hi);
-    }
+    const float* const* rows_lo =
+        p_.token_rows_lo.empty() ? nullptr : p_.token_rows_lo[p_.request_of_row[row]].data();
+    const bool finite = score_tokens(rows, rows_lo, n);
+    if (!finite) return p_.write_nan(row, head);
+    const double m = max_score(n);
+    const dd::DoubleDouble l = weigh_tokens(n, m);
     std::fill(acc_hi_.begin(), acc_hi_.end(), 0.0);
     std::fill(acc_lo_.begin(), acc_lo_.end(), 0.0);
-    double* acc_hi = acc_hi_.data();
-    double* acc_lo = acc_lo_.data();
-    dd::DoubleDouble l{0.0, 0.0};
-    for (std::int64_t t = 0; t < n; ++t) {
-      const dd::DoubleDouble e = weight_exp(dd::add(s_[t], -m));
-      l = dd::add(l, e);
-      accumulate_weighted_row(e, rows[t], dc, acc_hi, acc_lo);
-      if (rows_lo != nullptr) accumulate_weighted_row(e, (*rows_lo)[t], dc, acc_hi, acc_lo);
+    if (weight_bits_ > 0) {
+      accumulate_sliced(rows, n);
+    } else {
+      accumulate_compensated(rows, rows_lo, n);
     }
+    finish(row, head, l, m);
+  }
+
+ private:
+  // Phase 1: s_t = sm_scale * scale * (q . k_t) for every visible token; false at a NaN score.
+  bool score_tokens(const float* const* rows, const float* const* rows_lo, std::int64_t n) {
+    const dd::DoubleDouble factor = dd::two_prod(p_.sm_scale, p_.scale);
+    const int slices = score_bits_ > 0 ? slice_q() : 0;
+    if (slices == 0) return score_compensated(rows, rows_lo, n, factor);
+    const int width = p_.width();
+    sliced_dots(slices, q_slices_.data(), rows, n, width, dots_.data());
+    for (std::int64_t t = 0; t < n; ++t) {
+      const double* d = dots_.data() + t * slices;
+      dd::DoubleDouble dot{d[0], 0.0};
+      for (int k = 1; k < slices; ++k) dot = dd::add(dot, d[k]);
+      s_[t] = dd::mul(dot, factor);
+      if (std::isnan(s_[t].hi)) return false;
+    }
+    return true;
+  }
+
+  bool score_compensated(const float* const* rows, const float* const* rows_lo, std::int64_t n,
+                         dd::DoubleDouble factor) {
+    const int width = p_.width();
+    for (std::int64_t t = 0; t < n; ++t) {
+      dd::DoubleDouble dot = compensated_dot(q_.data(), rows[t], width);
+      if (rows_lo != nullptr) dot = dd::add(dot, compensated_dot(q_.data(), rows_lo[t], width));
+      s_[t] = dd::mul(dot, factor);
+      if (std::isnan(s_[t].hi)) return false;
+    }
+    return true;
+  }
+
+  // Cuts q into slices on the grids 2^(Eq - score_bits_ k) (the bound at the top of this
+  // section); returns their number, or 0 where q is not finite or needs more than
+  // kMaxScoreSlices (the compensated dot then).
+  int slice_q() {
+    const int width = p_.width();
+    double largest = 0.0;
+    for (const double v : q_) {
+      if (!std::isfinite(v)) return 0;
+      largest = std::max(largest, std::fabs(v));
+    }
+    const int top = largest == 0.0 ? 0 : float_exponents(static_cast<float>(largest)).top;
+    std::copy(q_.begin(), q_.end(), q_slices_.begin());  // the remainder, in slice 0's place
+    for (int k = 1; k <= kMaxScoreSlices; ++k) {
+      double* slice = q_slices_.data() + (k - 1) * width;
+      double* next = slice + width;
+      bool rest = false;
+      for (int j = 0; j < width; ++j) {
+        const double remainder = slice[j];
+        slice[j] = round_to_grid(remainder, top - score_bits_ * k);
+        const double left = remainder - slice[j];  // exact (see slice_weight)
+        if (k < kMaxScoreSlices) next[j] = left;
+        rest = rest || left != 0.0;
+      }
+      if (!rest) return k;
+    }
+    return 0;
+  }
+
+  double max_score(std::int64_t n) const {
+    double m = -std::numeric_limits<double>::infinity();
+    for (std::int64_t t = 0; t < n; ++t) m = std::max(m, s_[t].hi);
+    return m;
+  }
+
+  // Phase 2: s_t becomes w_t = exp(s_t - m); returns l = sum_t w_t (in token order).
+  dd::DoubleDouble weigh_tokens(std::int64_t n, double m) {
+    for (std::int64_t t = 0; t < n; ++t) s_[t] = dd::add(s_[t], -m);
+    weight_exps(s_.data(), n, s_.data());
+    dd::DoubleDouble l{0.0, 0.0};
+    for (std::int64_t t = 0; t < n; ++t) l = dd::add(l, s_[t]);
+    return l;
+  }
+
+  // Phase 3 (rows without a value grid): acc = sum_t w_t c_t, compensated (today's loop).
+  // (Each token's row, then its residual row, as entries of blocks of kPvBlockTokens.)
+  void accumulate_compensated(const float* const* rows, const float* const* rows_lo,
+                              std::int64_t n) {
+    int held = 0;
+    auto add = [&](dd::DoubleDouble e, const float* row) {
+      entry_weights_[held] = e;
+      sliced_rows_[held++] = row;
+      if (held == kPvBlockTokens) {
+        accumulate_weighted_rows(entry_weights_.data(), sliced_rows_.data(), held, p_.dc,
+                                 acc_hi_.data(), acc_lo_.data());
+        held = 0;
+      }
+    };
+    for (std::int64_t t = 0; t < n; ++t) {
+      add(s_[t], rows[t]);
+      if (rows_lo != nullptr) add(s_[t], rows_lo[t]);
+    }
+    accumulate_weighted_rows(entry_weights_.data(), sliced_rows_.data(), held, p_.dc,
+                             acc_hi_.data(), acc_lo_.data());
+  }
+
+  // Phase 3 (rows with a value grid): the fewest weight slices that cover the smallest weight to
+  // 2^-88 of itself; tokens they cover in exact sliced blocks, the rest compensated.
+  void accumulate_sliced(const float* const* rows, std::int64_t n) {
+    double smallest = 1.0;
+    for (std::int64_t t = 0; t < n; ++t) {
+      if (s_[t].hi > 0.0) smallest = std::min(smallest, s_[t].hi);
+    }
+    const int needed = kWeightRelativeBits - std::ilogb(smallest);
+    const int slices = std::clamp((needed + weight_bits_ - 1) / weight_bits_, 1, kMaxWeightSlices);
+    if (slices > kMaxFastWeightSlices) return accumulate_compensated(rows, nullptr, n);
+    const double threshold = dd::power_of_two(kWeightRelativeBits - weight_bits_ * slices);
+    int held = 0;
+    int held_small = 0;
+    for (std::int64_t t = 0; t < n; ++t) {
+      if (s_[t].hi == 0.0) continue;  // exp underflowed: w_t c_t = 0
+      if (s_[t].hi < threshold) {
+        entry_weights_[held_small] = s_[t];
+        small_rows_[held_small++] = rows[t];
+        if (held_small == kPvBlockTokens) {
+          accumulate_weighted_rows(entry_weights_.data(), small_rows_.data(), held_small, p_.dc,
+                                   acc_hi_.data(), acc_lo_.data());
+          held_small = 0;
+        }
+        continue;
+      }
+      slice_weight(s_[t], weight_bits_, slices, sliced_weights_.data() + held * slices);
+      sliced_rows_[held++] = rows[t];
+      if (held == kPvBlockTokens) {
+        flush_block(slices, held);
+        held = 0;
+      }
+    }
+    if (held > 0) flush_block(slices, held);
+    accumulate_weighted_rows(entry_weights_.data(), small_rows_.data(), held_small, p_.dc,
+                             acc_hi_.data(), acc_lo_.data());
+  }
+
+  void flush_block(int slices, int held) {
+    sliced_pv_block(slices, sliced_weights_.data(), sliced_rows_.data(), held, p_.dc,
+                    acc_hi_.data(), acc_lo_.data());
+  }
+
+  // Phase 4: out = scale * acc / l, lse = m + ln l.
+  void finish(int row, int head, dd::DoubleDouble l, double m) {
     double* out = p_.out_of(row, head);
-    for (int d = 0; d < dc; ++d) {
-      const dd::DoubleDouble acc = dd::two_sum(acc_hi[d], acc_lo[d]);
+    for (int d = 0; d < p_.dc; ++d) {
+      const dd::DoubleDouble acc = dd::two_sum(acc_hi_[d], acc_lo_[d]);
       out[d] = dd::to_double(dd::mul(dd::div(acc, l), p_.scale));
     }
     p_.lse[static_cast<std::size_t>(row) * p_.num_heads + head] =
         dd::to_double(dd::add(dd::log(l), m));
   }
 
- private:
   const Problem& p_;
   std::vector<double> q_;
+  std::vector<double> q_slices_;  // [kMaxScoreSlices][width]
+  std::vector<double> dots_;      // [token][slice]
   std::vector<dd::DoubleDouble> s_;
+  std::vector<const float*> sliced_rows_;        // a block's rows (sliced or compensated)
+  std::vector<dd::DoubleDouble> entry_weights_;  // a compensated block's weights
+  std::vector<const float*> small_rows_;         // ... and rows, beside a sliced block
+  std::vector<double> sliced_weights_;           // [token][slice]
   std::vector<double> acc_hi_;
   std::vector<double> acc_lo_;
+  int score_bits_ = 0;   // bits per q slice; 0: no value grid, compensated scores
+  int weight_bits_ = 0;  // bits per weight slice; 0: compensated P.V
 };
 
 // The number type of an accumulation tag: Boost's for the multiprecision tags (kept out of the
@@ -460,6 +1041,7 @@ Result<std::int64_t> resolve_problem(const DumpAttributes& attrs, const StepMeta
   problem->dr = attrs.qk_rope_head_dim;
   problem->sm_scale = attrs.sm_scale;
   problem->scale = kv.scale();
+  problem->value_grid_bits = kv.has_value_grid() ? kv.magnitude_bits() : -1;
   problem->q_nope = q_nope;
   problem->q_pe = q_pe;
   problem->out = out;

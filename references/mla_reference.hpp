@@ -17,6 +17,12 @@
 // (24 + 24 <= 53 bits), so the score dot products need only a compensated sum. A kvdump v1.1
 // per_token_group pool's values code * scale (up to 28 bits) are held as two floats hi + lo
 // (KvRows::row_lo), each visited like a row of its own: the same exactness, twice the work.
+// Where the KV values lie on one fixed grid (KvRows::has_value_grid: every e4m3 pool, integers
+// times 2^-9 of at most 18 bits), both sums are made exact by slicing instead of compensation
+// (mla_reference.cpp, "Exact slicing": q and the weights cut into fixed-grid slices whose sums
+// are integers below 2^53 grid units, so plain binary64 sums are exact by construction; the
+// weights' last slice leaves at most 2^-88 of each weight, inside the bound below; more than 3
+// weight slices needed: the compensated sums).
 //
 // Accumulation type Acc (CUTLASS-style reference: templated on the compute type, separately from
 // the storage types):
@@ -28,10 +34,17 @@
 //       error is ~1e-25 or less relative to sum_t w_t |c_t| on out and absolute on lse, and the
 //       result is the double nearest the truth up to that: target relative <= 1e-15 on out,
 //       absolute <= 1e-15 on lse (beyond the final rounding to double), checked against Boost
-//       cpp_bin_float at 50 and 100 digits. Throughput at D = 576, 16 heads (`kvaudit bench
-//       --cpu-only` on the GPU machine's 16-core Xeon, 2026-12-01): 1.02e7 rows*heads*tokens per
-//       second on 16 threads, 2.3x slower than a plain binary64 loop over the same step
-//       (x86-64-v3 clones of the hot loops where the CPU has AVX2 + FMA).
+//       cpp_bin_float at 50 and 100 digits (tests/references/test_mla_reference_sliced.cpp checks
+//       the nearest-double statement itself against a 100-digit oracle). Throughput at D = 576,
+//       16 heads, e4m3 values (`kvaudit bench --cpu-only --cpu-seconds 3`, 2 threads, on a
+//       2-core Intel Xeon without a GPU, 2026-12-05, three runs at load 5): 2.1e6-2.2e6
+//       rows*heads*tokens per second, 1.14-1.20x a plain binary64 loop over the same step in the
+//       same run (the compensated sums before the slicing: 1.50-2.20x under load, 3.26x on the
+//       quiet machine; x86-64-v3 clones of the hot loops where the CPU has AVX2 + FMA). The bench's
+//       values (|v| < 3.75, 11 bits) let 3 weight slices cover its weights; a calibrated pool
+//       (values to 448, 18 bits) always needs 4 or more, so its P.V, like rows without a value
+//       grid (fp32 or bf16 source values), takes the register-tiled compensated sum (about 2-3x
+//       the plain loop) and only its scores are sliced.
 //   Float50 / Float100 (tags for boost::multiprecision::cpp_bin_float_50/_100, which
 //       references/mla_reference.cpp maps them to, so that Boost stays out of this header) — the
 //       same formulas evaluated naively in the multiprecision type; slow; they check the default.
@@ -86,9 +99,21 @@ class KvRows {
   bool has_residual() const { return values_lo_ != nullptr; }
   const float* row_lo(std::int64_t slot) const;
 
+  // The fixed grid the held values lie on, the bound the reference's exact sliced sums are built
+  // on (mla_reference.cpp, "Exact slicing"): where has_value_grid(), every finite value v is an
+  // integer multiple of 2^grid_exponent() and |v| < 2^(grid_exponent() + magnitude_bits()). e4m3
+  // values: 2^-9 and at most 18 bits (448 < 2^9). False where a value is infinite, where the rows
+  // have residuals, or where the values span more than kMaxGridBits bits (fp32 source values
+  // usually do): the reference then takes its compensated path.
+  static constexpr int kMaxGridBits = 30;
+  bool has_value_grid() const { return has_value_grid_; }
+  int grid_exponent() const { return grid_exponent_; }
+  int magnitude_bits() const { return magnitude_bits_; }
+
  private:
   void decode_row(const KvPool& pool, float kv_scale, std::int64_t slot, std::int64_t row);
   void finish_grouped(const KvPool& pool);
+  void find_value_grid(std::span<const float> values, bool e4m3_values);
 
   std::vector<float> owned_;
   std::vector<float> owned_lo_;
@@ -98,6 +123,9 @@ class KvRows {
   std::int64_t num_slots_ = 0;
   int row_width_ = 0;
   double scale_ = 1.0;
+  bool has_value_grid_ = false;
+  int grid_exponent_ = 0;
+  int magnitude_bits_ = 0;
 };
 
 // Runs the reference for one (step, layer). Writes out [Nq, H, Dc] and lse [Nq, H]; returns the

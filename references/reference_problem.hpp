@@ -34,6 +34,9 @@ struct ReferenceProblem {
   // empty where the values are floats (every v1 pool).
   std::vector<std::vector<const float*>> token_rows_lo;
   std::int64_t max_visible = 0;
+  // KvRows::magnitude_bits() where the rows have a value grid (KvRows::has_value_grid), else -1:
+  // the CPU reference's exact sliced path reads it; the GPU reference ignores it.
+  int value_grid_bits = -1;
 
   int width() const { return dc + dr; }
   int num_rows() const { return static_cast<int>(request_of_row.size()); }

@@ -1,0 +1,279 @@
+// Adversarial inputs for the exact reference's sliced path (references/mla_reference.cpp, "Exact
+// slicing") and for the compensated path it falls back to, against an oracle written here in
+// Boost cpp_bin_float_100 (independent of the code under test).
+//
+// The check is the guarantee of references/mla_reference.hpp itself, not a loose tolerance: each
+// out[i,h,d] is a double nearest the truth up to delta = 2^-80 * scale * sum_t p_t |c_t[d]| (p_t
+// the softmax weights), i.e. |out - truth| <= ulp(out) / 2 + delta, and each lse is within half an
+// ulp + 2^-80. An error of 2^-62 relative (one weight slice too few) flips roundings and fails.
+#include <boost/multiprecision/cpp_bin_float.hpp>
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <iomanip>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "references/mla_reference.hpp"
+#include "src/core/fp8_e4m3.hpp"
+
+namespace kvaudit {
+namespace {
+
+using Big = boost::multiprecision::cpp_bin_float_100;
+
+constexpr int kDc = 512;
+constexpr int kDr = 64;
+constexpr int kWidth = kDc + kDr;
+
+// B requests of n tokens each, one decode row per request (position n - 1), page size 1, request
+// b's tokens at slots b * n .. b * n + n - 1; KV rows given as floats (row-major [B * n, width]).
+struct SlicedCase {
+  DumpAttributes attrs;
+  StepMeta step;
+  std::vector<float> q_nope;   // [B, H, Dc]
+  std::vector<float> q_pe;     // [B, H, Dr]
+  std::vector<float> rows;     // [B * n, width]
+  std::vector<float> rows_lo;  // empty, or the residuals of `rows` (grouped pools)
+  double scale = 1.0;
+  int tokens = 0;
+};
+
+SlicedCase make_case(int batch, int heads, int tokens, double sm_scale) {
+  SlicedCase c;
+  c.attrs.num_heads = heads;
+  c.attrs.kv_lora_rank = kDc;
+  c.attrs.qk_rope_head_dim = kDr;
+  c.attrs.sm_scale = sm_scale;
+  c.attrs.page_size = 1;
+  c.tokens = tokens;
+  c.step.group = "S000";
+  c.step.kind = StepKind::kDecode;
+  for (int b = 0; b <= batch; ++b) {
+    c.step.qo_indptr.push_back(b);
+    c.step.kv_indptr.push_back(b * tokens);
+  }
+  for (int s = 0; s < batch * tokens; ++s) c.step.kv_indices.push_back(s);
+  for (int b = 0; b < batch; ++b) {
+    c.step.kv_last_page_len.push_back(1);
+    c.step.new_kv_slots.push_back(b * tokens + tokens - 1);
+  }
+  c.q_nope.assign(static_cast<std::size_t>(batch) * heads * kDc, 0.0f);
+  c.q_pe.assign(static_cast<std::size_t>(batch) * heads * kDr, 0.0f);
+  c.rows.assign(static_cast<std::size_t>(batch) * tokens * kWidth, 0.0f);
+  return c;
+}
+
+KvRows rows_of(const SlicedCase& c) {
+  return KvRows::from_values(c.rows, kWidth, c.scale, c.rows_lo);
+}
+
+struct Outputs {
+  std::vector<double> out;
+  std::vector<double> lse;
+};
+
+Outputs run_default(const SlicedCase& c) {
+  Outputs r;
+  r.out.assign(c.q_nope.size(), -12345.0);
+  r.lse.assign(c.q_nope.size() / kDc, -12345.0);
+  const KvRows kv = rows_of(c);
+  auto work = mla_reference_attention<dd::DoubleDouble>(c.attrs, c.step, c.q_nope, c.q_pe, kv,
+                                                        r.out, r.lse, 2);
+  REQUIRE(work.ok());
+  return r;
+}
+
+// Half the gap from |v| to the next double up, in 100 digits (0's is half the smallest subnormal).
+Big half_ulp(double v) {
+  const double above = std::nextafter(std::abs(v), std::numeric_limits<double>::infinity());
+  return (Big(above) - Big(std::abs(v))) / 2;
+}
+
+// The oracle: one (request, head) in 100 digits; checks the default's out and lse against it.
+// Returns the number of outputs outside the guarantee (printed per failure, first few only).
+int check_against_oracle(const SlicedCase& c, const Outputs& got, int b, int h, int* printed) {
+  const int heads = c.attrs.num_heads;
+  const float* qn = c.q_nope.data() + (static_cast<std::size_t>(b) * heads + h) * kDc;
+  const float* qp = c.q_pe.data() + (static_cast<std::size_t>(b) * heads + h) * kDr;
+  auto value = [&](int t, int j) {
+    const std::size_t k = (static_cast<std::size_t>(b) * c.tokens + t) * kWidth + j;
+    return c.rows_lo.empty() ? Big(c.rows[k]) : Big(c.rows[k]) + Big(c.rows_lo[k]);
+  };
+  std::vector<Big> s(c.tokens);
+  for (int t = 0; t < c.tokens; ++t) {
+    Big dot = 0;
+    for (int j = 0; j < kDc; ++j) dot += Big(qn[j]) * value(t, j);
+    for (int j = 0; j < kDr; ++j) dot += Big(qp[j]) * value(t, kDc + j);
+    s[t] = Big(c.attrs.sm_scale) * Big(c.scale) * dot;
+  }
+  Big m = s[0];
+  for (const Big& v : s) m = v > m ? v : m;
+  Big l = 0;
+  std::vector<Big> w(c.tokens);
+  for (int t = 0; t < c.tokens; ++t) l += (w[t] = exp(s[t] - m));
+  int bad = 0;
+  const std::size_t pair = static_cast<std::size_t>(b) * heads + h;
+  auto report = [&](const char* what, int d, double value, const Big& truth, const Big& delta) {
+    ++bad;
+    if ((*printed)++ < 5) {
+      UNSCOPED_INFO(what << " at request " << b << " head " << h << " dim " << d << ": got "
+                         << std::setprecision(17) << value << ", truth " << truth.str(25)
+                         << ", allowed " << delta.str(5));
+    }
+  };
+  for (int d = 0; d < kDc; ++d) {
+    Big acc = 0, weighted_abs = 0;
+    for (int t = 0; t < c.tokens; ++t) {
+      acc += w[t] * value(t, d);
+      weighted_abs += w[t] * abs(value(t, d));
+    }
+    const Big truth = Big(c.scale) * acc / l;
+    const double o = got.out[pair * kDc + d];
+    const Big allowed = half_ulp(o) + ldexp(Big(c.scale) * weighted_abs / l, -80);
+    if (abs(Big(o) - truth) > allowed) report("out", d, o, truth, allowed);
+  }
+  const Big lse = m + log(l);
+  const double got_lse = got.lse[pair];
+  const Big lse_allowed = half_ulp(got_lse) + ldexp(Big(1), -80);
+  if (abs(Big(got_lse) - lse) > lse_allowed) report("lse", -1, got_lse, lse, lse_allowed);
+  return bad;
+}
+
+int outputs_outside_guarantee(const SlicedCase& c) {
+  const Outputs got = run_default(c);
+  int bad = 0, printed = 0;
+  const int batch = static_cast<int>(c.step.qo_indptr.size()) - 1;
+  for (int b = 0; b < batch; ++b) {
+    for (int h = 0; h < c.attrs.num_heads; ++h) bad += check_against_oracle(c, got, b, h, &printed);
+  }
+  return bad;
+}
+
+// The value of a random e4m3 code (NaN codes skipped): every exponent, subnormals included.
+float random_e4m3(std::mt19937_64& rng) {
+  for (;;) {
+    const auto code = static_cast<std::uint8_t>(rng() & 0xffu);
+    if (!e4m3_is_nan(code)) return e4m3_decode(code);
+  }
+}
+
+void fill_e4m3(std::vector<float>& v, std::mt19937_64& rng) {
+  for (float& x : v) x = random_e4m3(rng);
+}
+
+// bf16 q, each part scaled (the scores' spread follows).
+void fill_q(SlicedCase& c, std::mt19937_64& rng, float pe_scale, float nope_scale = 1.0f) {
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (float& x : c.q_nope) x = bf16_round(nope_scale * u(rng));
+  for (float& x : c.q_pe) x = bf16_round(pe_scale * u(rng));
+}
+
+TEST_CASE("KvRows finds the value grid the sliced path is built on", "[reference][sliced]") {
+  const std::vector<float> e4m3 = {448.0f, -448.0f, 0.001953125f, 0.0f, 1.5f, -0.375f};
+  const KvRows a = KvRows::from_values(e4m3, 3);
+  REQUIRE(a.has_value_grid());
+  CHECK(a.grid_exponent() == -9);   // 2^-9, the smallest subnormal
+  CHECK(a.magnitude_bits() == 18);  // 448 < 2^9 = 2^(-9 + 18)
+  const std::vector<float> spread = {1.0f, std::ldexp(1.0f, -40)};
+  CHECK(!KvRows::from_values(spread, 2).has_value_grid());  // 41 bits apart: compensated
+  const std::vector<float> with_inf = {1.0f, std::numeric_limits<float>::infinity()};
+  CHECK(!KvRows::from_values(with_inf, 2).has_value_grid());
+  const std::vector<float> with_nan = {0.5f, std::numeric_limits<float>::quiet_NaN()};
+  const KvRows n = KvRows::from_values(with_nan, 2);
+  REQUIRE(n.has_value_grid());  // NaN reaches the result through the products instead
+  CHECK(n.grid_exponent() == -1);
+  CHECK(n.magnitude_bits() == 1);                                    // 0.5 < 2^(-1 + 1)
+  CHECK(!KvRows::from_values(e4m3, 3, 1.0, e4m3).has_value_grid());  // residuals: compensated
+}
+
+TEST_CASE("sliced path: every e4m3 value, +-448 and subnormals, long context past one block",
+          "[reference][sliced]") {
+  // 700 tokens: two blocks of 256 and a partial one. Scores spread over ~40 nats by a large
+  // rope part, so the weights need several slices and the smallest go the compensated way.
+  std::mt19937_64 rng(11);
+  SlicedCase c = make_case(2, 2, 700, 0.0625);
+  c.scale = 0.375;
+  fill_e4m3(c.rows, rng);
+  for (int t = 0; t < 40; ++t) {  // saturated rows: every product at its largest
+    for (int j = 0; j < kWidth; ++j) c.rows[t * kWidth + j] = (j % 2 == 0) ? 448.0f : -448.0f;
+  }
+  fill_q(c, rng, 0.1f, 0.1f);
+  CHECK(outputs_outside_guarantee(c) == 0);
+  fill_q(c, rng, 1.0f, 1.0f);  // scores hundreds of nats apart: weights down to underflow
+  CHECK(outputs_outside_guarantee(c) == 0);
+}
+
+TEST_CASE("sliced path: near-equal scores, weights that all need the finest slice",
+          "[reference][sliced]") {
+  // Small e4m3 values and small q: every weight is close to 1, the case the bench measures; the
+  // last slice's bits decide the result's last bit often enough to show a slice too few.
+  std::mt19937_64 rng(5);
+  SlicedCase c = make_case(4, 4, 300, 0.0625);
+  for (float& x : c.rows) {
+    x = e4m3_decode(
+        static_cast<std::uint8_t>((rng() & 0x80u) | ((rng() % 9u) << 3) | (rng() & 7u)));
+  }
+  fill_q(c, rng, 1.0f);
+  CHECK(outputs_outside_guarantee(c) == 0);
+}
+
+TEST_CASE("sliced path: fp32 q with a wide exponent spread (several q slices, or compensated)",
+          "[reference][sliced]") {
+  std::mt19937_64 rng(3);
+  for (const int spread : {20, 60, 120}) {
+    CAPTURE(spread);
+    SlicedCase c = make_case(2, 2, 100, 0.0625);
+    fill_e4m3(c.rows, rng);
+    std::uniform_real_distribution<float> u(1.0f, 2.0f);
+    auto wide = [&] {
+      const int e = static_cast<int>(rng() % static_cast<unsigned>(spread)) - spread / 2;
+      return ((rng() & 1u) ? -1.0f : 1.0f) * std::ldexp(u(rng), e) * 1e-3f;
+    };
+    for (float& x : c.q_nope) x = wide();
+    for (float& x : c.q_pe) x = wide();
+    CHECK(outputs_outside_guarantee(c) == 0);
+  }
+}
+
+TEST_CASE("sliced path: a NaN in a visible row gives NaN for that row only",
+          "[reference][sliced]") {
+  std::mt19937_64 rng(9);
+  SlicedCase c = make_case(2, 2, 300, 0.0625);
+  fill_e4m3(c.rows, rng);
+  fill_q(c, rng, 1.0f);
+  c.rows[257 * kWidth + 600 % kWidth] = std::numeric_limits<float>::quiet_NaN();  // request 0
+  REQUIRE(rows_of(c).has_value_grid());
+  const Outputs got = run_default(c);
+  for (int h = 0; h < 2; ++h) {
+    CHECK(std::isnan(got.lse[h]));
+    CHECK(std::isnan(got.out[h * kDc]));
+    CHECK(std::isfinite(got.lse[2 + h]));
+    CHECK(std::isfinite(got.out[(2 + h) * kDc]));
+  }
+}
+
+TEST_CASE("compensated path: fp32 source rows and grouped hi + lo rows", "[reference][sliced]") {
+  std::mt19937_64 rng(21);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  SlicedCase source = make_case(2, 2, 300, 0.0625);  // past one block of 256 entries
+  for (float& x : source.rows) x = normal(rng) * 0.3f;
+  fill_q(source, rng, 1.0f);
+  REQUIRE(!rows_of(source).has_value_grid());
+  CHECK(outputs_outside_guarantee(source) == 0);
+
+  SlicedCase grouped = make_case(2, 2, 150, 0.0625);  // 300 entries: hi and lo rows
+  grouped.rows_lo.resize(grouped.rows.size());
+  for (std::size_t k = 0; k < grouped.rows.size(); ++k) {
+    // code * group scale (a float with 24 bits) as hi + lo, as KvRows::from_pool holds it
+    const double value = static_cast<double>(random_e4m3(rng)) * 1.2345678f;
+    grouped.rows[k] = static_cast<float>(value);
+    grouped.rows_lo[k] = static_cast<float>(value - grouped.rows[k]);
+  }
+  fill_q(grouped, rng, 1.0f);
+  REQUIRE(!rows_of(grouped).has_value_grid());
+  CHECK(outputs_outside_guarantee(grouped) == 0);
+}
+
+}  // namespace
+}  // namespace kvaudit
