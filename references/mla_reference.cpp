@@ -305,7 +305,7 @@ dd::DoubleDouble compensated_dot(const double* q, const float* v, int n) {
 // e.hi = h1 + h2 with <= 26 and <= 27 significant bits: h1 * c and h2 * c are exact (c is a
 // float), and are added with TwoSum; e.lo * c is 2^-53 smaller, so its rounding is below 2^-106.
 // The form for CPUs without fused multiply-add (17 operations per element); where the x86-64-v3
-// clone would apply, accumulate_weighted_row takes the fma form instead, so it has no clones.
+// clone would apply, accumulate_weighted_rows takes the fma form instead, so it has no clones.
 void accumulate_weighted_row_split(dd::DoubleDouble e, const float* v, int n, double* acc_hi,
                                    double* acc_lo) {
   double h1, h2;
@@ -350,14 +350,6 @@ void accumulate_weighted_row_fma(dd::DoubleDouble e, const float* v, int n, doub
   }
 }
 #endif
-
-void accumulate_weighted_row(dd::DoubleDouble e, const float* v, int n, double* acc_hi,
-                             double* acc_lo) {
-#if defined(KVAUDIT_HAVE_CPU_V3_TARGET)
-  if (kvaudit_cpu_has_v3()) return accumulate_weighted_row_fma(e, v, n, acc_hi, acc_lo);
-#endif
-  accumulate_weighted_row_split(e, v, n, acc_hi, acc_lo);
-}
 
 // exp in double-double (references/double_double.hpp), cloned so that its two_prod calls become
 // fused multiply-add instructions where the CPU has them.
@@ -510,8 +502,11 @@ void weight_exps(const dd::DoubleDouble* x, std::int64_t n, dd::DoubleDouble* ou
 // added into the (hi, lo) accumulators once per block with TwoSum. The slices leave
 // |r_t| <= 2^(-bw Kw) of each weight; a token is sliced only where r_t <= 2^-88 w_t, i.e.
 // w_t >= 2^(88 - bw Kw), with Kw the fewest slices that cover the smallest weight (a (row, head)
-// needing more than kMaxFastWeightSlices takes the compensated sum whole); a token below that goes
-// through the compensated sum (accumulate_weighted_rows). So the truncation costs at most
+// needing more than kMaxFastWeightSlices takes the compensated sum whole). With Kw chosen from the
+// smallest weight every token is at or above that threshold, so a sliced (row, head) slices all
+// its tokens; accumulate_sliced still sends a token below it to the compensated sum, a guard that
+// keeps the bound should the choice of Kw change (today it never runs). So the truncation costs
+// at most
 // 2^-88 sum_t w_t |c_t| on out (relative to the quantity the guarantee of mla_reference.hpp is
 // stated against) and the guarantee holds by construction.
 constexpr int kMaxScoreSlices = 4;
@@ -874,7 +869,8 @@ class DoubleDoubleKernel {
   }
 
   // Phase 3 (rows with a value grid): the fewest weight slices that cover the smallest weight to
-  // 2^-88 of itself; tokens they cover in exact sliced blocks, the rest compensated.
+  // 2^-88 of itself, so every token is sliced, in exact blocks (the compensated branch for a token
+  // below the threshold is a guard that does not run with this choice of slices).
   void accumulate_sliced(const float* const* rows, std::int64_t n) {
     double smallest = 1.0;
     for (std::int64_t t = 0; t < n; ++t) {

@@ -283,6 +283,8 @@ Result<ReplayOptions> replay_options(const CheckOptions& options, const DumpLayo
     KVAUDIT_ASSIGN_OR_RETURN(replay.diagnose_tiles, parse_tile_shapes(options.diagnose_tiles));
   }
   replay.certify = options.certify;
+  // --save-outputs writes HDF5 during the replay: layers are then read in place (reads_ahead).
+  replay.read_ahead = options.save_outputs.empty();
   replay.progress = options.progress || isatty(STDERR_FILENO) != 0;
   return replay;
 }
@@ -591,11 +593,14 @@ void register_check_command(CLI::App& app, CommandRunner& runner) {
        "Memory: layers are streamed, one computed while one reader thread reads the next, so "
        "about read(L) + computed(L) + read(L+1) is resident, roughly 2 x (layer bytes): read = "
        "the layer's pool, kv_source and every step's q, new_kv and captures; computed = the "
-       "backend's pool twice and the largest step's outputs (R8, Rs, the backend's and their "
-       "binary64 copies, about 34 bytes per out element). A dump larger than memory runs; a "
-       "layer that does not fit is refused before the replay (exit 2, naming the layer and the "
-       "bytes). --progress prints each layer's bytes. With --save-outputs the layers are read in "
-       "place instead (HDF5 is not thread-safe; one layer resident).",
+       "pool's copy for the backend (twice with one), the reference's rows decoded as floats "
+       "(4 bytes per element of the slots a step reads) and the largest step's outputs (R8, "
+       "Rs, the backend's and their binary64 copies, about 34 bytes per out element). A dump "
+       "larger than memory runs; a layer that does not fit is refused before the replay (exit "
+       "2, naming the layer and the bytes). --progress prints each layer's bytes. With "
+       "--save-outputs, or a dump with captured pools (kv_cache_after, a whole pool per step), "
+       "each layer is read in place instead and its steps one at a time (HDF5 is not "
+       "thread-safe): about read(L) + computed(L) resident, read counting the largest step.",
        "0 pass, 1 checks failed, 2 bad input or usage (malformed dump, unknown backend, layer or "
        "step not in the dump, bad policy file, an output path that cannot be written, no CUDA "
        "device for a cuda backend, an exec backend's program that fails, refuses or breaks the "

@@ -126,6 +126,9 @@ struct LayerData {
   std::optional<Result<KvPool>> pool;
   std::optional<Result<std::vector<float>>> source;
   std::vector<Result<StepLayerTensors>> steps;
+  // Read in place (no reader thread): the steps are read one at a time when replayed, as each
+  // step's tensors (a captured kv_cache_after is a whole pool) need not all be held at once.
+  bool steps_deferred = false;
   double read_seconds = 0.0;
   double bytes = 0.0;  // held by the successful reads
 
@@ -136,8 +139,9 @@ struct LayerData {
   }
 };
 
-LayerData read_layer(const DumpReader& reader, std::size_t layer_index) {
+LayerData read_layer(const DumpReader& reader, std::size_t layer_index, bool steps_up_front) {
   LayerData data;
+  data.steps_deferred = !steps_up_front;
   const auto start = Clock::now();
   data.pool = reader.read_pool(layer_index);
   if (!data.pool->ok()) return data;
@@ -147,7 +151,8 @@ LayerData read_layer(const DumpReader& reader, std::size_t layer_index) {
     if (!data.source->ok()) return data;
     data.bytes += 4.0 * static_cast<double>((*data.source)->size());
   }
-  for (std::size_t step = 0; step < reader.layout().steps.size(); ++step) {
+  const std::size_t steps = steps_up_front ? reader.layout().steps.size() : 0;
+  for (std::size_t step = 0; step < steps; ++step) {
     data.steps.push_back(reader.read_step_layer(step, layer_index));
     if (!data.steps.back().ok()) break;
     data.bytes += tensor_bytes(*data.steps.back());
@@ -183,7 +188,7 @@ class LayerReader {
   // The next layer in replay order; the time spent waiting for it goes into `waited_seconds`.
   LayerData next(double& waited_seconds) {
     const std::size_t order = taken_++;
-    if (!thread_.joinable()) return read_layer(reader_, layers_.at(order));
+    if (!thread_.joinable()) return read_layer(reader_, layers_.at(order), false);
     const auto start = Clock::now();
     std::unique_lock<std::mutex> lock(mutex_);
     changed_.wait(lock, [this] { return ready_.has_value(); });
@@ -204,7 +209,7 @@ class LayerReader {
         changed_.wait(lock, [this] { return stop_ || !ready_.has_value(); });
         if (stop_) return;
       }
-      LayerData data = read_layer(reader_, layer_index);
+      LayerData data = read_layer_or_error(layer_index);
       const bool failed = data.failed();
       {
         const std::lock_guard<std::mutex> lock(mutex_);
@@ -212,6 +217,21 @@ class LayerReader {
       }
       changed_.notify_all();
       if (failed) return;  // the replay stops at this layer's error
+    }
+  }
+
+  // read_layer on the reader thread: an exception there (bulk reads turn bad_alloc into a
+  // Status already; a container's length_error or an allocation outside them) would end the
+  // process from a thread with no handler, so it becomes the layer's failed read instead.
+  LayerData read_layer_or_error(std::size_t layer_index) {
+    try {
+      return read_layer(reader_, layer_index, true);
+    } catch (const std::exception& e) {
+      LayerData failed;
+      failed.pool = Result<KvPool>(internal_error(
+          reader_.layout().layers[layer_index].group,
+          fmt::format("reading the layer ahead on the reader thread failed: {}", e.what())));
+      return failed;
     }
   }
 
@@ -533,13 +553,19 @@ Status LayerReplay::load_state(LayerData data) {
 Status LayerReplay::replay_step(std::size_t step_index) {
   const std::size_t num_steps = context_.reader.layout().steps.size();
   context_.progress.update(order_, context_.num_layers, step_index, num_steps);
-  if (step_index >= data_.steps.size()) {
+  std::optional<Result<StepLayerTensors>> read_now;
+  if (data_.steps_deferred) {  // read in place, this step only
+    const auto read_start = Clock::now();
+    read_now.emplace(context_.reader.read_step_layer(step_index, layer_index_));
+    context_.run.read_seconds += seconds_since(read_start);
+  } else if (step_index >= data_.steps.size()) {
     return internal_error(layer_.group,
                           fmt::format("step {} of the layer was not read", step_index));
   }
-  if (!data_.steps[step_index].ok()) return data_.steps[step_index].error();
+  Result<StepLayerTensors>& read = read_now ? *read_now : data_.steps[step_index];
+  if (!read.ok()) return read.error();
   // Moved out: the step's tensors are freed once it is replayed.
-  const StepLayerTensors tensors = std::move(*data_.steps[step_index]);
+  const StepLayerTensors tensors = std::move(*read);
   const StepInput step = step_input(step_index, tensors);
   const StepLayerWrites writes = write_reference(step);
   StepResults results;
@@ -999,8 +1025,16 @@ Status check_selection(const DumpLayout& layout, const ReplayOptions& options) {
   return ok_status();
 }
 
+bool reads_ahead(const DumpLayout& layout, const ReplayOptions& options) {
+  if (!options.read_ahead || options.observer) return false;
+  return std::none_of(layout.steps.begin(), layout.steps.end(), [](const StepMeta& step) {
+    return std::find(step.has_kv_cache_after.begin(), step.has_kv_cache_after.end(), true) !=
+           step.has_kv_cache_after.end();
+  });
+}
+
 LayerBytes estimate_layer_bytes(const DumpLayout& layout, std::size_t layer_index,
-                                bool with_backend) {
+                                bool with_backend, bool steps_up_front) {
   const DumpAttributes& attrs = layout.attrs;
   const double slots = static_cast<double>(layout.num_slots());
   const double width = attrs.row_width();
@@ -1011,6 +1045,8 @@ LayerBytes estimate_layer_bytes(const DumpLayout& layout, std::size_t layer_inde
   LayerBytes bytes;
   bytes.read = pool + (layout.layers[layer_index].has_source ? 4.0 * slots * width : 0.0);
   double largest_outputs = 0.0;
+  double largest_step_read = 0.0;
+  double most_visible = 0.0;  // slots the reference decodes for one step, at most
   for (const StepMeta& step : layout.steps) {
     const double rows = step.num_rows();
     const auto captured = [&](const std::vector<bool>& has) {
@@ -1019,10 +1055,14 @@ LayerBytes estimate_layer_bytes(const DumpLayout& layout, std::size_t layer_inde
     const bool has_out = captured(step.has_out);
     const bool has_lse = captured(step.has_lse);
     const double topk = layer_index < step.topk.size() ? step.topk[layer_index] : 0;
-    bytes.read += 4.0 * rows * (heads * width + width + topk) +
-                  (has_out ? 4.0 * rows * heads * latent : 0.0) +
-                  (has_lse ? 4.0 * rows * heads : 0.0) +
-                  (captured(step.has_kv_cache_after) ? pool : 0.0);
+    const double step_read = 4.0 * rows * (heads * width + width + topk) +
+                             (has_out ? 4.0 * rows * heads * latent : 0.0) +
+                             (has_lse ? 4.0 * rows * heads : 0.0) +
+                             (captured(step.has_kv_cache_after) ? pool : 0.0);
+    if (steps_up_front) bytes.read += step_read;
+    largest_step_read = std::max(largest_step_read, step_read);
+    most_visible = std::max(most_visible, static_cast<double>(step.kv_indices.size()) *
+                                              static_cast<double>(attrs.page_size));
     // R8 and Rs in binary64; the backend's bf16 out, float lse and their binary64 copies; the
     // captured outputs' binary64 copies.
     const double out = rows * heads * latent;
@@ -1033,37 +1073,46 @@ LayerBytes estimate_layer_bytes(const DumpLayout& layout, std::size_t layer_inde
     if (has_lse) outputs += 8.0 * lse;
     largest_outputs = std::max(largest_outputs, outputs);
   }
-  bytes.computed = (with_backend ? 2.0 * pool : 0.0) + largest_outputs;
+  if (!steps_up_front) bytes.read += largest_step_read;  // one step at a time
+  // The replay's copy of the pool for the backend (made with or without one) and, with one, its
+  // before-image; the reference's rows decoded as floats for the slots a step reads (KvRows:
+  // 4 bytes per element, twice with per_token_group residuals, and 8 bytes per slot of index).
+  const double decoded =
+      std::min(most_visible, slots) * 4.0 * width * (attrs.per_token_group() ? 2.0 : 1.0) +
+      8.0 * slots;
+  bytes.computed = (with_backend ? 2.0 : 1.0) * pool + decoded + largest_outputs;
   return bytes;
 }
 
 Status check_replay_fits(const DumpLayout& layout, const ReplayOptions& options,
                          bool with_backend) {
   const std::vector<std::size_t> layers = selected_layers(layout, options);
+  const bool ahead = reads_ahead(layout, options) && layers.size() > 1;
   double largest_read = 0.0;
   for (const std::size_t li : layers) {
-    largest_read = std::max(largest_read, estimate_layer_bytes(layout, li, with_backend).read);
+    largest_read =
+        std::max(largest_read, estimate_layer_bytes(layout, li, with_backend, ahead).read);
   }
   std::optional<std::size_t> worst;
   double worst_bytes = 0.0;
   for (const std::size_t li : layers) {
-    const LayerBytes bytes = estimate_layer_bytes(layout, li, with_backend);
-    const double resident = bytes.read + bytes.computed + (layers.size() > 1 ? largest_read : 0.0);
+    const LayerBytes bytes = estimate_layer_bytes(layout, li, with_backend, ahead);
+    const double resident = bytes.read + bytes.computed + (ahead ? largest_read : 0.0);
     if (!worst || resident > worst_bytes) {
       worst = li;
       worst_bytes = resident;
     }
   }
   if (!worst) return ok_status();
-  const LayerBytes bytes = estimate_layer_bytes(layout, *worst, with_backend);
+  const LayerBytes bytes = estimate_layer_bytes(layout, *worst, with_backend, ahead);
   return check_memory_fits(
       worst_bytes, "check",
-      fmt::format("layer {} (layer_id {}): {} read from the dump and {} computed{}",
-                  layout.layers[*worst].group, layout.layers[*worst].layer_id,
-                  format_bytes(bytes.read), format_bytes(bytes.computed),
-                  layers.size() > 1 ? fmt::format(", with the next layer's {} read ahead",
-                                                  format_bytes(largest_read))
-                                    : std::string()));
+      fmt::format(
+          "layer {} (layer_id {}): {} read from the dump and {} computed{}",
+          layout.layers[*worst].group, layout.layers[*worst].layer_id, format_bytes(bytes.read),
+          format_bytes(bytes.computed),
+          ahead ? fmt::format(", with the next layer's {} read ahead", format_bytes(largest_read))
+                : std::string()));
 }
 
 nlohmann::json summarize_dump(const DumpLayout& layout) {
@@ -1131,8 +1180,9 @@ Result<CheckRun> replay_dump(const DumpReader& reader, Backend* backend,
   CertificationQueue certification_queue(std::max(1u, std::thread::hardware_concurrency() / 4));
   context.certification_queue = &certification_queue;
   context.held_slots = slots_held_by_any_step(reader.layout());
-  // Read ahead on one reader thread, unless an observer writes HDF5 during the replay.
-  LayerReader layer_reader(reader, layers, options.read_ahead && !options.observer);
+  // Read ahead on one reader thread, unless an observer writes HDF5 during the replay or the dump
+  // holds captured pools (reads_ahead).
+  LayerReader layer_reader(reader, layers, reads_ahead(reader.layout(), options));
   double read_wait_seconds = 0.0;
   const std::size_t num_steps = reader.layout().steps.size();
   for (std::size_t order = 0; order < layers.size(); ++order) {

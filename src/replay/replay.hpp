@@ -116,18 +116,26 @@ CheckRun begin_run(const DumpReader& reader, const Backend* backend, const Repla
 Result<CheckRun> replay_dump(const DumpReader& reader, Backend* backend,
                              const ReplayOptions& options);
 
+// Whether replay_dump reads layer L+1 on a reader thread while it computes L: options.read_ahead,
+// no observer (it may write HDF5, and Debian's HDF5 allows one thread at a time), and no step
+// with a captured pool (kv_cache_after: a whole pool per step, read step by step instead). Else
+// each layer's pool and kv_source are read in place and its steps one at a time.
+bool reads_ahead(const DumpLayout& layout, const ReplayOptions& options);
+
 // The memory the replay of one layer holds, from the layout alone (before anything is read), in
-// bytes: what is read from the dump (its pool, kv_source, every step's tensors and captures) and
-// what is computed beside it (the backend's pool and its before-image, the largest step's R8 and
-// Rs, the backend's outputs and the binary64 copies the comparisons read; R8' and R8s, computed
-// only where a pool differs from the replay's, come on top). The replay reads the next layer
-// while it computes one, so about read(L) + computed(L) + read(L+1) is resident.
+// bytes: what is read from the dump (its pool, kv_source, and every step's tensors and captures
+// when `steps_up_front` (read ahead), else the largest step's) and what is computed beside it
+// (the replay's pool copy for the backend and, with a backend, its before-image; the reference's
+// decoded rows for the most slots a step reads; the largest step's R8 and Rs, the backend's
+// outputs and the binary64 copies the comparisons read; R8' and R8s, computed only where a pool
+// differs from the replay's, come on top). Read ahead, about read(L) + computed(L) + read(L+1)
+// is resident; in place, read(L) + computed(L).
 struct LayerBytes {
   double read = 0.0;
   double computed = 0.0;
 };
 LayerBytes estimate_layer_bytes(const DumpLayout& layout, std::size_t layer_index,
-                                bool with_backend);
+                                bool with_backend, bool steps_up_front);
 
 // Whether the machine can hold the replay of every selected layer with the next one read ahead:
 // bad input "check" naming the layer that needs the most and its bytes otherwise.

@@ -190,7 +190,8 @@ TEST_CASE("KvRows finds the value grid the sliced path is built on", "[reference
 TEST_CASE("sliced path: every e4m3 value, +-448 and subnormals, long context past one block",
           "[reference][sliced]") {
   // 700 tokens: two blocks of 256 and a partial one. Scores spread over ~40 nats by a large
-  // rope part, so the weights need several slices and the smallest go the compensated way.
+  // rope part. Values up to 448 (18 bits) need 4+ weight slices, so this case's P.V takes the
+  // compensated sum (only its scores are sliced); "near-equal scores" below covers sliced P.V.
   std::mt19937_64 rng(11);
   SlicedCase c = make_case(2, 2, 700, 0.0625);
   c.scale = 0.375;
