@@ -662,4 +662,43 @@ TEST_CASE("reading ahead on a reader thread gives the report of reading each lay
   }
 }
 
+TEST_CASE(
+    "captured pools and an observer read in place one step at a time and the estimate says so",
+    "[replay]") {
+  Result<DumpReader> reader =
+      DumpReader::open(kvaudit_test::source_dir() / "datasets" / "glm5_page1.h5");
+  REQUIRE(reader.ok());
+  DumpLayout layout = reader->layout();
+  REQUIRE(layout.steps.size() > 1);
+  ReplayOptions options;
+  CHECK(reads_ahead(layout, options));
+  options.read_ahead = false;
+  CHECK_FALSE(reads_ahead(layout, options));
+  options.read_ahead = true;
+  options.observer = [](const StepLayerOutputs&) { return ok_status(); };
+  CHECK_FALSE(reads_ahead(layout, options));
+  options.observer = nullptr;
+
+  // A captured pool in every step: each is a whole pool, so the layer is read step by step and
+  // its read counts one step's pool, not every step's.
+  const double pool = static_cast<double>(layout.num_slots()) * layout.attrs.row_width();
+  const LayerBytes before = estimate_layer_bytes(layout, 0, true, true);
+  for (StepMeta& step : layout.steps) step.has_kv_cache_after.assign(layout.layers.size(), true);
+  CHECK_FALSE(reads_ahead(layout, options));
+  const LayerBytes in_place = estimate_layer_bytes(layout, 0, true, false);
+  const LayerBytes up_front = estimate_layer_bytes(layout, 0, true, true);
+  CHECK(up_front.read - before.read == Approx(pool * layout.steps.size()));
+  CHECK(in_place.read < up_front.read - pool * (layout.steps.size() - 1) + 1.0);
+  // Without a backend the replay still copies the pool once, and the reference decodes the rows
+  // a step reads as floats (4 bytes each): both held beside the outputs.
+  double most_visible = 0.0;
+  for (const StepMeta& step : layout.steps) {
+    most_visible = std::max(most_visible,
+                            static_cast<double>(step.kv_indices.size()) * layout.attrs.page_size);
+  }
+  most_visible = std::min(most_visible, static_cast<double>(layout.num_slots()));
+  CHECK(estimate_layer_bytes(layout, 0, false, false).computed >=
+        pool + 4.0 * most_visible * layout.attrs.row_width());
+}
+
 }  // namespace kvaudit
