@@ -116,11 +116,16 @@ def quantize_blocks(y, block, scale_format="power_of_two"):
     return encode_e4m3(quotient).reshape(y.shape), scales
 
 
-def deployed_quantize(rows, scale_format="power_of_two", hadamard=True):
-    """The deployed write rule for key rows [..., D] (or query heads [..., H, D]): rotate, then
-    one scale per block. Returns (codes uint8 [..., D], scales float32 [..., G])."""
+def deployed_quantize(rows, scale_format="power_of_two", hadamard=True, block=None):
+    """The deployed write rule for key rows [..., D] (or query heads [..., H, D]): rotate (unless
+    hadamard is False: a dump's index_rotation "none"), then one scale per block of `block` values
+    (default block_size_for(D); a dump's index_block_size). Returns (codes uint8 [..., D],
+    scales float32 [..., D/block])."""
     rows = np.asarray(rows, dtype=np.float32)
-    return quantize_blocks(rotate(rows, hadamard), block_size_for(rows.shape[-1]), scale_format)
+    block = block_size_for(rows.shape[-1]) if block is None else int(block)
+    if block < 1 or rows.shape[-1] % block:
+        raise ValueError(f"block size {block} does not divide the row width {rows.shape[-1]}")
+    return quantize_blocks(rotate(rows, hadamard), block, scale_format)
 
 
 def dequantize(codes, scales):
@@ -191,7 +196,7 @@ def relative_l2(a, b):
 # ---- the dump (docs/kvdump-v1.md "Version 1.2: the indexer's FP8 key cache") ---------------------
 
 def write_layer(h5file, layer_name, k_source, k_codes, k_scales, n_heads, topk, softmax_scale,
-                scale_format="power_of_two"):
+                scale_format="power_of_two", block=None, rotation="hadamard"):
     """/layers/L###/indexer of an open h5py file: the key cache before the first step (codes
     [num_pages, P, D] uint8 e4m3fn, scales [num_pages, P, G] float32) and the source rows
     [num_pages, P, D] float32. Marks the file format_minor_version = 2."""
@@ -200,9 +205,9 @@ def write_layer(h5file, layer_name, k_source, k_codes, k_scales, n_heads, topk, 
     group.attrs["index_n_heads"] = np.int32(n_heads)
     group.attrs["index_head_dim"] = np.int32(d)
     group.attrs["index_topk"] = np.int32(topk)
-    group.attrs["index_block_size"] = np.int32(block_size_for(d))
+    group.attrs["index_block_size"] = np.int32(block_size_for(d) if block is None else block)
     group.attrs["index_scale_format"] = scale_format
-    group.attrs["index_rotation"] = "hadamard"
+    group.attrs["index_rotation"] = rotation
     group.attrs["index_softmax_scale"] = np.float64(softmax_scale)
     codes = group.create_dataset("k_cache", data=np.ascontiguousarray(k_codes, dtype=np.uint8))
     codes.attrs["dtype"] = "float8_e4m3fn"
@@ -230,32 +235,39 @@ def write_step(h5file, step_name, layer_name, q, weights, new_k, topk_indices,
 
 
 def write_indexer_cache(h5file, layer_name, num_slots, page_size, prefix_keys, steps, n_heads,
-                        topk, softmax_scale):
+                        topk, softmax_scale, block=None, rotation="hadamard"):
     """Writes a layer's indexer objects for a single request whose token position p sits in slot
     p: the cache before the first step holds prefix_keys [T0, D] (the deployed rule); steps is a
     list of (q [S, H, D], k [S, D], weights [S, H]) per step, the rows at the next positions.
     Each step's deployed top-k is taken over the visible positions after its writes (a row sees
     its own key, as DeepSeek's Indexer writes its cache before scoring); the cache after each
-    step is stored too."""
+    step is stored too. block (default block_size_for(D)) and rotation ("hadamard" or "none") are
+    the rule's, written as index_block_size and index_rotation."""
     prefix_keys = np.asarray(prefix_keys, dtype=np.float32)
     width = prefix_keys.shape[-1]
+    block = block_size_for(width) if block is None else int(block)
+    hadamard = rotation == "hadamard"
+
+    def quantize(x):
+        return deployed_quantize(x, hadamard=hadamard, block=block)
+
     source = np.zeros((num_slots, width), dtype=np.float32)
     codes = np.zeros((num_slots, width), dtype=np.uint8)
-    scales = np.zeros((num_slots, width // block_size_for(width)), dtype=np.float32)
+    scales = np.zeros((num_slots, width // block), dtype=np.float32)
     start = len(prefix_keys)
     source[:start] = prefix_keys
-    codes[:start], scales[:start] = deployed_quantize(prefix_keys)
+    codes[:start], scales[:start] = quantize(prefix_keys)
 
     def paged(x):
         return x.reshape(num_slots // page_size, page_size, -1)
 
     write_layer(h5file, layer_name, paged(source), paged(codes), paged(scales), n_heads, topk,
-                softmax_scale)
+                softmax_scale, block=block, rotation=rotation)
     for index, (q, k, weights) in enumerate(steps):
         end = start + len(k)
         source[start:end] = np.asarray(k, dtype=np.float32)
-        codes[start:end], scales[start:end] = deployed_quantize(source[start:end])
-        q_codes, q_scales = deployed_quantize(np.asarray(q, dtype=np.float32))
+        codes[start:end], scales[start:end] = quantize(source[start:end])
+        q_codes, q_scales = quantize(np.asarray(q, dtype=np.float32))
         picked = np.full((end - start, topk), -1, dtype=np.int32)
         for i in range(end - start):
             visible = start + i + 1
@@ -268,10 +280,13 @@ def write_indexer_cache(h5file, layer_name, num_slots, page_size, prefix_keys, s
         start = end
 
 
-def example_dump(path, seed=1):
+def example_dump(path, seed=1, head_dim=32, block=None, rotation="hadamard", keys=None):
     """A small kvdump v1.2 file with random values (numpy and h5py only): one request, page size
-    4 (slot = position), MLA H 2, Dc 16, Dr 4; two layers with an indexer of 2 heads x 32, top-4;
-    9 cached tokens, a 3-row prefill step and a decode step. For tests and fuzz seeds."""
+    4 (slot = position), MLA H 2, Dc 16, Dr 4; two layers with an indexer of 2 heads x head_dim
+    (32), top-4; 9 cached tokens, a 3-row prefill step (positions 9..11) and a decode step
+    (position 12). block and rotation: the indexer rule's (index_block_size, default
+    block_size_for(head_dim); index_rotation). keys [2, 13, head_dim] replaces the random indexer
+    key rows (per layer, per position). For tests and fuzz seeds."""
     import h5py
 
     from .codec import quantize_e4m3
@@ -305,17 +320,18 @@ def example_dump(path, seed=1):
                                rng.standard_normal((length, heads, dr)).astype(np.float32),
                                rows[start:end])
             start = end
-    keys = rng.standard_normal((len(layers), total, 32)).astype(np.float32)
+    random_keys = rng.standard_normal((len(layers), total, head_dim)).astype(np.float32)
+    keys = random_keys if keys is None else np.asarray(keys, dtype=np.float32)
     with h5py.File(path, "a") as f:
         for n, layer in enumerate(layers):
             steps, start = [], prefix
             for length in chunks:
-                q = rng.standard_normal((length, 2, 32)).astype(np.float32)
+                q = rng.standard_normal((length, 2, head_dim)).astype(np.float32)
                 w = rng.standard_normal((length, 2)).astype(np.float32)
                 steps.append((q, keys[n, start:start + length], w))
                 start += length
             write_indexer_cache(f, f"L{layer:03d}", num_slots, page, keys[n, :prefix], steps, 2,
-                                4, 32 ** -0.5)
+                                4, head_dim ** -0.5, block=block, rotation=rotation)
 
 
 def _float_rows(dataset):
