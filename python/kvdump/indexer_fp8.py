@@ -5,7 +5,7 @@ indexer cache's writes in a kvdump v1.2 file (docs/kvdump-v1.md "Version 1.2").
 
     python -m kvdump.indexer_fp8 DUMP [--json OUT.json] [--markdown OUT.md]
 
-The math (D = index_head_dim, H = index_n_heads, B = the quantization block, min(128, D), G = D/B;
+The math (D = index_head_dim, H = index_n_heads, B = the quantization block, G = D/B;
 k_t [D] a source key row, q_h [D] one head of a query row, w_h the head weight, sm = D^-0.5):
 
   exact     score(t) = sum_h w_h * relu(sm * q_h . k_t)             float64 of the module values
@@ -19,10 +19,15 @@ k_t [D] a source key row, q_h [D] one head of a query row, w_h the head weight, 
                      = sum_h w_h * sm * relu(deq(q_h) . deq(k_t))     (scales > 0)
   top-k     the min(K, visible) largest scores over the row's visible positions 0..pos(i),
             ties broken towards the lower position (a stable sort)
-  recall    v = the k-th largest exact score of the row; a deployed pick scoring above v is a
-            hit, and picks scoring exactly v (ties with the k-th, exact zeros after the ReLU
-            included) are hits up to the k - #{exact > v} places the ties share:
+  rule      per layer as the dump declares it: index_rotation "none" skips Had_D (y = bf16(x)),
+            B = index_block_size (deployed: min(128, D)), index_scale_format
+  recall    of the modelled top-k (not the stored one): v = the k-th largest exact score of the
+            row; a deployed pick scoring above v is a hit, and picks scoring exactly v (ties with
+            the k-th, exact zeros after the ReLU included) are hits up to the k - #{exact > v}
+            places the ties share:
             recall = (#{picks > v} + min(#{picks = v}, k - #{exact > v})) / k.
+  stored    each stored top-k row must be a top-k of the modelled deployed scores (the recall's
+            tie rule on the deployed scores gives 1), else an integrity failure.
   attention error: MLA attention (absorbed: s = sm_attn (q_nope . c_t + q_pe . r_t), out =
             softmax(s) . c_t, [H, Dc]) over the deployed set vs the exact set, both on the same
             unquantized rows (kv_source / new_kv), float64: ||o_dep - o_exact|| / ||o_exact||.
@@ -47,6 +52,7 @@ E4M3_MAX = np.float32(448.0)
 AMAX_FLOOR = np.float32(1e-4)  # the deployed act_quant's floor on a block's amax
 DEPLOYED_BLOCK = 128
 SCALE_FORMATS = ("power_of_two", "float32")
+ROTATIONS = ("hadamard", "none")  # index_rotation: the deployed rotation, or none
 INDEXER_MINOR_VERSION = 2
 
 
@@ -116,11 +122,16 @@ def quantize_blocks(y, block, scale_format="power_of_two"):
     return encode_e4m3(quotient).reshape(y.shape), scales
 
 
-def deployed_quantize(rows, scale_format="power_of_two", hadamard=True):
-    """The deployed write rule for key rows [..., D] (or query heads [..., H, D]): rotate, then
-    one scale per block. Returns (codes uint8 [..., D], scales float32 [..., G])."""
+def deployed_quantize(rows, scale_format="power_of_two", hadamard=True, block=None):
+    """The deployed write rule for key rows [..., D] (or query heads [..., H, D]): rotate (unless
+    hadamard is False: a dump's index_rotation "none"), then one scale per block of `block` values
+    (default block_size_for(D); a dump's index_block_size). Returns (codes uint8 [..., D],
+    scales float32 [..., D/block])."""
     rows = np.asarray(rows, dtype=np.float32)
-    return quantize_blocks(rotate(rows, hadamard), block_size_for(rows.shape[-1]), scale_format)
+    block = block_size_for(rows.shape[-1]) if block is None else int(block)
+    if block < 1 or rows.shape[-1] % block:
+        raise ValueError(f"block size {block} does not divide the row width {rows.shape[-1]}")
+    return quantize_blocks(rotate(rows, hadamard), block, scale_format)
 
 
 def dequantize(codes, scales):
@@ -191,7 +202,7 @@ def relative_l2(a, b):
 # ---- the dump (docs/kvdump-v1.md "Version 1.2: the indexer's FP8 key cache") ---------------------
 
 def write_layer(h5file, layer_name, k_source, k_codes, k_scales, n_heads, topk, softmax_scale,
-                scale_format="power_of_two"):
+                scale_format="power_of_two", block=None, rotation="hadamard"):
     """/layers/L###/indexer of an open h5py file: the key cache before the first step (codes
     [num_pages, P, D] uint8 e4m3fn, scales [num_pages, P, G] float32) and the source rows
     [num_pages, P, D] float32. Marks the file format_minor_version = 2."""
@@ -200,9 +211,9 @@ def write_layer(h5file, layer_name, k_source, k_codes, k_scales, n_heads, topk, 
     group.attrs["index_n_heads"] = np.int32(n_heads)
     group.attrs["index_head_dim"] = np.int32(d)
     group.attrs["index_topk"] = np.int32(topk)
-    group.attrs["index_block_size"] = np.int32(block_size_for(d))
+    group.attrs["index_block_size"] = np.int32(block_size_for(d) if block is None else block)
     group.attrs["index_scale_format"] = scale_format
-    group.attrs["index_rotation"] = "hadamard"
+    group.attrs["index_rotation"] = rotation
     group.attrs["index_softmax_scale"] = np.float64(softmax_scale)
     codes = group.create_dataset("k_cache", data=np.ascontiguousarray(k_codes, dtype=np.uint8))
     codes.attrs["dtype"] = "float8_e4m3fn"
@@ -230,32 +241,39 @@ def write_step(h5file, step_name, layer_name, q, weights, new_k, topk_indices,
 
 
 def write_indexer_cache(h5file, layer_name, num_slots, page_size, prefix_keys, steps, n_heads,
-                        topk, softmax_scale):
+                        topk, softmax_scale, block=None, rotation="hadamard"):
     """Writes a layer's indexer objects for a single request whose token position p sits in slot
     p: the cache before the first step holds prefix_keys [T0, D] (the deployed rule); steps is a
     list of (q [S, H, D], k [S, D], weights [S, H]) per step, the rows at the next positions.
     Each step's deployed top-k is taken over the visible positions after its writes (a row sees
     its own key, as DeepSeek's Indexer writes its cache before scoring); the cache after each
-    step is stored too."""
+    step is stored too. block (default block_size_for(D)) and rotation ("hadamard" or "none") are
+    the rule's, written as index_block_size and index_rotation."""
     prefix_keys = np.asarray(prefix_keys, dtype=np.float32)
     width = prefix_keys.shape[-1]
+    block = block_size_for(width) if block is None else int(block)
+    hadamard = rotation == "hadamard"
+
+    def quantize(x):
+        return deployed_quantize(x, hadamard=hadamard, block=block)
+
     source = np.zeros((num_slots, width), dtype=np.float32)
     codes = np.zeros((num_slots, width), dtype=np.uint8)
-    scales = np.zeros((num_slots, width // block_size_for(width)), dtype=np.float32)
+    scales = np.zeros((num_slots, width // block), dtype=np.float32)
     start = len(prefix_keys)
     source[:start] = prefix_keys
-    codes[:start], scales[:start] = deployed_quantize(prefix_keys)
+    codes[:start], scales[:start] = quantize(prefix_keys)
 
     def paged(x):
         return x.reshape(num_slots // page_size, page_size, -1)
 
     write_layer(h5file, layer_name, paged(source), paged(codes), paged(scales), n_heads, topk,
-                softmax_scale)
+                softmax_scale, block=block, rotation=rotation)
     for index, (q, k, weights) in enumerate(steps):
         end = start + len(k)
         source[start:end] = np.asarray(k, dtype=np.float32)
-        codes[start:end], scales[start:end] = deployed_quantize(source[start:end])
-        q_codes, q_scales = deployed_quantize(np.asarray(q, dtype=np.float32))
+        codes[start:end], scales[start:end] = quantize(source[start:end])
+        q_codes, q_scales = quantize(np.asarray(q, dtype=np.float32))
         picked = np.full((end - start, topk), -1, dtype=np.int32)
         for i in range(end - start):
             visible = start + i + 1
@@ -268,10 +286,13 @@ def write_indexer_cache(h5file, layer_name, num_slots, page_size, prefix_keys, s
         start = end
 
 
-def example_dump(path, seed=1):
+def example_dump(path, seed=1, head_dim=32, block=None, rotation="hadamard", keys=None):
     """A small kvdump v1.2 file with random values (numpy and h5py only): one request, page size
-    4 (slot = position), MLA H 2, Dc 16, Dr 4; two layers with an indexer of 2 heads x 32, top-4;
-    9 cached tokens, a 3-row prefill step and a decode step. For tests and fuzz seeds."""
+    4 (slot = position), MLA H 2, Dc 16, Dr 4; two layers with an indexer of 2 heads x head_dim
+    (32), top-4; 9 cached tokens, a 3-row prefill step (positions 9..11) and a decode step
+    (position 12). block and rotation: the indexer rule's (index_block_size, default
+    block_size_for(head_dim); index_rotation). keys [2, 13, head_dim] replaces the random indexer
+    key rows (per layer, per position). For tests and fuzz seeds."""
     import h5py
 
     from .codec import quantize_e4m3
@@ -305,17 +326,18 @@ def example_dump(path, seed=1):
                                rng.standard_normal((length, heads, dr)).astype(np.float32),
                                rows[start:end])
             start = end
-    keys = rng.standard_normal((len(layers), total, 32)).astype(np.float32)
+    random_keys = rng.standard_normal((len(layers), total, head_dim)).astype(np.float32)
+    keys = random_keys if keys is None else np.asarray(keys, dtype=np.float32)
     with h5py.File(path, "a") as f:
         for n, layer in enumerate(layers):
             steps, start = [], prefix
             for length in chunks:
-                q = rng.standard_normal((length, 2, 32)).astype(np.float32)
+                q = rng.standard_normal((length, 2, head_dim)).astype(np.float32)
                 w = rng.standard_normal((length, 2)).astype(np.float32)
                 steps.append((q, keys[n, start:start + length], w))
                 start += length
             write_indexer_cache(f, f"L{layer:03d}", num_slots, page, keys[n, :prefix], steps, 2,
-                                4, 32 ** -0.5)
+                                4, head_dim ** -0.5, block=block, rotation=rotation)
 
 
 def _float_rows(dataset):
@@ -350,6 +372,23 @@ def _row_slots(step, page_size):
     return rows
 
 
+def _string_attr(group, name, where):
+    if name not in group.attrs:
+        raise IndexerError(f"{where}: {name}: missing")
+    value = group.attrs[name]
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _scales(dataset, n_slots, groups, block, where):
+    """The scales [n_slots, groups] float32 of a dataset [..., groups]; refuses a last dimension
+    that disagrees with the block size (numpy would broadcast one scale over every block)."""
+    data = dataset[()]
+    if data.ndim < 1 or data.shape[-1] != groups or data.size != n_slots * groups:
+        raise IndexerError(f"{where}: shape {list(data.shape)} disagrees with index_block_size "
+                           f"{block}: expected {groups} scale(s) per slot for {n_slots} slots")
+    return data.reshape(n_slots, groups).astype(np.float32)
+
+
 class _LayerState:
     def __init__(self, f, name, path):
         where = f"{path}:/layers/{name}/indexer"
@@ -358,13 +397,30 @@ class _LayerState:
         self.n_heads = int(group.attrs["index_n_heads"])
         self.topk = int(group.attrs["index_topk"])
         self.softmax_scale = float(group.attrs["index_softmax_scale"])
-        self.scale_format = str(group.attrs["index_scale_format"])
+        self.scale_format = _string_attr(group, "index_scale_format", where)
         if self.scale_format not in SCALE_FORMATS:
-            raise IndexerError(f"{where}: index_scale_format '{self.scale_format}' is unknown")
+            raise IndexerError(f"{where}: index_scale_format '{self.scale_format}' is unknown; "
+                               f"expected one of {', '.join(SCALE_FORMATS)}")
+        # The rule the dump declares (docs/kvdump-v1.md): the model quantizes with these, never
+        # with the deployed defaults, so a dump written by another rule is judged by its own.
+        self.rotation = _string_attr(group, "index_rotation", where)
+        if self.rotation not in ROTATIONS:
+            raise IndexerError(f"{where}: index_rotation '{self.rotation}' is unknown; expected "
+                               f"one of {', '.join(ROTATIONS)}")
         codes = _need(group, "k_cache", where)[()]
         self.width = codes.shape[-1]
+        if "index_block_size" not in group.attrs:
+            raise IndexerError(f"{where}: index_block_size: missing")
+        self.block = int(group.attrs["index_block_size"])
+        if not 1 <= self.block <= self.width or self.width % self.block:
+            raise IndexerError(f"{where}: index_block_size {self.block} does not divide the key "
+                               f"width {self.width} (k_cache's last dimension)")
+        if self.rotation == "hadamard" and self.width & (self.width - 1):
+            raise IndexerError(f"{where}: index_rotation 'hadamard' needs a power-of-two key "
+                               f"width, not {self.width}")
         self.codes = codes.reshape(-1, self.width).copy()
-        self.scales = _need(group, "k_scales", where)[()].reshape(len(self.codes), -1).copy()
+        self.scales = _scales(_need(group, "k_scales", where), len(self.codes),
+                              self.width // self.block, self.block, f"{where}/k_scales")
         self.source = _need(group, "k_source", where)[()].reshape(-1, self.width).astype(np.float32)
         layer = f[f"layers/{name}"]
         self.kv_rows = (_float_rows(layer["kv_source"]).reshape(len(self.codes), -1)
@@ -373,8 +429,9 @@ class _LayerState:
 
 def analyse(path, hadamard=True):
     """Reads a v1.2 dump and returns the per-layer recall, attention error and integrity report
-    (a dict, JSON-ready). hadamard=False skips the rotation in the deployed model (a planted
-    defect: the integrity check then fails on a dump written with it)."""
+    (a dict, JSON-ready). The model quantizes with each layer's index_rotation and
+    index_block_size. hadamard=False skips the rotation even where the dump declares "hadamard"
+    (a planted defect: the integrity check then fails on a dump written with it)."""
     import h5py
 
     try:
@@ -406,8 +463,10 @@ def analyse(path, hadamard=True):
 def _empty_layer_report(state):
     return {"rows": [], "written_slots": 0, "bad_writes": [], "touched_slots": [],
             "steps_with_cache_after": 0, "stored_topk_disagreements": 0,
+            "stored_topk_disagreeing_rows": [],
             "n_heads": state.n_heads, "topk": state.topk, "head_dim": state.width,
-            "scale_format": state.scale_format}
+            "block_size": state.block, "scale_format": state.scale_format,
+            "rotation": state.rotation}
 
 
 def _replay_step(f, path, step_name, step, n, state, report, rows, slots_written, dc, sm_attn,
@@ -418,18 +477,20 @@ def _replay_step(f, path, step_name, step, n, state, report, rows, slots_written
     group = step[f"{n}/indexer"]
     new_k = _need(group, "new_k", where)[()].astype(np.float32)
     before_codes, before_scales = state.codes.copy(), state.scales.copy()
-    codes, scales = deployed_quantize(new_k, state.scale_format, hadamard)
+    rotate_too = hadamard and state.rotation == "hadamard"
+    codes, scales = deployed_quantize(new_k, state.scale_format, rotate_too, state.block)
     state.codes[slots_written], state.scales[slots_written] = codes, scales
     state.source[slots_written] = new_k
     if state.kv_rows is not None:
         state.kv_rows[slots_written] = _float_rows(step[f"{n}/new_kv"])
     report["written_slots"] += len(slots_written)
     if "k_cache_after" in group:
-        _check_writes(group, state, before_codes, before_scales, slots_written, step_name, report)
+        _check_writes(group, state, before_codes, before_scales, slots_written, step_name, report,
+                      f"{where}/k_scales_after")
     q = _need(group, "q", where)[()].astype(np.float32)
     w = _need(group, "weights", where)[()].astype(np.float64)
     stored = _need(group, "topk_indices", where)[()]
-    q_codes, q_scales = deployed_quantize(q, state.scale_format, hadamard)
+    q_codes, q_scales = deployed_quantize(q, state.scale_format, rotate_too, state.block)
     q_nope = _float_rows(step[f"{n}/q_nope"]).astype(np.float64)
     q_pe = _float_rows(step[f"{n}/q_pe"]).astype(np.float64)
     for i, (position, slots) in enumerate(rows):
@@ -437,9 +498,13 @@ def _replay_step(f, path, step_name, step, n, state, report, rows, slots_written
         deployed = deployed_scores(q_codes[i], q_scales[i], w[i], state.codes[slots],
                                    state.scales[slots], state.softmax_scale)
         picked, wanted = select_topk(deployed, state.topk), select_topk(exact, state.topk)
-        stored_row = np.sort(stored[i][stored[i] >= 0])
-        if not np.array_equal(stored_row, picked):
+        if not _stored_topk_agrees(stored[i], deployed, state.topk):
             report["stored_topk_disagreements"] += 1
+            if len(report["stored_topk_disagreeing_rows"]) < 16:
+                report["stored_topk_disagreeing_rows"].append(
+                    {"step": step_name, "row": i, "position": position,
+                     "stored": [int(x) for x in stored[i][stored[i] >= 0]],
+                     "model": [int(x) for x in picked]})
         entry = {"step": step_name, "row": i, "position": position, "visible": len(slots),
                  "recall": recall_with_ties(picked, exact, state.topk),
                  "changed_tokens": int(len(np.setdiff1d(picked, wanted)))}
@@ -453,11 +518,26 @@ def _replay_step(f, path, step_name, step, n, state, report, rows, slots_written
         report["rows"].append(entry)
 
 
-def _check_writes(group, state, before_codes, before_scales, slots_written, step_name, report):
+def _stored_topk_agrees(stored_row, deployed, topk):
+    """Whether a stored top-k row (positions, -1 padding) is a valid top-k of the model's deployed
+    scores [visible]: min(K, visible) distinct visible positions, every one a pick by the same tie
+    rule as the recall (recall_with_ties against the deployed scores is 1: a different choice
+    among tokens tied with the k-th deployed score is a valid tie-break, not a disagreement)."""
+    picks = np.asarray(stored_row, dtype=np.int64)
+    picks = picks[picks >= 0]
+    k = min(int(topk), len(deployed))
+    if len(picks) != k or len(np.unique(picks)) != k or np.any(picks >= len(deployed)):
+        return False
+    return recall_with_ties(picks, deployed, k) == 1.0
+
+
+def _check_writes(group, state, before_codes, before_scales, slots_written, step_name, report,
+                  where):
     """The cache after the step: each written slot holds the deployed rule's bytes of its new_k
     row, every other slot the bytes it held before the step. The captured cache then carries on."""
     after_codes = group["k_cache_after"][()].reshape(state.codes.shape)
-    after_scales = group["k_scales_after"][()].reshape(state.scales.shape).astype(np.float32)
+    after_scales = _scales(group["k_scales_after"], len(state.codes), state.scales.shape[1],
+                           state.block, where)
     written = np.zeros(len(state.codes), dtype=bool)
     written[slots_written] = True
     bad_codes = np.any(after_codes != state.codes, axis=1)
@@ -490,9 +570,13 @@ def _summarise(report):
         "attention_rel_l2_max": float(max(errors)) if errors else None,
         "attention_rel_l2_mean": float(np.mean(errors)) if errors else None,
         "worst_rows": worst,
-        "integrity": "not captured" if not report["steps_with_cache_after"] else
-                     ("ok" if not report["bad_writes"] and not report["touched_slots"]
-                      else "failed"),
+        # Failed: a written slot off the rule, an unwritten slot moved, or a stored top-k row
+        # that is not a valid top-k of the model's deployed scores (those rows are named in
+        # stored_topk_disagreeing_rows). The top-k is always stored, so it fails a dump without a
+        # captured cache too.
+        "integrity": "failed" if (report["bad_writes"] or report["touched_slots"]
+                                  or report["stored_topk_disagreements"]) else
+                     ("ok" if report["steps_with_cache_after"] else "not captured"),
     })
     return report
 
@@ -500,13 +584,22 @@ def _summarise(report):
 def markdown(result):
     """A per-layer table and the worst rows, as markdown lines."""
     lines = ["| layer | rows (sparse) | recall mean | recall min | rows changed | attention "
-             "rel. L2 max | mean | integrity |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "rel. L2 max | mean | stored top-k disagreements | integrity |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in result["layers"].items():
         lines.append(f"| {name} | {r['rows_checked']} ({r['sparse_rows']}) | "
                      f"{r['recall_mean']:.6f} | {r['recall_min']:.6f} | "
                      f"{r['rows_with_changed_tokens']} | {_fmt(r['attention_rel_l2_max'])} | "
-                     f"{_fmt(r['attention_rel_l2_mean'])} | {r['integrity']} |")
+                     f"{_fmt(r['attention_rel_l2_mean'])} | {r['stored_topk_disagreements']} | "
+                     f"{r['integrity']} |")
     lines.append("")
+    for name, r in result["layers"].items():
+        for d in r["stored_topk_disagreeing_rows"]:
+            lines.append(f"- {name} {d['step']} row {d['row']} (position {d['position']}): the "
+                         f"stored top-k {d['stored']} is not a top-k of the model's deployed "
+                         f"scores (model: {d['model']})")
+    if any(r["stored_topk_disagreeing_rows"] for r in result["layers"].values()):
+        lines.append("")
     lines.append("Worst rows (lowest recall first):")
     lines.append("")
     for name, r in result["layers"].items():
@@ -526,13 +619,16 @@ def main(argv=None):
     parser = argparse.ArgumentParser(
         prog="python -m kvdump.indexer_fp8",
         description="Judge the DSA indexer's FP8 selection in a kvdump v1.2 file: replays the "
-                    "deployed quantization (Hadamard, e4m3 with one power-of-two scale per 128 "
-                    "values, FP8 query) on the stored source rows, and reports per layer the "
-                    "top-k recall against the exact float64 scores (a pick tied with the k-th "
-                    "exact score counts as a hit), the worst rows, the attention error of the "
-                    "tokens that changed (relative L2 of the MLA output on the unquantized KV), "
-                    "and whether each written indexer cache slot holds the deployed bytes with "
-                    "other slots untouched. Exit 0 clean, 1 an integrity failure, 2 bad input.")
+                    "deployed quantization (the rotation, block size and scale format each "
+                    "layer declares: deployed, Hadamard, e4m3 with one power-of-two scale per "
+                    "128 values, FP8 query) on the stored source rows, and reports per layer the "
+                    "top-k recall of the modelled selection against the exact float64 scores (a "
+                    "pick tied with the k-th exact score counts as a hit), the worst rows, the "
+                    "attention error of the tokens that changed (relative L2 of the MLA output "
+                    "on the unquantized KV), whether each written indexer cache slot holds the "
+                    "deployed bytes with other slots untouched, and whether each stored top-k "
+                    "row is a top-k of the modelled deployed scores (ties either way). Exit 0 "
+                    "clean, 1 an integrity failure, 2 bad input.")
     parser.add_argument("dump", help="a kvdump v1.2 file (with --write-example: the file to "
                                      "write)")
     parser.add_argument("--write-example", action="store_true",

@@ -183,6 +183,161 @@ class DumpChecks(unittest.TestCase):
             return indexer_fp8.main(argv)
 
 
+class DeclaredRule(unittest.TestCase):
+    """The model quantizes with the rule each layer declares (index_rotation, index_block_size),
+    and refuses one it does not know or a scales shape that disagrees with the block size."""
+
+    def setUp(self):
+        self.dir = tempfile.mkdtemp()
+        self.path = os.path.join(self.dir, "rule.h5")
+
+    def tearDown(self):
+        shutil.rmtree(self.dir)
+
+    def _set_attr(self, name, value):
+        import h5py
+
+        with h5py.File(self.path, "a") as f:
+            for layer in ("L000", "L001"):
+                f[f"layers/{layer}/indexer"].attrs[name] = value
+
+    def _main(self, argv):
+        out, err = io.StringIO(), io.StringIO()
+        with redirect_stdout(out), redirect_stderr(err):
+            status = indexer_fp8.main(argv)
+        return status, out.getvalue(), err.getvalue()
+
+    def test_rotation_none_is_judged_without_the_rotation(self):
+        # Keys and queries quantized without the rotation, declared "none": the model must
+        # quantize the same way, every written slot then holds its bytes.
+        indexer_fp8.example_dump(self.path, rotation="none")
+        for name, layer in indexer_fp8.analyse(self.path)["layers"].items():
+            self.assertEqual((name, layer["integrity"], layer["bad_writes"]), (name, "ok", []))
+            self.assertEqual(layer["stored_topk_disagreements"], 0)
+            self.assertEqual(layer["rotation"], "none")
+        # The same bytes declared "hadamard": the model rotates, the written slots disagree.
+        self._set_attr("index_rotation", "hadamard")
+        for layer in indexer_fp8.analyse(self.path)["layers"].values():
+            self.assertEqual(layer["integrity"], "failed")
+            self.assertTrue(layer["bad_writes"])
+
+    def test_block_32_at_width_64_is_judged_with_two_scales(self):
+        # x = 64 ones. Hadamard row 0 sums to 64, every other row to 0; times 64^-0.5:
+        # y = (8, 0, ..., 0), exact in bf16. Block 0 (y_0..y_31): amax 8, 8 / 448 = 0.01786
+        # lies between 2^-6 and 2^-5: scale 2^-5; 8 / 2^-5 = 256 = 1.000 x 2^8, code 0 1111 000
+        # = 120. Block 1: amax 0, floored at 1e-4: 2^-22 (as above); codes 0. One block of 64
+        # would give the single scale 2^-5.
+        codes, scales = indexer_fp8.deployed_quantize(np.ones(64, dtype=np.float32), block=32)
+        self.assertEqual(scales.tolist(), [2.0 ** -5, 2.0 ** -22])
+        self.assertEqual((int(codes[0]), np.count_nonzero(codes[1:])), (120, 0))
+        # A dump with D = 64, index_block_size 32, whose position 9 (slot 9, written by S000)
+        # holds that row in both layers.
+        keys = np.random.default_rng(5).standard_normal((2, 13, 64)).astype(np.float32)
+        keys[:, 9] = 1.0
+        indexer_fp8.example_dump(self.path, head_dim=64, block=32, keys=keys)
+        import h5py
+
+        with h5py.File(self.path, "r") as f:
+            after = f["steps/S000/L000/indexer/k_scales_after"][()].reshape(-1, 2)
+            self.assertEqual(after[9].tolist(), [2.0 ** -5, 2.0 ** -22])
+        for layer in indexer_fp8.analyse(self.path)["layers"].values():
+            self.assertEqual((layer["integrity"], layer["bad_writes"]), ("ok", []))
+            self.assertEqual(layer["block_size"], 32)
+
+    def test_scales_that_disagree_with_the_block_size_are_refused(self):
+        # Two scales per slot (20 slots in 5 pages of 4) declared as one block of 64: numpy
+        # would broadcast the model's one scale over both columns; the command refuses instead,
+        # one line naming the object.
+        indexer_fp8.example_dump(self.path, head_dim=64, block=32)
+        self._set_attr("index_block_size", np.int32(64))
+        status, _, err = self._main([self.path])
+        self.assertEqual(status, 2)
+        self.assertEqual(len(err.strip().splitlines()), 1)
+        self.assertIn(f"{self.path}:/layers/L000/indexer/k_scales: shape [5, 4, 2] disagrees "
+                      "with index_block_size 64", err)
+
+    def test_unknown_rotation_and_block_size_are_refused(self):
+        indexer_fp8.example_dump(self.path)
+        self._set_attr("index_rotation", "walsh")
+        status, _, err = self._main([self.path])
+        self.assertEqual((status, len(err.strip().splitlines())), (2, 1))
+        self.assertIn(f"{self.path}:/layers/L000/indexer: index_rotation 'walsh' is unknown", err)
+        self._set_attr("index_rotation", "hadamard")
+        self._set_attr("index_block_size", np.int32(12))
+        status, _, err = self._main([self.path])
+        self.assertEqual((status, len(err.strip().splitlines())), (2, 1))
+        self.assertIn(f"{self.path}:/layers/L000/indexer: index_block_size 12 does not divide",
+                      err)
+
+
+class StoredTopk(unittest.TestCase):
+    """The server's stored topk_indices must be a valid top-k of the model's deployed scores
+    (ties with the k-th may be broken either way); else integrity fails, rows named."""
+
+    def test_tie_breaks_agree_other_choices_do_not(self):
+        # deployed = (3, 2, 0, 0, 0), k = 3: 0 and 1, then any zero. (0, 1, 4) is a valid top-3;
+        # (0, 2, 3) drops token 1 for a lower one; a repeated or missing pick is not a top-3.
+        deployed = np.array([3.0, 2.0, 0.0, 0.0, 0.0])
+        agrees = indexer_fp8._stored_topk_agrees
+        self.assertTrue(agrees([0, 1, 4], deployed, 3))
+        self.assertTrue(agrees([4, 1, 0, -1], deployed, 3))
+        self.assertFalse(agrees([0, 2, 3], deployed, 3))
+        self.assertFalse(agrees([0, 1, 1], deployed, 3))
+        self.assertFalse(agrees([0, 1, -1], deployed, 3))
+        self.assertFalse(agrees([0, 1, 5], deployed, 3))
+
+    def test_a_changed_stored_row_fails_integrity(self):
+        import h5py
+
+        tmp = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, tmp)
+        path = os.path.join(tmp, "example.h5")
+        indexer_fp8.example_dump(path)
+        # S001 (decode) row 0 of L001: position 12, 13 visible, top-4. Replace the stored pick
+        # with the lowest deployed score by the visible token with the lowest deployed score
+        # overall (checked strictly lower than the 4th: not a tie-break).
+        with h5py.File(path, "a") as f:
+            group = f["steps/S001/L001/indexer"]
+            codes = group["k_cache_after"][()].reshape(-1, 32)[:13]
+            scales = group["k_scales_after"][()].reshape(-1, 1)[:13]
+            q_codes, q_scales = indexer_fp8.deployed_quantize(group["q"][0])
+            deployed = indexer_fp8.deployed_scores(q_codes, q_scales, group["weights"][0],
+                                                   codes, scales, 32 ** -0.5)
+            topk = group["topk_indices"][()]
+            row = topk[0].copy()
+            weakest = row[np.argmin(deployed[row])]
+            lowest = int(np.argmin(deployed))
+            self.assertNotIn(lowest, row.tolist())
+            self.assertLess(deployed[lowest], deployed[weakest])
+            topk[0][row == weakest] = lowest
+            group["topk_indices"][()] = topk
+        result = indexer_fp8.analyse(path)
+        layer = result["layers"]["L001"]
+        self.assertEqual(layer["stored_topk_disagreements"], 1)
+        self.assertEqual(layer["integrity"], "failed")
+        self.assertEqual([(d["step"], d["row"], d["position"])
+                          for d in layer["stored_topk_disagreeing_rows"]], [("S001", 0, 12)])
+        self.assertEqual(result["layers"]["L000"]["integrity"], "ok")
+        # The command: exit 1, the count in the table and the JSON, the row named.
+        out_json = os.path.join(tmp, "report.json")
+        out_md = os.path.join(tmp, "report.md")
+        with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):
+            status = indexer_fp8.main([path, "--json", out_json, "--markdown", out_md])
+        self.assertEqual(status, 1)
+        with open(out_md) as text:
+            table = text.read().splitlines()
+        self.assertIn("| stored top-k disagreements | integrity |", table[0])
+        self.assertTrue(table[3].startswith("| L001 |") and table[3].endswith("| 1 | failed |"),
+                        table[3])
+        self.assertTrue(table[2].endswith("| 0 | ok |"), table[2])
+        self.assertTrue(any(line.startswith("- L001 S001 row 0 (position 12): the stored top-k")
+                            for line in table))
+        import json
+
+        with open(out_json) as text:
+            self.assertEqual(json.load(text)["layers"]["L001"]["stored_topk_disagreements"], 1)
+
+
 def _hf_missing():
     try:
         import torch  # noqa: F401
