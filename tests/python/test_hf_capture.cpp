@@ -12,54 +12,11 @@
 // The interpreter: $KVAUDIT_PYTHON, else build/python-venv/bin/python (scripts/setup-python.sh
 // with KVAUDIT_WITH_TORCH=1 installs torch and transformers 5.25.0). [torch]: skipped, by name,
 // where that interpreter has no torch (tests/prerequisites.hpp).
-#include <fmt/core.h>
-#include <sys/wait.h>
-
 #include <catch2/catch.hpp>
-#include <cstdlib>
-#include <filesystem>
-#include <fstream>
-#include <sstream>
-#include <string>
 
-#include "tests/test_paths.hpp"
-
-namespace {
-
-std::string quoted(const std::filesystem::path& path) { return fmt::format("'{}'", path.string()); }
-
-std::filesystem::path interpreter() {
-  if (const char* python = std::getenv("KVAUDIT_PYTHON"); python != nullptr && *python != '\0') {
-    return python;
-  }
-  return kvaudit_test::source_dir() / "build" / "python-venv" / "bin" / "python";
-}
-
-std::string read_text(const std::filesystem::path& path) {
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
-}  // namespace
+#include "tests/python/python_suite.hpp"
 
 TEST_CASE("hf capture: kvaudit's reference reproduces GLM-5's and DeepSeek-V3.2's own attention",
           "[python][torch][hf]") {
-  const std::filesystem::path dir = kvaudit_test::test_tmpdir() / "hf_capture";
-  std::filesystem::create_directories(dir);
-  const std::filesystem::path python_dir = kvaudit_test::source_dir() / "python";
-  const std::string command = fmt::format(
-      "cd {} && KVAUDIT_BINARY={} KVAUDIT_REQUIRE_HF=1 PYTHONPATH={} {} -B -m unittest -v "
-      "tests.test_hf_capture > {} 2>&1",
-      quoted(python_dir), quoted(kvaudit_test::kvaudit_binary()), quoted(python_dir),
-      quoted(interpreter()), quoted(dir / "unittest.log"));
-  const int status = std::system(command.c_str());
-  const std::string log = read_text(dir / "unittest.log");
-  INFO(command << "\n" << log);
-  REQUIRE(status != -1);
-  CHECK(WIFEXITED(status));
-  CHECK(WEXITSTATUS(status) == 0);
-  CHECK(log.find("Ran 7 tests") != std::string::npos);
-  CHECK(log.find("skipped") == std::string::npos);
+  kvaudit_test::check_python_suite("test_hf_capture", "hf_capture", 7);
 }

@@ -92,13 +92,15 @@ TEST_CASE("scale sign-off: report.json carries the scales and reads them back",
   CHECK(back->policy.scale_error_factor == 2.0);
 }
 
+// A shipped dump, opened (the case fails naming the error otherwise).
+DumpReader dataset(const char* name) {
+  auto reader = DumpReader::open(kvaudit_test::source_dir() / "datasets" / name);
+  if (!reader) FAIL(reader.error().message());
+  return std::move(*reader);
+}
+
 TEST_CASE("scale sign-off: the scale-1.0 trace fails naming saturation, the recalibrated passes",
           "[signoff][scales]") {
-  const auto dataset = [](const char* name) {
-    auto reader = DumpReader::open(kvaudit_test::source_dir() / "datasets" / name);
-    if (!reader) FAIL(reader.error().message());
-    return std::move(*reader);
-  };
   const DumpReader unit = dataset("glm5_outliers_scale1.h5");
   auto unit_served = served_scale_checks(unit, {}, 0);
   REQUIRE(unit_served);
@@ -130,11 +132,6 @@ TEST_CASE("scale sign-off: the scale-1.0 trace fails naming saturation, the reca
 
 TEST_CASE("scale sign-off: what cannot be judged is a note naming why, not a silent gap",
           "[signoff][scales]") {
-  const auto dataset = [](const char* name) {
-    auto reader = DumpReader::open(kvaudit_test::source_dir() / "datasets" / name);
-    if (!reader) FAIL(reader.error().message());
-    return std::move(*reader);
-  };
   const DumpReader no_source = dataset("page64_nan.h5");  // written without kv_source
   auto served = served_scale_checks(no_source, {}, 0);
   REQUIRE(served);
