@@ -52,10 +52,10 @@ void register_synth_command(CLI::App& app, CommandRunner& runner);
 void register_check_command(CLI::App& app, CommandRunner& runner);
 void register_calibrate_command(CLI::App& app, CommandRunner& runner);
 // check --signoff's scales section: `kvaudit calibrate` on the layers checked (`layer_ids`, empty:
-// all), as CheckRun::scales. What it cannot judge is a note, never silently absent: a dump
-// whose checked layers lack kv_source (the sign-off's gap rule also speaks for it), one with
-// per_token_group scales (computed at write time: no served per-tensor scale to judge), a layer
-// with no recommendation (no finite nonzero amax). Defined in cli_calibrate.cpp.
+// all), as CheckRun::scales. What it cannot judge is a note (check prints it), never silently
+// absent: a dump whose checked layers lack kv_source (the sign-off's gap rule also speaks for it),
+// one with per_token_group scales (computed at write time: no served per-tensor scale to judge), a
+// layer with no recommendation (no finite nonzero amax). Defined in cli_calibrate.cpp.
 struct ServedScales {
   std::vector<LayerScaleCheck> checks;
   std::vector<std::string> notes;
