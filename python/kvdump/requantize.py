@@ -168,11 +168,11 @@ def _first_difference(stored, expected, source, path, scale):
     differs = (stored != expected) & ~(_is_nan_code(stored) & np.isnan(source))
     if not differs.any():
         return
-    page, offset, element = (int(i) for i in np.argwhere(differs)[0])
+    at = tuple(int(i) for i in np.argwhere(differs)[0])
     raise RequantizeError(
-        f"{path}[{page}, {offset}, {element}]: holds code 0x{int(stored[page, offset, element]):02X}"
-        f" where the write rule at the dump's kv_scale {float(scale):.9g} gives "
-        f"0x{int(expected[page, offset, element]):02X} ({int(differs.sum())} codes differ): the "
+        f"{path}[{at[0]}, {at[1]}, {at[2]}]: holds code 0x{int(stored[at]):02X} where the write "
+        f"rule at the dump's kv_scale {float(scale):.9g} gives 0x{int(expected[at]):02X} "
+        f"({int(differs.sum())} codes differ): the "
         "pool is not its rows by the rule, so no rule says what it would hold at another scale "
         "(kvaudit check judges it)")
 
