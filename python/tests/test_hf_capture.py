@@ -16,6 +16,7 @@ Needs torch and transformers (the package's [hf] extra) and a kvaudit binary ($K
 else build/kvaudit); skipped without them unless KVAUDIT_REQUIRE_HF=1, where they must be there.
 """
 
+import json
 import math
 import os
 import shutil
@@ -194,6 +195,76 @@ class HfCaptureAgreement(unittest.TestCase):
                 else:
                     self.assertGreater(errors["rel_l2"], 2.0**-8)
                     self.assertLess(errors["rel_l2"], 2.0**-3)
+
+    def test_requantize_amax_reproduces_the_captures_pool(self):
+        # kvdump.requantize --kv-scale amax is hf_capture's own rule: the same scale and bytes.
+        import h5py
+
+        from kvdump import requantize
+
+        again = os.path.join(self.work, "glm5_amax.h5")
+        requantize.requantize(self.glm5, again, "amax")
+        with h5py.File(self.glm5, "r") as f, h5py.File(again, "r") as g:
+            for layer in ("L000", "L002"):
+                self.assertEqual(g[f"layers/{layer}"].attrs["kv_scale"],
+                                 f[f"layers/{layer}"].attrs["kv_scale"])
+                np.testing.assert_array_equal(g[f"layers/{layer}/kv_cache"][...],
+                                              f[f"layers/{layer}/kv_cache"][...])
+
+    def test_fp8_cost_at_scale_one_against_amax(self):
+        # The same capture's pool at 1.0 (a server without a checkpoint scale) and at amax/448.
+        # Default outlier gain 16: amax (by hand below) stays under 464, so nothing saturates at
+        # 1.0 and every stored value keeps e4m3's 2^-4 relative rounding at either scale (the
+        # smaller scale moves values by a constant factor, subnormals below 2^-6 aside): the cost
+        # after o_proj is the same size, within a factor 2 either way. Outlier gain 512: the
+        # outlier channels, which carry most of the latent's norm, reach ~2300 > 464 and are
+        # stored as 448 at 1.0, losing most of their value: the cost after o_proj is over 2^-2
+        # and over 4 times amax/448's.
+        import h5py
+
+        from kvdump import hf_compare, requantize
+
+        gained = os.path.join(self.work, "glm5_gain512.h5")
+        self.hf.capture(gained, model="glm5", size="tiny", layers=[0], prefix_tokens=24,
+                        extend_tokens=6, decode_steps=2, seed=3, index_topk=8,
+                        q_dtype="float32", outlier_gain=512.0)
+        worst = {}
+        for name, dump in (("gain16", self.glm5), ("gain512", gained)):
+            with h5py.File(dump, "r") as f:
+                rows = [f["layers/L000/kv_source"][...]] + [
+                    f[f"steps/{step}/L000/new_kv"][...] for step in f["steps"]]
+                amax = max(float(np.abs(r).max()) for r in rows)
+            self.assertEqual(amax > 464.0, name == "gain512", f"{name}: amax {amax}")
+            served = dump.replace(".h5", "_scale1.h5")
+            requantize.requantize(dump, served, "1.0")
+            runs = []
+            for path in (dump, served):
+                outputs = path + ".outputs.h5"
+                subprocess.run([_kvaudit(), "check", path, "--backend", "none", "--certify", "0",
+                                "--save-outputs", outputs], check=True, capture_output=True)
+                runs.append((path, outputs))
+            for row in hf_compare.worst_by_scale(hf_compare.compare_runs(runs)):
+                worst[(name, row["comparison"], row["kv_scale"])] = row["rel_l2"]
+            if name == "gain16":
+                report = os.path.join(self.work, "compare.json")
+                with mock.patch("sys.stdout"):
+                    hf_compare.main([dump, runs[0][1], "--also", *runs[1], "--json", report])
+                with open(report, encoding="utf-8") as f:
+                    document = json.load(f)
+                self.assertEqual(document["runs"][1]["kv_scale"], {"L000": 1.0, "L002": 1.0})
+                scales = {row["kv_scale"] for row in document["rows"]
+                          if row["comparison"] == "fp8 after o_proj"}
+                self.assertEqual(len(scales), 3)  # L000's and L002's amax/448, and 1.0
+        gain16 = {k[2]: v for k, v in worst.items() if k[:2] == ("gain16", "fp8 after o_proj")}
+        gain512 = {k[2]: v for k, v in worst.items() if k[:2] == ("gain512", "fp8 after o_proj")}
+        at_one = gain16.pop(1.0)
+        at_amax = max(gain16.values())
+        self.assertTrue(2.0**-8 < at_amax < 2.0**-3 and 2.0**-8 < at_one < 2.0**-3, worst)
+        self.assertTrue(0.5 < at_one / at_amax < 2.0, worst)
+        at_one = gain512.pop(1.0)
+        (at_amax,) = gain512.values()
+        self.assertGreater(at_one, 2.0**-2, worst)
+        self.assertGreater(at_one, 4.0 * at_amax, worst)
 
     def test_layer_weights_from_safetensors(self):
         # A checkpoint's layer given as safetensors files is what the module runs with.

@@ -7,7 +7,10 @@
 // through the module's W_UV, to equal the module's attention output within the float32-storage
 // bound, and planted copies (GLM-5 scale as 1/sqrt(192)'s ratio, the query absorbed with the
 // wrong head's W_UK, mscale^2 dropped) to miss it by more than 100 times the bound; and
-// kvdump.hf_compare to show FP8's cost after W_UV and o_proj between 2^-8 and 2^-3 rel_l2.
+// kvdump.hf_compare to show FP8's cost after W_UV and o_proj between 2^-8 and 2^-3 rel_l2; and
+// kvdump.requantize --kv-scale amax to reproduce the capture's pool, and the pool requantized at
+// 1.0 to cost the same as amax/448 where nothing saturates (outlier gain 16) and over 2^-2 and 4x
+// amax/448's after o_proj where the outlier channels saturate (gain 512).
 //
 // The interpreter: $KVAUDIT_PYTHON, else build/python-venv/bin/python (scripts/setup-python.sh
 // with KVAUDIT_WITH_TORCH=1 installs torch and transformers 5.25.0). [torch]: skipped, by name,
@@ -18,5 +21,5 @@
 
 TEST_CASE("hf capture: kvaudit's reference reproduces GLM-5's and DeepSeek-V3.2's own attention",
           "[python][torch][hf]") {
-  kvaudit_test::check_python_suite("test_hf_capture", "hf_capture", 7);
+  kvaudit_test::check_python_suite("test_hf_capture", "hf_capture", 9);
 }
