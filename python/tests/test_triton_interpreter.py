@@ -1,6 +1,6 @@
-"""kvdump.backends.triton_interpreter: the two corrections it makes to Triton's interpreter, on
-values worked by hand (a bf16 tl.dot and fp32 -> bf16 stores), and the adapter switch that turns
-it on. Needs torch and triton (a CUDA build of torch from PyPI brings triton; no GPU is used):
+"""kvdump.backends.triton_interpreter: the corrections it makes to Triton's interpreter, on values
+worked by hand (a bf16 tl.dot, fp32 -> bf16 casts and stores, fp32 / bf16 -> e4m3 casts), and the
+adapter switch that turns it on. Needs torch and triton (a CUDA build of torch from PyPI brings triton; no GPU is used):
 skipped, by name, where either is missing."""
 
 import os
@@ -46,7 +46,13 @@ def kernels():
         x = tl.load(x_ptr + offsets)
         tl.store(y_ptr + offsets, x.to(tl.bfloat16).to(tl.float32))
 
-    return dot16, store_bf16, cast_bf16
+    @triton.jit
+    def cast_e4m3(x_ptr, y_ptr, N: tl.constexpr):
+        offsets = tl.arange(0, N)
+        x = tl.load(x_ptr + offsets)
+        tl.store(y_ptr + offsets, x.to(tl.float8e4nv).to(tl.float32))
+
+    return dot16, store_bf16, cast_bf16, cast_e4m3
 
 
 @unittest.skipIf(MISSING, MISSING)
@@ -57,7 +63,7 @@ class InterpreterCorrections(unittest.TestCase):
 
         cls.saved = os.environ.get("TRITON_INTERPRET")
         cls.summary = triton_interpreter.enable(torch)
-        cls.dot16, cls.store_bf16, cls.cast_bf16 = kernels()
+        cls.dot16, cls.store_bf16, cls.cast_bf16, cls.cast_e4m3 = kernels()
 
     @classmethod
     def tearDownClass(cls):
@@ -100,10 +106,28 @@ class InterpreterCorrections(unittest.TestCase):
         self.cast_bf16[(1,)](x, y, 8)
         self.assertEqual(y.tolist()[:5], [r for _, r in cases])
 
+    def test_fp32_and_bf16_cast_to_e4m3_round_to_nearest_even_and_saturate(self):
+        # e4m3 keeps 3 explicit mantissa bits: the ulp at 1 is 2^-3, at 256 it is 32; largest 448.
+        cases = [
+            (1 + 2**-3 + 2**-4, 1 + 2**-2),  # halfway, 1 + 2^-3 odd: to the even 1.25
+            (1 + 2**-4, 1.0),  # halfway, 1.0 even: stays
+            (1.875 + 2**-4, 2.0),  # halfway, 1.875 odd: up, the carry into the exponent
+            (1.5 + 2**-6, 1.5),  # below halfway: down
+            (432.0, 448.0),  # halfway between 416 (odd) and 448 (even): 448
+            (1000.0, 448.0),  # beyond the largest: satfinite
+            (-1000.0, -448.0),
+            (2**-9, 2**-9),  # the smallest subnormal, exact
+        ]
+        for dtype in (torch.float32, torch.bfloat16):  # every input is exact in bf16 too
+            x = torch.tensor([v for v, _ in cases], dtype=dtype)
+            y = torch.zeros(8, dtype=torch.float32)
+            self.cast_e4m3[(1,)](x, y, 8)
+            self.assertEqual(y.tolist(), [r for _, r in cases], str(dtype))
+
     def test_summary_says_cpu_interpreter(self):
         self.assertTrue(self.summary["on"])
         self.assertIn("not a GPU run", self.summary["device"])
-        self.assertEqual(len(self.summary["patches"]), 2)
+        self.assertEqual(len(self.summary["patches"]), 3)
 
 
 @unittest.skipIf(MISSING, MISSING)

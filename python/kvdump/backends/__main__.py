@@ -66,7 +66,7 @@ def add_common_options(parser, adapter):
         parser.add_argument("--triton-interpreter", action="store_true",
                             help="run the kernel on the CPU under Triton's interpreter "
                                  "(TRITON_INTERPRET=1, --device cpu), with its bf16 tl.dot and "
-                                 "fp32 -> bf16 rounding corrected (kvdump/backends/"
+                                 "bf16 / fp8 roundings corrected (kvdump/backends/"
                                  "triton_interpreter.py); describe says so. Slow: a model of the "
                                  "GPU run for diagnosis, not a GPU result")
     if adapter == "vllm-triton-mla":

@@ -6,7 +6,7 @@ kv_scale), page size P from the dump, H query heads sharing one latent KV head. 
 become Nq batch entries (triton_layout.py); out [Nq, H, 512] bf16 and lse [Nq, H] come back.
 A Triton kernel runs on a CUDA GPU (SM89 or newer), or on the CPU under Triton's interpreter with
 --triton-interpreter (or TRITON_INTERPRET=1 in the environment): triton_interpreter.py turns it
-on, corrects its bf16 tl.dot and fp32 -> bf16 rounding, and describe's kernel.triton_interpreter
+on, corrects its bf16 tl.dot and bf16 / fp8 roundings, and describe's kernel.triton_interpreter
 says the kernel ran interpreted on the CPU (docs/peer-kernels.md "Without a GPU").
 """
 
