@@ -1027,9 +1027,10 @@ std::optional<Candidate> merged(const std::vector<Tried>& singles,
 }
 
 // The pairs: each of the kPairAnchors singles that help most (that bring the candidate closer
-// than R8 does, by more than kHypothesisTieRatio, in at least one compared metric) with every
-// other single it combines with. The partner need not help alone: a rounding applied to inputs
-// another mismatch moved (P rounded on scores from a rounded q) does not help on its own.
+// than R8 does, by more than kHypothesisTieRatio, in at least one compared metric or passing out
+// metric: HypothesisJudgement::closest_metric_ratio) with every other single it combines with. The
+// partner need not help alone: a rounding applied to inputs another mismatch moved (P rounded on
+// scores from a rounded q) does not help on its own.
 std::vector<Candidate> pairs(const std::vector<Tried>& singles) {
   std::vector<std::size_t> helping;
   for (std::size_t i = 0; i < singles.size(); ++i) {

@@ -738,6 +738,24 @@ std::vector<Limit> fraction_metrics(const ComparisonLimits& limits,
   return compared;
 }
 
+// The smallest after / before over the out metrics the fraction rule does not compare (rel_l2,
+// max_abs_over_ref_max: those the candidate passes), +inf where none is finite and nonzero
+// before. A hypothesis that brings a passing metric closer is a partial explanation too: two
+// choices can each hide the other on the failing one (vLLM's Triton decode: K dequantized to bf16
+// moves the fp32 lse by less than the bf16 lse buffer rounds it, so neither alone brings the lse
+// closer, while the dequantization halves the out error; docs/design.md "Diagnosis").
+double passing_metric_ratio(const ComparisonMetrics& before, const ComparisonMetrics& after,
+                            const std::vector<Limit>& compared) {
+  double smallest = std::numeric_limits<double>::infinity();
+  for (const Limit limit : {Limit::kRelL2, Limit::kMaxAbsOverRefMax}) {
+    if (std::find(compared.begin(), compared.end(), limit) != compared.end()) continue;
+    const double was = metric_value(before, limit);
+    const double ratio = metric_value(after, limit) / was;
+    if (std::isfinite(was) && was > 0.0 && !std::isnan(ratio)) smallest = std::min(smallest, ratio);
+  }
+  return smallest;
+}
+
 }  // namespace
 
 HypothesisJudgement judge_hypothesis(const Policy& policy, Comparison comparison,
@@ -785,6 +803,8 @@ HypothesisJudgement judge_hypothesis(const Policy& policy, Comparison comparison
     judgement.fraction = std::max(judgement.fraction, ratio);
     judgement.closest_metric_ratio = std::min(judgement.closest_metric_ratio, ratio);
   }
+  judgement.closest_metric_ratio =
+      std::min(judgement.closest_metric_ratio, passing_metric_ratio(before, after, compared));
   if (after.nonfinite_mismatches > 0) {
     judgement.fraction = kInfinity;
     judgement.closest_metric_ratio = kInfinity;

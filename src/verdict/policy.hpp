@@ -137,8 +137,9 @@ struct HypothesisJudgement {
   bool passes_limits = false;
   bool within_fraction = false;
   double fraction = 0.0;  // after / before, the largest over the compared metrics; +inf: NaN/Inf
-  // The smallest after / before over the compared metrics: how much closer the hypothesis brings
-  // the one metric it helps most (a partial explanation, for the search's combinations).
+  // The smallest after / before over the compared metrics and the out metrics the candidate
+  // passes (rel_l2, max_abs_over_ref_max): how much closer the hypothesis brings the one metric
+  // it helps most (a partial explanation: the search's combinations are anchored on it).
   double closest_metric_ratio = 0.0;
   std::vector<std::string> reasons;
   double excess = 0.0;

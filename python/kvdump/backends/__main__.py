@@ -63,6 +63,12 @@ def add_common_options(parser, adapter):
                                  "scripts/fetch-peer-kernels.sh puts it)")
         parser.add_argument("--num-kv-splits", type=positive_int, default=0, metavar="N",
                             help="KV splits of every entry (default: the server's own policy)")
+        parser.add_argument("--triton-interpreter", action="store_true",
+                            help="run the kernel on the CPU under Triton's interpreter "
+                                 "(TRITON_INTERPRET=1, --device cpu), with its bf16 tl.dot and "
+                                 "bf16 / fp8 roundings corrected (kvdump/backends/"
+                                 "triton_interpreter.py); describe says so. Slow: a model of the "
+                                 "GPU run for diagnosis, not a GPU result")
     if adapter == "vllm-triton-mla":
         parser.add_argument("--lse-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                             help="the lse buffer's dtype: bfloat16 as vLLM's TritonMLAImpl "

@@ -4,15 +4,15 @@ peer file's loading, the refusals, the per-row batch (triton_layout.py) and the 
 Model served: per-tensor FP8 pool uint8 [slots, 576] (512 latent + 64 RoPE e4m3 codes, one
 kv_scale), page size P from the dump, H query heads sharing one latent KV head. Each step's rows
 become Nq batch entries (triton_layout.py); out [Nq, H, 512] bf16 and lse [Nq, H] come back.
-A Triton kernel runs on a CUDA GPU (SM89 or newer). Under Triton's interpreter (TRITON_INTERPRET=1,
---device cpu) both kernels run end to end, but Triton 3.6.0's interpreter computes tl.dot on bf16
-operands wrongly, so their outputs there are not the kernels' (docs/peer-kernels.md).
+A Triton kernel runs on a CUDA GPU (SM89 or newer), or on the CPU under Triton's interpreter with
+--triton-interpreter (or TRITON_INTERPRET=1 in the environment): triton_interpreter.py turns it
+on, corrects its bf16 tl.dot and bf16 / fp8 roundings, and describe's kernel.triton_interpreter
+says the kernel ran interpreted on the CPU (docs/peer-kernels.md "Without a GPU").
 """
-
-import os
 
 import numpy as np
 
+from . import triton_interpreter
 from . import triton_layout as layout
 from .peer_kernels import kernel_file, load, provenance
 from .pooled_adapter import COMMON_FAULTS, PooledAdapter
@@ -24,14 +24,24 @@ INTERPRETER_SM_COUNT = 132  # an H200's, used for the split policy when no GPU i
 
 
 def interpreting():
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return triton_interpreter.interpreting()
 
 
 class TritonMlaAdapter(PooledAdapter):
     available_faults = COMMON_FAULTS
     peer = None  # peer_kernels.PeerKernel
+    interpreter = None  # triton_interpreter.summary() when the kernel runs interpreted
+
+    @property
+    def default_device(self):
+        return "cpu" if self.wants_interpreter() else None
+
+    def wants_interpreter(self):
+        return getattr(self.options, "triton_interpreter", False) or interpreting()
 
     def import_libraries(self):
+        if self.wants_interpreter():
+            self.interpreter = triton_interpreter.enable(self.torch)
         self.kernel_path = kernel_file(self.peer, self.options.kernel_file)
         self.kernel = load(self.peer, self.kernel_path, self.torch)
         import triton
@@ -39,9 +49,12 @@ class TritonMlaAdapter(PooledAdapter):
         self.triton_version = triton.__version__
 
     def check_model(self, model):
-        if self.device.type != "cuda" and not interpreting():
+        if self.device.type != "cuda" and not self.interpreter:
             raise unsupported(f"{self.name}: a Triton kernel runs on a CUDA GPU (or on the CPU "
-                              f"under TRITON_INTERPRET=1); --device is {self.device}")
+                              f"with --triton-interpreter); --device is {self.device}")
+        if self.device.type == "cuda" and self.interpreter:
+            raise unsupported(f"{self.name}: --triton-interpreter runs the kernel on the CPU; "
+                              f"--device is {self.device}")
         if self.device.type == "cuda":
             major, minor = self.torch.cuda.get_device_capability(self.device)
             if (major, minor) < (8, 9):
@@ -64,7 +77,8 @@ class TritonMlaAdapter(PooledAdapter):
 
     def library_summary(self):
         return {**provenance(self.peer, self.kernel_path), "triton": self.triton_version,
-                "triton_interpreter": interpreting(), "sm_count": self.sm_count()}
+                "triton_interpreter": self.interpreter or {"on": False},
+                "sm_count": self.sm_count()}
 
     def describe(self):
         describe = super().describe()
