@@ -8,6 +8,7 @@
 #include <fmt/ostream.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <iostream>
 #include <memory>
@@ -361,6 +362,21 @@ Result<std::optional<ResolvedShard>> check_shard(const CheckOptions& options) {
   return std::optional<ResolvedShard>(std::move(resolved));
 }
 
+// A kvdump v1.2 dump's indexer: check judges its cache writes and stored top-k (integrity), not
+// the recall of the deployed selection; one console line says so and names the command that
+// judges it (on the console, not in the report's notes, which a shard's part would repeat).
+void print_indexer_note(std::ostream& out, const DumpLayout& layout, const std::string& dump) {
+  const bool has_indexer = std::any_of(layout.layers.begin(), layout.layers.end(),
+                                       [](const LayerMeta& layer) { return layer.indexer; });
+  if (!has_indexer) return;
+  fmt::print(out,
+             "note: the DSA indexer's top-k recall against the exact scores (and the attention "
+             "error of the tokens it changes) is not judged by check; check judges the indexer "
+             "cache's writes and stored top-k (indexer_* integrity checks). Judge the recall "
+             "with: python -m kvdump.indexer_fp8 {}\n",
+             shell_quote(dump));
+}
+
 // The whole check, or with --shard its part (`shard` then says what the part records).
 Result<CheckRun> replay_check(const CheckOptions& options, const DumpReader& reader,
                               Backend* backend, const ReplayOptions& replay,
@@ -451,6 +467,7 @@ Result<int> check_dump(const CheckOptions& options) {
     for (const std::string& note : served.notes) fmt::print(std::cout, "note: {}\n", note);
   }
   if (outputs) KVAUDIT_TRY(outputs->close());
+  print_indexer_note(std::cout, reader.layout(), options.dump);
 
   print_check_table(std::cout, run, options.verbose);
   KVAUDIT_TRY(write_outputs(options, reader, run, shard ? &*shard : nullptr,
@@ -585,6 +602,11 @@ void register_check_command(CLI::App& app, CommandRunner& runner) {
        "kv_scale), other slots unchanged, no NaN codes written, captured kv_cache_after equal to "
        "the replay (differing slots classified), NaN codes already in the pool reported as data. "
        "A per-step summary says whether each pool is intact and how error evolves.\n"
+       "A kvdump v1.2 dump's DSA indexer cache is judged too (docs/indexer-fp8.md): written "
+       "slots of a captured k_cache_after hold the declared rule's codes and scales, other slots "
+       "unchanged, and each stored top-k is a top-k of the scores recomputed from the FP8 cache "
+       "and query (indexer_* integrity checks); its recall is not (python -m kvdump.indexer_fp8 "
+       "DUMP measures it).\n"
        "External backends: --backend exec:NAME --backend-command CMD runs CMD once and judges it "
        "like a built-in backend (docs/backend-protocol.md).\n"
        "Sign-off: make a key once (kvaudit keygen --out FILE), then check --signoff --signed-by "
