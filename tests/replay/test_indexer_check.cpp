@@ -18,6 +18,7 @@
 
 #include "src/replay/indexer_check.hpp"
 #include "src/replay/replay.hpp"
+#include "tests/cli/shard_commands.hpp"
 #include "tests/format/kvdump_fixture.hpp"
 #include "tests/test_paths.hpp"
 
@@ -259,6 +260,54 @@ TEST_CASE("check's stored top-k check catches a pick below the k-th deployed sco
     }
   }
   CHECK(caught > 0);
+}
+
+TEST_CASE("kvaudit check on a v1.2 dump: exit status, the recall note, merge of shards",
+          "[indexer][v1.2][cli]") {
+  using kvaudit_test::differing_keys;
+  using kvaudit_test::read_json;
+  using kvaudit_test::run_kvaudit;
+  // A written slot of layer 1 damaged at S001: the run fails (exit 1) on indexer_written_slots,
+  // the console says the recall is not judged and by which command, and the two shards' parts
+  // (layer 0, layer 1) merge into the unsharded report, indexer findings in the same order.
+  const auto path = example_dump("indexer-cli.h5");
+  edit_dataset<std::uint8_t>(path, "/steps/S001/L001/indexer/k_cache_after", H5T_NATIVE_UINT8,
+                             [](auto& v) { v[12 * kWidth] ^= 0x01; });
+  const std::filesystem::path dir = testing::kvdump_test_dir() / "indexer-cli";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string dump = " '" + path.string() + "' --backend cpu-fp8 --threads 2";
+  const auto whole = run_kvaudit(
+      "indexer-whole", "check" + dump + " --json '" + (dir / "whole.json").string() + "'");
+  INFO(whole.out << whole.err);
+  CHECK(whole.status == 1);
+  CHECK_THAT(whole.out, Catch::Matchers::Contains(
+                            "note: the DSA indexer's top-k recall against the exact scores"));
+  CHECK_THAT(whole.out, Catch::Matchers::Contains("python -m kvdump.indexer_fp8 "));
+  CHECK_THAT(whole.out,
+             Catch::Matchers::Contains("step 1 layer 1 indexer_written_slots: S001 L001: indexer "
+                                       "cache: 1 written slot(s)"));
+  std::string parts;
+  for (int index = 0; index < 2; ++index) {
+    const auto part = dir / ("part-" + std::to_string(index) + ".json");
+    const auto outcome = run_kvaudit(
+        "indexer-part-" + std::to_string(index),
+        "check" + dump + " --shard " + std::to_string(index) + "/2 --json '" + part.string() + "'");
+    INFO(outcome.out << outcome.err);
+    REQUIRE((outcome.status == 0 || outcome.status == 1));
+    parts += " '" + part.string() + "'";
+  }
+  const auto merged = run_kvaudit(
+      "indexer-merge", "merge" + parts + " --json '" + (dir / "merged.json").string() + "'");
+  INFO(merged.out << merged.err);
+  CHECK(merged.status == 1);
+  const nlohmann::json unsharded = read_json(dir / "whole.json");
+  CHECK(differing_keys(unsharded, read_json(dir / "merged.json")) == std::vector<std::string>{});
+  std::size_t indexer_findings = 0;
+  for (const auto& finding : unsharded.at("integrity")) {
+    indexer_findings += finding.at("check").get<std::string>().rfind("indexer_", 0) == 0 ? 1 : 0;
+  }
+  CHECK(indexer_findings == 12);
 }
 
 }  // namespace
