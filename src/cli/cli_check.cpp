@@ -213,14 +213,23 @@ void print_policy(std::ostream& out, const Policy& policy) {
 }
 
 // --emit-repro: the first failure as a one-step, one-layer kvdump (src/report/repro.hpp) written to
-// `path` (the temporary of options.emit_repro); nothing when the run passed.
-Status emit_repro(const CheckOptions& options, const std::filesystem::path& path,
-                  const DumpReader& reader, const CheckRun& run) {
+// `path` (the temporary of options.emit_repro); nothing when the run passed, or failed only on the
+// indexer cache. Returns whether it wrote the repro.
+Result<bool> emit_repro(const CheckOptions& options, const std::filesystem::path& path,
+                        const DumpReader& reader, const CheckRun& run) {
   if (run.pass()) {
     std::cerr << "kvaudit: the run passed; --emit-repro wrote nothing\n";
-    return ok_status();
+    return false;
   }
   std::optional<ReproTarget> target = first_failure_target(reader.layout(), run);
+  const bool indexer_failed =
+      std::any_of(run.integrity.begin(), run.integrity.end(),
+                  [](const IntegrityFinding& f) { return !f.pass && is_indexer_check(f.check); });
+  if (!target && indexer_failed) {  // no attention failure to target
+    std::cerr << "kvaudit: the run failed only on the DSA indexer cache (kvdump v1.2), which a "
+                 "repro leaves out; --emit-repro wrote nothing\n";
+    return false;
+  }
   if (!target) {
     return internal_error("--emit-repro", "the run failed but no failing step and layer is known");
   }
@@ -238,7 +247,7 @@ Status emit_repro(const CheckOptions& options, const std::filesystem::path& path
              options.emit_repro, target->step, target->layer_id, requests, written.num_rows,
              written.num_pages, written.has_source ? ", kv_source" : "", options.selection.backend,
              backend_selection_arguments(options.selection, " "));
-  return ok_status();
+  return true;
 }
 
 Result<Policy> check_policy(const CheckOptions& options) {
@@ -350,8 +359,12 @@ Status write_outputs(const CheckOptions& options, const DumpReader& reader, cons
   if (outputs.report) {
     KVAUDIT_TRY(write_report_dir(outputs.report->staging_path(), run, signing_key));
   }
-  if (outputs.repro) KVAUDIT_TRY(emit_repro(options, outputs.repro->temp_path(), reader, run));
-  return outputs.commit(!run.pass());
+  bool repro_written = false;
+  if (outputs.repro) {
+    KVAUDIT_ASSIGN_OR_RETURN(repro_written,
+                             emit_repro(options, outputs.repro->temp_path(), reader, run));
+  }
+  return outputs.commit(repro_written);
 }
 
 // --shard, resolved before any work (nothing without it).

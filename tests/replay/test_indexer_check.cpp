@@ -262,11 +262,13 @@ TEST_CASE("check's stored top-k check catches a pick below the k-th deployed sco
   CHECK(caught > 0);
 }
 
-TEST_CASE("kvaudit check on a v1.2 dump: exit status, the recall note, merge of shards",
+TEST_CASE("kvaudit check on a v1.2 dump: exit status, the recall note, merge of shards, repro",
           "[indexer][v1.2][cli]") {
   using kvaudit_test::differing_keys;
   using kvaudit_test::read_json;
   using kvaudit_test::run_kvaudit;
+  // Without a backend (the captured attention outputs of the example pass; its tiny float32
+  // inputs put cpu-fp8's lse just past the kernel limit, which would fail the run on its own).
   // A written slot of layer 1 damaged at S001: the run fails (exit 1) on indexer_written_slots,
   // the console says the recall is not judged and by which command, and the two shards' parts
   // (layer 0, layer 1) merge into the unsharded report, indexer findings in the same order.
@@ -276,7 +278,7 @@ TEST_CASE("kvaudit check on a v1.2 dump: exit status, the recall note, merge of 
   const std::filesystem::path dir = testing::kvdump_test_dir() / "indexer-cli";
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
-  const std::string dump = " '" + path.string() + "' --backend cpu-fp8 --threads 2";
+  const std::string dump = " '" + path.string() + "' --backend none --threads 2";
   const auto whole = run_kvaudit(
       "indexer-whole", "check" + dump + " --json '" + (dir / "whole.json").string() + "'");
   INFO(whole.out << whole.err);
@@ -308,6 +310,17 @@ TEST_CASE("kvaudit check on a v1.2 dump: exit status, the recall note, merge of 
     indexer_findings += finding.at("check").get<std::string>().rfind("indexer_", 0) == 0 ? 1 : 0;
   }
   CHECK(indexer_findings == 12);
+  // --emit-repro: a repro leaves the indexer cache out, so a run that failed only there has no
+  // repro to write, and says so.
+  const auto repro_path = dir / "repro.h5";
+  const auto repro =
+      run_kvaudit("indexer-repro", "check" + dump + " --emit-repro '" + repro_path.string() + "'");
+  INFO(repro.out << repro.err);
+  CHECK(repro.status == 1);
+  CHECK_THAT(repro.err, Catch::Matchers::Contains(
+                            "the run failed only on the DSA indexer cache (kvdump v1.2), which a "
+                            "repro leaves out; --emit-repro wrote nothing"));
+  CHECK_FALSE(std::filesystem::exists(repro_path));
 }
 
 }  // namespace
