@@ -267,8 +267,8 @@ TEST_CASE("kvaudit check on a v1.2 dump: exit status, the recall note, merge of 
   using kvaudit_test::differing_keys;
   using kvaudit_test::read_json;
   using kvaudit_test::run_kvaudit;
-  // Without a backend (the captured attention outputs of the example pass; its tiny float32
-  // inputs put cpu-fp8's lse just past the kernel limit, which would fail the run on its own).
+  // Without a backend: the example's captured attention outputs pass, while with cpu-fp8 its
+  // kernel lse error (1.6e-3) is past the limit (9.8e-4) and would fail the run on its own.
   // A written slot of layer 1 damaged at S001: the run fails (exit 1) on indexer_written_slots,
   // the console says the recall is not judged and by which command, and the two shards' parts
   // (layer 0, layer 1) merge into the unsharded report, indexer findings in the same order.
