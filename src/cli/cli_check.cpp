@@ -8,6 +8,7 @@
 #include <fmt/ostream.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <iostream>
 #include <memory>
@@ -212,14 +213,23 @@ void print_policy(std::ostream& out, const Policy& policy) {
 }
 
 // --emit-repro: the first failure as a one-step, one-layer kvdump (src/report/repro.hpp) written to
-// `path` (the temporary of options.emit_repro); nothing when the run passed.
-Status emit_repro(const CheckOptions& options, const std::filesystem::path& path,
-                  const DumpReader& reader, const CheckRun& run) {
+// `path` (the temporary of options.emit_repro); nothing when the run passed, or failed only on the
+// indexer cache. Returns whether it wrote the repro.
+Result<bool> emit_repro(const CheckOptions& options, const std::filesystem::path& path,
+                        const DumpReader& reader, const CheckRun& run) {
   if (run.pass()) {
     std::cerr << "kvaudit: the run passed; --emit-repro wrote nothing\n";
-    return ok_status();
+    return false;
   }
   std::optional<ReproTarget> target = first_failure_target(reader.layout(), run);
+  const bool indexer_failed =
+      std::any_of(run.integrity.begin(), run.integrity.end(),
+                  [](const IntegrityFinding& f) { return !f.pass && is_indexer_check(f.check); });
+  if (!target && indexer_failed) {  // no attention failure to target
+    std::cerr << "kvaudit: the run failed only on the DSA indexer cache (kvdump v1.2), which a "
+                 "repro leaves out; --emit-repro wrote nothing\n";
+    return false;
+  }
   if (!target) {
     return internal_error("--emit-repro", "the run failed but no failing step and layer is known");
   }
@@ -237,7 +247,7 @@ Status emit_repro(const CheckOptions& options, const std::filesystem::path& path
              options.emit_repro, target->step, target->layer_id, requests, written.num_rows,
              written.num_pages, written.has_source ? ", kv_source" : "", options.selection.backend,
              backend_selection_arguments(options.selection, " "));
-  return ok_status();
+  return true;
 }
 
 Result<Policy> check_policy(const CheckOptions& options) {
@@ -349,8 +359,12 @@ Status write_outputs(const CheckOptions& options, const DumpReader& reader, cons
   if (outputs.report) {
     KVAUDIT_TRY(write_report_dir(outputs.report->staging_path(), run, signing_key));
   }
-  if (outputs.repro) KVAUDIT_TRY(emit_repro(options, outputs.repro->temp_path(), reader, run));
-  return outputs.commit(!run.pass());
+  bool repro_written = false;
+  if (outputs.repro) {
+    KVAUDIT_ASSIGN_OR_RETURN(repro_written,
+                             emit_repro(options, outputs.repro->temp_path(), reader, run));
+  }
+  return outputs.commit(repro_written);
 }
 
 // --shard, resolved before any work (nothing without it).
@@ -359,6 +373,21 @@ Result<std::optional<ResolvedShard>> check_shard(const CheckOptions& options) {
   KVAUDIT_ASSIGN_OR_RETURN(ResolvedShard resolved,
                            resolve_shard(options.shard, process_environment));
   return std::optional<ResolvedShard>(std::move(resolved));
+}
+
+// A kvdump v1.2 dump's indexer: check judges its cache writes and stored top-k (integrity), not
+// the recall of the deployed selection; one console line says so and names the command that
+// judges it (on the console, not in the report's notes, which a shard's part would repeat).
+void print_indexer_note(std::ostream& out, const DumpLayout& layout, const std::string& dump) {
+  const bool has_indexer = std::any_of(layout.layers.begin(), layout.layers.end(),
+                                       [](const LayerMeta& layer) { return layer.indexer; });
+  if (!has_indexer) return;
+  fmt::print(out,
+             "note: the DSA indexer's top-k recall against the exact scores (and the attention "
+             "error of the tokens it changes) is not judged by check; check judges the indexer "
+             "cache's writes and stored top-k (indexer_* integrity checks). Judge the recall "
+             "with: python -m kvdump.indexer_fp8 {}\n",
+             shell_quote(dump));
 }
 
 // The whole check, or with --shard its part (`shard` then says what the part records).
@@ -451,6 +480,7 @@ Result<int> check_dump(const CheckOptions& options) {
     for (const std::string& note : served.notes) fmt::print(std::cout, "note: {}\n", note);
   }
   if (outputs) KVAUDIT_TRY(outputs->close());
+  print_indexer_note(std::cout, reader.layout(), options.dump);
 
   print_check_table(std::cout, run, options.verbose);
   KVAUDIT_TRY(write_outputs(options, reader, run, shard ? &*shard : nullptr,
@@ -585,6 +615,11 @@ void register_check_command(CLI::App& app, CommandRunner& runner) {
        "kv_scale), other slots unchanged, no NaN codes written, captured kv_cache_after equal to "
        "the replay (differing slots classified), NaN codes already in the pool reported as data. "
        "A per-step summary says whether each pool is intact and how error evolves.\n"
+       "A kvdump v1.2 dump's DSA indexer cache is judged too (docs/indexer-fp8.md): written "
+       "slots of a captured k_cache_after hold the declared rule's codes and scales, other slots "
+       "unchanged, and each stored top-k is a top-k of the scores recomputed from the FP8 cache "
+       "and query (indexer_* integrity checks); its recall is not (python -m kvdump.indexer_fp8 "
+       "DUMP measures it).\n"
        "External backends: --backend exec:NAME --backend-command CMD runs CMD once and judges it "
        "like a built-in backend (docs/backend-protocol.md).\n"
        "Sign-off: make a key once (kvaudit keygen --out FILE), then check --signoff --signed-by "

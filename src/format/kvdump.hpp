@@ -221,6 +221,28 @@ struct StepLayerTensors {
   bool sparse() const { return topk > 0; }
 };
 
+// v1.2: a layer's indexer key cache before the first step (S = num_slots, Di = head_dim,
+// Gi = num_blocks): codes [S, Di] e4m3 as stored, scales [S, Gi] float32 (bits as stored),
+// source [S, Di] float32.
+struct IndexerCache {
+  std::vector<std::uint8_t> codes;
+  std::vector<float> scales;
+  std::vector<float> source;
+};
+
+// v1.2: one (step, layer)'s indexer objects: q [Nq, Hi, Di], weights [Nq, Hi], new_k [Nq, Di]
+// (float32), topk_indices [Nq, K] as stored (int64: not checked against the step, since whether
+// they are a valid top-k is what the indexer check judges), and the cache after the step where
+// captured (codes_after [S, Di], scales_after [S, Gi]).
+struct StepIndexerTensors {
+  std::vector<float> q;
+  std::vector<float> weights;
+  std::vector<float> new_k;
+  std::vector<std::int64_t> topk_indices;
+  std::optional<std::vector<std::uint8_t>> codes_after;
+  std::optional<std::vector<float>> scales_after;
+};
+
 class DumpReader {
  public:
   // Opens and validates the whole layout. Errors name the file and the HDF5 object.
@@ -240,6 +262,11 @@ class DumpReader {
   // empty for a dense one. read_step_layer reads them too; `kvaudit info` reads only these.
   Result<std::vector<std::int32_t>> read_topk_indices(std::size_t step_index,
                                                       std::size_t layer_index) const;
+  // v1.2: the layer's indexer cache and one (step, layer)'s indexer objects (bad input naming the
+  // object where the layer has no indexer).
+  Result<IndexerCache> read_indexer_cache(std::size_t layer_index) const;
+  Result<StepIndexerTensors> read_step_indexer(std::size_t step_index,
+                                               std::size_t layer_index) const;
 
  private:
   struct Impl;

@@ -382,4 +382,77 @@ Result<std::vector<std::int32_t>> DumpReader::read_topk_indices(std::size_t step
                    layout.attrs.page_size, step.topk[layer_index]);
 }
 
+// ---- v1.2: the indexer's key cache --------------------------------------------------------------
+
+namespace {
+
+// The layer's indexer attributes, or bad input naming its group where it has none.
+Result<IndexerMeta> indexer_of(const DumpLayout& layout, std::size_t layer_index,
+                               const std::string& file_text) {
+  const LayerMeta& layer = layout.layers[layer_index];
+  if (!layer.indexer) {
+    return bad_input(file_text + ":/layers/" + layer.group + "/indexer", "missing group");
+  }
+  return *layer.indexer;
+}
+
+}  // namespace
+
+Result<IndexerCache> DumpReader::read_indexer_cache(std::size_t layer_index) const {
+  const DumpLayout& layout = impl_->layout;
+  if (layer_index >= layout.layers.size()) {
+    return internal_error(impl_->file_text,
+                          fmt::format("layer index {} out of range", layer_index));
+  }
+  KVAUDIT_ASSIGN_OR_RETURN(const IndexerMeta meta,
+                           indexer_of(layout, layer_index, impl_->file_text));
+  const std::string base = "/layers/" + layout.layers[layer_index].group + "/indexer/";
+  const std::size_t slots = static_cast<std::size_t>(layout.num_slots());
+  const BulkSource source{impl_->file.get(), impl_->file_text};
+  IndexerCache cache;
+  KVAUDIT_TRY(
+      read_all(source, base + "k_cache", H5T_NATIVE_UINT8, slots * meta.head_dim, &cache.codes));
+  KVAUDIT_TRY(read_all(source, base + "k_scales", H5T_NATIVE_FLOAT, slots * meta.num_blocks(),
+                       &cache.scales));
+  KVAUDIT_TRY(
+      read_all(source, base + "k_source", H5T_NATIVE_FLOAT, slots * meta.head_dim, &cache.source));
+  return cache;
+}
+
+Result<StepIndexerTensors> DumpReader::read_step_indexer(std::size_t step_index,
+                                                         std::size_t layer_index) const {
+  const DumpLayout& layout = impl_->layout;
+  if (step_index >= layout.steps.size() || layer_index >= layout.layers.size()) {
+    return internal_error(impl_->file_text,
+                          fmt::format("step {} / layer {} out of range", step_index, layer_index));
+  }
+  KVAUDIT_ASSIGN_OR_RETURN(const IndexerMeta meta,
+                           indexer_of(layout, layer_index, impl_->file_text));
+  const StepMeta& step = layout.steps[step_index];
+  const std::string base =
+      "/steps/" + step.group + "/" + layout.layers[layer_index].group + "/indexer/";
+  const std::size_t nq = static_cast<std::size_t>(step.num_rows());
+  const std::size_t heads = static_cast<std::size_t>(meta.n_heads);
+  const std::size_t width = static_cast<std::size_t>(meta.head_dim);
+  const std::size_t slots = static_cast<std::size_t>(layout.num_slots());
+  const BulkSource source{impl_->file.get(), impl_->file_text};
+  StepIndexerTensors t;
+  KVAUDIT_TRY(read_all(source, base + "q", H5T_NATIVE_FLOAT, nq * heads * width, &t.q));
+  KVAUDIT_TRY(read_all(source, base + "weights", H5T_NATIVE_FLOAT, nq * heads, &t.weights));
+  KVAUDIT_TRY(read_all(source, base + "new_k", H5T_NATIVE_FLOAT, nq * width, &t.new_k));
+  KVAUDIT_TRY(read_all(source, base + "topk_indices", H5T_NATIVE_INT64,
+                       nq * static_cast<std::size_t>(meta.topk), &t.topk_indices));
+  if (layer_index < step.has_indexer_cache_after.size() &&
+      step.has_indexer_cache_after[layer_index]) {
+    std::vector<std::uint8_t> codes;
+    std::vector<float> scales;
+    KVAUDIT_TRY(read_all(source, base + "k_cache_after", H5T_NATIVE_UINT8, slots * width, &codes));
+    KVAUDIT_TRY(read_all(source, base + "k_scales_after", H5T_NATIVE_FLOAT,
+                         slots * meta.num_blocks(), &scales));
+    t.codes_after = std::move(codes);
+    t.scales_after = std::move(scales);
+  }
+  return t;
+}
+
 }  // namespace kvaudit

@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstring>
 #include <future>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -24,6 +25,7 @@
 #include "src/core/memory_budget.hpp"
 #include "src/core/parallel_for.hpp"
 #include "src/format/pool_codes.hpp"
+#include "src/replay/indexer_check.hpp"
 #include "src/replay/integrity.hpp"
 #include "src/verdict/divergence.hpp"
 #include "src/verdict/run_judge.hpp"
@@ -1159,6 +1161,26 @@ std::vector<std::int64_t> slots_held_by_any_step(const DumpLayout& layout) {
   return slots;
 }
 
+// The indexer cache checks (kvdump v1.2, src/replay/indexer_check.hpp) of each replayed layer,
+// after that layer's own findings (layer_ends[order]: where they end), so that a run's integrity
+// findings are in layer order as a merge of shards puts them. Run after the replay, when no other
+// thread reads the dump.
+Status add_indexer_findings(const DumpReader& reader, const ReplayOptions& options,
+                            const std::vector<std::size_t>& layers,
+                            const std::vector<std::size_t>& layer_ends, CheckRun& run) {
+  const auto start = Clock::now();
+  const std::set<int> steps(options.step_indices.begin(), options.step_indices.end());
+  for (std::size_t order = layers.size(); order-- > 0;) {
+    KVAUDIT_ASSIGN_OR_RETURN(std::vector<IntegrityFinding> findings,
+                             check_indexer_layer(reader, layers[order], steps, options.threads));
+    run.integrity.insert(run.integrity.begin() + static_cast<std::ptrdiff_t>(layer_ends[order]),
+                         std::make_move_iterator(findings.begin()),
+                         std::make_move_iterator(findings.end()));
+  }
+  run.judge_seconds += seconds_since(start);
+  return ok_status();
+}
+
 }  // namespace
 
 Result<CheckRun> replay_dump(const DumpReader& reader, Backend* backend,
@@ -1182,13 +1204,15 @@ Result<CheckRun> replay_dump(const DumpReader& reader, Backend* backend,
   context.held_slots = slots_held_by_any_step(reader.layout());
   // Read ahead on one reader thread, unless an observer writes HDF5 during the replay or the dump
   // holds captured pools (reads_ahead).
-  LayerReader layer_reader(reader, layers, reads_ahead(reader.layout(), options));
+  auto layer_reader =
+      std::make_unique<LayerReader>(reader, layers, reads_ahead(reader.layout(), options));
   double read_wait_seconds = 0.0;
   const std::size_t num_steps = reader.layout().steps.size();
+  std::vector<std::size_t> layer_ends;  // run.integrity's size after each layer's replay
   for (std::size_t order = 0; order < layers.size(); ++order) {
     const auto layer_start = Clock::now();
     LayerReplay layer(context, layers[order], order);
-    KVAUDIT_TRY(layer.load_state(layer_reader.next(read_wait_seconds)));
+    KVAUDIT_TRY(layer.load_state(layer_reader->next(read_wait_seconds)));
     for (std::size_t step = 0; step < num_steps; ++step) {
       KVAUDIT_TRY(layer.replay_step(step));
     }
@@ -1198,7 +1222,10 @@ Result<CheckRun> replay_dump(const DumpReader& reader, Backend* backend,
                          StageSeconds{run.read_seconds, read_wait_seconds, run.reference_seconds,
                                       run.backend_seconds, run.judge_seconds},
                          layer.held_bytes()});
+    layer_ends.push_back(run.integrity.size());
   }
+  layer_reader.reset();  // its thread joined: this thread may read the dump again
+  KVAUDIT_TRY(add_indexer_findings(reader, options, layers, layer_ends, run));
   KVAUDIT_TRY(certification_queue.finish(run));
   if (backend != nullptr) run.backend_protocol = backend->protocol_statistics();
   run.diagnosis = diagnosis.findings();

@@ -520,7 +520,7 @@ Timeline integrity_timeline(const CheckRun& run) {
   std::map<std::pair<int, int>, PoolCell> captured;  // (layer, step)
   std::set<int> captured_layers;
   for (const IntegrityFinding& f : run.integrity) {
-    if (f.check == IntegrityCheck::kNanCodesInPool) continue;
+    if (f.check == IntegrityCheck::kNanCodesInPool || is_indexer_check(f.check)) continue;
     const bool is_captured = f.check == IntegrityCheck::kCapturedPool;
     if (is_captured) captured_layers.insert(f.layer_id);
     PoolCell& cell = (is_captured ? captured : backend)[{f.layer_id, f.step}];

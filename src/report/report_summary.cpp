@@ -460,7 +460,8 @@ std::string saturation_at(const CheckRun& run, int step, int layer_id) {
 // captured on a damaged pool while captured_read passes) is the write path's.
 
 bool is_backend_pool_check(IntegrityCheck check) {
-  return check != IntegrityCheck::kCapturedPool && check != IntegrityCheck::kNanCodesInPool;
+  return check != IntegrityCheck::kCapturedPool && check != IntegrityCheck::kNanCodesInPool &&
+         !is_indexer_check(check);
 }
 
 // The failing integrity findings of a layer on one side (backend pool or the server's captured
@@ -779,7 +780,11 @@ std::vector<FailureItem> integrity_items(const CheckRun& run) {
     if (findings.size() > kListed) {
       item.details.push_back(fmt::format("and {} more steps", findings.size() - kListed));
     }
-    item.likely_cause = slot_class_cause(slot_class);
+    item.likely_cause = is_indexer_check(check)
+                            ? "the DSA indexer's FP8 key cache (kvdump v1.2) is not what the "
+                              "deployed rule gives (docs/indexer-fp8.md): the indexer's cache "
+                              "write or its top-k, not the attention."
+                            : slot_class_cause(slot_class);
     const std::string misplaced = misplaced_text(findings);
     if (!misplaced.empty()) item.likely_cause += fmt::format(" Misplaced: {}.", misplaced);
     items.push_back(std::move(item));

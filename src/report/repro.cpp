@@ -68,8 +68,11 @@ class FirstFailure {
       if (!first || key < *first) first = key;
     };
     if (run.first_divergence) consider(run.first_divergence->step, run.first_divergence->layer_id);
+    // A repro leaves the indexer cache out (docs/kvdump-v1.md), so its failures are not targets.
     for (const IntegrityFinding& finding : run.integrity) {
-      if (!finding.pass) consider(finding.step, finding.layer_id);
+      if (!finding.pass && !is_indexer_check(finding.check)) {
+        consider(finding.step, finding.layer_id);
+      }
     }
     for (const ComparisonResult& result : run.comparisons) {
       if (fails_run(result)) consider(result.step, result.layer_id);
@@ -118,7 +121,10 @@ void name_divergence(const FirstFailure& at, const CheckRun& run, FailureNames& 
 // The first failing integrity finding here: the requests that wrote its first offending slot.
 void name_integrity_failure(const FirstFailure& at, const CheckRun& run, FailureNames& names) {
   for (const IntegrityFinding& finding : run.integrity) {
-    if (finding.pass || !at.here(finding.step, finding.layer_id)) continue;
+    if (finding.pass || is_indexer_check(finding.check) ||
+        !at.here(finding.step, finding.layer_id)) {
+      continue;
+    }
     if (!finding.slots.empty()) {
       for (const int b : writers_of_slot(at.step_meta(), finding.slots.front())) {
         names.requests.push_back(b);

@@ -38,7 +38,8 @@ struct ReproTarget {
 // the request of the first divergent row; for an integrity failure the requests whose
 // new_kv_slots hold the finding's first offending slot; otherwise the worst request of the
 // failing comparison; and when none of those names a request, the first request of the step that
-// has query rows. Empty when the run passed.
+// has query rows. Empty when the run passed, or failed only on the indexer cache (kvdump v1.2),
+// which a repro leaves out.
 std::optional<ReproTarget> first_failure_target(const DumpLayout& layout, const CheckRun& run);
 
 struct ReproSummary {

@@ -165,8 +165,19 @@ const char* integrity_check_name(IntegrityCheck check) {
       return "captured_pool";
     case IntegrityCheck::kNanCodesInPool:
       return "nan_codes_in_pool";
+    case IntegrityCheck::kIndexerWrittenSlots:
+      return "indexer_written_slots";
+    case IntegrityCheck::kIndexerUnwrittenSlots:
+      return "indexer_unwritten_slots";
+    case IntegrityCheck::kIndexerTopk:
+      return "indexer_topk";
   }
   return "unknown";
+}
+
+bool is_indexer_check(IntegrityCheck check) {
+  return check == IntegrityCheck::kIndexerWrittenSlots ||
+         check == IntegrityCheck::kIndexerUnwrittenSlots || check == IntegrityCheck::kIndexerTopk;
 }
 
 const char* slot_class_name(SlotClass slot_class) {
@@ -240,6 +251,10 @@ void add_finding(StepSummary& summary, const IntegrityFinding& finding) {
     case IntegrityCheck::kUnwrittenSlots:
     case IntegrityCheck::kNanWritten:
       mark_pool(summary.backend_pool, finding.pass);
+      return;
+    case IntegrityCheck::kIndexerWrittenSlots:  // the indexer's cache: neither attention pool
+    case IntegrityCheck::kIndexerUnwrittenSlots:
+    case IntegrityCheck::kIndexerTopk:
       return;
   }
 }

@@ -51,10 +51,18 @@ enum class IntegrityCheck {
   kReadConsistency,  // backend pool: equal to the reference replay's pool
   kCapturedPool,     // the dump's kv_cache_after equal to the reference replay's pool
   kNanCodesInPool,   // data: NaN codes the pool holds (always passes)
+  // kvdump v1.2, the DSA indexer's FP8 key cache (src/replay/indexer_check.hpp): not the
+  // attention pool of either side, judged as integrity all the same.
+  kIndexerWrittenSlots,    // captured k_cache_after: written slots hold the deployed rule's bytes
+  kIndexerUnwrittenSlots,  // captured k_cache_after: every other slot unchanged
+  kIndexerTopk,            // stored topk_indices: a top-k of the recomputed deployed scores
 };
 // "storage", "written_slots", "unwritten_slots", "nan_written", "read_consistency",
-// "captured_pool", "nan_codes_in_pool": the names report.json and the reports print.
+// "captured_pool", "nan_codes_in_pool", "indexer_written_slots", "indexer_unwritten_slots",
+// "indexer_topk": the names report.json and the reports print.
 const char* integrity_check_name(IntegrityCheck check);
+// The checks of the DSA indexer's cache (kvdump v1.2), not of an attention pool.
+bool is_indexer_check(IntegrityCheck check);
 
 // What is wrong with a slot that differs from the expected pool (src/replay/integrity.hpp).
 enum class SlotClass {

@@ -416,11 +416,16 @@ std::vector<T> read_array(JsonObjectReader& parent, const std::string& key, Read
 
 // Every value of the enums report.json names (their name functions are in check_result.hpp;
 // comparisons: all_comparisons() in policy.hpp).
-constexpr std::array kIntegrityChecks = {
-    IntegrityCheck::kStorage,         IntegrityCheck::kWrittenSlots,
-    IntegrityCheck::kUnwrittenSlots,  IntegrityCheck::kNanWritten,
-    IntegrityCheck::kReadConsistency, IntegrityCheck::kCapturedPool,
-    IntegrityCheck::kNanCodesInPool};
+constexpr std::array kIntegrityChecks = {IntegrityCheck::kStorage,
+                                         IntegrityCheck::kWrittenSlots,
+                                         IntegrityCheck::kUnwrittenSlots,
+                                         IntegrityCheck::kNanWritten,
+                                         IntegrityCheck::kReadConsistency,
+                                         IntegrityCheck::kCapturedPool,
+                                         IntegrityCheck::kNanCodesInPool,
+                                         IntegrityCheck::kIndexerWrittenSlots,
+                                         IntegrityCheck::kIndexerUnwrittenSlots,
+                                         IntegrityCheck::kIndexerTopk};
 constexpr std::array kSlotClasses = {SlotClass::kNone,
                                      SlotClass::kWrongSlot,
                                      SlotClass::kBf16Bytes,
