@@ -344,13 +344,21 @@ SummaryLine cache_line(const CheckRun& run, const std::map<Comparison, Extent>& 
                                  ? ""
                                  : fmt::format("; cache error (R8 vs R8') at most rel_l2 {}",
                                                short_number(cache->second.rel_l2));
+    const bool has_indexer =
+        std::any_of(run.integrity.begin(), run.integrity.end(),
+                    [](const IntegrityFinding& f) { return is_indexer_check(f.check); });
+    const std::string indexer = has_indexer
+                                    ? "; the DSA indexer cache: written slots hold the declared "
+                                      "rule's bytes, other slots unchanged, the stored top-k a "
+                                      "top-k of its FP8 scores"
+                                    : "";
     return {LineState::kPass,
             fmt::format("The cache stayed intact across {} step{} in {} layer{}: all {} "
                         "integrity checks passed (storage one byte per element, written slots "
                         "hold e4m3_rne_satfinite(x / kv_scale), other slots unchanged, no NaN "
-                        "code written){}.",
+                        "code written{}){}.",
                         steps.size(), steps.size() == 1 ? "" : "s", layers.size(),
-                        layers.size() == 1 ? "" : "s", counts.integrity_checks, cost)};
+                        layers.size() == 1 ? "" : "s", counts.integrity_checks, indexer, cost)};
   }
   const std::string cost = cache == extents.end()
                                ? ""
