@@ -57,6 +57,7 @@ import numpy as np
 
 from .codec import bf16_bits_from_float32, quantize_e4m3
 from .writer import KvDumpWriter
+from .cli_args import layer_list
 
 MODELS = ("glm5", "deepseek-v32")
 E4M3_MAX = 448.0
@@ -501,15 +502,6 @@ def _write_indexer_cache(out, config, layers, indexer_runs, chunks):
 
 # ---- command line -------------------------------------------------------------------------------
 
-def _layer_list(text):
-    try:
-        layers = sorted({int(part) for part in text.split(",") if part != ""})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a comma list of layer ids") from None
-    if not layers or layers[0] < 0:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a comma list of layer ids >= 0")
-    return layers
-
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(
@@ -526,7 +518,7 @@ def parse_args(argv):
     parser.add_argument("--model", choices=MODELS, default="glm5")
     parser.add_argument("--config", choices=("tiny", "real"), default="tiny",
                         help="real: the model's attention dimensions; tiny: small widths for CI")
-    parser.add_argument("--layers", type=_layer_list, default=[0],
+    parser.add_argument("--layers", type=layer_list, default=[0],
                         help="layer ids (comma list), each its own module and seeded weights")
     parser.add_argument("--prefix-tokens", type=int, default=24,
                         help="tokens cached before the dump's first step (kv_source)")

@@ -44,6 +44,7 @@ import tempfile
 import numpy as np
 
 from .codec import E4M3_MAX_FINITE, E4M3_NAN_CODE, float32_from_bf16_bits, quantize_e4m3
+from .cli_args import layer_list
 
 
 class RequantizeError(Exception):
@@ -294,15 +295,6 @@ def _copy_side_file(source_path, out_path):
 
 # ---- command line -------------------------------------------------------------------------------
 
-def _layer_list(text):
-    try:
-        layers = sorted({int(part) for part in text.split(",") if part != ""})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a comma list of layer ids") from None
-    if not layers or layers[0] < 0:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a comma list of layer ids >= 0")
-    return layers
-
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m kvdump.requantize", description=__doc__,
@@ -314,7 +306,7 @@ def main(argv=None):
                         help="the new per-tensor scale: a float (1.0: a server's default), amax "
                              "(fp32(amax/448) per layer), or calibrate:FILE (the k_scale kvaudit "
                              "calibrate --json FILE recommends per layer)")
-    parser.add_argument("--layers", type=_layer_list, default=None,
+    parser.add_argument("--layers", type=layer_list, default=None,
                         help="layer ids (comma list) to requantize; the others are copied as "
                              "they are (default: every layer)")
     parser.add_argument("--drop-captured-outputs", action="store_true",
