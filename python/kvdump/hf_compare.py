@@ -19,6 +19,7 @@ fp8 row carries its layer's kv_scale. Every dump must be the same capture (equal
 
 import argparse
 import json
+import os
 import sys
 
 import numpy as np
@@ -100,11 +101,32 @@ def _same_capture(first, other):
                                        "(kvdump.requantize)")
 
 
+def _outputs_of(dump, outputs):
+    """Refuses an outputs file that `kvaudit check --save-outputs` wrote for another dump (its root
+    attribute `dump`, the path check was given): the rows would carry this dump's kv_scale."""
+    import h5py
+
+    with h5py.File(outputs, "r") as f:
+        recorded = f.attrs.get("dump")
+    if recorded is None:
+        return
+    recorded = recorded.decode() if isinstance(recorded, bytes) else str(recorded)
+    if os.path.exists(recorded):
+        same = os.path.samefile(recorded, dump)
+    else:  # check ran elsewhere, or the dump moved since: its file name must still match
+        same = os.path.basename(recorded) == os.path.basename(dump)
+    if not same:
+        raise CompareError(f"{outputs}: saved by kvaudit check for {recorded}, not for {dump}: "
+                           "pair each dump with the outputs of its own check")
+
+
 def compare_runs(runs):
     """FP8's cost per (step, layer) under each run's scale. runs: [(dump, outputs), ...] of one
     capture. Returns [{"run", "dump", "step", "layer", "comparison", "kv_scale", "rel_l2",
     "max_abs_over_ref_max"}]: the source rows of the first run (kv_scale None), then each run's
     fp8 rows (kv_scale of its layer)."""
+    for dump, outputs in runs:
+        _outputs_of(dump, outputs)
     for dump, _ in runs[1:]:
         _same_capture(runs[0][0], dump)
     rows = []

@@ -255,6 +255,13 @@ class HfCaptureAgreement(unittest.TestCase):
                 scales = {row["kv_scale"] for row in document["rows"]
                           if row["comparison"] == "fp8 after o_proj"}
                 self.assertEqual(len(scales), 3)  # L000's and L002's amax/448, and 1.0
+                # The first dump's outputs given for the re-quantized one: refused, not labelled
+                # with 1.0 (they would print the amax/448 errors as the cost at 1.0).
+                with mock.patch("sys.stdout"), mock.patch("sys.stderr") as stderr:
+                    status = hf_compare.main([dump, runs[0][1], "--also", runs[1][0], runs[0][1]])
+                self.assertEqual(status, 2)
+                said = "".join(call.args[0] for call in stderr.write.call_args_list)
+                self.assertIn("not for " + runs[1][0], said)
         gain16 = {k[2]: v for k, v in worst.items() if k[:2] == ("gain16", "fp8 after o_proj")}
         gain512 = {k[2]: v for k, v in worst.items() if k[:2] == ("gain512", "fp8 after o_proj")}
         at_one = gain16.pop(1.0)
