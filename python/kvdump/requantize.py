@@ -131,6 +131,9 @@ def _check_dump(f, path):
     """Refuses what requantize does not rewrite: another pool kind than per-tensor e4m3."""
     kind = f.attrs.get("kv_scale_kind")
     kind = kind.decode() if isinstance(kind, bytes) else kind
+    if kind is None:
+        raise RequantizeError(f"{path}:/: no kv_scale_kind attribute: not a kvdump (kvaudit info "
+                              "says what is wrong)")
     if kind != "per_tensor":
         raise RequantizeError(f"{path}:/: kv_scale_kind is {kind}: its scales are computed per "
                               "token at write time, there is no per-tensor scale to change "
@@ -320,8 +323,12 @@ def main(argv=None):
     except RequantizeError as error:
         print(f"requantize: {error}", file=sys.stderr)
         return 2
-    except OSError as error:
-        print(f"requantize: {args.dump}: {error}", file=sys.stderr)
+    except KeyError as error:  # h5py: an object the format requires is missing
+        print(f"requantize: {args.dump}: a required object is missing ({error}); kvaudit info "
+              f"{args.dump} says which", file=sys.stderr)
+        return 2
+    except OSError as error:  # its message names the file (IN, OUT or a temporary beside OUT)
+        print(f"requantize: {error}", file=sys.stderr)
         return 2
     for layer in summary:
         print(f"requantize: {args.out}:/layers/{layer['layer']}: kv_scale "

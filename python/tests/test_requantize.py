@@ -185,6 +185,17 @@ class Requantize(unittest.TestCase):
             self.assertNotIn("lse", f["steps/S000/L000"])
         self.assertEqual(sorted(os.listdir(self.work)), ["in.h5", "out.h5"])  # no temporaries
 
+    def test_a_missing_object_is_one_line_and_exit_2(self):
+        # A malformed dump (a step's new_kv deleted) is bad input, not a traceback.
+        write_dump(self.dump)
+        with h5py.File(self.dump, "r+") as f:
+            del f["steps/S000/L000/new_kv"]
+        status, err = run_main([self.dump, self.out, "--kv-scale", "1"])
+        self.assertEqual((status, err.count("\n")), (2, 1), err)
+        self.assertIn("a required object is missing", err)
+        self.assertIn("new_kv", err)
+        self.assertFalse(os.path.exists(self.out))
+
     def test_refuses_a_pool_that_is_not_its_rows_by_the_rule(self):
         write_dump(self.dump)
         with h5py.File(self.dump, "r+") as f:
