@@ -207,11 +207,17 @@ struct KvPool {
                  bool reciprocal_scale = false);
 };
 
+// How an attention output was stored: bfloat16 (a backend's `out`, kvdump's `out` dataset), or
+// float32 (a `out` dataset of float32 values, kvdump-v1.md "float32 for a bfloat16 tensor").
+enum class OutputStorage : std::uint8_t { kBfloat16, kFloat32 };
+
 struct StepLayerTensors {
   std::vector<float> q_nope;              // [Nq, H, Dc]
   std::vector<float> q_pe;                // [Nq, H, Dr]
   std::vector<float> new_kv;              // [Nq, D]
   std::optional<std::vector<float>> out;  // [Nq, H, Dc], captured
+  // How the captured out's dataset held it.
+  OutputStorage out_storage = OutputStorage::kBfloat16;
   std::optional<std::vector<float>> lse;  // [Nq, H], captured, natural log
   std::optional<KvPool> kv_cache_after;   // captured pool after the step
   // v1.1 sparse attention: [Nq, topk] token positions of the row's request, -1 padding (validated

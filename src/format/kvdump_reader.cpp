@@ -348,6 +348,9 @@ Result<StepLayerTensors> DumpReader::read_step_layer(std::size_t step_index,
   if (step.has_out[layer_index]) {
     KVAUDIT_ASSIGN_OR_RETURN(tensors.out,
                              read_bf16_tensor(source, base + "out", nq * heads * a.kv_lora_rank));
+    KVAUDIT_ASSIGN_OR_RETURN(const ElementClass out_class, element_class(source, base + "out"));
+    tensors.out_storage =
+        out_class == ElementClass::kFloat32 ? OutputStorage::kFloat32 : OutputStorage::kBfloat16;
   }
   if (step.has_lse[layer_index]) {
     std::vector<float> lse;

@@ -819,8 +819,19 @@ namespace {
 // the same variant).
 struct Evaluation {
   ErrorSummary after;
+  std::optional<ErrorSummary> after_stored;  // against bf16(replay out): a bf16-out candidate
   HypothesisJudgement judgement;
 };
+
+// out as a candidate that stores it in bf16 holds it: bf16(fp32(x)), the fp32 accumulator
+// rounded to nearest even on store.
+std::vector<double> stored_as_bf16(std::span<const double> out) {
+  std::vector<double> stored(out.size());
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    stored[i] = bf16_round(static_cast<float>(out[i]));
+  }
+  return stored;
+}
 
 double max_abs_finite(std::span<const double> values) {
   double largest = 0.0;
@@ -874,9 +885,13 @@ class Diagnoser {
         query_amax_(query_amax(input.tensors)),
         max_visible_(max_visible_of(input)),
         compares_out_(!input.reference.out.empty()),
-        compares_lse_(!input.reference.lse.empty()) {}
+        compares_lse_(!input.reference.lse.empty()),
+        baseline_(stored_baseline(input)) {}
 
   const ResolvedVariant& identity() const { return identity_; }
+  // The candidate against bf16(reference out), where it stores out in bf16: the no-hypothesis
+  // distance the fraction rule divides by (nullopt: the rule uses the comparison's own metrics).
+  const std::optional<ComparisonMetrics>& baseline() const { return baseline_; }
 
   // Why a candidate that changes the softmax scale by YaRN's mscale^2 was not tried here ("" for
   // any other): the report's not_applicable entry says it, so nothing reads as guessed.
@@ -954,10 +969,30 @@ class Diagnoser {
                         input_.policy.rel_floor);
     Evaluation evaluation;
     evaluation.after = summarize_error(after);
+    std::optional<ComparisonMetrics> after_stored;
+    if (baseline_) {
+      const std::vector<double> stored = stored_as_bf16(reference.out);
+      after_stored = compare_outputs(input_.shape, stored, candidate.out, reference.lse,
+                                     candidate.lse, input_.policy.rel_floor);
+      evaluation.after_stored = summarize_error(*after_stored);
+    }
+    const StoredDistances distances{baseline_ ? *baseline_ : input_.failed.metrics,
+                                    after_stored ? *after_stored : after};
     evaluation.judgement =
         judge_hypothesis(input_.policy, input_.failed.comparison, input_.failed.metrics, after,
-                         max_abs_finite(reference.lse));
+                         max_abs_finite(reference.lse), baseline_ ? &distances : nullptr);
     return evaluation;
+  }
+
+  // The no-hypothesis distance with the candidate's bf16 store modelled: bf16(reference out)
+  // against the candidate, the lse as the comparison read it.
+  static std::optional<ComparisonMetrics> stored_baseline(const DiagnosisInput& input) {
+    if (input.candidate_out != OutputStorage::kBfloat16 || input.reference.out.empty()) {
+      return std::nullopt;
+    }
+    const std::vector<double> stored = stored_as_bf16(input.reference.out);
+    return compare_outputs(input.shape, stored, input.candidate.out, input.reference.lse,
+                           input.candidate.lse, input.policy.rel_floor);
   }
 
   Status compute_reference(const ResolvedVariant& variant) {
@@ -983,6 +1018,7 @@ class Diagnoser {
   std::int64_t max_visible_;
   bool compares_out_;
   bool compares_lse_;
+  std::optional<ComparisonMetrics> baseline_;
   std::map<PoolRead, DecodedRows> decoded_;
   std::vector<double> out_;
   std::vector<double> lse_;
@@ -1098,7 +1134,8 @@ Status try_candidates(Diagnoser& diagnoser, const std::vector<Candidate>& candid
     tried.push_back(
         {candidate, variant,
          HypothesisOutcome{candidate.name, describe_variant(variant, diagnoser.identity()),
-                           evaluation.after, j.explains, j.reasons, j.excess, j.fraction},
+                           evaluation.after, j.explains, j.reasons, j.excess, j.fraction,
+                           evaluation.after_stored},
          j.closest_metric_ratio});
   }
   return ok_status();
@@ -1144,6 +1181,7 @@ Result<DiagnosisFinding> diagnose(const DiagnosisInput& input) {
   finding.comparison = input.failed.comparison;
   finding.before = summarize_error(input.failed.metrics);
   Diagnoser diagnoser(input);
+  if (diagnoser.baseline()) finding.baseline_stored = summarize_error(*diagnoser.baseline());
   // 1. Singles, then combinations of those that help.
   std::vector<Tried> singles;
   KVAUDIT_TRY(try_candidates(diagnoser, single_candidates(input), singles, finding));

@@ -19,6 +19,10 @@
 // running max of each KV tile within each split (TileShape): p_t = e4m3(exp(s_t - m_j)), the
 // split's sums rescaled by exp(m_{j-1} - m_j), the splits merged exactly by their lse. R8 itself
 // is a = b = v = kv_scale, sm' = sm_scale, qs = 1, e4m3 decoding, no rounding of q or p.
+// A candidate that stores out in bf16 is compared, for the fraction rule, against every replay as
+// it would store it, bf16(fp32(out)) [Nq, H, Dc], and its distance to the reference likewise
+// against bf16(fp32(reference out)): the output store is a fact about the candidate, so it applies
+// to every replay, the no-hypothesis one included (DiagnosisInput::candidate_out).
 // Shapes: q_nope [Nq, H, Dc], q_pe [Nq, H, Dr], pool [S, Dc + Dr], out [Nq, H, Dc], lse [Nq, H].
 // The variants are evaluated in plain double (~1e-16 relative, far below the clean-kernel level
 // they are judged at, 2^-8); the roundings a hypothesis models (e4m3, bf16, fp16, TF32, one fp32
@@ -330,6 +334,12 @@ struct DiagnosisInput {
   // p-e4m3-tile's tile shapes: from --diagnose-tile only; empty: the kDefaultDiagnoseTiles with
   // one split each.
   std::vector<TileShape> tiles = {};
+  // How the candidate stored its out (a fact about it, not a hypothesis): kBfloat16 (every
+  // backend's out, a bfloat16 captured out): the fraction rule compares bf16(fp32(replay out))
+  // against it, for every replay and for the no-hypothesis baseline bf16(reference out)
+  // (StoredDistances, src/verdict/policy.hpp); kFloat32: the replays are compared unrounded
+  // (fp32's 2^-24 rounding is far below the 2^-8 level the rule works at).
+  OutputStorage candidate_out = OutputStorage::kFloat32;
 };
 
 // The search's cap (docs/design.md "Diagnosis"): pairs of each of the kPairAnchors singles that

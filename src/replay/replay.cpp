@@ -912,6 +912,14 @@ Status LayerReplay::compare_captured(const ComparisonSite& site, const StepInput
                           results.server_differs ? *server_pool_ : reference_pool_);
 }
 
+// How the candidate of a failing comparison stored its out: a backend returns bf16 bits
+// (AttentionOutput::out_bf16, src/backend/backend.hpp), a captured out is as its dataset held it.
+namespace {
+OutputStorage candidate_out_storage(Comparison comparison, const StepLayerTensors& tensors) {
+  return comparison == Comparison::kKernel ? OutputStorage::kBfloat16 : tensors.out_storage;
+}
+}  // namespace
+
 // 6. The diagnosis of a failing comparison (src/replay/diagnosis.hpp), within the run's budget.
 Status LayerReplay::diagnose_failure(const StepInput& step, const ComparisonResult& failed,
                                      const TensorShape3& shape, const ComparisonOperands& operands,
@@ -933,7 +941,8 @@ Status LayerReplay::diagnose_failure(const StepInput& step, const ComparisonResu
                              context_.options.policy,
                              context_.options.threads,
                              [this](std::int64_t slot) { return source_.row(slot); },
-                             context_.options.diagnose_tiles};
+                             context_.options.diagnose_tiles,
+                             candidate_out_storage(failed.comparison, step.tensors)};
   KVAUDIT_ASSIGN_OR_RETURN(DiagnosisFinding finding, diagnose(input));
   context_.diagnosis.add(static_cast<int>(step.index), order_, std::move(finding));
   context_.run.diagnosis_seconds += seconds_since(start);

@@ -214,6 +214,10 @@ struct HypothesisOutcome {
   // after / before over the metrics the fraction rule compares (judge_hypothesis): <=
   // explain_fraction to explain; +inf with a NaN/Inf mismatch.
   double fraction = 0.0;
+  // The candidate against bf16(the hypothesis's out), where the candidate stores out in bf16: the
+  // distance the fraction divides (DiagnosisFinding::baseline_stored the divisor); nullopt where
+  // out is compared unrounded (then `after` is that distance).
+  std::optional<ErrorSummary> after_stored;
 };
 
 // The diagnosis of one failing kernel, captured or captured_read comparison: every hypothesis
@@ -223,6 +227,9 @@ struct DiagnosisFinding {
   int layer_id = 0;
   Comparison comparison = Comparison::kKernel;
   ErrorSummary before;
+  // The candidate against bf16(the reference's out), where it stores out in bf16: the
+  // no-hypothesis distance every fraction is taken of (before stays the comparison's metrics).
+  std::optional<ErrorSummary> baseline_stored;
   std::vector<HypothesisOutcome> explained_by;  // catalogue order; empty: none explains
   // More than one explains: they are indistinguishable on this data. same_computation: they
   // resolved to the same computation here (e.g. kv_scale rounded down and to the nearest power

@@ -127,6 +127,14 @@
 // kHypothesisTieRatio (1.25) of it being indistinguishable: rel_l2 is an aggregate over every
 // element of the step, and the true choice's replay differs from a near one's by a systematic
 // term that adds in quadrature to the kernel's noise, so 25% is a separation the data shows.
+// A candidate that stores out in bf16 (every backend; a bfloat16 capture) is compared, for the
+// fraction only, with each replay as it would store it, bf16(fp32(out)), over its distance to
+// bf16(fp32(R8 out)) (StoredDistances): its own store costs rel_l2 ~2^-8 / sqrt(3) * 0.72 ~ 0.0017
+// (uniform relative rounding in +-2^-8, 0.72 for where a value sits in its binade), which a replay
+// in double can never reproduce, so without it no failure below 4 x 0.0017 ~ 2^-7.2 in rel_l2
+// could be explained. Divisor and dividend carry the same store, so the no-hypothesis replay's
+// fraction is 1. Requirement (1) stays on the unrounded replay: the limits were derived for a
+// candidate against an unrounded reference, its bf16 store included in them.
 //
 // The default policy judges every comparison, but only kernel and captured failures (and any
 // NaN/Inf mismatch) set the exit status; sign-off (--signoff) makes quantization and total count
@@ -760,7 +768,8 @@ double passing_metric_ratio(const ComparisonMetrics& before, const ComparisonMet
 
 HypothesisJudgement judge_hypothesis(const Policy& policy, Comparison comparison,
                                      const ComparisonMetrics& before,
-                                     const ComparisonMetrics& after, double lse_magnitude) {
+                                     const ComparisonMetrics& after, double lse_magnitude,
+                                     const StoredDistances* stored) {
   HypothesisJudgement judgement;
   if (judge(policy, comparison, before).pass) {
     judgement.reasons.push_back("the comparison passes: there is nothing to explain");
@@ -786,11 +795,14 @@ HypothesisJudgement judge_hypothesis(const Policy& policy, Comparison comparison
   judgement.fraction = 0.0;
   judgement.closest_metric_ratio = kInfinity;
   const std::vector<Limit> compared = fraction_metrics(limits_for(policy, comparison), before);
+  // The distances the fraction divides: the replays as the candidate stores out, where it rounds.
+  const ComparisonMetrics& distance_before = stored != nullptr ? stored->baseline : before;
+  const ComparisonMetrics& distance_after = stored != nullptr ? stored->after : after;
   // Nothing finite compared: the candidate fails only on NaN/Inf mismatches, or its failing
   // metrics are not finite. The replay then explains only by reproducing every one of those
   // mismatches (fraction 0: nothing is left); otherwise the fraction is unknown, NaN, not within.
   const bool reproduces_nonfinite =
-      before.nonfinite_mismatches > 0 && after.nonfinite_mismatches == 0;
+      before.nonfinite_mismatches > 0 && distance_after.nonfinite_mismatches == 0;
   if (compared.empty() && !reproduces_nonfinite) {
     judgement.fraction = std::numeric_limits<double>::quiet_NaN();
     judgement.reasons.emplace_back(
@@ -798,14 +810,15 @@ HypothesisJudgement judge_hypothesis(const Policy& policy, Comparison comparison
         "fails only on NaN/Inf mismatches that this replay does not reproduce");
   }
   for (const Limit limit : compared) {
-    double ratio = metric_value(after, limit) / metric_value(before, limit);
+    double ratio = metric_value(distance_after, limit) / metric_value(distance_before, limit);
     if (std::isnan(ratio)) ratio = kInfinity;
     judgement.fraction = std::max(judgement.fraction, ratio);
     judgement.closest_metric_ratio = std::min(judgement.closest_metric_ratio, ratio);
   }
   judgement.closest_metric_ratio =
-      std::min(judgement.closest_metric_ratio, passing_metric_ratio(before, after, compared));
-  if (after.nonfinite_mismatches > 0) {
+      std::min(judgement.closest_metric_ratio,
+               passing_metric_ratio(distance_before, distance_after, compared));
+  if (after.nonfinite_mismatches > 0 || distance_after.nonfinite_mismatches > 0) {
     judgement.fraction = kInfinity;
     judgement.closest_metric_ratio = kInfinity;
   }

@@ -149,9 +149,19 @@ struct HypothesisJudgement {
 // policy.cpp's header), whose spread over a step's rows is of that order. A combination counts
 // only when it is closer than each of its parts by this factor.
 inline constexpr double kHypothesisTieRatio = 1.25;
+// Where the candidate stores out in bf16 while the replays are computed in double, the fraction
+// rule (2) compares each replay as the candidate stores it (docs/design.md "The rule"): `after`
+// is the candidate against bf16(the hypothesis's out), `baseline` the candidate against bf16(the
+// comparison's reference out), both with the lse as `after` and `before` read it. Requirement (1)
+// and which metrics are compared stay on `after` and `before`.
+struct StoredDistances {
+  const ComparisonMetrics& baseline;
+  const ComparisonMetrics& after;
+};
 HypothesisJudgement judge_hypothesis(const Policy& policy, Comparison comparison,
                                      const ComparisonMetrics& before,
-                                     const ComparisonMetrics& after, double lse_magnitude);
+                                     const ComparisonMetrics& after, double lse_magnitude,
+                                     const StoredDistances* stored = nullptr);
 // Whether a failing comparison of this kind sets the exit status under this policy. A NaN/Inf
 // mismatch sets it whatever the kind (CheckRun::pass, fails_run in src/verdict/check_result.hpp).
 bool comparison_sets_exit(const Policy& policy, Comparison comparison);

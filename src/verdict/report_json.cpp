@@ -113,11 +113,19 @@ nlohmann::json error_json(const ErrorSummary& error) {
           {"nonfinite_mismatches", error.nonfinite_mismatches}};
 }
 
+nlohmann::json optional_error_json(const std::optional<ErrorSummary>& error) {
+  return error ? error_json(*error) : nlohmann::json(nullptr);
+}
+
 nlohmann::json outcome_json(const HypothesisOutcome& outcome) {
-  return {{"hypothesis", outcome.hypothesis},         {"transform", outcome.transform},
-          {"after", error_json(outcome.after)},       {"explains", outcome.explains},
-          {"excess", json_number(outcome.excess)},    {"reasons", outcome.reasons},
-          {"fraction", json_number(outcome.fraction)}};
+  return {{"hypothesis", outcome.hypothesis},
+          {"transform", outcome.transform},
+          {"after", error_json(outcome.after)},
+          {"explains", outcome.explains},
+          {"excess", json_number(outcome.excess)},
+          {"reasons", outcome.reasons},
+          {"fraction", json_number(outcome.fraction)},
+          {"after_stored", optional_error_json(outcome.after_stored)}};
 }
 
 nlohmann::json diagnosis_json(const DiagnosisFinding& finding, double explain_fraction) {
@@ -133,6 +141,7 @@ nlohmann::json diagnosis_json(const DiagnosisFinding& finding, double explain_fr
           {"layer", finding.layer_id},
           {"comparison", comparison_name(finding.comparison)},
           {"before", error_json(finding.before)},
+          {"baseline_stored", optional_error_json(finding.baseline_stored)},
           {"explained", !finding.explained_by.empty()},
           {"explained_by", std::move(explained_by)},
           {"indistinguishable", finding.explained_by.size() > 1},
@@ -595,6 +604,12 @@ ErrorSummary read_error_summary(JsonObjectReader reader) {
   return error;
 }
 
+// Absent (reports from before the bf16 out store was modelled) or null: nullopt.
+std::optional<ErrorSummary> read_optional_error_summary(JsonObjectReader& reader, const char* key) {
+  if (!reader.has(key) || reader.raw(key).is_null()) return std::nullopt;
+  return read_error_summary(reader.object(key));
+}
+
 HypothesisOutcome read_outcome(JsonObjectReader reader) {
   HypothesisOutcome outcome;
   outcome.hypothesis = reader.text("hypothesis");
@@ -606,6 +621,7 @@ HypothesisOutcome read_outcome(JsonObjectReader reader) {
   // Absent in reports from before the fraction rule (issue 29): unknown, not 0.
   outcome.fraction =
       reader.has("fraction") ? reader.number("fraction") : std::numeric_limits<double>::quiet_NaN();
+  outcome.after_stored = read_optional_error_summary(reader, "after_stored");
   reader.finish();
   return outcome;
 }
@@ -616,6 +632,7 @@ DiagnosisFinding read_diagnosis(JsonObjectReader reader) {
   finding.layer_id = reader.int32("layer");
   finding.comparison = read_enum(reader, "comparison", all_comparisons(), comparison_name);
   finding.before = read_error_summary(reader.object("before"));
+  finding.baseline_stored = read_optional_error_summary(reader, "baseline_stored");
   finding.explained_by = read_array<HypothesisOutcome>(reader, "explained_by", read_outcome);
   // Derived from explained_by: whether any explains, whether more than one, and the sentence.
   for (const char* derived : {"explained", "indistinguishable", "summary"}) reader.skip(derived);

@@ -14,8 +14,8 @@
 // different ingredients). The tiled one (p-e4m3-tile) runs the flash loop: per split of
 // ceil(ceil(n / S) / T) * T tokens, per tile of T tokens, m_j = max(m_{j-1}, max of tile j),
 // p = e4m3(exp2(s - m_j)), acc and l rescaled by exp2(m_{j-1} - m_j), l summing the unrounded
-// weights; the splits merged by their lse. Shapes: q_nope [Nq, H, Dc], q_pe [Nq, H, Dr], pool [S,
-// Dc + Dr], out [Nq, H, Dc], lse [Nq, H].
+// weights; the splits merged by their lse. PlantedChoices::p_bf16 false leaves P in fp32. Shapes:
+// q_nope [Nq, H, Dc], q_pe [Nq, H, Dr], pool [S, Dc + Dr], out [Nq, H, Dc], lse [Nq, H].
 #pragma once
 
 #include <algorithm>
@@ -41,6 +41,9 @@ struct PlantedChoices {
   std::vector<Hypothesis> mismatches;
   int tile = 64;
   int splits = 1;
+  // P rounded to bf16 before P.V (the clean model); false: fp32 P, so that what separates the
+  // kernel from a replay of its choices is its fp32 arithmetic and its bf16 out store alone.
+  bool p_bf16 = true;
   PlantedChoices() = default;
   PlantedChoices(std::nullopt_t) {}              // NOLINT: the clean model, as std::nullopt
   PlantedChoices(std::optional<Hypothesis> h) {  // NOLINT: one mismatch, as before
@@ -315,7 +318,7 @@ inline PlantedOutput planted_attention(const DumpAttributes& attrs, const StepMe
         for (std::int64_t p = 0; p < visible; ++p) {
           const float weight = std::exp2(scores[p] - m);
           sum += weight;
-          float rounded = bf16_round(weight);
+          float rounded = choices.p_bf16 ? bf16_round(weight) : weight;
           if (choices.has(Hypothesis::kProbabilitiesE4m3))
             rounded = e4m3_decode(e4m3_encode(weight));
           if (choices.has(Hypothesis::kTf32)) rounded = planted_tf32(weight);

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <iostream>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -778,6 +779,109 @@ TEST_CASE("diagnosis: cpu-fp8's RoPE translation injections are named on every s
                  << diagnosis_summary(finding));
     CHECK(finding.comparison == Comparison::kKernel);
     CHECK(explaining(finding) == std::vector<std::string>{injection});
+  }
+}
+
+// The candidate's bf16 out store (docs/design.md "The candidate's output store"): rounding out to
+// bf16 costs rel_l2 ~0.0017, which no replay in double reproduces, so a kernel failing rel_l2 by
+// little (2^-8 < rel_l2 < 4 x 0.0017) could not be explained even by a replay of its exact math.
+// The planted kernels take P in fp32 (PlantedChoices::p_bf16), so that what separates them from a
+// replay of their choices is their fp32 arithmetic and their bf16 out store.
+namespace {
+
+TinySpec out_store_spec() {
+  TinySpec spec;
+  spec.layer_ids = {4};
+  spec.heads = 8;
+  spec.dc = 512;
+  spec.dr = 64;
+  spec.prefix = {300, 20};
+  spec.sm_scale = 0.3;
+  return spec;
+}
+
+const HypothesisOutcome* outcome_named(const DiagnosisFinding& finding, const std::string& name) {
+  for (const HypothesisOutcome& h : finding.hypotheses) {
+    if (h.hypothesis == name) return &h;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "diagnosis: a kernel failing rel_l2 by little, through k-dequant-fp32-bf16 and its bf16 out, "
+    "is explained once the replays are compared as it stores out",
+    "[diagnosis]") {
+  const TinyDump dump = make_tiny_dump(out_store_spec());
+  testing::PlantedChoices choices({H::kDequantFp32Bf16}, 64, 1);
+  choices.p_bf16 = false;
+  PlantedBackend backend(choices);
+  const CheckRun run = replay_tiny(dump, "planted_out_store", &backend);
+  CHECK_FALSE(run.pass());
+  REQUIRE_FALSE(run.diagnosis.empty());
+  int out_bound = 0;  // findings the unrounded replay could not explain on rel_l2
+  for (const DiagnosisFinding& finding : run.diagnosis) {
+    INFO("step " << finding.step << ": " << diagnosis_summary(finding) << "\n"
+                 << distances(finding));
+    CHECK(explaining(finding) == names({H::kDequantFp32Bf16}));
+    REQUIRE(finding.baseline_stored.has_value());
+    const HypothesisOutcome* replay = outcome_named(finding, "k-dequant-fp32-bf16");
+    REQUIRE(replay != nullptr);
+    REQUIRE(replay->after_stored.has_value());
+    CHECK(replay->fraction <= 0.25);
+    if (finding.before.rel_l2 > 0.00390625) {
+      // The case of issue 29: the unrounded replay stays at the bf16 store's ~0.0017, more than
+      // 1/4 of the kernel's distance; stored as the kernel stores it, it is within 2^-12. The
+      // rule's rel_l2 ratio, as report.json lets a reader recompute it, is within the fraction.
+      CHECK(replay->after.rel_l2 / finding.before.rel_l2 > 0.25);
+      CHECK(replay->after_stored->rel_l2 / finding.baseline_stored->rel_l2 <= replay->fraction);
+      CHECK(replay->after_stored->rel_l2 < 0.000244140625);
+      ++out_bound;
+    }
+  }
+  CHECK(out_bound > 0);  // the case this test is about occurs on this data
+}
+
+TEST_CASE(
+    "diagnosis: a kernel whose out is off by 2^-8 (no hypothesis models it) stays unexplained "
+    "when the replays are compared as it stores out",
+    "[diagnosis]") {
+  // The clean model with fp32 P, its out scaled by 1 + 2^-8 before the bf16 store: about one bf16
+  // rounding, uncatalogued. No hypothesis moves out that way here (kv_scale 0.0029: bf16 rounds it
+  // by -2.5e-4, fp16 by less, a power of two by a third or more), so each replay, rounded as the
+  // kernel stores out, stays about 2^-8 from it while the baseline is about as far.
+  TinyDump dump = make_tiny_dump(out_store_spec());
+  testing::PlantedChoices clean;
+  clean.p_bf16 = false;
+  for (std::size_t s = 0; s < dump.steps.size(); ++s) {
+    testing::PlantedOutput output =
+        testing::planted_attention(dump.attrs, dump.steps[s], dump.tensors[s][0],
+                                   dump.layers[0].kv_scale, dump.pool_after(s, 0), clean);
+    for (float& v : output.out) v = bf16_round(v * (1.0f + 0.00390625f));
+    dump.tensors[s][0].out = std::move(output.out);
+    dump.tensors[s][0].lse = std::move(output.lse);
+  }
+  // The captured limits (2^-5) would pass this; judged with the kernel's, as a kernel would be.
+  ReplayOptions options;
+  options.policy = default_policy();
+  options.policy.captured = options.policy.kernel;
+  const CheckRun run = replay_tiny(dump, "planted_out_scaled", nullptr, options);
+  CHECK_FALSE(run.pass());
+  REQUIRE_FALSE(run.diagnosis.empty());
+  for (const DiagnosisFinding& finding : run.diagnosis) {
+    INFO("step " << finding.step << ": " << diagnosis_summary(finding) << "\n"
+                 << distances(finding));
+    CHECK(finding.comparison == Comparison::kCaptured);
+    CHECK(finding.before.rel_l2 > 0.00390625);
+    REQUIRE(finding.baseline_stored.has_value());  // a bfloat16 capture: the store is modelled
+    CHECK(finding.explained_by.empty());
+    REQUIRE(finding.closest.has_value());
+    CHECK(finding.closest->fraction > 0.5);
+    for (const HypothesisOutcome& h : finding.hypotheses) {
+      CHECK_FALSE(h.explains);
+      if (h.after_stored) CHECK(h.after_stored->rel_l2 > 0.5 * finding.baseline_stored->rel_l2);
+    }
   }
 }
 
