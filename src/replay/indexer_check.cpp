@@ -4,9 +4,11 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <stdexcept>
 #include <utility>
 
 #include "src/core/fp8_e4m3.hpp"
@@ -55,6 +57,11 @@ std::vector<float> indexer_rotate(std::span<const float> x, IndexRotation rotati
   if (rotation == IndexRotation::kNone) {
     for (std::size_t j = 0; j < x.size(); ++j) y[j] = bf16_round(x[j]);
     return y;
+  }
+  // Backstop: the reader refuses such a dump; the transform below would index past v otherwise.
+  if (!std::has_single_bit(x.size())) {
+    throw std::invalid_argument(fmt::format(
+        "indexer_rotate: a Hadamard rotation needs a power-of-two width, not {}", x.size()));
   }
   std::vector<double> v(x.size());
   for (std::size_t j = 0; j < x.size(); ++j) v[j] = bf16_round(x[j]);
@@ -412,6 +419,13 @@ Result<std::vector<IntegrityFinding>> check_indexer_layer(const DumpReader& read
   const LayerMeta& layer = layout.layers.at(layer_index);
   std::vector<IntegrityFinding> findings;
   if (!layer.indexer) return findings;
+  if (layer.indexer->rotation == IndexRotation::kHadamard &&
+      !std::has_single_bit(static_cast<unsigned>(layer.indexer->head_dim))) {
+    return bad_input("/layers/" + layer.group + "/indexer",
+                     fmt::format("index_rotation \"hadamard\" needs index_head_dim a power of "
+                                 "two; it is {}",
+                                 layer.indexer->head_dim));
+  }
   KVAUDIT_ASSIGN_OR_RETURN(IndexerCache cache, reader.read_indexer_cache(layer_index));
   IndexerState state{std::move(cache.codes), std::move(cache.scales)};
   for (std::size_t s = 0; s < layout.steps.size(); ++s) {

@@ -76,7 +76,9 @@ bool is_valid_topk(std::span<const std::int64_t> picks, std::span<const double> 
 
 // The indexer checks of one layer over every step of the dump, as integrity findings of the
 // checks indexer_written_slots, indexer_unwritten_slots and indexer_topk (one each per reported
-// step, passing or failing; the first two only where the step captured the cache after it).
+// step, passing or failing; the first two only where the step captured the cache after it). An
+// error for a "hadamard" rotation of a head dim that is not a power of two (the reader refuses
+// such a dump).
 // `reported_steps`: the steps to report (empty: all); every step is replayed. Reads the dump, so it
 // must not run beside another thread reading it (Debian's HDF5 is not thread-safe).
 Result<std::vector<IntegrityFinding>> check_indexer_layer(const DumpReader& reader,

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -50,6 +51,14 @@ TEST_CASE("indexer rule: Hadamard rotation, power-of-two scale, e4m3 codes by ha
       x, meta_of(2, 2, IndexRotation::kHadamard, IndexScaleFormat::kPowerOfTwo));
   CHECK(row.codes == std::vector<std::uint8_t>{0x7B, 0x73});
   CHECK(row.scales == std::vector<float>{0.0078125f});
+}
+
+TEST_CASE("indexer rule: a Hadamard rotation of a width not a power of two is an error",
+          "[indexer][v1.2]") {
+  // The reader refuses such a dump; this is the backstop (the transform indexed past its vector).
+  const std::vector<float> x(24, 1.0f);
+  CHECK_THROWS_AS(indexer_rotate(x, IndexRotation::kHadamard), std::invalid_argument);
+  CHECK(indexer_rotate(x, IndexRotation::kNone).size() == 24);
 }
 
 TEST_CASE("indexer rule: no rotation, float32 scale, one scale per block, by hand",
