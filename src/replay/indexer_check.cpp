@@ -21,6 +21,7 @@ namespace {
 
 constexpr float kAmaxFloor = 1e-4f;  // the deployed act_quant's floor on a block's amax
 constexpr double kBinary64UnitRoundoff = 0x1p-53;
+constexpr std::int64_t kTopkPadding = -1;  // the format's only padding entry of topk_indices
 
 // In-place Walsh-Hadamard transform in Sylvester's order (H_2n = [[H, H], [H, -H]]).
 void hadamard_in_place(std::vector<double>& v) {
@@ -93,7 +94,11 @@ bool is_valid_topk(std::span<const std::int64_t> picks, std::span<const double> 
   const std::size_t k = std::min<std::size_t>(static_cast<std::size_t>(topk), visible);
   std::vector<std::int64_t> chosen;
   for (const std::int64_t p : picks) {
-    if (p < 0) continue;
+    if (p == kTopkPadding) continue;
+    if (p < 0) {
+      *why = fmt::format("entry {} is neither a position nor the padding {}", p, kTopkPadding);
+      return false;
+    }
     if (static_cast<std::size_t>(p) >= visible) {
       *why = fmt::format("position {} is not visible (the row sees 0 .. {})", p, visible - 1);
       return false;

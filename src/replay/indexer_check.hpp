@@ -68,7 +68,8 @@ struct IndexerRow {
 };
 IndexerRow indexer_quantize_row(std::span<const float> x, const IndexerMeta& meta);
 
-// The tie rule above: whether `picks` (positions into `scores`, -1 padding dropped) is a top-k of
+// The tie rule above: whether `picks` (positions into `scores`, -1 padding dropped; any other
+// negative entry is not valid) is a top-k of
 // scores [visible] for k = min(topk, visible), each score with its tie tolerance. When it is not,
 // `why` says how (the first offending pick).
 bool is_valid_topk(std::span<const std::int64_t> picks, std::span<const double> scores,

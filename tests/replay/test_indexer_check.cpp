@@ -110,6 +110,18 @@ TEST_CASE("indexer top-k: a valid top-k, with ties of the k-th score either way"
                       std::vector<double>{1e-15, 1e-15}, 1, &why));
 }
 
+TEST_CASE("indexer top-k: a negative entry other than the padding -1 is its own failure",
+          "[indexer][v1.2]") {
+  // Fewer visible tokens than K, so padding is due: -1 is padding, -5 is not (it was dropped as
+  // padding and the row passed).
+  const std::vector<double> scores = {0.2, 0.1};
+  const std::vector<double> none(2, 0.0);
+  std::string why;
+  CHECK(is_valid_topk(std::vector<std::int64_t>{1, 0, -1, -1}, scores, none, 4, &why));
+  CHECK_FALSE(is_valid_topk(std::vector<std::int64_t>{1, 0, -1, -5}, scores, none, 4, &why));
+  CHECK_THAT(why, Catch::Matchers::Contains("entry -5 is neither a position nor the padding -1"));
+}
+
 // ---- the checks on the example dump -------------------------------------------------------------
 
 std::filesystem::path example_dump(const std::string& name) {
