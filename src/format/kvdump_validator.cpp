@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -572,6 +573,12 @@ Result<IndexerMeta> read_indexer_attributes(const ObjectReader& r, hid_t group,
   KVAUDIT_ASSIGN_OR_RETURN(const std::string rotation,
                            r.read_string(group, path, "index_rotation"));
   KVAUDIT_ASSIGN_OR_RETURN(meta.rotation, parse_index_rotation(r, path, rotation));
+  if (meta.rotation == IndexRotation::kHadamard &&
+      !std::has_single_bit(static_cast<unsigned>(meta.head_dim))) {
+    return r.bad(path, fmt::format("index_rotation \"hadamard\" needs index_head_dim a power of "
+                                   "two (Sylvester's Hadamard matrix); it is {}",
+                                   meta.head_dim));
+  }
   KVAUDIT_ASSIGN_OR_RETURN(meta.softmax_scale, r.read_float(group, path, "index_softmax_scale"));
   if (!std::isfinite(meta.softmax_scale) || !(meta.softmax_scale > 0.0)) {
     return r.bad(path, "attribute index_softmax_scale is not finite and positive");

@@ -4,9 +4,11 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <stdexcept>
 #include <utility>
 
 #include "src/core/fp8_e4m3.hpp"
@@ -19,6 +21,7 @@ namespace {
 
 constexpr float kAmaxFloor = 1e-4f;  // the deployed act_quant's floor on a block's amax
 constexpr double kBinary64UnitRoundoff = 0x1p-53;
+constexpr std::int64_t kTopkPadding = -1;  // the format's only padding entry of topk_indices
 
 // In-place Walsh-Hadamard transform in Sylvester's order (H_2n = [[H, H], [H, -H]]).
 void hadamard_in_place(std::vector<double>& v) {
@@ -34,16 +37,21 @@ void hadamard_in_place(std::vector<double>& v) {
   }
 }
 
-// 2^ceil(log2 s) for a positive normal float32 s, exactly: s = m 2^e with m in [0.5, 1).
+// 2^ceil(log2 s) for a positive normal float32 s, exactly: s = m 2^e with m in [0.5, 1). A
+// non-finite s (from a non-finite block) stays as it is.
 float power_of_two_above(float s) {
+  if (!std::isfinite(s)) return s;
   int exponent = 0;
   const float mantissa = std::frexp(s, &exponent);
   return std::ldexp(1.0f, mantissa == 0.5f ? exponent - 1 : exponent);
 }
 
+// The amax propagates NaN as torch's amax and clamp do (std::max would drop it): a block holding
+// NaN gets a NaN scale, one holding an infinity an infinite scale.
 float block_scale(std::span<const float> block, IndexScaleFormat format) {
   float amax = 0.0f;
-  for (const float v : block) amax = std::max(amax, std::fabs(v));
+  for (const float v : block) amax = std::isnan(v) || std::fabs(v) > amax ? std::fabs(v) : amax;
+  if (std::isnan(amax)) return amax;
   const float raw = std::max(amax, kAmaxFloor) * (1.0f / kE4m3MaxFinite);
   return format == IndexScaleFormat::kPowerOfTwo ? power_of_two_above(raw) : raw;
 }
@@ -55,6 +63,11 @@ std::vector<float> indexer_rotate(std::span<const float> x, IndexRotation rotati
   if (rotation == IndexRotation::kNone) {
     for (std::size_t j = 0; j < x.size(); ++j) y[j] = bf16_round(x[j]);
     return y;
+  }
+  // Backstop: the reader refuses such a dump; the transform below would index past v otherwise.
+  if (!std::has_single_bit(x.size())) {
+    throw std::invalid_argument(fmt::format(
+        "indexer_rotate: a Hadamard rotation needs a power-of-two width, not {}", x.size()));
   }
   std::vector<double> v(x.size());
   for (std::size_t j = 0; j < x.size(); ++j) v[j] = bf16_round(x[j]);
@@ -86,7 +99,11 @@ bool is_valid_topk(std::span<const std::int64_t> picks, std::span<const double> 
   const std::size_t k = std::min<std::size_t>(static_cast<std::size_t>(topk), visible);
   std::vector<std::int64_t> chosen;
   for (const std::int64_t p : picks) {
-    if (p < 0) continue;
+    if (p == kTopkPadding) continue;
+    if (p < 0) {
+      *why = fmt::format("entry {} is neither a position nor the padding {}", p, kTopkPadding);
+      return false;
+    }
     if (static_cast<std::size_t>(p) >= visible) {
       *why = fmt::format("position {} is not visible (the row sees 0 .. {})", p, visible - 1);
       return false;
@@ -105,18 +122,21 @@ bool is_valid_topk(std::span<const std::int64_t> picks, std::span<const double> 
   if (k == 0) return true;
   std::vector<std::size_t> order(visible);
   for (std::size_t t = 0; t < visible; ++t) order[t] = t;
-  // A NaN score (NaN or infinite inputs) ranks below every number, so the order stays strict.
-  auto rank = [&](std::size_t t) {
-    return std::isnan(scores[t]) ? -std::numeric_limits<double>::infinity() : scores[t];
+  // A NaN score (non-finite inputs) ranks above every number, as torch.topk ranks it; NaNs tie.
+  auto ranks_above = [&](std::size_t a, std::size_t b) {
+    const bool nan_a = std::isnan(scores[a]);
+    const bool nan_b = std::isnan(scores[b]);
+    return nan_a || nan_b ? nan_a && !nan_b : scores[a] > scores[b];
   };
   std::nth_element(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(k - 1), order.end(),
-                   [&](std::size_t a, std::size_t b) { return rank(a) > rank(b); });
+                   ranks_above);
   const std::size_t kth = order[k - 1];
   const double v = scores[kth];
   auto tied = [&](std::size_t t) {
-    return std::fabs(scores[t] - v) <= tolerances[t] + tolerances[kth];
+    if (std::isnan(scores[t]) || std::isnan(v)) return std::isnan(scores[t]) && std::isnan(v);
+    return scores[t] == v || std::fabs(scores[t] - v) <= tolerances[t] + tolerances[kth];
   };
-  auto above = [&](std::size_t t) { return scores[t] > v && !tied(t); };
+  auto above = [&](std::size_t t) { return ranks_above(t, kth) && !tied(t); };
   std::size_t tokens_above = 0;
   for (std::size_t t = 0; t < visible; ++t) tokens_above += above(t) ? 1 : 0;
   std::size_t hits_above = 0;
@@ -239,6 +259,25 @@ struct StepContext {
   const StepIndexerTensors& tensors;
 };
 
+bool all_finite(std::span<const float> values) {
+  return std::all_of(values.begin(), values.end(), [](float v) { return std::isfinite(v); });
+}
+
+// The slots whose new_k row holds a non-finite value: their bytes are not judged (the deployed
+// kernel's NaN handling is not the format's), indexer_nonfinite reports them instead.
+std::vector<std::int64_t> slots_of_nonfinite_rows(const StepContext& c) {
+  std::vector<std::int64_t> slots;
+  if (c.step.attention_only) return slots;
+  const std::size_t d = static_cast<std::size_t>(c.meta.head_dim);
+  for (std::size_t i = 0; i < c.step.new_kv_slots.size(); ++i) {
+    if (!all_finite(std::span<const float>(c.tensors.new_k).subspan(i * d, d))) {
+      slots.push_back(c.step.new_kv_slots[i]);
+    }
+  }
+  std::sort(slots.begin(), slots.end());
+  return slots;
+}
+
 // Applies the step's writes to `state` (the rule's bytes of each new_k row at its slot).
 std::vector<std::int64_t> apply_writes(const StepContext& c, IndexerState& state) {
   std::vector<std::int64_t> written;
@@ -263,12 +302,16 @@ std::vector<IntegrityFinding> check_captured_cache(const StepContext& c, const I
   const std::vector<std::uint8_t>& codes = *c.tensors.codes_after;
   const std::vector<float>& scales = *c.tensors.scales_after;
   std::sort(written.begin(), written.end());
+  const std::vector<std::int64_t> unjudged = slots_of_nonfinite_rows(c);
   std::vector<std::int64_t> bad_writes;
   std::vector<std::int64_t> moved;
   const std::int64_t num_slots = c.layout.num_slots();
   for (std::int64_t s = 0; s < num_slots; ++s) {
     const bool was_written = std::binary_search(written.begin(), written.end(), s);
-    if (was_written && !same_slot(expected, codes, scales, s, c.meta)) bad_writes.push_back(s);
+    const bool judged = !std::binary_search(unjudged.begin(), unjudged.end(), s);
+    if (was_written && judged && !same_slot(expected, codes, scales, s, c.meta)) {
+      bad_writes.push_back(s);
+    }
     if (!was_written && !same_slot(before, codes, scales, s, c.meta)) moved.push_back(s);
   }
   const int page_size = c.layout.attrs.page_size;
@@ -276,8 +319,12 @@ std::vector<IntegrityFinding> check_captured_cache(const StepContext& c, const I
       finding_at(c.step, c.step_index, c.layer, IntegrityCheck::kIndexerWrittenSlots);
   if (bad_writes.empty()) {
     writes.detail =
-        fmt::format("{}: indexer cache: {} written slots hold the deployed rule's bytes",
-                    writes.where, written.size());
+        fmt::format("{}: indexer cache: {} written slots hold the deployed rule's bytes{}",
+                    writes.where, written.size() - unjudged.size(),
+                    unjudged.empty() ? std::string()
+                                     : fmt::format(" ({} written from a non-finite new_k row not "
+                                                   "judged: indexer_nonfinite)",
+                                                   unjudged.size()));
   } else {
     fail_slots(writes, bad_writes,
                fmt::format("written slot(s) not holding the deployed rule's bytes ({}, e4m3, {} "
@@ -400,6 +447,121 @@ IntegrityFinding check_stored_topk(const StepContext& c, const IndexerState& sta
   return finding;
 }
 
+// The first non-finite element of a float tensor and how many there are.
+struct NonFinite {
+  std::size_t count = 0;
+  std::size_t first = 0;
+  float value = 0.0f;
+};
+
+NonFinite find_nonfinite(std::span<const float> values) {
+  NonFinite found;
+  for (std::size_t j = 0; j < values.size(); ++j) {
+    if (std::isfinite(values[j])) continue;
+    if (found.count++ == 0) {
+      found.first = j;
+      found.value = values[j];
+    }
+  }
+  return found;
+}
+
+// "new_k[1, 5] nan (3 non-finite)" for the flat index of a tensor of rows of `width`.
+std::string nonfinite_text(const char* name, const NonFinite& found, std::size_t width) {
+  return fmt::format("{}[{}, {}] {} ({} non-finite)", name, found.first / width,
+                     found.first % width, found.value, found.count);
+}
+
+// The step's inputs: q [Nq, Hi * Di], weights [Nq, Hi], new_k [Nq, Di].
+std::vector<std::string> nonfinite_inputs(const StepContext& c) {
+  const std::size_t d = static_cast<std::size_t>(c.meta.head_dim);
+  const std::size_t heads = static_cast<std::size_t>(c.meta.n_heads);
+  const struct {
+    const char* name;
+    const std::vector<float>& values;
+    std::size_t width;
+  } inputs[] = {{"q", c.tensors.q, heads * d},
+                {"weights", c.tensors.weights, heads},
+                {"new_k", c.tensors.new_k, d}};
+  std::vector<std::string> found;
+  for (const auto& input : inputs) {
+    const NonFinite f = find_nonfinite(input.values);
+    if (f.count > 0) found.push_back(nonfinite_text(input.name, f, input.width));
+  }
+  return found;
+}
+
+// The slots the step's rows read (every position of each row's request up to its own), sorted.
+std::vector<std::int64_t> slots_read(const StepContext& c) {
+  const int page_size = c.layout.attrs.page_size;
+  std::set<std::int64_t> slots;
+  for (int i = 0; i < c.step.num_rows(); ++i) {
+    const int request = c.step.request_of_row(i);
+    const std::int64_t position = c.step.position_of_row(i, page_size);
+    for (std::int64_t p = 0; p <= position; ++p) {
+      slots.insert(c.step.slot_of(request, p, page_size));
+    }
+  }
+  return {slots.begin(), slots.end()};
+}
+
+// NaN codes (0x7F, 0xFF) and non-finite scales in the slots the rows read of the cache `state`.
+std::vector<std::int64_t> nonfinite_slots(const StepContext& c, const IndexerState& state,
+                                          std::string* first) {
+  const std::size_t d = static_cast<std::size_t>(c.meta.head_dim);
+  const std::size_t g = static_cast<std::size_t>(c.meta.num_blocks());
+  const int page_size = c.layout.attrs.page_size;
+  std::vector<std::int64_t> bad;
+  for (const std::int64_t s : slots_read(c)) {
+    const std::size_t slot = static_cast<std::size_t>(s);
+    std::string what;
+    for (std::size_t j = 0; j < g && what.empty(); ++j) {
+      const float scale = state.scales[slot * g + j];
+      if (!std::isfinite(scale)) what = fmt::format("scale {} of block {}", scale, j);
+    }
+    for (std::size_t j = 0; j < d && what.empty(); ++j) {
+      const std::uint8_t code = state.codes[slot * d + j];
+      if (e4m3_is_nan(code)) what = fmt::format("NaN code 0x{:02x} at element {}", code, j);
+    }
+    if (what.empty()) continue;
+    if (bad.empty()) {
+      *first =
+          fmt::format("slot {} (page {}, offset {}): {}", s, s / page_size, s % page_size, what);
+    }
+    bad.push_back(s);
+  }
+  return bad;
+}
+
+// indexer_nonfinite, only where the step has one: a non-finite value in the step's q, weights
+// or new_k, or a NaN code or non-finite scale in a slot its rows read.
+std::optional<IntegrityFinding> check_nonfinite(const StepContext& c, const IndexerState& state) {
+  const std::vector<std::string> inputs = nonfinite_inputs(c);
+  std::string first_slot;
+  const std::vector<std::int64_t> slots = nonfinite_slots(c, state, &first_slot);
+  if (inputs.empty() && slots.empty()) return std::nullopt;
+  IntegrityFinding finding =
+      finding_at(c.step, c.step_index, c.layer, IntegrityCheck::kIndexerNonFinite);
+  std::vector<std::string> parts;
+  if (!inputs.empty()) parts.push_back(fmt::format("inputs {}", fmt::join(inputs, ", ")));
+  if (!slots.empty()) {
+    parts.push_back(
+        fmt::format("{} slot(s) the rows read hold NaN codes or non-finite scales: "
+                    "slot {}; {}",
+                    slots.size(), slot_list_text(slots), first_slot));
+  }
+  finding.pass = false;
+  finding.slots.assign(slots.begin(),
+                       slots.begin() + static_cast<std::ptrdiff_t>(
+                                           std::min<std::size_t>(slots.size(), kMaxListedSlots)));
+  finding.slot_count = static_cast<std::int64_t>(slots.size());
+  finding.detail = fmt::format(
+      "{}: indexer: non-finite values the deployed scores are computed "
+      "from: {}",
+      finding.where, fmt::join(parts, "; "));
+  return finding;
+}
+
 bool reported(const std::set<int>& steps, int step) { return steps.empty() || steps.count(step); }
 
 }  // namespace
@@ -412,6 +574,13 @@ Result<std::vector<IntegrityFinding>> check_indexer_layer(const DumpReader& read
   const LayerMeta& layer = layout.layers.at(layer_index);
   std::vector<IntegrityFinding> findings;
   if (!layer.indexer) return findings;
+  if (layer.indexer->rotation == IndexRotation::kHadamard &&
+      !std::has_single_bit(static_cast<unsigned>(layer.indexer->head_dim))) {
+    return bad_input("/layers/" + layer.group + "/indexer",
+                     fmt::format("index_rotation \"hadamard\" needs index_head_dim a power of "
+                                 "two; it is {}",
+                                 layer.indexer->head_dim));
+  }
   KVAUDIT_ASSIGN_OR_RETURN(IndexerCache cache, reader.read_indexer_cache(layer_index));
   IndexerState state{std::move(cache.codes), std::move(cache.scales)};
   for (std::size_t s = 0; s < layout.steps.size(); ++s) {
@@ -431,7 +600,12 @@ Result<std::vector<IntegrityFinding>> check_indexer_layer(const DumpReader& read
       // Later steps read the captured cache, as the server's indexer did.
       state = IndexerState{*tensors.codes_after, *tensors.scales_after};
     }
-    if (report) findings.push_back(check_stored_topk(c, state, threads));
+    if (report) {
+      if (std::optional<IntegrityFinding> f = check_nonfinite(c, state)) {
+        findings.push_back(std::move(*f));
+      }
+      findings.push_back(check_stored_topk(c, state, threads));
+    }
   }
   return findings;
 }

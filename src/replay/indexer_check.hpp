@@ -16,7 +16,8 @@
 //                                                          the +-1 sums in binary64 (exact for
 //                                                          bf16 inputs), rounded once to fp32;
 //           bf16(x)                                        rotation "none"
-//   a_g   = max(max_{j in block g} |y_j|, fp32(1e-4))      one per block of B values
+//   a_g   = max(max_{j in block g} |y_j|, fp32(1e-4))      one per block of B values; NaN
+//                                                          propagates (torch's amax, clamp)
 //   s_g   = fp32(a_g * fp32(1/448))                        scale format "float32";
 //           2^ceil(log2 s_g), from s_g's float32 bits      scale format "power_of_two"
 //   c_j   = e4m3_rne_satfinite(fp32(y_j / s_g))            one code per value
@@ -35,7 +36,13 @@
 //   indexer_topk             each row's stored topk_indices (positions of its request, -1
 //                            padding) is a top-k of the deployed scores over the positions it
 //                            sees (0 .. its own, after the step's writes): k = min(K, visible)
-//                            distinct visible positions, all of them hits by the tie rule below.
+//                            distinct visible positions, all of them hits by the tie rule below
+//                            (an entry below -1 is no padding: a failure of its own);
+//   indexer_nonfinite        (only where found) a non-finite value in the step's q, w or new_k,
+//                            or a NaN code / non-finite scale in a slot the rows read; slots
+//                            written from a non-finite new_k row are left out of
+//                            indexer_written_slots (docs/indexer-fp8.md "Non-finite values").
+// Scores rank as torch.topk ranks them: NaN above every number, NaNs tied with each other.
 // Tie rule (any valid tie-break is accepted): with v the k-th largest score, a pick scoring above
 // v is a hit, and picks tied with v share the k - #{scores above v} places left. "Tied" allows
 // the rounding of two binary64 evaluations of the score (this one and the writer's, whose order
@@ -68,7 +75,8 @@ struct IndexerRow {
 };
 IndexerRow indexer_quantize_row(std::span<const float> x, const IndexerMeta& meta);
 
-// The tie rule above: whether `picks` (positions into `scores`, -1 padding dropped) is a top-k of
+// The tie rule above: whether `picks` (positions into `scores`, -1 padding dropped; any other
+// negative entry is not valid) is a top-k of
 // scores [visible] for k = min(topk, visible), each score with its tie tolerance. When it is not,
 // `why` says how (the first offending pick).
 bool is_valid_topk(std::span<const std::int64_t> picks, std::span<const double> scores,
@@ -76,7 +84,9 @@ bool is_valid_topk(std::span<const std::int64_t> picks, std::span<const double> 
 
 // The indexer checks of one layer over every step of the dump, as integrity findings of the
 // checks indexer_written_slots, indexer_unwritten_slots and indexer_topk (one each per reported
-// step, passing or failing; the first two only where the step captured the cache after it).
+// step, passing or failing; the first two only where the step captured the cache after it), and
+// indexer_nonfinite where a step has a non-finite value. An error for a "hadamard" rotation of a
+// head dim that is not a power of two (the reader refuses such a dump).
 // `reported_steps`: the steps to report (empty: all); every step is replayed. Reads the dump, so it
 // must not run beside another thread reading it (Debian's HDF5 is not thread-safe).
 Result<std::vector<IntegrityFinding>> check_indexer_layer(const DumpReader& reader,

@@ -171,13 +171,16 @@ const char* integrity_check_name(IntegrityCheck check) {
       return "indexer_unwritten_slots";
     case IntegrityCheck::kIndexerTopk:
       return "indexer_topk";
+    case IntegrityCheck::kIndexerNonFinite:
+      return "indexer_nonfinite";
   }
   return "unknown";
 }
 
 bool is_indexer_check(IntegrityCheck check) {
   return check == IntegrityCheck::kIndexerWrittenSlots ||
-         check == IntegrityCheck::kIndexerUnwrittenSlots || check == IntegrityCheck::kIndexerTopk;
+         check == IntegrityCheck::kIndexerUnwrittenSlots || check == IntegrityCheck::kIndexerTopk ||
+         check == IntegrityCheck::kIndexerNonFinite;
 }
 
 const char* slot_class_name(SlotClass slot_class) {
@@ -255,6 +258,7 @@ void add_finding(StepSummary& summary, const IntegrityFinding& finding) {
     case IntegrityCheck::kIndexerWrittenSlots:  // the indexer's cache: neither attention pool
     case IntegrityCheck::kIndexerUnwrittenSlots:
     case IntegrityCheck::kIndexerTopk:
+    case IntegrityCheck::kIndexerNonFinite:
       return;
   }
 }

@@ -56,10 +56,11 @@ enum class IntegrityCheck {
   kIndexerWrittenSlots,    // captured k_cache_after: written slots hold the deployed rule's bytes
   kIndexerUnwrittenSlots,  // captured k_cache_after: every other slot unchanged
   kIndexerTopk,            // stored topk_indices: a top-k of the recomputed deployed scores
+  kIndexerNonFinite,       // a non-finite value the indexer's scores are computed from
 };
 // "storage", "written_slots", "unwritten_slots", "nan_written", "read_consistency",
 // "captured_pool", "nan_codes_in_pool", "indexer_written_slots", "indexer_unwritten_slots",
-// "indexer_topk": the names report.json and the reports print.
+// "indexer_topk", "indexer_nonfinite": the names report.json and the reports print.
 const char* integrity_check_name(IntegrityCheck check);
 // The checks of the DSA indexer's cache (kvdump v1.2), not of an attention pool.
 bool is_indexer_check(IntegrityCheck check);

@@ -434,7 +434,8 @@ constexpr std::array kIntegrityChecks = {IntegrityCheck::kStorage,
                                          IntegrityCheck::kNanCodesInPool,
                                          IntegrityCheck::kIndexerWrittenSlots,
                                          IntegrityCheck::kIndexerUnwrittenSlots,
-                                         IntegrityCheck::kIndexerTopk};
+                                         IntegrityCheck::kIndexerTopk,
+                                         IntegrityCheck::kIndexerNonFinite};
 constexpr std::array kSlotClasses = {SlotClass::kNone,
                                      SlotClass::kWrongSlot,
                                      SlotClass::kBf16Bytes,

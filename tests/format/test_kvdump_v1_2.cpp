@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "src/format/kvdump.hpp"
@@ -86,6 +87,12 @@ TEST_CASE("v1.2 reader refuses each malformed indexer object, naming it", "[kvdu
        "index_rotation \"walsh\" is unknown"},
       {"block not dividing the head", [&](RawFile& f) { f.set_int(layer, "index_block_size", 24); },
        layer, "index_block_size 24 does not divide index_head_dim 32"},
+      {"hadamard over a head dim not a power of two",
+       [&](RawFile& f) {
+         f.set_int(layer, "index_head_dim", 24);
+         f.set_int(layer, "index_block_size", 24);
+       },
+       layer, "index_rotation \"hadamard\" needs index_head_dim a power of two"},
       {"top-k 0", [&](RawFile& f) { f.set_int(layer, "index_topk", 0); }, layer, "index_topk"},
       {"no index_n_heads", [&](RawFile& f) { f.delete_attribute(layer, "index_n_heads"); }, layer,
        "index_n_heads"},
@@ -147,6 +154,42 @@ TEST_CASE("v1.2 reader refuses each malformed indexer object, naming it", "[kvdu
     CHECK(testing::run_command("'" + kvaudit_test::kvaudit_binary().string() + "' info '" +
                                path.string() + "' > /dev/null 2>&1") == 2);
   }
+}
+
+// The example narrowed to index_head_dim = index_block_size = 24 with the Hadamard rotation, every
+// Di-wide dataset cut to 24 columns of zeros: consistent in every shape, so only the power-of-two
+// rule stands between it and a Walsh-Hadamard transform of 24 values (which wrote past its vector
+// and aborted kvaudit check with heap corruption, exit 134).
+TEST_CASE("v1.2: kvaudit check refuses a Hadamard indexer whose head dim is not a power of two",
+          "[kvdump][v1.2]") {
+  const auto path = example_v1_2("indexer-dim24.h5");
+  {
+    RawFile f(path);
+    const char* e4m3 = "float8_e4m3fn";
+    for (const std::string layer : {"L000", "L001"}) {
+      const std::string group = "/layers/" + layer + "/indexer";
+      f.set_int(group, "index_head_dim", 24);
+      f.set_int(group, "index_block_size", 24);
+      f.replace_zeros(group + "/k_cache", {5, 4, 24}, H5T_STD_U8LE, e4m3);
+      f.replace_zeros(group + "/k_source", {5, 4, 24}, H5T_IEEE_F32LE, nullptr);
+      for (const auto& [step, rows] : {std::pair<std::string, hsize_t>{"S000", 3}, {"S001", 1}}) {
+        const std::string s = "/steps/" + step + "/" + layer + "/indexer";
+        f.replace_zeros(s + "/q", {rows, 2, 24}, H5T_IEEE_F32LE, nullptr);
+        f.replace_zeros(s + "/new_k", {rows, 24}, H5T_IEEE_F32LE, nullptr);
+        f.replace_zeros(s + "/k_cache_after", {5, 4, 24}, H5T_STD_U8LE, e4m3);
+      }
+    }
+  }
+  const std::string err = testing::kvdump_test_dir().string() + "/indexer-dim24.err";
+  const int status =
+      testing::run_command("'" + kvaudit_test::kvaudit_binary().string() + "' check '" +
+                           path.string() + "' > /dev/null 2> '" + err + "'");
+  const std::string text = testing::read_text(err);
+  INFO(text);
+  CHECK(status == 2);
+  CHECK_THAT(text, Catch::Matchers::Contains(path.string() +
+                                             ":/layers/L000/indexer: index_rotation \"hadamard\" "
+                                             "needs index_head_dim a power of two"));
 }
 
 }  // namespace

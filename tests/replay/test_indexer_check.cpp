@@ -9,10 +9,13 @@
 
 #include <algorithm>
 #include <catch2/catch.hpp>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <limits>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -50,6 +53,14 @@ TEST_CASE("indexer rule: Hadamard rotation, power-of-two scale, e4m3 codes by ha
       x, meta_of(2, 2, IndexRotation::kHadamard, IndexScaleFormat::kPowerOfTwo));
   CHECK(row.codes == std::vector<std::uint8_t>{0x7B, 0x73});
   CHECK(row.scales == std::vector<float>{0.0078125f});
+}
+
+TEST_CASE("indexer rule: a Hadamard rotation of a width not a power of two is an error",
+          "[indexer][v1.2]") {
+  // The reader refuses such a dump; this is the backstop (the transform indexed past its vector).
+  const std::vector<float> x(24, 1.0f);
+  CHECK_THROWS_AS(indexer_rotate(x, IndexRotation::kHadamard), std::invalid_argument);
+  CHECK(indexer_rotate(x, IndexRotation::kNone).size() == 24);
 }
 
 TEST_CASE("indexer rule: no rotation, float32 scale, one scale per block, by hand",
@@ -99,6 +110,45 @@ TEST_CASE("indexer top-k: a valid top-k, with ties of the k-th score either way"
   // A difference within the rounding tolerance is a tie.
   CHECK(is_valid_topk(std::vector<std::int64_t>{1}, std::vector<double>{1.0, 1.0 - 1e-16},
                       std::vector<double>{1e-15, 1e-15}, 1, &why));
+}
+
+TEST_CASE("indexer top-k: a NaN score ranks above every number, as torch.topk ranks it",
+          "[indexer][v1.2]") {
+  const std::vector<double> scores = {std::nan(""), 0.5, 0.9, std::nan("")};
+  const std::vector<double> none(4, 0.0);
+  std::string why;
+  CHECK(is_valid_topk(std::vector<std::int64_t>{0}, scores, none, 1, &why));
+  CHECK(is_valid_topk(std::vector<std::int64_t>{3}, scores, none, 1, &why));  // NaNs tie
+  CHECK(is_valid_topk(std::vector<std::int64_t>{3, 0, 2}, scores, none, 3, &why));
+  CHECK_FALSE(is_valid_topk(std::vector<std::int64_t>{2}, scores, none, 1, &why));
+  CHECK_THAT(why, Catch::Matchers::Contains("position 2 scores 0.9, below the 1-th largest "
+                                            "deployed score nan"));
+  CHECK_FALSE(is_valid_topk(std::vector<std::int64_t>{0, 2}, scores, none, 2, &why));
+  CHECK_THAT(why, Catch::Matchers::Contains("position 2 scores 0.9, below"));
+}
+
+TEST_CASE("indexer rule: a NaN in a block makes its scale NaN and its codes NaN (torch's amax)",
+          "[indexer][v1.2]") {
+  const IndexerRow row =
+      indexer_quantize_row(std::vector<float>{std::nanf(""), 1.0f, 2.0f, 4.0f},
+                           meta_of(4, 2, IndexRotation::kNone, IndexScaleFormat::kPowerOfTwo));
+  REQUIRE(row.scales.size() == 2);
+  CHECK(std::isnan(row.scales[0]));
+  CHECK(row.scales[1] == 0x1p-6f);  // 4 / 448 rounded up to a power of two
+  CHECK(row.codes[0] == 0x7F);
+  CHECK(row.codes[1] == 0x7F);
+}
+
+TEST_CASE("indexer top-k: a negative entry other than the padding -1 is its own failure",
+          "[indexer][v1.2]") {
+  // Fewer visible tokens than K, so padding is due: -1 is padding, -5 is not (it was dropped as
+  // padding and the row passed).
+  const std::vector<double> scores = {0.2, 0.1};
+  const std::vector<double> none(2, 0.0);
+  std::string why;
+  CHECK(is_valid_topk(std::vector<std::int64_t>{1, 0, -1, -1}, scores, none, 4, &why));
+  CHECK_FALSE(is_valid_topk(std::vector<std::int64_t>{1, 0, -1, -5}, scores, none, 4, &why));
+  CHECK_THAT(why, Catch::Matchers::Contains("entry -5 is neither a position nor the padding -1"));
 }
 
 // ---- the checks on the example dump -------------------------------------------------------------
@@ -260,6 +310,90 @@ TEST_CASE("check's stored top-k check catches a pick below the k-th deployed sco
     }
   }
   CHECK(caught > 0);
+}
+
+TEST_CASE("check names each non-finite value the indexer's scores read as indexer_nonfinite",
+          "[indexer][v1.2]") {
+  // NaN codes and scales are planted in slot 3 (a cached token every row of both steps reads) of
+  // layer 0's cache and of both steps' captured caches alike, so the cache is consistent (no slot
+  // moves) and only the non-finite value is wrong; inputs are planted in S001 of layer 0.
+  struct Case {
+    const char* name;
+    std::function<void(const std::filesystem::path&)> plant;
+    std::vector<int> steps;  // the steps with an indexer_nonfinite finding
+    std::string detail;
+  };
+  const std::string l0 = "/layers/L000/indexer/";
+  const std::string s0 = "/steps/S000/L000/indexer/";
+  const std::string s1 = "/steps/S001/L000/indexer/";
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const auto in_every_cache =
+      [&](const std::filesystem::path& p, const std::string& name,
+          const std::function<void(std::vector<float>&)>& edit_scales,
+          const std::function<void(std::vector<std::uint8_t>&)>& edit_codes) {
+        const std::string after = name == "scales" ? "k_scales_after" : "k_cache_after";
+        const std::string before = name == "scales" ? "k_scales" : "k_cache";
+        for (const std::string& path : {l0 + before, s0 + after, s1 + after}) {
+          if (name == "scales") {
+            edit_dataset<float>(p, path, H5T_NATIVE_FLOAT, edit_scales);
+          } else {
+            edit_dataset<std::uint8_t>(p, path, H5T_NATIVE_UINT8, edit_codes);
+          }
+        }
+      };
+  const std::vector<Case> cases = {
+      {"a NaN scale in a slot the rows read",
+       [&](const std::filesystem::path& p) {
+         in_every_cache(
+             p, "scales", [&](auto& v) { v[3] = nan; }, nullptr);
+       },
+       {0, 1},
+       "1 slot(s) the rows read hold NaN codes or non-finite scales: slot 3; slot 3 "
+       "(page 0, offset 3): scale nan of block 0"},
+      {"a NaN code in a slot the rows read",
+       [&](const std::filesystem::path& p) {
+         in_every_cache(p, "codes", nullptr, [&](auto& v) { v[3 * kWidth + 7] = 0xFF; });
+       },
+       {0, 1},
+       "slot 3 (page 0, offset 3): NaN code 0xff at element 7"},
+      {"a NaN in new_k",
+       [&](const std::filesystem::path& p) {
+         edit_dataset<float>(p, s1 + "new_k", H5T_NATIVE_FLOAT, [&](auto& v) { v[5] = nan; });
+       },
+       {1},
+       "inputs new_k[0, 5] nan (1 non-finite)"},
+      {"a NaN in the indexer query",
+       [&](const std::filesystem::path& p) {
+         edit_dataset<float>(p, s1 + "q", H5T_NATIVE_FLOAT, [&](auto& v) { v[kWidth + 3] = nan; });
+       },
+       {1},
+       "inputs q[0, 35] nan (1 non-finite)"},
+      {"an infinite head weight",
+       [&](const std::filesystem::path& p) {
+         edit_dataset<float>(p, s1 + "weights", H5T_NATIVE_FLOAT,
+                             [&](auto& v) { v[1] = std::numeric_limits<float>::infinity(); });
+       },
+       {1},
+       "inputs weights[0, 1] inf (1 non-finite)"},
+  };
+  for (const Case& c : cases) {
+    INFO("planted: " << c.name);
+    const auto path = example_dump("indexer-nonfinite.h5");
+    c.plant(path);
+    const CheckRun run = check_without_backend(path);
+    std::vector<int> steps;
+    for (const IntegrityFinding* f : failing(run)) {
+      INFO(f->detail);
+      // Not a byte mismatch of the writes or a moved slot; the top-k may fail beside it.
+      CHECK((f->check == IntegrityCheck::kIndexerNonFinite ||
+             f->check == IntegrityCheck::kIndexerTopk));
+      if (f->check != IntegrityCheck::kIndexerNonFinite) continue;
+      CHECK_THAT(f->detail, Catch::Matchers::Contains(c.detail));
+      steps.push_back(f->step);
+    }
+    CHECK(steps == c.steps);
+    CHECK_FALSE(run.pass());
+  }
 }
 
 TEST_CASE("kvaudit check on a v1.2 dump: exit status, the recall note, merge of shards, repro",
