@@ -168,6 +168,15 @@ void print_timing(std::ostream& out, const CheckRun& run) {
              run.reference_device, run.reference_seconds, run.backend_seconds, run.read_seconds,
              run.judge_seconds, diagnosis, run.total_seconds, throughput,
              run.reference_rows_heads_tokens);
+  if (run.layers_in_flight > 1) {
+    fmt::print(out,
+               "layers in flight: {} (reference, backend and comparisons are each the sum of the "
+               "layers' own times, which overlap: the total is less than their sum)\n",
+               run.layers_in_flight);
+  }
+  if (!run.layers_in_flight_note.empty()) {
+    fmt::print(out, "layers in flight: {}\n", run.layers_in_flight_note);
+  }
   if (const nlohmann::json& protocol = run.backend_protocol; protocol.is_object()) {
     fmt::print(out,
                "exec backend: started in {:.4g} s; protocol overhead {:.4g} s over {} steps "

@@ -334,6 +334,11 @@ struct CheckRun {
   double diagnosis_seconds = 0.0;      // the diagnosis of failing comparisons
   double certification_seconds = 0.0;  // the 50-digit recomputations (their own threads' time)
   double total_seconds = 0.0;
+  // Layers replayed at once (ReplayOptions::layers_in_flight, after its fallbacks) and, where it
+  // fell back to 1, why: --verbose prints them; not in report.json (the report is the same for
+  // every count).
+  int layers_in_flight = 1;
+  std::string layers_in_flight_note;
   // An exec backend's protocol overhead (Backend::protocol_statistics); null for in-process ones.
   nlohmann::json backend_protocol;
   Provenance provenance;
