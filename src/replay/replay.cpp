@@ -1430,12 +1430,16 @@ Result<CheckRun> replay_dump(const DumpReader& reader, Backend* backend,
         KVAUDIT_TRY(merge_layer(merge, merged++, *running.finish_oldest()));
       }
       LayerData data = layer_reader->next(merge.read_wait_seconds);
+      // The reader stops after a failed read: this layer's replay meets the error, and no layer
+      // after it is taken (the run ends there, or at an earlier layer's error).
+      const bool read_failed = data.failed();
       if (in_flight.count == 1) {
         KVAUDIT_TRY(merge_layer(merge, merged++,
                                 *replay_layer(context, layers[order], order, std::move(data))));
       } else {
         running.start(layers[order], order, std::move(data));
       }
+      if (read_failed) break;
     }
     while (running.size() > 0) KVAUDIT_TRY(merge_layer(merge, merged++, *running.finish_oldest()));
   }
