@@ -662,10 +662,12 @@ void register_check_command(CLI::App& app, CommandRunner& runner) {
        "(4 bytes per element of the slots a step reads) and the largest step's outputs (R8, "
        "Rs, the backend's and their binary64 copies, about 34 bytes per out element). A dump "
        "larger than memory runs; a layer that does not fit is refused before the replay (exit "
-       "2, naming the layer and the bytes). --progress prints each layer's bytes. With "
+       "2, naming the layer and the bytes). --progress prints each layer's bytes (and "
+       "\"up to N layers in flight\"). With "
        "--save-outputs, or a dump with captured pools (kv_cache_after, a whole pool per step), "
        "each layer is read in place instead and its steps one at a time (HDF5 is not "
-       "thread-safe): about read(L) + computed(L) resident, read counting the largest step.",
+       "thread-safe), one layer in flight: about read(L) + computed(L) resident, read counting "
+       "the largest step.",
        "0 pass, 1 checks failed, 2 bad input or usage (malformed dump, unknown backend, layer or "
        "step not in the dump, bad policy file, an output path that cannot be written, no CUDA "
        "device for a cuda backend, an exec backend's program that fails, refuses or breaks the "
