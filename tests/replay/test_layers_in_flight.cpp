@@ -15,6 +15,7 @@
 #include "src/backend/backend.hpp"
 #include "src/cli/backend_registry.hpp"
 #include "src/format/kvdump.hpp"
+#include "src/replay/diagnosis.hpp"
 #include "src/replay/replay.hpp"
 #include "src/verdict/check_result.hpp"
 #include "tests/test_paths.hpp"
@@ -342,6 +343,72 @@ TEST_CASE("the memory guard counts every layer in flight", "[replay][layers-in-f
   CHECK(sequential.ok());
   REQUIRE_FALSE(three.ok());
   CHECK(three.error().message().find("times 3 layers in flight") != std::string::npos);
+}
+
+}  // namespace kvaudit
+
+namespace kvaudit {
+namespace {
+
+DiagnosisFinding finding_at(int step, int layer_id, Comparison comparison) {
+  DiagnosisFinding finding;
+  finding.step = step;
+  finding.layer_id = layer_id;
+  finding.comparison = comparison;
+  return finding;
+}
+
+// A layer's own budget over its failing steps (kernel then captured at each), as a layer in flight
+// keeps it, skipping what `merged` can no longer admit.
+DiagnosisBudget layer_budget(int limit, std::size_t order, const std::vector<int>& failing_steps,
+                             const DiagnosisBudget& merged, int& diagnosed) {
+  DiagnosisBudget budget(limit);
+  for (const int step : failing_steps) {
+    for (const Comparison comparison : {Comparison::kKernel, Comparison::kCaptured}) {
+      if (!budget.admit(step, order) || !merged.could_admit(step, order)) continue;
+      ++diagnosed;
+      budget.add(step, order, finding_at(step, static_cast<int>(order), comparison));
+    }
+  }
+  return budget;
+}
+
+}  // namespace
+
+TEST_CASE("diagnosis budgets of layers replayed apart merge into the earliest failing sites",
+          "[replay][layers-in-flight][diagnosis]") {
+  // Layer 0 fails at steps 2 and 3, layer 1 at 0, 1 and 3, layer 2 at 1. With 2 sites the run
+  // keeps the earliest by (step, layer): (0, layer 1) and (1, layer 1); with 3 also (1, layer 2).
+  const std::vector<std::vector<int>> failing = {{2, 3}, {0, 1, 3}, {1}};
+  for (const int limit : {2, 3}) {
+    INFO("limit " << limit);
+    DiagnosisBudget merged(limit);
+    int diagnosed = 0;
+    for (std::size_t order = 0; order < failing.size(); ++order) {
+      merged.absorb(layer_budget(limit, order, failing[order], merged, diagnosed));
+    }
+    std::vector<std::pair<int, int>> kept;  // (step, layer) of each finding, in report order
+    for (const DiagnosisFinding& finding : merged.findings()) {
+      kept.emplace_back(finding.step, finding.layer_id);
+    }
+    std::vector<std::pair<int, int>> expected = {{0, 1}, {0, 1}, {1, 1}, {1, 1}};
+    if (limit == 3) expected.insert(expected.end(), {{1, 2}, {1, 2}});
+    CHECK(kept == expected);
+    CHECK(merged.failing_sites() == 6);
+    CHECK(merged.diagnosed_sites() == static_cast<std::size_t>(limit));
+    // With 2, layer 1's step 3 is beyond its own two earliest sites and layer 2's step 1 is later
+    // than the merged (1, layer 1): neither is diagnosed. With 3 every site is, when reached.
+    CHECK(diagnosed == (limit == 2 ? 8 : 12));
+  }
+  // could_admit: room left, or earlier than the latest site kept.
+  DiagnosisBudget budget(1);
+  CHECK(budget.could_admit(5, 0));
+  REQUIRE(budget.admit(2, 1));
+  CHECK(budget.could_admit(2, 0));
+  CHECK(budget.could_admit(1, 7));
+  CHECK_FALSE(budget.could_admit(2, 2));
+  CHECK_FALSE(budget.could_admit(3, 0));
+  CHECK_FALSE(DiagnosisBudget(0).could_admit(0, 0));
 }
 
 }  // namespace kvaudit
