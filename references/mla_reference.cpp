@@ -11,9 +11,11 @@
 #include <algorithm>
 #include <bit>
 #include <boost/multiprecision/cpp_bin_float.hpp>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <string>
 
 #include "references/mla_reference_cuda.hpp"
@@ -1070,6 +1072,23 @@ Result<std::int64_t> mla_reference_attention(const DumpAttributes& attrs, const 
   return work;
 }
 
+namespace {
+
+std::mutex gpu_reference_seconds_mutex;
+DeviceSeconds gpu_reference_seconds_total;
+
+}  // namespace
+
+DeviceSeconds gpu_reference_seconds() {
+  const std::lock_guard<std::mutex> lock(gpu_reference_seconds_mutex);
+  return gpu_reference_seconds_total;
+}
+
+void add_gpu_reference_seconds(const DeviceSeconds& part) {
+  const std::lock_guard<std::mutex> lock(gpu_reference_seconds_mutex);
+  gpu_reference_seconds_total += part;
+}
+
 std::string_view reference_device_name(ReferenceDevice device) {
   return device == ReferenceDevice::kCuda ? "cuda" : "cpu";
 }
@@ -1099,9 +1118,13 @@ Result<std::int64_t> exact_reference_attention(ReferenceDevice device, const Dum
                        "significant bits, held as two floats; the GPU reference reads one "
                        "float per value: use --reference cpu for this dump");
   }
+  const auto start = std::chrono::steady_clock::now();
   Problem problem;
   KVAUDIT_ASSIGN_OR_RETURN(const std::int64_t work, resolve_problem(attrs, step, q_nope, q_pe, kv,
                                                                     out, lse, where, &problem));
+  DeviceSeconds resolving;
+  resolving.prepare = elapsed_seconds_since(start);
+  add_gpu_reference_seconds(resolving);
   KVAUDIT_TRY(mla_reference_attention_cuda(problem, where));
   return work;
 #else

@@ -22,6 +22,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <mutex>
@@ -317,6 +318,8 @@ __global__ void __launch_bounds__(kThreads) values_kernel(DeviceArgs a, const Ti
 
 // ---- host ------------------------------------------------------------------------------------
 
+using Clock = std::chrono::steady_clock;
+
 Status cuda_check(cudaError_t status, const std::string& where, const char* what) {
   if (status == cudaSuccess) return ok_status();
   return internal_error(where,
@@ -469,7 +472,9 @@ class GpuReference {
  private:
   Status upload_inputs(const ReferenceProblem& p, const std::string& where);
   Status run_batch(const ReferenceProblem& p, const Batch& batch, const std::string& where);
+  Status download(const ReferenceProblem& p, const std::string& where);
 
+  DeviceSeconds seconds_;  // this call's split (add_gpu_reference_seconds at its end)
   DeviceArena arena_;
   DeviceArgs args_;
   int* segment_of_row_ = nullptr;  // args_.segment_of_row, writable
@@ -480,8 +485,11 @@ class GpuReference {
 
 Status GpuReference::upload_inputs(const ReferenceProblem& p, const std::string& where) {
   const std::size_t pairs = static_cast<std::size_t>(p.num_rows()) * p.num_heads;
+  auto start = Clock::now();
   const std::vector<float> kv = gather_kv(p, kv_offset_);
   std::vector<int> visible(p.visible_of_row.begin(), p.visible_of_row.end());
+  seconds_.prepare += elapsed_seconds_since(start);
+  start = Clock::now();
   KVAUDIT_ASSIGN_OR_RETURN(float* q_nope, arena_.get<float>(kQNope, p.q_nope.size(), where));
   KVAUDIT_ASSIGN_OR_RETURN(float* q_pe, arena_.get<float>(kQPe, p.q_pe.size(), where));
   KVAUDIT_ASSIGN_OR_RETURN(float* kv_device, arena_.get<float>(kKv, kv.size(), where));
@@ -490,6 +498,7 @@ Status GpuReference::upload_inputs(const ReferenceProblem& p, const std::string&
   KVAUDIT_TRY(upload(q_pe, p.q_pe.data(), p.q_pe.size(), where));
   KVAUDIT_TRY(upload(kv_device, kv.data(), kv.size(), where));
   KVAUDIT_TRY(upload(visible_device, visible.data(), visible.size(), where));
+  seconds_.upload += elapsed_seconds_since(start);
   args_ = DeviceArgs{};
   args_.q_nope = q_nope;
   args_.q_pe = q_pe;
@@ -515,12 +524,15 @@ Status GpuReference::upload_inputs(const ReferenceProblem& p, const std::string&
 
 Status GpuReference::run_batch(const ReferenceProblem& p, const Batch& batch,
                                const std::string& where) {
+  auto start = Clock::now();
   std::vector<int> segment_of_row(p.visible_of_row.size(), -1);
   for (int s = 0; s < static_cast<int>(batch.segments.size()); ++s) {
     const Segment& seg = batch.segments[s];
     for (int r = 0; r < seg.num_qv / p.num_heads; ++r) segment_of_row[seg.first_row + r] = s;
   }
   plan_tiles(p, batch, score_tiles_, value_tiles_);
+  seconds_.prepare += elapsed_seconds_since(start);
+  start = Clock::now();
   KVAUDIT_ASSIGN_OR_RETURN(Segment * segments,
                            arena_.get<Segment>(kSegments, batch.segments.size(), where));
   KVAUDIT_ASSIGN_OR_RETURN(Tile * score_tiles,
@@ -534,7 +546,9 @@ Status GpuReference::run_batch(const ReferenceProblem& p, const Batch& batch,
   KVAUDIT_TRY(upload(score_tiles, score_tiles_.data(), score_tiles_.size(), where));
   KVAUDIT_TRY(upload(value_tiles, value_tiles_.data(), value_tiles_.size(), where));
   args_.segments = segments;
+  seconds_.upload += elapsed_seconds_since(start);
 
+  start = Clock::now();
   const int pairs = (batch.end_row - batch.first_row) * p.num_heads;
   if (!score_tiles_.empty()) {
     scores_kernel<<<static_cast<unsigned>(score_tiles_.size()), kThreads>>>(args_, score_tiles);
@@ -547,19 +561,39 @@ Status GpuReference::run_batch(const ReferenceProblem& p, const Batch& batch,
     values_kernel<<<static_cast<unsigned>(value_tiles_.size()), kThreads>>>(args_, value_tiles);
   }
   KVAUDIT_TRY(cuda_check(cudaGetLastError(), where, "kernel launch"));
-  return cuda_check(cudaDeviceSynchronize(), where, "kernels");
+  KVAUDIT_TRY(cuda_check(cudaDeviceSynchronize(), where, "kernels"));
+  seconds_.kernels += elapsed_seconds_since(start);
+  return ok_status();
 }
 
-Status GpuReference::run(const ReferenceProblem& p, const std::string& where) {
-  if (p.num_rows() == 0 || p.num_heads == 0) return ok_status();
-  KVAUDIT_TRY(upload_inputs(p, where));
-  for (const Batch& batch : plan_batches(p, kv_offset_)) KVAUDIT_TRY(run_batch(p, batch, where));
+Status GpuReference::download(const ReferenceProblem& p, const std::string& where) {
+  const auto start = Clock::now();
   KVAUDIT_TRY(cuda_check(
       cudaMemcpy(p.out.data(), args_.out, p.out.size() * sizeof(double), cudaMemcpyDeviceToHost),
       where, "cudaMemcpy of out"));
-  return cuda_check(
+  KVAUDIT_TRY(cuda_check(
       cudaMemcpy(p.lse.data(), args_.lse, p.lse.size() * sizeof(double), cudaMemcpyDeviceToHost),
-      where, "cudaMemcpy of lse");
+      where, "cudaMemcpy of lse"));
+  seconds_.download += elapsed_seconds_since(start);
+  return ok_status();
+}
+
+// One call: inputs up, the batches' kernels, results down; its split is added to the process's
+// totals whether it succeeds or not.
+Status GpuReference::run(const ReferenceProblem& p, const std::string& where) {
+  if (p.num_rows() == 0 || p.num_heads == 0) return ok_status();
+  seconds_ = DeviceSeconds{};
+  seconds_.calls = 1;
+  const Status status = [&]() -> Status {
+    KVAUDIT_TRY(upload_inputs(p, where));
+    auto start = Clock::now();
+    const std::vector<Batch> batches = plan_batches(p, kv_offset_);
+    seconds_.prepare += elapsed_seconds_since(start);
+    for (const Batch& batch : batches) KVAUDIT_TRY(run_batch(p, batch, where));
+    return download(p, where);
+  }();
+  add_gpu_reference_seconds(seconds_);
+  return status;
 }
 
 }  // namespace

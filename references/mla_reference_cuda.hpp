@@ -8,6 +8,7 @@
 #include <string>
 
 #include "references/reference_problem.hpp"
+#include "src/core/device_seconds.hpp"
 #include "src/core/result.hpp"
 
 namespace kvaudit {
@@ -15,5 +16,12 @@ namespace kvaudit {
 // Writes problem.out and problem.lse. An error when the device fails (no device, out of memory, a
 // launch that fails): internal, named by `where`.
 Status mla_reference_attention_cuda(const ReferenceProblem& problem, const std::string& where);
+
+// Where the GPU reference's time went in this process so far, summed over every call (prepare:
+// resolving the problem, gathering the visible KV rows, planning the tiles; upload; kernels;
+// download: out and lse, copied out). All zero in a build without CUDA and before the first call;
+// a run reads it before and after (DeviceSeconds' difference). Thread-safe.
+DeviceSeconds gpu_reference_seconds();
+void add_gpu_reference_seconds(const DeviceSeconds& part);
 
 }  // namespace kvaudit

@@ -11,9 +11,11 @@
 //
 // Device memory is held in buffers that grow on demand and are counted by role (pool, bf16 copy,
 // everything else), so a test can show that cuda-fp8 holds nothing pool-sized besides the pool.
+// device_seconds() splits the calls' time (src/core/device_seconds.hpp).
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -31,6 +33,8 @@
 namespace kvaudit::cuda {
 
 namespace {
+
+using Clock = std::chrono::steady_clock;
 
 Status cuda_check(cudaError_t status, const std::string& where, const char* what) {
   if (status == cudaSuccess) return ok_status();
@@ -239,6 +243,7 @@ class CudaMlaBackend final : public Backend {
   Result<AttentionOutput> run_step(const StepLayerInput& input, KvPool& pool) override;
 
   CudaBackendAllocations allocations() const { return allocations_; }
+  std::optional<DeviceSeconds> device_seconds() const override { return seconds_; }
 
  private:
   // run_step on what the attention is handed (a translation fault's input, else the step's own).
@@ -265,6 +270,7 @@ class CudaMlaBackend final : public Backend {
   Injection injection_;
   TensorCorePath mma_ran_;  // the 64-row blocks' instructions on this device (kernel_variant)
   CudaBackendAllocations allocations_;
+  DeviceSeconds seconds_;  // summed over run_on_device calls
   DeviceBuffer pool_{&allocations_.pool_bytes};
   DeviceBuffer pool_bf16_{&allocations_.pool_bf16_bytes};
   DeviceBuffer indices_{&allocations_.other_bytes};
@@ -275,6 +281,7 @@ class CudaMlaBackend final : public Backend {
 };
 
 Result<AttentionOutput> CudaMlaBackend::run_step(const StepLayerInput& input, KvPool& pool) {
+  ++seconds_.calls;
   if (injection_translates(injection_)) {
     // A translation fault: the attention is handed a faulty sm_scale or q_pe (as cpu-fp8).
     KVAUDIT_ASSIGN_OR_RETURN(const TranslatedInput translated,
@@ -289,6 +296,7 @@ Result<AttentionOutput> CudaMlaBackend::run_step(const StepLayerInput& input, Kv
 Result<AttentionOutput> CudaMlaBackend::run_handed(const StepLayerInput& input, KvPool& pool) {
   KVAUDIT_TRY(check_injection_applies(injection_, input.attrs));
   if (!pool.grouped() && !input.tensors.sparse()) return run_on_device(input, pool, true, true);
+  auto start = Clock::now();
   if (pool.grouped()) {
     const std::string where = name() + ": step " + input.step.group;
     KVAUDIT_TRY(check_step_indices(input.step, input.attrs.page_size, pool.num_slots));
@@ -297,6 +305,7 @@ Result<AttentionOutput> CudaMlaBackend::run_handed(const StepLayerInput& input, 
   } else {
     const Result<AttentionOutput> written = run_on_device(input, pool, true, false);
     if (!written.ok()) return written.error();
+    start = Clock::now();
   }
   AttentionOperands operands = attention_operands(input, pool, injection_);
   LayerMeta layer = input.layer;
@@ -305,15 +314,21 @@ Result<AttentionOutput> CudaMlaBackend::run_handed(const StepLayerInput& input, 
                                  input.tensors,       input.step_index,   input.layer_index};
   // The attended pool comes back unchanged (no write): the backend's own pool is `pool`.
   KvPool& read = operands.dequantized ? *operands.dequantized : pool;
+  seconds_.prepare += elapsed_seconds_since(start);  // the v1.1 forms' host work
   return run_on_device(attention, read, false, true);
 }
 
 Result<AttentionOutput> CudaMlaBackend::run_on_device(const StepLayerInput& input, KvPool& pool,
                                                       bool write, bool attend_rows) {
   const std::string where = name() + ": step " + input.step.group + " layer " + input.layer.group;
+  auto start = Clock::now();
   KVAUDIT_TRY(check_step(input, pool, where));
   const HostStaging staged = stage_inputs(input);
+  seconds_.prepare += elapsed_seconds_since(start);
+  start = Clock::now();
   KVAUDIT_TRY(upload(input, staged, pool, where));
+  seconds_.upload += elapsed_seconds_since(start);
+  start = Clock::now();
   const DeviceIndices indices = device_indices(indices_.as<std::int32_t>(), staged);
   cudaStream_t stream = nullptr;
   if (write) KVAUDIT_TRY(write_kv(input, pool, indices, where, stream));
@@ -321,8 +336,12 @@ Result<AttentionOutput> CudaMlaBackend::run_on_device(const StepLayerInput& inpu
   if (attend_rows) {
     KVAUDIT_TRY(select_attention_pool(pool, problem, where, stream));
     KVAUDIT_TRY(attend(problem, where, stream));
-  }
-  return download(input, problem, pool, where);
+  }  // a write alone is not waited for here: the download's copy waits for it
+  seconds_.kernels += elapsed_seconds_since(start);
+  start = Clock::now();
+  Result<AttentionOutput> output = download(input, problem, pool, where);
+  seconds_.download += elapsed_seconds_since(start);
+  return output;
 }
 
 // Device buffers: pool; int32 indices; q (nope then pe); new_kv; out (bf16) then lse (fp32).

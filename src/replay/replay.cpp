@@ -22,6 +22,7 @@
 #include <unordered_map>
 
 #include "references/mla_reference.hpp"
+#include "references/mla_reference_cuda.hpp"
 #include "src/core/memory_budget.hpp"
 #include "src/core/parallel_for.hpp"
 #include "src/format/pool_codes.hpp"
@@ -1190,11 +1191,20 @@ Status add_indexer_findings(const DumpReader& reader, const ReplayOptions& optio
   return ok_status();
 }
 
+// The GPU's split of the run's reference and backend time, where either ran on one.
+void record_device_seconds(const DeviceSeconds& reference, const Backend* backend, CheckRun& run) {
+  if (reference.calls > 0) run.reference_device_seconds = reference;
+  if (backend == nullptr) return;
+  const std::optional<DeviceSeconds> backend_seconds = backend->device_seconds();
+  if (backend_seconds && backend_seconds->calls > 0) run.backend_device_seconds = backend_seconds;
+}
+
 }  // namespace
 
 Result<CheckRun> replay_dump(const DumpReader& reader, Backend* backend,
                              const ReplayOptions& options) {
   const auto total_start = Clock::now();
+  const DeviceSeconds gpu_reference_before = gpu_reference_seconds();
   KVAUDIT_TRY(check_selection(reader.layout(), options));
   CheckRun run = begin_run(reader, backend, options);
   RunJudge judge(run);
@@ -1237,6 +1247,7 @@ Result<CheckRun> replay_dump(const DumpReader& reader, Backend* backend,
   KVAUDIT_TRY(add_indexer_findings(reader, options, layers, layer_ends, run));
   KVAUDIT_TRY(certification_queue.finish(run));
   if (backend != nullptr) run.backend_protocol = backend->protocol_statistics();
+  record_device_seconds(gpu_reference_seconds() - gpu_reference_before, backend, run);
   run.diagnosis = diagnosis.findings();
   run.diagnose_limit = diagnosis.limit();
   run.diagnosis_failing_sites = diagnosis.failing_sites();
