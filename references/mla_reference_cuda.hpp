@@ -15,6 +15,7 @@ namespace kvaudit {
 
 // Writes problem.out and problem.lse. An error when the device fails (no device, out of memory, a
 // launch that fails): internal, named by `where`.
+// Copies on problem.threads host threads (0: every core).
 Status mla_reference_attention_cuda(const ReferenceProblem& problem, const std::string& where);
 
 // Where the GPU reference's time went in this process so far, summed over every call (prepare:
