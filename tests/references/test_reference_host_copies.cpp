@@ -75,20 +75,23 @@ TEST_CASE("gather_token_rows: each request's rows in token order, from its offse
 
 TEST_CASE("KvRows from a pool's slots on several threads: each visible row decoded in place",
           "[reference][host-copies]") {
-  // 3000 slots (three 1024-slot units), width 4, code (s * 7 + c) % 0x7E (no NaN code); every
-  // third slot visible. The largest code present, 0x7D, is 416 < 2^9: an 18-bit grid from 2^-9.
+  // 3000 slots (three 1024-slot units), width 4, code (s * 7 + c) % 0x7E (no NaN code); the slots
+  // s % 3 != 1 visible (listed last first), 1023, the first unit's last slot, among them. The
+  // largest code present, 0x7D, is 416 < 2^9: an 18-bit grid from 2^-9.
   kvaudit::KvPool pool = kvaudit::KvPool::zeros(kvaudit::KvDtype::kFloat8E4m3fn, 3000, 4);
   for (int s = 0; s < 3000; ++s) {
     for (int c = 0; c < 4; ++c) pool.row(s)[c] = static_cast<std::uint8_t>((s * 7 + c) % 0x7E);
   }
   std::vector<std::int64_t> visible;
-  for (std::int64_t s = 2999; s >= 0; s -= 3) visible.push_back(s);
+  for (std::int64_t s = 2999; s >= 0; --s) {
+    if (s % 3 != 1) visible.push_back(s);
+  }
   const KvRows rows = KvRows::from_pool_slots(pool, 0.5f, visible, 3);
   int wrong = 0;
   int missing = 0;
   for (int s = 0; s < 3000; ++s) {
     const float* row = rows.row(s);
-    if ((2999 - s) % 3 != 0) {
+    if (s % 3 == 1) {
       missing += row != nullptr;
       continue;
     }
