@@ -85,8 +85,10 @@ class KvRows {
   static KvRows from_pool(const KvPool& pool, float kv_scale);
   // As from_pool, but only the listed slots (e.g. visible_slots(step)), so memory follows the
   // step, not the pool. Reading another slot is an error of the caller (row() returns nullptr).
+  // The slots are decoded and scanned on up to `threads` threads (0: every core); each value is
+  // its own, so the rows are the same whatever the count.
   static KvRows from_pool_slots(const KvPool& pool, float kv_scale,
-                                std::span<const std::int64_t> slots);
+                                std::span<const std::int64_t> slots, int threads = 1);
 
   int row_width() const { return row_width_; }
   std::int64_t num_slots() const { return num_slots_; }
@@ -113,7 +115,7 @@ class KvRows {
  private:
   void decode_row(const KvPool& pool, float kv_scale, std::int64_t slot, std::int64_t row);
   void finish_grouped(const KvPool& pool);
-  void find_value_grid(std::span<const float> values, bool e4m3_values);
+  void find_value_grid(std::span<const float> values, bool e4m3_values, int threads = 1);
 
   std::vector<float> owned_;
   std::vector<float> owned_lo_;
@@ -152,7 +154,8 @@ extern template Result<std::int64_t> mla_reference_attention<Float100>(
     const DumpAttributes&, const StepMeta&, std::span<const float>, std::span<const float>,
     const KvRows&, std::span<double>, std::span<double>, int);
 
-// mla_reference_attention<dd::DoubleDouble> on `device` (threads: the CPU's; unused on the GPU).
+// mla_reference_attention<dd::DoubleDouble> on `device` (threads: the CPU's; on the GPU, the host
+// threads that gather its inputs and copy out its results).
 // On the GPU: an unsupported-input error where this build has no CUDA, an internal error where
 // the device fails.
 Result<std::int64_t> exact_reference_attention(ReferenceDevice device, const DumpAttributes& attrs,

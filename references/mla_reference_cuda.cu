@@ -39,16 +39,19 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "references/double_double.hpp"
 #include "references/mla_reference_cuda.hpp"
+#include "src/core/parallel_for.hpp"
 
 namespace kvaudit {
 namespace {
@@ -599,25 +602,31 @@ __global__ void __launch_bounds__(kThreads) sliced_values_kernel(DeviceArgs a, c
 
 // ---- host ------------------------------------------------------------------------------------
 
+using Clock = std::chrono::steady_clock;
+
 Status cuda_check(cudaError_t status, const std::string& where, const char* what) {
   if (status == cudaSuccess) return ok_status();
   return internal_error(where,
                         std::string("GPU reference: ") + what + ": " + cudaGetErrorString(status));
 }
 
-// Device allocations that only grow, kept between calls (a check calls once per step and layer).
-class DeviceArena {
+enum class Memory : std::uint8_t { kDevice, kPinnedHost };
+
+// Allocations that only grow, kept between calls (a check calls once per step and layer): device
+// memory, or page-locked host memory, which the copies to and from the device read and write at the
+// link's speed (pageable memory goes through the driver's own staging copy first).
+class Arena {
  public:
+  explicit Arena(Memory memory) : memory_(memory) {}
+
   template <typename T>
   Result<T*> get(int slot, std::size_t count, const std::string& where) {
     if (buffers_.size() <= static_cast<std::size_t>(slot)) buffers_.resize(slot + 1);
     Buffer& b = buffers_[slot];
     const std::size_t bytes = std::max<std::size_t>(count * sizeof(T), 16);
     if (bytes > b.bytes) {
-      cudaFree(b.data);
-      b = {};
-      KVAUDIT_TRY(cuda_check(cudaMalloc(&b.data, bytes), where, "cudaMalloc"));
-      b.bytes = bytes;
+      release(b);
+      KVAUDIT_TRY(allocate(b, bytes, where));
     }
     return static_cast<T*>(b.data);
   }
@@ -627,6 +636,22 @@ class DeviceArena {
     void* data = nullptr;
     std::size_t bytes = 0;
   };
+  Status allocate(Buffer& b, std::size_t bytes, const std::string& where) {
+    const Status status = memory_ == Memory::kDevice
+                              ? cuda_check(cudaMalloc(&b.data, bytes), where, "cudaMalloc")
+                              : cuda_check(cudaHostAlloc(&b.data, bytes, cudaHostAllocDefault),
+                                           where, "cudaHostAlloc (page-locked host memory)");
+    if (!status.ok()) return status;
+    b.bytes = bytes;
+    return ok_status();
+  }
+  void release(Buffer& b) {
+    if (memory_ == Memory::kDevice) cudaFree(b.data);
+    if (memory_ == Memory::kPinnedHost) cudaFreeHost(b.data);
+    b = {};
+  }
+
+  Memory memory_;
   std::vector<Buffer> buffers_;
 };
 
@@ -651,6 +676,9 @@ enum ArenaSlot : int {
   kSliceFlags,
   kWeightFlags,
 };
+
+// The page-locked host buffers: the inputs staged for upload, the results downloaded.
+enum PinnedSlot : int { kPinnedQNope, kPinnedQPe, kPinnedKv, kPinnedOut, kPinnedLse };
 
 // The score buffers hold at most this many elements per batch (2 x 8 bytes each: 4 GiB).
 constexpr long long kMaxScoreElements = 1ll << 28;
@@ -728,24 +756,12 @@ Status upload(T* device, const T* host, std::size_t count, const std::string& wh
                     "cudaMemcpy to the device");
 }
 
-// The KV rows each request reads, gathered in token order: [sum_b T_b, Dc + Dr].
-std::vector<float> gather_kv(const ReferenceProblem& p, std::vector<long long>& kv_offset) {
-  const int width = p.width();
-  long long total = 0;
-  kv_offset.assign(p.token_rows.size(), 0);
-  for (std::size_t b = 0; b < p.token_rows.size(); ++b) {
-    kv_offset[b] = total;
-    total += static_cast<long long>(p.token_rows[b].size());
-  }
-  std::vector<float> kv(static_cast<std::size_t>(total) * width);
-  for (std::size_t b = 0; b < p.token_rows.size(); ++b) {
-    float* dst = kv.data() + kv_offset[b] * width;
-    for (const float* row : p.token_rows[b]) {
-      std::copy(row, row + width, dst);
-      dst += width;
-    }
-  }
-  return kv;
+template <typename T>
+Status download_array(T* host, const T* device, std::size_t count, const std::string& where,
+                      const char* what) {
+  if (count == 0) return ok_status();
+  return cuda_check(cudaMemcpy(host, device, count * sizeof(T), cudaMemcpyDeviceToHost), where,
+                    what);
 }
 
 // bw of the sliced values (3'): 48 - bV (blocks of kDepth = 2^4 tokens, weights < 2); 0 where the
@@ -780,28 +796,53 @@ class GpuReference {
   void launch_scores(int slices, const Tile* score_tiles);
   Result<int> weight_slices(const std::string& where);
   void launch_values(int slices, const Tile* value_tiles);
+  Status download(const ReferenceProblem& p, const std::string& where);
 
-  DeviceArena arena_;
+  // A caller's array copied (on p.threads threads) into a page-locked buffer, then to the device.
+  template <typename T>
+  Status upload_staged(T* device, std::span<const T> host, PinnedSlot slot, int threads,
+                       const std::string& where);
+
+  DeviceSeconds seconds_;  // this call's split (add_gpu_reference_seconds at its end)
+  Arena arena_{Memory::kDevice};
+  Arena pinned_{Memory::kPinnedHost};
   DeviceArgs args_;
   GpuReferenceKernels kernels_run_;
-  int* segment_of_row_ = nullptr;  // args_.segment_of_row, writable
-  std::vector<long long> kv_offset_;
+  int* segment_of_row_ = nullptr;     // args_.segment_of_row, writable
+  std::vector<long long> kv_offset_;  // gathered_row_offsets
   std::vector<Tile> score_tiles_;
   std::vector<Tile> value_tiles_;
 };
 
+template <typename T>
+Status GpuReference::upload_staged(T* device, std::span<const T> host, PinnedSlot slot, int threads,
+                                   const std::string& where) {
+  KVAUDIT_ASSIGN_OR_RETURN(T * staged, pinned_.get<T>(slot, host.size(), where));
+  parallel_copy(host.data(), host.size(), staged, threads);
+  return upload(device, staged, host.size(), where);
+}
+
+// The visible KV rows gathered (on p.threads threads) straight into a page-locked buffer, q staged
+// through one, everything uploaded.
 Status GpuReference::upload_inputs(const ReferenceProblem& p, const std::string& where) {
   const std::size_t pairs = static_cast<std::size_t>(p.num_rows()) * p.num_heads;
-  const std::vector<float> kv = gather_kv(p, kv_offset_);
+  auto start = Clock::now();
+  kv_offset_ = gathered_row_offsets(p);
+  const std::size_t kv_count = static_cast<std::size_t>(kv_offset_.back()) * p.width();
+  KVAUDIT_ASSIGN_OR_RETURN(float* kv, pinned_.get<float>(kPinnedKv, kv_count, where));
+  gather_token_rows(p, kv_offset_, kv);
   std::vector<int> visible(p.visible_of_row.begin(), p.visible_of_row.end());
+  seconds_.prepare += elapsed_seconds_since(start);
+  start = Clock::now();
   KVAUDIT_ASSIGN_OR_RETURN(float* q_nope, arena_.get<float>(kQNope, p.q_nope.size(), where));
   KVAUDIT_ASSIGN_OR_RETURN(float* q_pe, arena_.get<float>(kQPe, p.q_pe.size(), where));
-  KVAUDIT_ASSIGN_OR_RETURN(float* kv_device, arena_.get<float>(kKv, kv.size(), where));
+  KVAUDIT_ASSIGN_OR_RETURN(float* kv_device, arena_.get<float>(kKv, kv_count, where));
   KVAUDIT_ASSIGN_OR_RETURN(int* visible_device, arena_.get<int>(kVisible, visible.size(), where));
-  KVAUDIT_TRY(upload(q_nope, p.q_nope.data(), p.q_nope.size(), where));
-  KVAUDIT_TRY(upload(q_pe, p.q_pe.data(), p.q_pe.size(), where));
-  KVAUDIT_TRY(upload(kv_device, kv.data(), kv.size(), where));
+  KVAUDIT_TRY(upload_staged(q_nope, p.q_nope, kPinnedQNope, p.threads, where));
+  KVAUDIT_TRY(upload_staged(q_pe, p.q_pe, kPinnedQPe, p.threads, where));
+  KVAUDIT_TRY(upload(kv_device, kv, kv_count, where));
   KVAUDIT_TRY(upload(visible_device, visible.data(), visible.size(), where));
+  seconds_.upload += elapsed_seconds_since(start);
   args_ = DeviceArgs{};
   args_.q_nope = q_nope;
   args_.q_pe = q_pe;
@@ -907,12 +948,15 @@ void GpuReference::launch_values(int slices, const Tile* value_tiles) {
 
 Status GpuReference::run_batch(const ReferenceProblem& p, const Batch& batch,
                                const std::string& where) {
+  auto start = Clock::now();
   std::vector<int> segment_of_row(p.visible_of_row.size(), -1);
   for (int s = 0; s < static_cast<int>(batch.segments.size()); ++s) {
     const Segment& seg = batch.segments[s];
     for (int r = 0; r < seg.num_qv / p.num_heads; ++r) segment_of_row[seg.first_row + r] = s;
   }
   plan_tiles(p, batch, score_tiles_, value_tiles_);
+  seconds_.prepare += elapsed_seconds_since(start);
+  start = Clock::now();
   KVAUDIT_ASSIGN_OR_RETURN(Segment * segments,
                            arena_.get<Segment>(kSegments, batch.segments.size(), where));
   KVAUDIT_ASSIGN_OR_RETURN(Tile * score_tiles,
@@ -926,7 +970,9 @@ Status GpuReference::run_batch(const ReferenceProblem& p, const Batch& batch,
   KVAUDIT_TRY(upload(score_tiles, score_tiles_.data(), score_tiles_.size(), where));
   KVAUDIT_TRY(upload(value_tiles, value_tiles_.data(), value_tiles_.size(), where));
   args_.segments = segments;
+  seconds_.upload += elapsed_seconds_since(start);
 
+  start = Clock::now();
   const int pairs = (batch.end_row - batch.first_row) * p.num_heads;
   KVAUDIT_ASSIGN_OR_RETURN(const int slices, slice_queries(p, batch, where));
   if (!score_tiles_.empty()) launch_scores(slices, score_tiles);
@@ -945,19 +991,41 @@ Status GpuReference::run_batch(const ReferenceProblem& p, const Batch& batch,
   if (!value_tiles_.empty()) launch_values(weight_slice_count, value_tiles);
   ++kernels_run_.value_batches[weight_slice_count];
   KVAUDIT_TRY(cuda_check(cudaGetLastError(), where, "kernel launch"));
-  return cuda_check(cudaDeviceSynchronize(), where, "kernels");
+  KVAUDIT_TRY(cuda_check(cudaDeviceSynchronize(), where, "kernels"));
+  seconds_.kernels += elapsed_seconds_since(start);
+  return ok_status();
 }
 
+// out and lse into page-locked buffers, then copied out to the caller's arrays on p.threads
+// threads.
+Status GpuReference::download(const ReferenceProblem& p, const std::string& where) {
+  const auto start = Clock::now();
+  KVAUDIT_ASSIGN_OR_RETURN(double* out, pinned_.get<double>(kPinnedOut, p.out.size(), where));
+  KVAUDIT_ASSIGN_OR_RETURN(double* lse, pinned_.get<double>(kPinnedLse, p.lse.size(), where));
+  KVAUDIT_TRY(download_array(out, args_.out, p.out.size(), where, "cudaMemcpy of out"));
+  KVAUDIT_TRY(download_array(lse, args_.lse, p.lse.size(), where, "cudaMemcpy of lse"));
+  parallel_copy(out, p.out.size(), p.out.data(), p.threads);
+  parallel_copy(lse, p.lse.size(), p.lse.data(), p.threads);
+  seconds_.download += elapsed_seconds_since(start);
+  return ok_status();
+}
+
+// One call: inputs up, the batches' kernels, results down; its split is added to the process's
+// totals whether it succeeds or not.
 Status GpuReference::run(const ReferenceProblem& p, const std::string& where) {
   if (p.num_rows() == 0 || p.num_heads == 0) return ok_status();
-  KVAUDIT_TRY(upload_inputs(p, where));
-  for (const Batch& batch : plan_batches(p, kv_offset_)) KVAUDIT_TRY(run_batch(p, batch, where));
-  KVAUDIT_TRY(cuda_check(
-      cudaMemcpy(p.out.data(), args_.out, p.out.size() * sizeof(double), cudaMemcpyDeviceToHost),
-      where, "cudaMemcpy of out"));
-  return cuda_check(
-      cudaMemcpy(p.lse.data(), args_.lse, p.lse.size() * sizeof(double), cudaMemcpyDeviceToHost),
-      where, "cudaMemcpy of lse");
+  seconds_ = DeviceSeconds{};
+  seconds_.calls = 1;
+  const Status status = [&]() -> Status {
+    KVAUDIT_TRY(upload_inputs(p, where));
+    auto start = Clock::now();
+    const std::vector<Batch> batches = plan_batches(p, kv_offset_);
+    seconds_.prepare += elapsed_seconds_since(start);
+    for (const Batch& batch : batches) KVAUDIT_TRY(run_batch(p, batch, where));
+    return download(p, where);
+  }();
+  add_gpu_reference_seconds(seconds_);
+  return status;
 }
 
 }  // namespace

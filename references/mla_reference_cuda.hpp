@@ -9,12 +9,14 @@
 #include <string>
 
 #include "references/reference_problem.hpp"
+#include "src/core/device_seconds.hpp"
 #include "src/core/result.hpp"
 
 namespace kvaudit {
 
 // Writes problem.out and problem.lse. An error when the device fails (no device, out of memory, a
 // launch that fails): internal, named by `where`.
+// Copies on problem.threads host threads (0: every core).
 Status mla_reference_attention_cuda(const ReferenceProblem& problem, const std::string& where);
 
 // The batches the GPU reference has run in this process, by how it computed their two sums
@@ -26,5 +28,12 @@ struct GpuReferenceKernels {
   std::array<long long, 6> value_batches{};
 };
 GpuReferenceKernels gpu_reference_kernels();
+
+// Where the GPU reference's time went in this process so far, summed over every call (prepare:
+// resolving the problem, gathering the visible KV rows, planning the tiles; upload; kernels;
+// download: out and lse, copied out). All zero in a build without CUDA and before the first call;
+// a run reads it before and after (DeviceSeconds' difference). Thread-safe.
+DeviceSeconds gpu_reference_seconds();
+void add_gpu_reference_seconds(const DeviceSeconds& part);
 
 }  // namespace kvaudit

@@ -4,7 +4,8 @@
 # tokens each over 4,096 cached ones, page 64, one decode step: the record's synth command) into
 # build/, then run `kvaudit check` on it under /usr/bin/time -v and
 # print the wall time, the peak resident memory and the split of the check's time (reference,
-# backend, reading, comparisons), with one --progress line per layer on stderr.
+# backend, reading, comparisons; where they ran on the GPU, theirs into host preparation, uploads,
+# kernels and downloads), with one --progress line per layer on stderr.
 #
 #   bash scripts/bench-whole-model.sh [--reference cpu|cuda] [--backend NAME] [--layers N]
 #        [--heads H] [--prefix TOKENS] [--prefill TOKENS] [--decode-steps N] [--threads N]
@@ -31,7 +32,7 @@ decode_steps=1
 threads=0
 kvaudit=build/kvaudit
 out=build/bench-whole-model
-usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; }
 while [[ $# -gt 0 ]]; do
   case $1 in
     --reference) reference=$2; shift 2 ;;
@@ -99,5 +100,7 @@ rss_kib=$(sed -n 's/.*Maximum resident set size (kbytes): //p' "$out/time.log")
 echo "wall time:   $wall (h:mm:ss or m:ss)"
 echo "peak RSS:    $((rss_kib / 1024)) MiB"
 echo "split:       $(grep '^timing:' "$out/check.log" | sed 's/^timing: //')"
+# The GPU reference's and the cuda backends' own split (host prep, uploads, kernels, downloads).
+grep '^timing on the GPU: ' "$out/check.log" | sed 's/^timing on the GPU: /on the GPU:  /' || true
 grep '^verdict:' "$out/check.log" || true
 echo "exit status: $status (0 pass, 1 checks failed; logs in $out/)"

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "src/core/device_seconds.hpp"
 #include "src/core/result.hpp"
 #include "src/verdict/metrics.hpp"
 #include "src/verdict/policy.hpp"
@@ -334,6 +335,11 @@ struct CheckRun {
   double diagnosis_seconds = 0.0;      // the diagnosis of failing comparisons
   double certification_seconds = 0.0;  // the 50-digit recomputations (their own threads' time)
   double total_seconds = 0.0;
+  // Where the GPU's share of reference_seconds and backend_seconds went (host preparation, uploads,
+  // kernels, downloads: src/core/device_seconds.hpp), for `check --verbose`; absent where nothing
+  // ran on a GPU. Not in report.json.
+  std::optional<DeviceSeconds> reference_device_seconds;
+  std::optional<DeviceSeconds> backend_device_seconds;
   // An exec backend's protocol overhead (Backend::protocol_statistics); null for in-process ones.
   nlohmann::json backend_protocol;
   Provenance provenance;
