@@ -18,7 +18,8 @@
 # Env: KVAUDIT (default build-gpu/kvaudit), KERNELS_DEADLINE (seconds after which no new run
 # starts, default 270: with runs of at most 120 s the table ends within 400 s, the whole call
 # under 7 minutes), KERNELS_TIMEOUT (seconds per kvaudit run, default 120), KERNELS_JOBS
-# (default 6), KERNELS_ARGS (more arguments for
+# (default 6), KERNELS_MERGE (an earlier table's JSON whose rows of the kernels not run now are
+# kept, marked as that run's), KERNELS_ARGS (more arguments for
 # kernels_table.py, e.g. "--kernels cuda-fp8 vllm-triton-mla").
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -78,7 +79,7 @@ fi
 timeout 400 python3 scripts/kernels_table.py --kvaudit "$kvaudit" --python python3 \
   "${pythonpath[@]}" "${adapter_args[@]}" --work "$work/runs" --out "$work/kernels-h200" \
   --jobs "${KERNELS_JOBS:-6}" --timeout "${KERNELS_TIMEOUT:-120}" --deadline "${KERNELS_DEADLINE:-270}" \
-  ${KERNELS_ARGS:-}
+  ${KERNELS_ARGS:-} ${KERNELS_MERGE:+--merge-with "$KERNELS_MERGE"}
 echo "kernels_table.py exit $? after $(( $(date +%s) - started )) s"
 cp "$work/kernels-h200.md" "$work/kernels-h200.json" "$out"/ 2>/dev/null
 tar czf "$out/kernels-logs.tgz" -C "$work" --exclude='*.h5' . 2>/dev/null
