@@ -59,6 +59,7 @@
 #include "references/double_double.hpp"
 #include "references/reference_device.hpp"
 #include "references/reference_problem.hpp"
+#include "src/core/default_init_allocator.hpp"
 #include "src/core/result.hpp"
 #include "src/format/kvdump.hpp"
 #include "src/format/step_indices.hpp"
@@ -117,8 +118,9 @@ class KvRows {
   void finish_grouped(const KvPool& pool);
   void find_value_grid(std::span<const float> values, bool e4m3_values, int threads = 1);
 
-  std::vector<float> owned_;
-  std::vector<float> owned_lo_;
+  // Every element is decoded into before it is read: no zeroing first (DefaultInitAllocator).
+  std::vector<float, DefaultInitAllocator<float>> owned_;
+  std::vector<float, DefaultInitAllocator<float>> owned_lo_;
   const float* values_lo_ = nullptr;
   const float* values_ = nullptr;
   std::vector<std::int64_t> compact_row_;  // slot -> row of owned_ (-1: absent); empty: identity
