@@ -78,9 +78,10 @@ struct Float100;
 class KvRows {
  public:
   // A view of `values` ([num_slots, row_width], e.g. kv_source), multiplier `scale`, and where
-  // given the residuals of each value (row_lo). The values must outlive the KvRows.
+  // given the residuals of each value (row_lo). The values must outlive the KvRows. Their value
+  // grid is found on up to `threads` threads (0: every core; the same whatever the count).
   static KvRows from_values(std::span<const float> values, int row_width, double scale = 1.0,
-                            std::span<const float> residuals = {});
+                            std::span<const float> residuals = {}, int threads = 1);
   // The pool decoded exactly: e4m3 codes (NaN codes stay NaN) or bf16 values, multiplier
   // kv_scale. Holds num_slots * row_width floats.
   static KvRows from_pool(const KvPool& pool, float kv_scale);
