@@ -31,14 +31,14 @@ namespace kvaudit {
 // ---- KvRows ------------------------------------------------------------------------------------
 
 KvRows KvRows::from_values(std::span<const float> values, int row_width, double scale,
-                           std::span<const float> residuals) {
+                           std::span<const float> residuals, int threads) {
   KvRows rows;
   rows.values_ = values.data();
   if (!residuals.empty()) rows.values_lo_ = residuals.data();
   rows.row_width_ = row_width;
   rows.num_slots_ = row_width > 0 ? static_cast<std::int64_t>(values.size()) / row_width : 0;
   rows.scale_ = scale;
-  if (residuals.empty()) rows.find_value_grid(values, false);
+  if (residuals.empty()) rows.find_value_grid(values, false, threads);
   return rows;
 }
 

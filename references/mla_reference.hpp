@@ -59,6 +59,7 @@
 #include "references/double_double.hpp"
 #include "references/reference_device.hpp"
 #include "references/reference_problem.hpp"
+#include "src/core/default_init_allocator.hpp"
 #include "src/core/result.hpp"
 #include "src/format/kvdump.hpp"
 #include "src/format/step_indices.hpp"
@@ -77,9 +78,10 @@ struct Float100;
 class KvRows {
  public:
   // A view of `values` ([num_slots, row_width], e.g. kv_source), multiplier `scale`, and where
-  // given the residuals of each value (row_lo). The values must outlive the KvRows.
+  // given the residuals of each value (row_lo). The values must outlive the KvRows. Their value
+  // grid is found on up to `threads` threads (0: every core; the same whatever the count).
   static KvRows from_values(std::span<const float> values, int row_width, double scale = 1.0,
-                            std::span<const float> residuals = {});
+                            std::span<const float> residuals = {}, int threads = 1);
   // The pool decoded exactly: e4m3 codes (NaN codes stay NaN) or bf16 values, multiplier
   // kv_scale. Holds num_slots * row_width floats.
   static KvRows from_pool(const KvPool& pool, float kv_scale);
@@ -117,8 +119,9 @@ class KvRows {
   void finish_grouped(const KvPool& pool);
   void find_value_grid(std::span<const float> values, bool e4m3_values, int threads = 1);
 
-  std::vector<float> owned_;
-  std::vector<float> owned_lo_;
+  // Every element is decoded into before it is read: no zeroing first (DefaultInitAllocator).
+  std::vector<float, DefaultInitAllocator<float>> owned_;
+  std::vector<float, DefaultInitAllocator<float>> owned_lo_;
   const float* values_lo_ = nullptr;
   const float* values_ = nullptr;
   std::vector<std::int64_t> compact_row_;  // slot -> row of owned_ (-1: absent); empty: identity

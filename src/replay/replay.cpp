@@ -376,7 +376,7 @@ class SourceRows {
                                  const StepLayerTensors& tensors, std::span<double> out,
                                  std::span<double> lse, ReferenceDevice device, int threads) const {
     if (!dense_.empty()) {
-      const KvRows rows = KvRows::from_values(dense_, width_, 1.0);
+      const KvRows rows = KvRows::from_values(dense_, width_, 1.0, {}, threads);
       return exact_reference_attention(device, attrs, step, tensors.q_nope, tensors.q_pe, rows, out,
                                        lse, threads);
     }
@@ -402,7 +402,7 @@ class SourceRows {
                   values.begin() + (i * page + offset) * width_);
       }
     }
-    const KvRows rows = KvRows::from_values(values, width_, 1.0);
+    const KvRows rows = KvRows::from_values(values, width_, 1.0, {}, threads);
     return exact_reference_attention(device, attrs, compact, tensors.q_nope, tensors.q_pe, rows,
                                      out, lse, threads);
   }

@@ -4,7 +4,9 @@
 // below is written from the test's own input pattern, never from the code under test.
 #include <algorithm>
 #include <catch2/catch.hpp>
+#include <chrono>
 #include <cstdint>
+#include <iostream>
 #include <limits>
 #include <vector>
 
@@ -131,5 +133,53 @@ TEST_CASE("KvRows value grid: chunks that each fit can together span too much",
   SECTION("an infinity in the second chunk: no grid") {
     values[kChunk + 5] = std::numeric_limits<float>::infinity();
     CHECK_FALSE(KvRows::from_values(values, 4).has_value_grid());
+  }
+}
+
+// Not run by default: the host copies at a GLM-5 prefill step-layer's size (8 requests x 4608
+// visible tokens of 576 e4m3 values; out [4096, 16, 512] doubles), one thread against every core.
+TEST_CASE("host copies at GLM-5 prefill size (seconds)", "[.][benchmark][host-copies]") {
+  using Clock = std::chrono::steady_clock;
+  const auto time = [](auto&& work) {
+    const auto start = Clock::now();
+    work();
+    return std::chrono::duration<double>(Clock::now() - start).count();
+  };
+  constexpr int kRequests = 8;
+  constexpr int kTokens = 4608;
+  constexpr int kWidth = 576;
+  kvaudit::KvPool pool =
+      kvaudit::KvPool::zeros(kvaudit::KvDtype::kFloat8E4m3fn, kRequests * kTokens, kWidth);
+  for (std::int64_t s = 0; s < pool.num_slots; ++s) {
+    for (int c = 0; c < kWidth; ++c)
+      pool.row(s)[c] = static_cast<std::uint8_t>((s * 31 + c) % 0x7E);
+  }
+  std::vector<std::int64_t> visible(static_cast<std::size_t>(pool.num_slots));
+  for (std::int64_t s = 0; s < pool.num_slots; ++s) visible[s] = s;
+  for (const int threads : {1, 0}) {
+    KvRows rows;
+    const double decode =
+        time([&] { rows = KvRows::from_pool_slots(pool, 1.0f, visible, threads); });
+    ReferenceProblem p;
+    p.dc = 512;
+    p.dr = 64;
+    p.threads = threads;
+    p.token_rows.resize(kRequests);
+    for (int b = 0; b < kRequests; ++b) {
+      for (int t = 0; t < kTokens; ++t) p.token_rows[b].push_back(rows.row(b * kTokens + t));
+    }
+    const std::vector<long long> offsets = kvaudit::gathered_row_offsets(p);
+    std::vector<float> gathered(static_cast<std::size_t>(offsets.back()) * kWidth);
+    const double gather = time([&] { kvaudit::gather_token_rows(p, offsets, gathered.data()); });
+    const std::size_t out_size = std::size_t{4096} * 16 * 512;
+    std::vector<double> from(out_size, 1.5);
+    std::vector<double> fresh;
+    const double zero_fresh = time([&] { fresh.assign(out_size, 0.0); });
+    const double copy =
+        time([&] { kvaudit::parallel_copy(from.data(), out_size, fresh.data(), threads); });
+    std::cout << "threads " << kvaudit::resolve_thread_count(threads) << ": from_pool_slots "
+              << decode << " s, gather_token_rows " << gather << " s, out zeroed fresh "
+              << zero_fresh << " s, out parallel_copy into mapped pages " << copy << " s\n";
+    CHECK(gathered[kWidth] == rows.row(1)[0]);
   }
 }
