@@ -11,9 +11,11 @@
 #include <algorithm>
 #include <bit>
 #include <boost/multiprecision/cpp_bin_float.hpp>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <string>
 
 #include "references/mla_reference_cuda.hpp"
@@ -29,14 +31,14 @@ namespace kvaudit {
 // ---- KvRows ------------------------------------------------------------------------------------
 
 KvRows KvRows::from_values(std::span<const float> values, int row_width, double scale,
-                           std::span<const float> residuals) {
+                           std::span<const float> residuals, int threads) {
   KvRows rows;
   rows.values_ = values.data();
   if (!residuals.empty()) rows.values_lo_ = residuals.data();
   rows.row_width_ = row_width;
   rows.num_slots_ = row_width > 0 ? static_cast<std::int64_t>(values.size()) / row_width : 0;
   rows.scale_ = scale;
-  if (residuals.empty()) rows.find_value_grid(values, false);
+  if (residuals.empty()) rows.find_value_grid(values, false, threads);
   return rows;
 }
 
@@ -109,7 +111,7 @@ KvRows KvRows::from_pool(const KvPool& pool, float kv_scale) {
 }
 
 KvRows KvRows::from_pool_slots(const KvPool& pool, float kv_scale,
-                               std::span<const std::int64_t> slots) {
+                               std::span<const std::int64_t> slots, int threads) {
   KvRows rows;
   rows.row_width_ = pool.row_width;
   rows.num_slots_ = pool.num_slots;
@@ -121,15 +123,26 @@ KvRows KvRows::from_pool_slots(const KvPool& pool, float kv_scale,
   }
   rows.owned_.resize(static_cast<std::size_t>(held) * pool.row_width);
   if (pool.grouped()) rows.owned_lo_.resize(rows.owned_.size());
-  for (std::int64_t s = 0; s < pool.num_slots; ++s) {
-    if (rows.compact_row_[s] >= 0) rows.decode_row(pool, kv_scale, s, rows.compact_row_[s]);
-  }
+  // Each held slot decodes into its own row, so the threads share the slots freely.
+  constexpr std::int64_t kSlotsPerUnit = 1024;
+  parallel_for(static_cast<std::size_t>((pool.num_slots + kSlotsPerUnit - 1) / kSlotsPerUnit),
+               threads, [&] {
+                 return [&](std::size_t unit) {
+                   const std::int64_t first = static_cast<std::int64_t>(unit) * kSlotsPerUnit;
+                   const std::int64_t end = std::min(pool.num_slots, first + kSlotsPerUnit);
+                   for (std::int64_t s = first; s < end; ++s) {
+                     const std::int64_t row = rows.compact_row_[s];
+                     if (row >= 0) rows.decode_row(pool, kv_scale, s, row);
+                   }
+                 };
+               });
   rows.values_ = rows.owned_.data();
   rows.finish_grouped(pool);
   if (!rows.has_residual()) {
-    rows.find_value_grid(rows.owned_, pool.dtype == KvDtype::kFloat8E4m3fn &&
-                                          pool.rope_dtype == KvDtype::kFloat8E4m3fn &&
-                                          !pool.grouped());
+    rows.find_value_grid(rows.owned_,
+                         pool.dtype == KvDtype::kFloat8E4m3fn &&
+                             pool.rope_dtype == KvDtype::kFloat8E4m3fn && !pool.grouped(),
+                         threads);
   }
   return rows;
 }
@@ -154,31 +167,87 @@ FloatExponents float_exponents(float v) {
 
 }  // namespace
 
+namespace {
+
+// What a scan of some held values found: their largest magnitude (e4m3 values), or the lowest and
+// highest exponents of their finite nonzero values; `unbounded` once an infinity is met or (other
+// values) they span more than KvRows::kMaxGridBits bits, where the scan may stop. Minimum, maximum
+// and "any" are exact and order-free, so scans of chunks merge into the scan of the whole.
+struct GridScan {
+  float largest = 0.0f;
+  int low = std::numeric_limits<int>::max();
+  int top = std::numeric_limits<int>::min();
+  bool unbounded = false;
+
+  void merge(const GridScan& other) {
+    largest = std::max(largest, other.largest);
+    low = std::min(low, other.low);
+    top = std::max(top, other.top);
+    unbounded = unbounded || other.unbounded;
+  }
+};
+
+GridScan scan_e4m3_values(std::span<const float> values) {
+  GridScan scan;
+  for (const float v : values) scan.largest = std::max(scan.largest, std::fabs(v));  // NaN: out
+  scan.unbounded = std::isinf(scan.largest);
+  return scan;
+}
+
+GridScan scan_float_values(std::span<const float> values, int max_bits) {
+  GridScan scan;
+  for (const float v : values) {
+    if (v == 0.0f || std::isnan(v)) continue;
+    if (std::isinf(v)) {
+      scan.unbounded = true;
+      break;
+    }
+    const FloatExponents e = float_exponents(v);
+    scan.low = std::min(scan.low, e.low);
+    scan.top = std::max(scan.top, e.top);
+    if (scan.top - scan.low > max_bits) {
+      scan.unbounded = true;
+      break;
+    }
+  }
+  return scan;
+}
+
+// The scan of all values, in fixed chunks on up to `threads` threads, merged in chunk order.
+GridScan scan_values(std::span<const float> values, bool e4m3_values, int max_bits, int threads) {
+  constexpr std::size_t kChunk = std::size_t{1} << 18;
+  std::vector<GridScan> chunks((values.size() + kChunk - 1) / kChunk);
+  parallel_for(chunks.size(), threads, [&] {
+    return [&](std::size_t c) {
+      const std::span<const float> part =
+          values.subspan(c * kChunk, std::min(kChunk, values.size() - c * kChunk));
+      chunks[c] = e4m3_values ? scan_e4m3_values(part) : scan_float_values(part, max_bits);
+    };
+  });
+  GridScan all;
+  for (const GridScan& chunk : chunks) all.merge(chunk);
+  return all;
+}
+
+}  // namespace
+
 // Scans the held values once (NaNs ignored: they reach the result through the products anyway).
 // e4m3 values are multiples of 2^-9 by their format, so only their largest magnitude is looked
 // for; other values are scanned for their lowest set bit too, stopping once they span too much.
-void KvRows::find_value_grid(std::span<const float> values, bool e4m3_values) {
+void KvRows::find_value_grid(std::span<const float> values, bool e4m3_values, int threads) {
   has_value_grid_ = false;
-  int low = std::numeric_limits<int>::max();
-  int top = std::numeric_limits<int>::min();
+  const GridScan scan = scan_values(values, e4m3_values, kMaxGridBits, threads);
+  if (scan.unbounded) return;
+  int low = scan.low;
+  int top = scan.top;
   if (e4m3_values) {
-    float largest = 0.0f;
-    for (const float v : values) largest = std::max(largest, std::fabs(v));  // NaN: kept out
-    if (std::isinf(largest)) return;
     low = -9;
-    top = largest == 0.0f ? -9 : float_exponents(largest).top;
-  } else {
-    for (const float v : values) {
-      if (v == 0.0f || std::isnan(v)) continue;
-      if (std::isinf(v)) return;
-      const FloatExponents e = float_exponents(v);
-      low = std::min(low, e.low);
-      top = std::max(top, e.top);
-      if (top - low > kMaxGridBits) return;
-    }
-    if (low > top) low = top = 0;  // no nonzero finite value
+    top = scan.largest == 0.0f ? -9 : float_exponents(scan.largest).top;
+  } else if (low > top) {
+    low = top = 0;  // no nonzero finite value
   }
-  has_value_grid_ = top - low <= kMaxGridBits;
+  if (top - low > kMaxGridBits) return;
+  has_value_grid_ = true;
   grid_exponent_ = low;
   magnitude_bits_ = top - low;
 }
@@ -1070,6 +1139,57 @@ Result<std::int64_t> mla_reference_attention(const DumpAttributes& attrs, const 
   return work;
 }
 
+std::vector<long long> gathered_row_offsets(const ReferenceProblem& p) {
+  std::vector<long long> offsets(p.token_rows.size() + 1, 0);
+  for (std::size_t b = 0; b < p.token_rows.size(); ++b) {
+    offsets[b + 1] = offsets[b] + static_cast<long long>(p.token_rows[b].size());
+  }
+  return offsets;
+}
+
+void gather_token_rows(const ReferenceProblem& p, const std::vector<long long>& offsets,
+                       float* dst) {
+  constexpr long long kRowsPerUnit = 256;
+  struct Unit {
+    std::size_t request;
+    long long first_token;
+  };
+  std::vector<Unit> units;
+  for (std::size_t b = 0; b < p.token_rows.size(); ++b) {
+    const long long tokens = static_cast<long long>(p.token_rows[b].size());
+    for (long long t = 0; t < tokens; t += kRowsPerUnit) units.push_back({b, t});
+  }
+  const std::size_t width = static_cast<std::size_t>(p.width());
+  parallel_for(units.size(), p.threads, [&] {
+    return [&](std::size_t u) {
+      const std::vector<const float*>& rows = p.token_rows[units[u].request];
+      const long long end =
+          std::min(units[u].first_token + kRowsPerUnit, static_cast<long long>(rows.size()));
+      for (long long t = units[u].first_token; t < end; ++t) {
+        std::copy(rows[t], rows[t] + width,
+                  dst + static_cast<std::size_t>(offsets[units[u].request] + t) * width);
+      }
+    };
+  });
+}
+
+namespace {
+
+std::mutex gpu_reference_seconds_mutex;
+DeviceSeconds gpu_reference_seconds_total;
+
+}  // namespace
+
+DeviceSeconds gpu_reference_seconds() {
+  const std::lock_guard<std::mutex> lock(gpu_reference_seconds_mutex);
+  return gpu_reference_seconds_total;
+}
+
+void add_gpu_reference_seconds(const DeviceSeconds& part) {
+  const std::lock_guard<std::mutex> lock(gpu_reference_seconds_mutex);
+  gpu_reference_seconds_total += part;
+}
+
 std::string_view reference_device_name(ReferenceDevice device) {
   return device == ReferenceDevice::kCuda ? "cuda" : "cpu";
 }
@@ -1099,9 +1219,14 @@ Result<std::int64_t> exact_reference_attention(ReferenceDevice device, const Dum
                        "significant bits, held as two floats; the GPU reference reads one "
                        "float per value: use --reference cpu for this dump");
   }
+  const auto start = std::chrono::steady_clock::now();
   Problem problem;
   KVAUDIT_ASSIGN_OR_RETURN(const std::int64_t work, resolve_problem(attrs, step, q_nope, q_pe, kv,
                                                                     out, lse, where, &problem));
+  problem.threads = threads;
+  DeviceSeconds resolving;
+  resolving.prepare = elapsed_seconds_since(start);
+  add_gpu_reference_seconds(resolving);
   KVAUDIT_TRY(mla_reference_attention_cuda(problem, where));
   return work;
 #else

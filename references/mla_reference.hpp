@@ -59,6 +59,7 @@
 #include "references/double_double.hpp"
 #include "references/reference_device.hpp"
 #include "references/reference_problem.hpp"
+#include "src/core/default_init_allocator.hpp"
 #include "src/core/result.hpp"
 #include "src/format/kvdump.hpp"
 #include "src/format/step_indices.hpp"
@@ -77,16 +78,19 @@ struct Float100;
 class KvRows {
  public:
   // A view of `values` ([num_slots, row_width], e.g. kv_source), multiplier `scale`, and where
-  // given the residuals of each value (row_lo). The values must outlive the KvRows.
+  // given the residuals of each value (row_lo). The values must outlive the KvRows. Their value
+  // grid is found on up to `threads` threads (0: every core; the same whatever the count).
   static KvRows from_values(std::span<const float> values, int row_width, double scale = 1.0,
-                            std::span<const float> residuals = {});
+                            std::span<const float> residuals = {}, int threads = 1);
   // The pool decoded exactly: e4m3 codes (NaN codes stay NaN) or bf16 values, multiplier
   // kv_scale. Holds num_slots * row_width floats.
   static KvRows from_pool(const KvPool& pool, float kv_scale);
   // As from_pool, but only the listed slots (e.g. visible_slots(step)), so memory follows the
   // step, not the pool. Reading another slot is an error of the caller (row() returns nullptr).
+  // The slots are decoded and scanned on up to `threads` threads (0: every core); each value is
+  // its own, so the rows are the same whatever the count.
   static KvRows from_pool_slots(const KvPool& pool, float kv_scale,
-                                std::span<const std::int64_t> slots);
+                                std::span<const std::int64_t> slots, int threads = 1);
 
   int row_width() const { return row_width_; }
   std::int64_t num_slots() const { return num_slots_; }
@@ -113,10 +117,11 @@ class KvRows {
  private:
   void decode_row(const KvPool& pool, float kv_scale, std::int64_t slot, std::int64_t row);
   void finish_grouped(const KvPool& pool);
-  void find_value_grid(std::span<const float> values, bool e4m3_values);
+  void find_value_grid(std::span<const float> values, bool e4m3_values, int threads = 1);
 
-  std::vector<float> owned_;
-  std::vector<float> owned_lo_;
+  // Every element is decoded into before it is read: no zeroing first (DefaultInitAllocator).
+  std::vector<float, DefaultInitAllocator<float>> owned_;
+  std::vector<float, DefaultInitAllocator<float>> owned_lo_;
   const float* values_lo_ = nullptr;
   const float* values_ = nullptr;
   std::vector<std::int64_t> compact_row_;  // slot -> row of owned_ (-1: absent); empty: identity
@@ -152,7 +157,8 @@ extern template Result<std::int64_t> mla_reference_attention<Float100>(
     const DumpAttributes&, const StepMeta&, std::span<const float>, std::span<const float>,
     const KvRows&, std::span<double>, std::span<double>, int);
 
-// mla_reference_attention<dd::DoubleDouble> on `device` (threads: the CPU's; unused on the GPU).
+// mla_reference_attention<dd::DoubleDouble> on `device` (threads: the CPU's; on the GPU, the host
+// threads that gather its inputs and copy out its results).
 // On the GPU: an unsupported-input error where this build has no CUDA, an internal error where
 // the device fails.
 Result<std::int64_t> exact_reference_attention(ReferenceDevice device, const DumpAttributes& attrs,

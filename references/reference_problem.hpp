@@ -37,6 +37,7 @@ struct ReferenceProblem {
   // KvRows::magnitude_bits() where the rows have a value grid (KvRows::has_value_grid), else -1:
   // the CPU reference's exact sliced path reads it; the GPU reference ignores it.
   int value_grid_bits = -1;
+  int threads = 0;  // host threads for the GPU reference's copies (0: every core)
 
   int width() const { return dc + dr; }
   int num_rows() const { return static_cast<int>(request_of_row.size()); }
@@ -55,5 +56,14 @@ struct ReferenceProblem {
     lse[static_cast<std::size_t>(row) * num_heads + head] = nan;
   }
 };
+
+// Where each request's token 0 lies in the gathered KV rows (row units): [num requests + 1], the
+// last entry the total sum_b T_b.
+std::vector<long long> gathered_row_offsets(const ReferenceProblem& p);
+// Copies the KV row of every token of every request, in token order, to dst [sum_b T_b, Dc + Dr]
+// (request b from row offsets[b]), rows shared over p.threads threads. Pure data movement: each row
+// lands in its own place whatever the thread count.
+void gather_token_rows(const ReferenceProblem& p, const std::vector<long long>& offsets,
+                       float* dst);
 
 }  // namespace kvaudit

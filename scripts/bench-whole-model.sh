@@ -4,7 +4,8 @@
 # tokens each over 4,096 cached ones, page 64, one decode step: the record's synth command) into
 # build/, then run `kvaudit check` on it under /usr/bin/time -v and
 # print the wall time, the peak resident memory and the split of the check's time (reference,
-# backend, reading, comparisons), with one --progress line per layer on stderr.
+# backend, reading, comparisons; where they ran on the GPU, theirs into host preparation, uploads,
+# kernels and downloads), with one --progress line per layer on stderr.
 #
 #   bash scripts/bench-whole-model.sh [--reference cpu|cuda] [--backend NAME] [--layers N]
 #        [--heads H] [--prefix TOKENS] [--prefill TOKENS] [--decode-steps N] [--threads N]
@@ -104,5 +105,7 @@ echo "wall time:   $wall (h:mm:ss or m:ss)"
 echo "peak RSS:    $((rss_kib / 1024)) MiB"
 echo "split:       $(grep '^timing:' "$out/check.log" | sed 's/^timing: //')"
 grep '^layers in flight:' "$out/check.log" || true
+# The GPU reference's and the cuda backends' own split (host prep, uploads, kernels, downloads).
+grep '^timing on the GPU: ' "$out/check.log" | sed 's/^timing on the GPU: /on the GPU:  /' || true
 grep '^verdict:' "$out/check.log" || true
 echo "exit status: $status (0 pass, 1 checks failed; logs in $out/)"

@@ -7,14 +7,19 @@
 #   build/peer-kernels       vLLM's and SGLang's kernel files (scripts/fetch-peer-kernels.sh)
 #   .whl                     FlashInfer 0.6.18 and its three dependencies (docs/gpu.md)
 #   .whl-fi07                optional: FlashInfer 0.7.4's wheels (else its rows say "not run"),
-#                            or .gpu/flashinfer-0.7.4.tar.gz (scripts/flashinfer/pack_074.sh)
+#                            or .gpu/flashinfer-0.7.4.tar.gz (scripts/flashinfer/pack_074.sh);
+#                            with 0.6.18's wheels and the binary that is over 64 MiB: an earlier
+#                            call on the same warm machine may unpack it into /tmp/fi074/site,
+#                            which this script then uses
 #   .gpu/flashmla-dense-fp8.tar.gz  optional: FlashMLA dense FP8's sources
 #                            (scripts/flashmla/pack_dense_fp8.sh), built here first
 # and run, from the checkout's root:
 #   bash scripts/gpu-kernels.sh "$OUT"
 # Env: KVAUDIT (default build-gpu/kvaudit), KERNELS_DEADLINE (seconds after which no new run
 # starts, default 270: with runs of at most 120 s the table ends within 400 s, the whole call
-# under 7 minutes), KERNELS_JOBS (default 6), KERNELS_ARGS (more arguments for
+# under 7 minutes), KERNELS_TIMEOUT (seconds per kvaudit run, default 120), KERNELS_JOBS
+# (default 6), KERNELS_MERGE (an earlier table's JSON whose rows of the kernels not run now are
+# kept, marked as that run's), KERNELS_ARGS (more arguments for
 # kernels_table.py, e.g. "--kernels cuda-fp8 vllm-triton-mla").
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -39,11 +44,18 @@ install() {  # install <wheel folder> <target> <key>
   fi
 }
 install .whl /tmp/site-fi06 flashinfer-0.6
+# FlashInfer's JIT cache: FLASHINFER_WORKSPACE_BASE if set (a call before this one on the same
+# machine may have compiled into it), else a folder of this run.
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$work/flashinfer-workspace}
 if [[ -f .gpu/flashinfer-0.7.4.tar.gz ]]; then  # the trimmed tree scripts/flashinfer/pack_074.sh packs
   mkdir -p /tmp/fi074 && tar -xzf .gpu/flashinfer-0.7.4.tar.gz -C /tmp/fi074 &&
     pythonpath+=(--pythonpath flashinfer-0.7=/tmp/fi074/site) &&
-    export FLASHINFER_WORKSPACE_BASE=$work/flashinfer-workspace &&
     echo "unpacked FlashInfer 0.7.4 (trimmed) into /tmp/fi074/site"
+elif [[ -f /tmp/fi074/site/flashinfer/__init__.py ]]; then
+  # Unpacked by an earlier call on this (still warm) machine: the 64 MiB a call carries do not
+  # hold FlashInfer 0.7.4 and 0.6.18 together.
+  pythonpath+=(--pythonpath flashinfer-0.7=/tmp/fi074/site)
+  echo "FlashInfer 0.7.4 (trimmed): /tmp/fi074/site, unpacked by an earlier call on this machine"
 else
   install .whl-fi07 /tmp/site-fi07 flashinfer-0.7
 fi
@@ -66,8 +78,8 @@ fi
 # shellcheck disable=SC2086 # KERNELS_ARGS is a list of words
 timeout 400 python3 scripts/kernels_table.py --kvaudit "$kvaudit" --python python3 \
   "${pythonpath[@]}" "${adapter_args[@]}" --work "$work/runs" --out "$work/kernels-h200" \
-  --jobs "${KERNELS_JOBS:-6}" --timeout 120 --deadline "${KERNELS_DEADLINE:-270}" \
-  ${KERNELS_ARGS:-}
+  --jobs "${KERNELS_JOBS:-6}" --timeout "${KERNELS_TIMEOUT:-120}" --deadline "${KERNELS_DEADLINE:-270}" \
+  ${KERNELS_ARGS:-} ${KERNELS_MERGE:+--merge-with "$KERNELS_MERGE"}
 echo "kernels_table.py exit $? after $(( $(date +%s) - started )) s"
 cp "$work/kernels-h200.md" "$work/kernels-h200.json" "$out"/ 2>/dev/null
 tar czf "$out/kernels-logs.tgz" -C "$work" --exclude='*.h5' . 2>/dev/null

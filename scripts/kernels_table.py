@@ -313,6 +313,32 @@ def run_all(options):
 # Rendering
 
 
+def merge_earlier(table, earlier, kernels):
+    """Takes the rows of every kernel this run did not run from an earlier table (check rows and
+    bench rows), in the earlier order after this run's, and records which rows came from which run
+    (`merged`): one table when one call cannot carry every kernel's files."""
+    kept = [k for k in dict.fromkeys(r["kernel"] for r in earlier.get("runs", []))
+            if k not in kernels]
+    table["runs"] += [r for r in earlier.get("runs", []) if r["kernel"] in kept]
+    table["bench"] += [r for r in earlier.get("bench", []) if r["kernel"] in kept]
+    table["merged"] = {"kernels": kept, "date": earlier.get("date"),
+                       "command": earlier.get("command"),
+                       "kvaudit_version": earlier.get("kvaudit_version"),
+                       "versions": earlier.get("versions")}
+    return table
+
+
+def merged_lines(table):
+    merged = table.get("merged")
+    if not merged or not merged.get("kernels"):
+        return []
+    device = (merged.get("versions") or {}).get("nvidia_smi", "?")
+    return ["", f"**Two runs.** The rows of {', '.join(merged['kernels'])} (checks and bench) are "
+            f"from an earlier run: `{merged['command']}` on {merged['date']} "
+            f"({merged.get('kvaudit_version')}, {device}); every other row is from the run "
+            "above. Each run's bench ratios are against `cuda-fp8` timed in that run."]
+
+
 def provenance_lines(runs):
     seen = {}
     for run in runs:
@@ -369,6 +395,7 @@ def render_markdown(table):
            f"({table.get('kvaudit_version', 'kvaudit')}); exec adapters write with "
            f"`--write {table['write']}`. Regenerate on the GPU machine with "
            "`bash scripts/gpu-kernels.sh OUTDIR` (docs/peer-kernels.md: what to carry).", "",
+           ] + merged_lines(table)[1:] + ([""] if table.get("merged") else []) + [
            "## Versions", "", "| | |", "| --- | --- |"]
     for key, value in sorted((table.get("versions") or {}).items()):
         out.append(f"| {fi_table.cell(key)} | {fi_table.cell(value)} |")
@@ -435,6 +462,9 @@ def parse_args(argv):
     parser.add_argument("--work", default=os.path.join(REPO, "build", "kernels-table"))
     parser.add_argument("--out", default=os.path.join(REPO, "reports", "kernels-h200"),
                         help="output path without extension (.md and .json are written)")
+    parser.add_argument("--merge-with", metavar="JSON",
+                        help="an earlier table whose rows of the kernels not run now are kept "
+                             "(marked as that run's)")
     parser.add_argument("--render-only", metavar="JSON",
                         help="re-render the Markdown of a saved table and print it")
     options = parser.parse_args(argv)
@@ -450,7 +480,11 @@ def main(argv=None):
         with open(options.render_only, encoding="utf-8") as f:
             sys.stdout.write(render_markdown(json.load(f)))
         return 0
-    save(run_all(options), options.out)
+    table = run_all(options)
+    if options.merge_with:
+        with open(options.merge_with, encoding="utf-8") as f:
+            table = merge_earlier(table, json.load(f), options.kernels)
+    save(table, options.out)
     return 0
 
 

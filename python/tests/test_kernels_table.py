@@ -106,5 +106,33 @@ class Summary(unittest.TestCase):
         self.assertIn("HeaddimV > 256 requires fp16 and bf16 data type", text)
 
 
+class Merge(unittest.TestCase):
+    """One table from two calls (scripts/gpu-kernels.sh KERNELS_MERGE): the kernels not run now
+    keep the earlier run's check and bench rows, and the Markdown says which rows came from it."""
+
+    def test_rows_of_kernels_not_run_now_come_from_the_earlier_table(self):
+        row = lambda kernel, dump: {"kernel": kernel, "dump": dump, "verdict": "pass",
+                                    "status": 0, "seconds": 1.0, "command": "c"}
+        earlier = {"date": "2026-12-05 05:31 UTC", "command": "kernels_table.py --kernels all",
+                   "kvaudit_version": "kvaudit 0.1.0", "versions": {"nvidia_smi": "H200, 580"},
+                   "runs": [row("cuda-fp8", "a.h5"), row("vllm-triton-mla", "a.h5"),
+                            row("flashinfer-0.7.4-fa3", "a.h5")],
+                   "bench": [{"kernel": "vllm-triton-mla"}, {"kernel": "cuda-fp8"}]}
+        now = {"command": "kernels_table.py --kernels cuda-fp8 flashinfer-0.7.4-fa3",
+               "date": "2026-12-05 12:00 UTC", "write": "kvdump", "versions": {},
+               "runs": [row("cuda-fp8", "a.h5"), row("flashinfer-0.7.4-fa3", "a.h5")],
+               "bench": [{"kernel": "flashinfer-0.7.4-fa3"}]}
+        merged = table.merge_earlier(now, earlier, ["cuda-fp8", "flashinfer-0.7.4-fa3"])
+        self.assertEqual([r["kernel"] for r in merged["runs"]],
+                         ["cuda-fp8", "flashinfer-0.7.4-fa3", "vllm-triton-mla"])
+        self.assertEqual([r["kernel"] for r in merged["bench"]],
+                         ["flashinfer-0.7.4-fa3", "vllm-triton-mla"])
+        self.assertEqual(merged["merged"]["kernels"], ["vllm-triton-mla"])
+        text = table.render_markdown({**merged, "bench": []})
+        self.assertIn("**Two runs.** The rows of vllm-triton-mla (checks and bench) are from an "
+                      "earlier run: `kernels_table.py --kernels all` on 2026-12-05 05:31 UTC "
+                      "(kvaudit 0.1.0, H200, 580)", text)
+
+
 if __name__ == "__main__":
     unittest.main()

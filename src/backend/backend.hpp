@@ -10,11 +10,13 @@
 #include <cstdint>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "src/backend/cuda_kernel_variant.hpp"
+#include "src/core/device_seconds.hpp"
 #include "src/core/result.hpp"
 #include "src/format/kvdump.hpp"
 
@@ -68,6 +70,9 @@ class Backend {
   // a backend that runs inside kvaudit.
   virtual nlohmann::json protocol_statistics() const { return nullptr; }
   virtual BackendConcurrency concurrency() const { return BackendConcurrency::kOneCallAtATime; }
+  // Where a backend that runs on a GPU spent its time so far, summed over its run_step calls (host
+  // preparation, copies, kernels: src/core/device_seconds.hpp); nullopt for other backends.
+  virtual std::optional<DeviceSeconds> device_seconds() const { return std::nullopt; }
 };
 
 }  // namespace kvaudit

@@ -11,11 +11,15 @@
 //
 // Device memory is held in buffers that grow on demand and are counted by role (pool, bf16 copy,
 // everything else), so a test can show that cuda-fp8 holds nothing pool-sized besides the pool.
+// q (converted to bf16 on the backend's threads) and out pass through page-locked host buffers that
+// grow the same way. device_seconds() splits the calls' time (src/core/device_seconds.hpp).
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -26,11 +30,14 @@
 #include "src/backend/mla_attention_operands.hpp"
 #include "src/core/cuda_device.hpp"
 #include "src/core/fp8_e4m3.hpp"
+#include "src/core/parallel_for.hpp"
 #include "src/format/step_indices.hpp"
 
 namespace kvaudit::cuda {
 
 namespace {
+
+using Clock = std::chrono::steady_clock;
 
 Status cuda_check(cudaError_t status, const std::string& where, const char* what) {
   if (status == cudaSuccess) return ok_status();
@@ -75,23 +82,65 @@ class DeviceBuffer {
   std::size_t capacity_ = 0;
 };
 
-std::vector<std::uint16_t> to_bf16_bits(const std::vector<float>& values) {
-  std::vector<std::uint16_t> bits(values.size());
-  for (std::size_t i = 0; i < values.size(); ++i) bits[i] = bf16_from_float(values[i]);
-  return bits;
+// Page-locked host memory that only grows, kept between calls: copies to and from the device run
+// from it at the link's speed (pageable memory goes through the driver's own staging copy first).
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  ~PinnedBuffer() {
+    if (data_ != nullptr) cudaFreeHost(data_);
+  }
+
+  template <typename T>
+  Result<T*> reserve(std::size_t count, const std::string& where) {
+    const std::size_t bytes = std::max<std::size_t>(count * sizeof(T), 16);
+    if (bytes > capacity_) {
+      if (data_ != nullptr) cudaFreeHost(data_);
+      data_ = nullptr;
+      capacity_ = 0;
+      KVAUDIT_TRY(cuda_check(cudaHostAlloc(&data_, bytes, cudaHostAllocDefault), where,
+                             "cudaHostAlloc (page-locked host memory)"));
+      capacity_ = bytes;
+    }
+    return static_cast<T*>(data_);
+  }
+
+ private:
+  void* data_ = nullptr;
+  std::size_t capacity_ = 0;
+};
+
+// bf16 bits of each value into `bits`, on up to `threads` threads (each element its own: the
+// thread count changes nothing).
+void to_bf16_bits(std::span<const float> values, std::uint16_t* bits, int threads) {
+  constexpr std::size_t kChunk = std::size_t{1} << 16;
+  parallel_for((values.size() + kChunk - 1) / kChunk, threads, [&] {
+    return [&](std::size_t chunk) {
+      const std::size_t end = std::min(values.size(), (chunk + 1) * kChunk);
+      for (std::size_t i = chunk * kChunk; i < end; ++i) bits[i] = bf16_from_float(values[i]);
+    };
+  });
 }
 
 // The step's inputs as the device takes them: the five int32 index arrays in one buffer, q (q_nope
-// then q_pe) and new_kv as bf16 bits.
+// then q_pe, in a page-locked buffer the caller holds) and new_kv as bf16 bits.
 struct HostStaging {
   std::vector<std::int32_t> indices;  // qo_indptr | kv_indptr | kv_indices | last_page_len | slots
   std::size_t qo_count = 0, kv_indptr_count = 0, kv_indices_count = 0, last_page_count = 0;
-  std::vector<std::uint16_t> q;  // [Nq, H, Dc] then [Nq, H, Dr]
+  const std::uint16_t* q = nullptr;  // [Nq, H, Dc] then [Nq, H, Dr]
+  std::size_t q_elements = 0;
   std::size_t q_nope_elements = 0;
   std::vector<std::uint16_t> new_kv;  // [Nq, D]
 };
 
-HostStaging stage_inputs(const StepLayerInput& input) {
+std::size_t q_elements(const StepLayerInput& input) {
+  return input.tensors.q_nope.size() + input.tensors.q_pe.size();
+}
+
+// q converted into `q_bits` (q_elements(input) of them) on `threads` threads.
+HostStaging stage_inputs(const StepLayerInput& input, std::uint16_t* q_bits, int threads) {
   const StepMeta& step = input.step;
   HostStaging h;
   h.qo_count = step.qo_indptr.size();
@@ -104,11 +153,13 @@ HostStaging stage_inputs(const StepLayerInput& input) {
                         &step.new_kv_slots}) {
     h.indices.insert(h.indices.end(), v->begin(), v->end());
   }
-  h.q = to_bf16_bits(input.tensors.q_nope);
-  const std::vector<std::uint16_t> q_pe = to_bf16_bits(input.tensors.q_pe);
-  h.q_nope_elements = h.q.size();
-  h.q.insert(h.q.end(), q_pe.begin(), q_pe.end());
-  h.new_kv = to_bf16_bits(input.tensors.new_kv);
+  h.q_nope_elements = input.tensors.q_nope.size();
+  h.q_elements = q_elements(input);
+  to_bf16_bits(input.tensors.q_nope, q_bits, threads);
+  to_bf16_bits(input.tensors.q_pe, q_bits + h.q_nope_elements, threads);
+  h.q = q_bits;
+  h.new_kv.resize(input.tensors.new_kv.size());
+  to_bf16_bits(input.tensors.new_kv, h.new_kv.data(), threads);
   return h;
 }
 
@@ -239,6 +290,7 @@ class CudaMlaBackend final : public Backend {
   Result<AttentionOutput> run_step(const StepLayerInput& input, KvPool& pool) override;
 
   CudaBackendAllocations allocations() const { return allocations_; }
+  std::optional<DeviceSeconds> device_seconds() const override { return seconds_; }
 
  private:
   // run_step on what the attention is handed (a translation fault's input, else the step's own).
@@ -257,7 +309,7 @@ class CudaMlaBackend final : public Backend {
                                const std::string& where, cudaStream_t stream);
   Status attend(const MlaAttentionProblem& problem, const std::string& where, cudaStream_t stream);
   Result<AttentionOutput> download(const StepLayerInput& input, const MlaAttentionProblem& problem,
-                                   KvPool& pool, const std::string& where) const;
+                                   KvPool& pool, const std::string& where);
 
   bool cast_whole_pool_;
   CudaDeviceInfo device_;
@@ -265,6 +317,7 @@ class CudaMlaBackend final : public Backend {
   Injection injection_;
   TensorCorePath mma_ran_;  // the 64-row blocks' instructions on this device (kernel_variant)
   CudaBackendAllocations allocations_;
+  DeviceSeconds seconds_;  // summed over run_on_device calls
   DeviceBuffer pool_{&allocations_.pool_bytes};
   DeviceBuffer pool_bf16_{&allocations_.pool_bf16_bytes};
   DeviceBuffer indices_{&allocations_.other_bytes};
@@ -272,9 +325,12 @@ class CudaMlaBackend final : public Backend {
   DeviceBuffer new_kv_{&allocations_.other_bytes};
   DeviceBuffer out_{&allocations_.other_bytes};
   DeviceBuffer workspace_{&allocations_.other_bytes};
+  PinnedBuffer q_host_;    // q as bf16 bits, staged for upload
+  PinnedBuffer out_host_;  // out as downloaded, before it is copied out
 };
 
 Result<AttentionOutput> CudaMlaBackend::run_step(const StepLayerInput& input, KvPool& pool) {
+  ++seconds_.calls;
   if (injection_translates(injection_)) {
     // A translation fault: the attention is handed a faulty sm_scale or q_pe (as cpu-fp8).
     KVAUDIT_ASSIGN_OR_RETURN(const TranslatedInput translated,
@@ -289,6 +345,7 @@ Result<AttentionOutput> CudaMlaBackend::run_step(const StepLayerInput& input, Kv
 Result<AttentionOutput> CudaMlaBackend::run_handed(const StepLayerInput& input, KvPool& pool) {
   KVAUDIT_TRY(check_injection_applies(injection_, input.attrs));
   if (!pool.grouped() && !input.tensors.sparse()) return run_on_device(input, pool, true, true);
+  auto start = Clock::now();
   if (pool.grouped()) {
     const std::string where = name() + ": step " + input.step.group;
     KVAUDIT_TRY(check_step_indices(input.step, input.attrs.page_size, pool.num_slots));
@@ -297,6 +354,7 @@ Result<AttentionOutput> CudaMlaBackend::run_handed(const StepLayerInput& input, 
   } else {
     const Result<AttentionOutput> written = run_on_device(input, pool, true, false);
     if (!written.ok()) return written.error();
+    start = Clock::now();
   }
   AttentionOperands operands = attention_operands(input, pool, injection_);
   LayerMeta layer = input.layer;
@@ -305,15 +363,23 @@ Result<AttentionOutput> CudaMlaBackend::run_handed(const StepLayerInput& input, 
                                  input.tensors,       input.step_index,   input.layer_index};
   // The attended pool comes back unchanged (no write): the backend's own pool is `pool`.
   KvPool& read = operands.dequantized ? *operands.dequantized : pool;
+  seconds_.prepare += elapsed_seconds_since(start);  // the v1.1 forms' host work
   return run_on_device(attention, read, false, true);
 }
 
 Result<AttentionOutput> CudaMlaBackend::run_on_device(const StepLayerInput& input, KvPool& pool,
                                                       bool write, bool attend_rows) {
   const std::string where = name() + ": step " + input.step.group + " layer " + input.layer.group;
+  auto start = Clock::now();
   KVAUDIT_TRY(check_step(input, pool, where));
-  const HostStaging staged = stage_inputs(input);
+  KVAUDIT_ASSIGN_OR_RETURN(std::uint16_t * q_bits,
+                           q_host_.reserve<std::uint16_t>(q_elements(input), where));
+  const HostStaging staged = stage_inputs(input, q_bits, options_.threads);
+  seconds_.prepare += elapsed_seconds_since(start);
+  start = Clock::now();
   KVAUDIT_TRY(upload(input, staged, pool, where));
+  seconds_.upload += elapsed_seconds_since(start);
+  start = Clock::now();
   const DeviceIndices indices = device_indices(indices_.as<std::int32_t>(), staged);
   cudaStream_t stream = nullptr;
   if (write) KVAUDIT_TRY(write_kv(input, pool, indices, where, stream));
@@ -321,8 +387,12 @@ Result<AttentionOutput> CudaMlaBackend::run_on_device(const StepLayerInput& inpu
   if (attend_rows) {
     KVAUDIT_TRY(select_attention_pool(pool, problem, where, stream));
     KVAUDIT_TRY(attend(problem, where, stream));
-  }
-  return download(input, problem, pool, where);
+  }  // a write alone is not waited for here: the download's copy waits for it
+  seconds_.kernels += elapsed_seconds_since(start);
+  start = Clock::now();
+  Result<AttentionOutput> output = download(input, problem, pool, where);
+  seconds_.download += elapsed_seconds_since(start);
+  return output;
 }
 
 // Device buffers: pool; int32 indices; q (nope then pe); new_kv; out (bf16) then lse (fp32).
@@ -333,7 +403,7 @@ Status CudaMlaBackend::upload(const StepLayerInput& input, const HostStaging& st
       static_cast<std::size_t>(input.step.num_rows()) * input.attrs.num_heads * 4;
   KVAUDIT_TRY(pool_.reserve(std::max<std::size_t>(pool_bytes, 16), where));
   KVAUDIT_TRY(indices_.reserve(std::max<std::size_t>(staged.indices.size() * 4, 16), where));
-  KVAUDIT_TRY(q_.reserve(std::max<std::size_t>(staged.q.size() * 2, 16), where));
+  KVAUDIT_TRY(q_.reserve(std::max<std::size_t>(staged.q_elements * 2, 16), where));
   KVAUDIT_TRY(new_kv_.reserve(std::max<std::size_t>(staged.new_kv.size() * 2, 16), where));
   KVAUDIT_TRY(out_.reserve(lse_offset_bytes(input) + lse_bytes + 16, where));
 
@@ -343,9 +413,9 @@ Status CudaMlaBackend::upload(const StepLayerInput& input, const HostStaging& st
   KVAUDIT_TRY(cuda_check(cudaMemcpy(indices_.data(), staged.indices.data(),
                                     staged.indices.size() * 4, cudaMemcpyHostToDevice),
                          where, "index upload"));
-  KVAUDIT_TRY(cuda_check(
-      cudaMemcpy(q_.data(), staged.q.data(), staged.q.size() * 2, cudaMemcpyHostToDevice), where,
-      "q upload"));
+  KVAUDIT_TRY(
+      cuda_check(cudaMemcpy(q_.data(), staged.q, staged.q_elements * 2, cudaMemcpyHostToDevice),
+                 where, "q upload"));
   return cuda_check(cudaMemcpy(new_kv_.data(), staged.new_kv.data(), staged.new_kv.size() * 2,
                                cudaMemcpyHostToDevice),
                     where, "new_kv upload");
@@ -454,15 +524,19 @@ Status CudaMlaBackend::attend(const MlaAttentionProblem& problem, const std::str
 }
 
 // out, lse and the pool after the step's writes (the harness checks its integrity).
+// out comes through a page-locked buffer and is copied out on the backend's threads.
 Result<AttentionOutput> CudaMlaBackend::download(const StepLayerInput& input,
                                                  const MlaAttentionProblem& problem, KvPool& pool,
-                                                 const std::string& where) const {
+                                                 const std::string& where) {
   AttentionOutput output;
-  output.out_bf16.resize(out_elements(input));
+  const std::size_t out_count = out_elements(input);
+  output.out_bf16.resize(out_count);
   output.lse.resize(static_cast<std::size_t>(input.step.num_rows()) * input.attrs.num_heads);
-  KVAUDIT_TRY(cuda_check(cudaMemcpy(output.out_bf16.data(), problem.out, output.out_bf16.size() * 2,
-                                    cudaMemcpyDeviceToHost),
+  KVAUDIT_ASSIGN_OR_RETURN(std::uint16_t * out_bits,
+                           out_host_.reserve<std::uint16_t>(out_count, where));
+  KVAUDIT_TRY(cuda_check(cudaMemcpy(out_bits, problem.out, out_count * 2, cudaMemcpyDeviceToHost),
                          where, "out download"));
+  parallel_copy(out_bits, out_count, output.out_bf16.data(), options_.threads);
   KVAUDIT_TRY(cuda_check(
       cudaMemcpy(output.lse.data(), problem.lse, output.lse.size() * 4, cudaMemcpyDeviceToHost),
       where, "lse download"));

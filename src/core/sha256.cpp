@@ -4,6 +4,7 @@
 #include <nettle/sha2.h>
 
 #include <fstream>
+#include <system_error>
 #include <vector>
 
 namespace kvaudit {
@@ -64,6 +65,20 @@ Result<std::string> sha256_file_hex(const std::filesystem::path& path) {
   }
   if (in.bad()) return bad_input(path.string(), "read error while computing its SHA-256");
   return to_hex(hasher.finish());
+}
+
+namespace {
+
+Result<std::string> file_digest(const std::filesystem::path& path) { return sha256_file_hex(path); }
+
+}  // namespace
+
+std::future<Result<std::string>> sha256_file_hex_async(std::filesystem::path path) {
+  try {
+    return std::async(std::launch::async, file_digest, path);
+  } catch (const std::system_error&) {  // no thread to be had: computed by get() instead
+    return std::async(std::launch::deferred, file_digest, std::move(path));
+  }
 }
 
 }  // namespace kvaudit

@@ -5,6 +5,7 @@
 #include <array>
 #include <cstdint>
 #include <filesystem>
+#include <future>
 #include <memory>
 #include <span>
 #include <string>
@@ -37,5 +38,10 @@ std::string to_hex(const Sha256::Digest& digest);  // 64 lower-case hex digits
 std::string sha256_hex(std::string_view text);
 // Reads the file in chunks (a dump can be larger than memory). Errors name the file.
 Result<std::string> sha256_file_hex(const std::filesystem::path& path);
+// sha256_file_hex on a thread of its own, started now: a large dump's digest (about 9 s for 8 GB)
+// is computed while the caller goes on (plain file reads, no HDF5, so beside an HDF5 reader too).
+// get() waits for it and gives what sha256_file_hex gives, its error included; the future's
+// destructor waits for the thread.
+std::future<Result<std::string>> sha256_file_hex_async(std::filesystem::path path);
 
 }  // namespace kvaudit

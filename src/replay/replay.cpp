@@ -24,6 +24,7 @@
 #include <unordered_map>
 
 #include "references/mla_reference.hpp"
+#include "references/mla_reference_cuda.hpp"
 #include "src/core/memory_budget.hpp"
 #include "src/core/parallel_for.hpp"
 #include "src/format/pool_codes.hpp"
@@ -270,26 +271,84 @@ class LayerReader {
 // Each value exactly in binary64, in parallel over fixed chunks (a prefill step's out is 134M
 // values; each element's result is its own, so the thread count changes nothing).
 template <class T, class Convert>
-std::vector<double> widen_each(std::span<const T> values, int threads, Convert convert) {
+void widen_each_into(std::span<const T> values, int threads, Convert convert,
+                     std::vector<double>& wide) {
   constexpr std::size_t kChunk = std::size_t{1} << 16;
-  std::vector<double> wide(values.size());
+  wide.resize(values.size());
   parallel_for((values.size() + kChunk - 1) / kChunk, threads, [&] {
     return [&](std::size_t chunk) {
       const std::size_t end = std::min(values.size(), (chunk + 1) * kChunk);
       for (std::size_t i = chunk * kChunk; i < end; ++i) wide[i] = convert(values[i]);
     };
   });
-  return wide;
 }
 
 std::vector<double> widen(std::span<const float> values, int threads) {
-  return widen_each(values, threads, [](float value) { return static_cast<double>(value); });
+  std::vector<double> wide;
+  widen_each_into(
+      values, threads, [](float value) { return static_cast<double>(value); }, wide);
+  return wide;
 }
 
-std::vector<double> widen_bf16(std::span<const std::uint16_t> bits, int threads) {
-  return widen_each(bits, threads,
-                    [](std::uint16_t value) { return static_cast<double>(bf16_to_float(value)); });
+// Into `wide` (resized to bits.size()).
+void widen_bf16_into(std::span<const std::uint16_t> bits, int threads, std::vector<double>& wide) {
+  widen_each_into(
+      bits, threads, [](std::uint16_t value) { return static_cast<double>(bf16_to_float(value)); },
+      wide);
 }
+
+// The large double arrays of a step's outputs (out [Nq, H, Dc]: 268 MB for a GLM-5 prefill step),
+// kept from one step and layer to the next. A fresh one is mapped and zeroed page by page by one
+// thread each time; a kept one is already mapped and is refilled on every thread. take() hands
+// out `size` zeros, exactly what a fresh vector holds; give_back() keeps up to kKept arrays.
+class ArrayRecycler {
+ public:
+  static constexpr std::size_t kKept = 4;
+  static constexpr std::size_t kMinElements = std::size_t{1} << 17;  // 1 MiB: below, not kept
+
+  std::vector<double> take(std::size_t size, int threads) {
+    std::vector<double> array;
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      const auto best = smallest_fitting(size);
+      if (best == kept_.end()) return std::vector<double>(size);
+      array = std::move(*best);
+      kept_.erase(best);
+    }
+    array.resize(size);  // within the capacity: no reallocation, pages already mapped
+    parallel_for((size + kChunk - 1) / kChunk, threads, [&] {
+      return [&](std::size_t chunk) {
+        const std::size_t end = std::min(size, (chunk + 1) * kChunk);
+        std::fill(array.begin() + chunk * kChunk, array.begin() + end, 0.0);
+      };
+    });
+    return array;
+  }
+
+  void give_back(std::vector<double>& array) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    if (array.capacity() >= kMinElements && kept_.size() < kKept) {
+      kept_.push_back(std::move(array));
+    }
+    array = std::vector<double>();
+  }
+
+ private:
+  static constexpr std::size_t kChunk = std::size_t{1} << 16;
+
+  std::vector<std::vector<double>>::iterator smallest_fitting(std::size_t size) {
+    auto best = kept_.end();
+    for (auto it = kept_.begin(); it != kept_.end(); ++it) {
+      if (it->capacity() >= size && (best == kept_.end() || it->capacity() < best->capacity())) {
+        best = it;
+      }
+    }
+    return best;
+  }
+
+  std::mutex mutex_;
+  std::vector<std::vector<double>> kept_;
+};
 
 // The unquantized value of each slot, where known: the dump's kv_source (dense, every slot), or
 // without it only the rows the replay wrote (sparse: such a dump may hold a pool far larger than
@@ -337,7 +396,7 @@ class SourceRows {
                                  const StepLayerTensors& tensors, std::span<double> out,
                                  std::span<double> lse, ReferenceDevice device, int threads) const {
     if (!dense_.empty()) {
-      const KvRows rows = KvRows::from_values(dense_, width_, 1.0);
+      const KvRows rows = KvRows::from_values(dense_, width_, 1.0, {}, threads);
       return exact_reference_attention(device, attrs, step, tensors.q_nope, tensors.q_pe, rows, out,
                                        lse, threads);
     }
@@ -363,7 +422,7 @@ class SourceRows {
                   values.begin() + (i * page + offset) * width_);
       }
     }
-    const KvRows rows = KvRows::from_values(values, width_, 1.0);
+    const KvRows rows = KvRows::from_values(values, width_, 1.0, {}, threads);
     return exact_reference_attention(device, attrs, compact, tensors.q_nope, tensors.q_pe, rows,
                                      out, lse, threads);
   }
@@ -450,6 +509,7 @@ struct ReplayContext {
   std::mutex diagnosis_mutex{};
   std::mutex backend_mutex{};  // run_step of a backend that is not BackendConcurrency::kConcurrent
   std::atomic<bool> stopping{false};  // an earlier layer failed: the run's error is known
+  ArrayRecycler* arrays = nullptr;    // the steps' out arrays, kept between steps
 
   bool is_reported(std::size_t step) const {
     return reported_steps.empty() || reported_steps.count(static_cast<int>(step)) != 0;
@@ -648,7 +708,12 @@ Status LayerReplay::replay_step(std::size_t step_index) {
   KVAUDIT_TRY(compare(step, results));
   outcome_.run.judge_seconds += seconds_since(judge_start);
   largest_step_bytes_ = std::max(largest_step_bytes_, output_bytes(step, results));
-  return observe(step, results);
+  KVAUDIT_TRY(observe(step, results));
+  for (std::vector<double>* out :
+       {&results.r8_out, &results.rs_out, &results.read_out, &results.server_out}) {
+    context_.arrays->give_back(*out);
+  }
+  return ok_status();
 }
 
 // The outputs one step holds: R8, Rs, R8' and R8s where computed (double), the backend's (bf16 out,
@@ -727,9 +792,10 @@ StepLayerWrites LayerReplay::write_reference(const StepInput& step) {
 // R8 on `pool`: the exact attention on the visible slots, dequantized with kv_scale.
 Status LayerReplay::reference_on_pool(const KvPool& pool, const StepInput& step,
                                       std::vector<double>& out, std::vector<double>& lse) {
-  out.assign(step.shape.size(), 0.0);
+  out = context_.arrays->take(step.shape.size(), context_.options.threads);
   lse.assign(static_cast<std::size_t>(step.shape.rows) * step.shape.heads, 0.0);
-  const KvRows dequantized = KvRows::from_pool_slots(pool, layer_.kv_scale, step.visible);
+  const KvRows dequantized =
+      KvRows::from_pool_slots(pool, layer_.kv_scale, step.visible, context_.options.threads);
   KVAUDIT_ASSIGN_OR_RETURN(
       const std::int64_t work,
       exact_reference_attention(context_.options.reference, step.view.attrs, step.view.step,
@@ -744,7 +810,7 @@ Status LayerReplay::compute_references(const StepInput& step, StepResults& resul
   const auto start = Clock::now();
   KVAUDIT_TRY(reference_on_pool(reference_pool_, step, results.r8_out, results.r8_lse));
   if (source_.covers(step.visible)) {
-    results.rs_out.assign(step.shape.size(), 0.0);
+    results.rs_out = context_.arrays->take(step.shape.size(), context_.options.threads);
     results.rs_lse.assign(results.r8_lse.size(), 0.0);
     KVAUDIT_ASSIGN_OR_RETURN(
         const std::int64_t work,
@@ -903,7 +969,8 @@ Status LayerReplay::compare(const StepInput& step, const StepResults& results) {
   std::vector<double> backend_out;
   std::vector<double> backend_lse;
   if (results.backend) {
-    backend_out = widen_bf16(results.backend->out_bf16, context_.options.threads);
+    backend_out = context_.arrays->take(results.backend->out_bf16.size(), context_.options.threads);
+    widen_bf16_into(results.backend->out_bf16, context_.options.threads, backend_out);
     backend_lse = widen(results.backend->lse, context_.options.threads);
     KVAUDIT_TRY(compare_backend(site, step, results, {backend_out, backend_lse}));
   }
@@ -920,6 +987,7 @@ Status LayerReplay::compare(const StepInput& step, const StepResults& results) {
     outcome_.judge.compare(site, Comparison::kCapturedCache, step.shape,
                            {results.r8(), results.server()});
   }
+  context_.arrays->give_back(backend_out);
   return ok_status();
 }
 
@@ -1369,6 +1437,14 @@ class LayersRunning {
   std::deque<std::future<std::unique_ptr<LayerOutcome>>> running_;
 };
 
+// The GPU's split of the run's reference and backend time, where either ran on one.
+void record_device_seconds(const DeviceSeconds& reference, const Backend* backend, CheckRun& run) {
+  if (reference.calls > 0) run.reference_device_seconds = reference;
+  if (backend == nullptr) return;
+  const std::optional<DeviceSeconds> backend_seconds = backend->device_seconds();
+  if (backend_seconds && backend_seconds->calls > 0) run.backend_device_seconds = backend_seconds;
+}
+
 }  // namespace
 
 LayersInFlight layers_in_flight(const DumpLayout& layout, const ReplayOptions& options,
@@ -1398,6 +1474,7 @@ LayersInFlight layers_in_flight(const DumpLayout& layout, const ReplayOptions& o
 Result<CheckRun> replay_dump(const DumpReader& reader, Backend* backend,
                              const ReplayOptions& options) {
   const auto total_start = Clock::now();
+  const DeviceSeconds gpu_reference_before = gpu_reference_seconds();
   KVAUDIT_TRY(check_selection(reader.layout(), options));
   CheckRun run = begin_run(reader, backend, options);
   const LayersInFlight in_flight = layers_in_flight(reader.layout(), options, backend);
@@ -1414,6 +1491,8 @@ Result<CheckRun> replay_dump(const DumpReader& reader, Backend* backend,
       layers.size(), std::set<int>(options.step_indices.begin(), options.step_indices.end())};
   CertificationQueue certification_queue(std::max(1u, std::thread::hardware_concurrency() / 4));
   context.certification_queue = &certification_queue;
+  ArrayRecycler arrays;
+  context.arrays = &arrays;
   context.held_slots = slots_held_by_any_step(reader.layout());
   RunMerge merge{run, progress, context, layers};
   // Read ahead on one reader thread, unless an observer writes HDF5 during the replay or the dump
@@ -1447,6 +1526,7 @@ Result<CheckRun> replay_dump(const DumpReader& reader, Backend* backend,
   KVAUDIT_TRY(add_indexer_findings(reader, options, layers, merge.layer_ends, run));
   KVAUDIT_TRY(certification_queue.finish(run));
   if (backend != nullptr) run.backend_protocol = backend->protocol_statistics();
+  record_device_seconds(gpu_reference_seconds() - gpu_reference_before, backend, run);
   run.diagnosis = diagnosis.findings();
   run.diagnose_limit = diagnosis.limit();
   run.diagnosis_failing_sites = diagnosis.failing_sites();

@@ -39,7 +39,8 @@ void print_captured_pool_cost(std::ostream& out, const CheckRun& run);
 // "note: ..." per note, then "first divergence (kernel): step 1 layer 3 request 0 row 5 head 2:
 // REASON" when there is one.
 void print_notes(std::ostream& out, const CheckRun& run);
-// The reference's and the backend's wall time, and the reference's throughput.
+// The reference's and the backend's wall time, the reference's throughput, and where either ran on
+// a GPU, that part's split into host preparation, uploads, kernels and downloads.
 void print_timing(std::ostream& out, const CheckRun& run);
 // "verdict: PASS (policy default, backend cpu-fp8, 24 comparisons, 0 failed, ...)"; under sign-off
 // with quantization or total error unmeasured, " - sign-off incomplete: <what, which layers>".

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "src/core/device_seconds.hpp"
 #include "src/core/result.hpp"
 #include "src/verdict/metrics.hpp"
 #include "src/verdict/policy.hpp"
@@ -339,6 +340,11 @@ struct CheckRun {
   // every count).
   int layers_in_flight = 1;
   std::string layers_in_flight_note;
+  // Where the GPU's share of reference_seconds and backend_seconds went (host preparation, uploads,
+  // kernels, downloads: src/core/device_seconds.hpp), for `check --verbose`; absent where nothing
+  // ran on a GPU. Not in report.json.
+  std::optional<DeviceSeconds> reference_device_seconds;
+  std::optional<DeviceSeconds> backend_device_seconds;
   // An exec backend's protocol overhead (Backend::protocol_statistics); null for in-process ones.
   nlohmann::json backend_protocol;
   Provenance provenance;

@@ -2,8 +2,10 @@
 // "SHA256.pdf" (one-block "abc", two-block 448-bit message) and the empty message; the file form
 // against the same digest, and a missing file as bad input.
 #include <catch2/catch.hpp>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <string>
 #include <string_view>
 
@@ -52,5 +54,32 @@ TEST_CASE("sha256 of a file equals that of its bytes - a missing file is bad inp
   REQUIRE_FALSE(missing.ok());
   CHECK(missing.error().kind == kvaudit::ErrorKind::kBadInput);
   CHECK(missing.error().where.find("does_not_exist.h5") != std::string::npos);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("sha256 of a file on its own thread: the same digest, and the same error", "[sha256]") {
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / "kvaudit_test_sha256_async";
+  std::filesystem::create_directories(dir);
+  const std::filesystem::path file = dir / "two_block.bin";
+  {
+    std::ofstream out(file, std::ios::binary);
+    out << kTwoBlockMessage;
+  }
+  std::future<kvaudit::Result<std::string>> digest = kvaudit::sha256_file_hex_async(file);
+  // Started at once on a thread, not deferred until get().
+  CHECK(digest.wait_for(std::chrono::seconds(0)) != std::future_status::deferred);
+  const kvaudit::Result<std::string> got = digest.get();
+  REQUIRE(got.ok());
+  CHECK(*got == kTwoBlockDigest);
+
+  const std::filesystem::path missing_file = dir / "does_not_exist.h5";
+  const kvaudit::Result<std::string> missing = kvaudit::sha256_file_hex_async(missing_file).get();
+  const kvaudit::Result<std::string> missing_now = kvaudit::sha256_file_hex(missing_file);
+  REQUIRE_FALSE(missing.ok());
+  REQUIRE_FALSE(missing_now.ok());
+  CHECK(missing.error().kind == kvaudit::ErrorKind::kBadInput);
+  CHECK(missing.error().where == missing_now.error().where);
+  CHECK(missing.error().message() == missing_now.error().message());
   std::filesystem::remove_all(dir);
 }

@@ -14,9 +14,13 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <limits>
+#include <random>
 #include <vector>
 
 #include "references/mla_reference.hpp"
+#if defined(KVAUDIT_HAVE_CUDA)
+#include "references/mla_reference_cuda.hpp"
+#endif
 #include "tests/gpu_skip.hpp"
 #include "tests/mla_case.hpp"
 
@@ -165,6 +169,94 @@ TEST_CASE("GPU reference: NaN where a row sees a NaN code, nowhere else", "[gpu]
   CHECK(a.lse_excess <= 1.0);
   CHECK(a.identical_fraction() >= 0.999);
 }
+
+#if defined(KVAUDIT_HAVE_CUDA)
+namespace {
+
+// q as float32 with a 24-bit significand and exponents spread over [low, high): a query the
+// sliced scores cut into several slices (bf16 q fits one).
+void spread_queries(MlaCase& c, int low, int high, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> significand(1.0f, 2.0f);
+  std::uniform_int_distribution<int> exponent(low, high - 1);
+  auto spread = [&](std::vector<float>& q) {
+    for (float& v : q) v = (rng() % 2 ? -1.0f : 1.0f) * std::ldexp(significand(rng), exponent(rng));
+  };
+  spread(c.tensors.q_nope);
+  spread(c.tensors.q_pe);
+}
+
+// Runs the case on both references and returns which kernels the GPU ran (the change in
+// gpu_reference_kernels()); the outputs must meet the file's bounds.
+GpuReferenceKernels run_and_compare(const MlaCase& c, int expected_nan_pairs) {
+  const KvRows kv = KvRows::from_pool(c.pool_after, c.layer.kv_scale);
+  const GpuReferenceKernels before = gpu_reference_kernels();
+  const Outputs gpu = run_on(ReferenceDevice::kCuda, c, kv);
+  GpuReferenceKernels ran = gpu_reference_kernels();
+  for (std::size_t k = 0; k < ran.score_batches.size(); ++k) {
+    ran.score_batches[k] -= before.score_batches[k];
+  }
+  for (std::size_t k = 0; k < ran.value_batches.size(); ++k) {
+    ran.value_batches[k] -= before.value_batches[k];
+  }
+  const Agreement a = compare(gpu, run_on(ReferenceDevice::kCpu, c, kv), c.attrs.kv_lora_rank);
+  CHECK(a.nan_pairs == expected_nan_pairs);
+  CHECK(a.out_relative <= 1e-15);
+  CHECK(a.lse_excess <= 1.0);
+  CHECK(a.identical_fraction() >= 0.999);
+  return ran;
+}
+
+long long sliced(const auto& batches) {
+  long long total = 0;
+  for (std::size_t k = 1; k < batches.size(); ++k) total += batches[k];
+  return total;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "GPU reference slices q and the weights exactly as the CPU does; other batches take "
+    "the compensated kernels",
+    "[gpu][reference]") {
+  KVAUDIT_REQUIRE_GPU();
+  const MlaCaseSpec spec =
+      spec_of(StepKind::kPrefill, 4, 512, 64, 16, {{200, 40}, {90, 1}, {64, 64}}, 21);
+  SECTION("bf16 q: one or two slices of q, sliced weights, no compensated batch") {
+    const GpuReferenceKernels ran = run_and_compare(make_mla_case(spec), 0);
+    CHECK(ran.score_batches[0] == 0);
+    CHECK(ran.score_batches[1] + ran.score_batches[2] >= 1);
+    CHECK(ran.value_batches[0] == 0);
+    CHECK(sliced(ran.value_batches) >= 1);
+  }
+  SECTION("float32 q over 40 binades: three or four slices of q") {
+    MlaCase c = make_mla_case(spec);
+    spread_queries(c, -36, 4, 5);
+    const GpuReferenceKernels ran = run_and_compare(c, 0);
+    CHECK(ran.score_batches[0] == 0);
+    CHECK(ran.score_batches[3] + ran.score_batches[4] >= 1);
+  }
+  SECTION("float32 q over 110 binades: more than four slices, the compensated scores") {
+    MlaCase c = make_mla_case(spec);
+    spread_queries(c, -106, 4, 6);
+    const GpuReferenceKernels ran = run_and_compare(c, 0);
+    CHECK(ran.score_batches[0] >= 1);
+    CHECK(sliced(ran.score_batches) == 0);
+  }
+  SECTION("weights spanning more than 5 slices: the compensated P.V") {
+    MlaCase c = make_mla_case(spec);
+    for (float& v : c.tensors.q_nope) v *= 64.0f;  // scores spread over hundreds: tiny weights
+    const GpuReferenceKernels ran = run_and_compare(c, 0);
+    CHECK(ran.value_batches[0] >= 1);
+  }
+  SECTION("a NaN in one query: that (row, head) is NaN, the batch takes the compensated scores") {
+    MlaCase c = make_mla_case(spec);
+    c.tensors.q_pe[5] = std::numeric_limits<float>::quiet_NaN();  // row 0, head 0
+    const GpuReferenceKernels ran = run_and_compare(c, 1);
+    CHECK(ran.score_batches[0] >= 1);
+  }
+}
+#endif
 
 TEST_CASE("GPU reference is unavailable in a build without CUDA, with the reason", "[reference]") {
   if (reference_device_built(ReferenceDevice::kCuda)) {

@@ -283,3 +283,66 @@ TEST_CASE("where the backend ran: only what its description names", "[report]") 
   run.backend_description = {{"device", "NVIDIA H200"}};
   CHECK(kvaudit::backend_machine_text(run) == "exec:flashinfer-fp8 on NVIDIA H200");
 }
+
+TEST_CASE("timing: the GPU split is printed only for the parts that ran on a GPU", "[report]") {
+  CheckRun run = make_failing_run();
+  run.reference_seconds = 3.0;
+  run.backend_seconds = 1.5;
+  SECTION("nothing ran on a GPU: no split line") {
+    std::ostringstream out;
+    kvaudit::print_timing(out, run);
+    CHECK(out.str().find("timing: reference") != std::string::npos);
+    CHECK(out.str().find("on the GPU") == std::string::npos);
+  }
+  SECTION("the GPU reference: its four parts, summed") {
+    kvaudit::DeviceSeconds reference;
+    reference.prepare = 0.25;
+    reference.upload = 0.5;
+    reference.kernels = 2.0;
+    reference.download = 0.125;
+    reference.calls = 6;
+    run.reference_device_seconds = reference;
+    std::ostringstream out;
+    kvaudit::print_timing(out, run);
+    CHECK(out.str().find("timing on the GPU: reference 2.875 s over 6 calls = prepare 0.25 s, "
+                         "upload 0.5 s, kernels 2 s, download 0.125 s\n") != std::string::npos);
+    CHECK(out.str().find("timing on the GPU: backend") == std::string::npos);
+  }
+  SECTION("a cuda backend: its line apart from the reference's") {
+    kvaudit::DeviceSeconds backend;
+    backend.prepare = 0.5;
+    backend.upload = 0.25;
+    backend.kernels = 0.5;
+    backend.download = 0.25;
+    backend.calls = 2;
+    run.backend_device_seconds = backend;
+    std::ostringstream out;
+    kvaudit::print_timing(out, run);
+    CHECK(out.str().find("timing on the GPU: backend 1.5 s over 2 calls = prepare 0.5 s, upload "
+                         "0.25 s, kernels 0.5 s, download 0.25 s\n") != std::string::npos);
+    CHECK(out.str().find("timing on the GPU: reference") == std::string::npos);
+  }
+}
+
+TEST_CASE("device seconds: a run's share is the difference of two readings of the totals",
+          "[report]") {
+  kvaudit::DeviceSeconds before;
+  before.prepare = 1.0;
+  before.kernels = 4.0;
+  before.calls = 3;
+  kvaudit::DeviceSeconds after = before;
+  kvaudit::DeviceSeconds call;
+  call.prepare = 0.5;
+  call.upload = 0.25;
+  call.kernels = 2.0;
+  call.download = 0.125;
+  call.calls = 1;
+  after += call;
+  const kvaudit::DeviceSeconds run = after - before;
+  CHECK(run.prepare == 0.5);
+  CHECK(run.upload == 0.25);
+  CHECK(run.kernels == 2.0);
+  CHECK(run.download == 0.125);
+  CHECK(run.calls == 1);
+  CHECK(run.total() == 2.875);
+}
