@@ -9,10 +9,11 @@
 #
 #   bash scripts/bench-whole-model.sh [--reference cpu|cuda] [--backend NAME] [--layers N]
 #        [--heads H] [--prefix TOKENS] [--prefill TOKENS] [--decode-steps N] [--threads N]
-#        [--kvaudit PATH] [--dir DIR]
+#        [--layers-in-flight N] [--kvaudit PATH] [--dir DIR]
 #
 # Defaults: --reference cpu --backend cpu-fp8 --layers 78 --heads 16 --prefix 4096 --prefill 512
-# --decode-steps 1, every core, build/kvaudit, --dir build/bench-whole-model. The dump is generated
+# --decode-steps 1, every core, check's own --layers-in-flight (2 with a GPU reference or backend,
+# else 1), build/kvaudit, --dir build/bench-whole-model. The dump is generated
 # once per shape (DIR/glm5_L<layers>_h<heads>_p<prefix>_f<prefill>_d<decode>.h5; about 105 MB per
 # layer at the defaults, 8.2 GB for 78 layers) and reused; the check's stdout goes to
 # DIR/check.log, its --progress lines to progress.log, /usr/bin/time's to time.log, the report
@@ -30,6 +31,7 @@ prefix=4096
 prefill=512
 decode_steps=1
 threads=0
+in_flight=0
 kvaudit=build/kvaudit
 out=build/bench-whole-model
 usage() { sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; }
@@ -43,6 +45,7 @@ while [[ $# -gt 0 ]]; do
     --prefill) prefill=$2; shift 2 ;;
     --decode-steps) decode_steps=$2; shift 2 ;;
     --threads) threads=$2; shift 2 ;;
+    --layers-in-flight) in_flight=$2; shift 2 ;;
     --kvaudit) kvaudit=$2; shift 2 ;;
     --dir) out=$2; shift 2 ;;
     -h | --help) usage; exit 0 ;;
@@ -89,10 +92,11 @@ if [[ ! -f $dump ]]; then
   echo "bench-whole-model: generated in $((SECONDS - synth_start)) s ($(du -h "$dump" | cut -f1))"
 fi
 
-echo "bench-whole-model: kvaudit check $dump --backend $backend --reference $reference --threads $threads"
+echo "bench-whole-model: kvaudit check $dump --backend $backend --reference $reference --threads $threads --layers-in-flight $in_flight"
 status=0
 timed "$out/time.log" "$kvaudit" check "$dump" --backend "$backend" \
-  --reference "$reference" --threads "$threads" --verbose --progress --report "$out/report" \
+  --reference "$reference" --threads "$threads" --layers-in-flight "$in_flight" --verbose \
+  --progress --report "$out/report" \
   >"$out/check.log" 2>"$out/progress.log" || status=$?
 tail -n 3 "$out/progress.log" >&2
 wall=$(sed -n 's/.*Elapsed (wall clock) time (h:mm:ss or m:ss): //p' "$out/time.log")
@@ -100,6 +104,7 @@ rss_kib=$(sed -n 's/.*Maximum resident set size (kbytes): //p' "$out/time.log")
 echo "wall time:   $wall (h:mm:ss or m:ss)"
 echo "peak RSS:    $((rss_kib / 1024)) MiB"
 echo "split:       $(grep '^timing:' "$out/check.log" | sed 's/^timing: //')"
+grep '^layers in flight:' "$out/check.log" || true
 # The GPU reference's and the cuda backends' own split (host prep, uploads, kernels, downloads).
 grep '^timing on the GPU: ' "$out/check.log" | sed 's/^timing on the GPU: /on the GPU:  /' || true
 grep '^verdict:' "$out/check.log" || true

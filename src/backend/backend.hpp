@@ -50,6 +50,14 @@ struct StepLayerInput {
   std::size_t layer_index;
 };
 
+// Which run_step calls may overlap when the replay has several layers in flight (ReplayOptions::
+// layers_in_flight): each call still gets its own layer's pool.
+enum class BackendConcurrency : std::uint8_t {
+  kOneCallAtATime,   // calls from different layers, one after the other (device buffers, state)
+  kConcurrent,       // calls of different layers at once (no state between calls)
+  kOneLayerAtATime,  // every step of a layer before the next layer (a program holding one layer)
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -61,6 +69,7 @@ class Backend {
   // timing.backend_protocol (an exec backend's protocol overhead, docs/report-schema.md); null for
   // a backend that runs inside kvaudit.
   virtual nlohmann::json protocol_statistics() const { return nullptr; }
+  virtual BackendConcurrency concurrency() const { return BackendConcurrency::kOneCallAtATime; }
   // Where a backend that runs on a GPU spent its time so far, summed over its run_step calls (host
   // preparation, copies, kernels: src/core/device_seconds.hpp); nullopt for other backends.
   virtual std::optional<DeviceSeconds> device_seconds() const { return std::nullopt; }

@@ -82,6 +82,8 @@ class ExecBackend final : public Backend {
   std::string name() const override { return fmt::format("exec:{}", name_); }
   nlohmann::json describe() const override;
   nlohmann::json protocol_statistics() const override;
+  // The program holds one layer's pool (a `layer` request per new layer): layers one at a time.
+  BackendConcurrency concurrency() const override { return BackendConcurrency::kOneLayerAtATime; }
   Result<AttentionOutput> run_step(const StepLayerInput& input, KvPool& pool) override;
 
  private:

@@ -157,6 +157,8 @@ class CpuFp8Backend final : public Backend {
       : options_(options), injection_(injection) {}
 
   std::string name() const override { return "cpu-fp8"; }
+  // run_step reads only its arguments and the options fixed at construction.
+  BackendConcurrency concurrency() const override { return BackendConcurrency::kConcurrent; }
 
   nlohmann::json describe() const override {
     return {

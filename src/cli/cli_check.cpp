@@ -131,6 +131,7 @@ struct CheckOptions {
   std::string emit_repro;
   std::string shard;  // --shard I/N or auto/N (src/cli/check_shard.hpp)
   int threads = 0;
+  int layers_in_flight = 0;       // --layers-in-flight; 0: by device (layers_in_flight_for)
   std::string reference = "cpu";  // --reference: cpu or cuda (checked by CLI11)
   bool verbose = false;
   bool progress = false;
@@ -271,6 +272,17 @@ Status check_reference_device(ReferenceDevice device) {
   return ok_status();
 }
 
+// --layers-in-flight: as given, else 2 where the reference or the backend runs on a GPU (its next
+// layer's GPU work overlaps this layer's CPU comparisons), 1 on the CPU alone (each layer already
+// uses every core; a second would only add its memory).
+int layers_in_flight_for(const CheckOptions& options) {
+  if (options.layers_in_flight > 0) return options.layers_in_flight;
+  const std::string& backend = options.selection.backend;
+  const bool on_gpu =
+      options.reference == "cuda" || backend == "cuda-fp8" || backend == "cuda-cast-bf16";
+  return on_gpu ? 2 : 1;
+}
+
 // Layers, steps (checked against the dump), policy and the replay's own options.
 Result<ReplayOptions> replay_options(const CheckOptions& options, const DumpLayout& layout) {
   ReplayOptions replay;
@@ -296,6 +308,7 @@ Result<ReplayOptions> replay_options(const CheckOptions& options, const DumpLayo
   replay.certify = options.certify;
   // --save-outputs writes HDF5 during the replay: layers are then read in place (reads_ahead).
   replay.read_ahead = options.save_outputs.empty();
+  replay.layers_in_flight = layers_in_flight_for(options);
   replay.progress = options.progress || isatty(STDERR_FILENO) != 0;
   return replay;
 }
@@ -593,8 +606,20 @@ void add_output_options(CLI::App& cmd, CheckOptions& options) {
   add_integer_option(cmd, "--threads", options.threads, 0, kMaxThreads,
                      "Threads for the reference and CPU backends (0: every core)")
       ->capture_default_str();
+  add_integer_option(
+      cmd, "--layers-in-flight", options.layers_in_flight, 0, 64,
+      "Replay up to N layers at once, each on its own thread, so that one layer's reference and "
+      "backend keep a GPU busy while the layer before is compared on the CPU; the report is the "
+      "same for every N (each layer's results are merged in layer order). 0, the default: 2 "
+      "where the reference or the backend runs on a GPU (--reference cuda, --backend cuda-*), "
+      "else 1 (the CPU reference and cpu-fp8 already use every core per layer; a second layer "
+      "adds its memory and little speed). N layers are resident at once (see Memory above). "
+      "Falls back to 1, saying why under --verbose, with --save-outputs, a dump with captured "
+      "pools (kv_cache_after) or an exec backend")
+      ->capture_default_str();
   cmd.add_flag("--verbose", options.verbose,
-               "Also print timings and the reference throughput (rows*heads*tokens/s)");
+               "Also print timings and the reference throughput (rows*heads*tokens/s), and how "
+               "many layers were in flight (their stage times overlap then)");
   cmd.add_flag("--progress", options.progress,
                "Print progress on stderr even when it is not a terminal: a line per finished "
                "layer (layer i/N, its steps, its time, the time elapsed, an estimate of the time "
@@ -633,16 +658,20 @@ void register_check_command(CLI::App& app, CommandRunner& runner) {
        "Every output path is checked before the replay starts; outputs appear only when the "
        "check has run (a failing check, exit 1, writes its reports too).\n"
        "Memory: layers are streamed, one computed while one reader thread reads the next, so "
-       "about read(L) + computed(L) + read(L+1) is resident, roughly 2 x (layer bytes): read = "
+       "about read(L) + computed(L) + read(L+1) is resident, roughly 2 x (layer bytes); with "
+       "--layers-in-flight N, N layers computed at once and the next read: about N x (read + "
+       "computed) + read, roughly (N + 1) x (layer bytes). read = "
        "the layer's pool, kv_source and every step's q, new_kv and captures; computed = the "
        "pool's copy for the backend (twice with one), the reference's rows decoded as floats "
        "(4 bytes per element of the slots a step reads) and the largest step's outputs (R8, "
        "Rs, the backend's and their binary64 copies, about 34 bytes per out element). A dump "
        "larger than memory runs; a layer that does not fit is refused before the replay (exit "
-       "2, naming the layer and the bytes). --progress prints each layer's bytes. With "
+       "2, naming the layer and the bytes). --progress prints each layer's bytes (and "
+       "\"up to N layers in flight\"). With "
        "--save-outputs, or a dump with captured pools (kv_cache_after, a whole pool per step), "
        "each layer is read in place instead and its steps one at a time (HDF5 is not "
-       "thread-safe): about read(L) + computed(L) resident, read counting the largest step.",
+       "thread-safe), one layer in flight: about read(L) + computed(L) resident, read counting "
+       "the largest step.",
        "0 pass, 1 checks failed, 2 bad input or usage (malformed dump, unknown backend, layer or "
        "step not in the dump, bad policy file, an output path that cannot be written, no CUDA "
        "device for a cuda backend, an exec backend's program that fails, refuses or breaks the "

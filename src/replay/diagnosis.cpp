@@ -1263,6 +1263,25 @@ void DiagnosisBudget::add(int step, std::size_t layer_order, DiagnosisFinding fi
   kept_[{step, layer_order}].push_back(std::move(finding));
 }
 
+bool DiagnosisBudget::could_admit(int step, std::size_t layer_order) const {
+  if (limit_ <= 0) return false;
+  if (kept_.size() < static_cast<std::size_t>(limit_)) return true;
+  return Site{step, layer_order} <= kept_.rbegin()->first;
+}
+
+// The kept sites are the `limit_` earliest failing ones whatever the order of admission, and a site
+// this budget keeps after admitting `other`'s was among `other`'s earliest too (kept there with
+// its diagnoses, as `other` has the same limit).
+void DiagnosisBudget::absorb(DiagnosisBudget other) {
+  for (const Site& site : other.failing_) admit(site.first, site.second);
+  for (auto& [site, findings] : other.kept_) {
+    const auto kept = kept_.find(site);
+    if (kept == kept_.end()) continue;
+    kept->second.insert(kept->second.end(), std::make_move_iterator(findings.begin()),
+                        std::make_move_iterator(findings.end()));
+  }
+}
+
 std::vector<DiagnosisFinding> DiagnosisBudget::findings() const {
   std::vector<DiagnosisFinding> all;
   for (const auto& [site, findings] : kept_)

@@ -361,6 +361,14 @@ class DiagnosisBudget {
   // Records a failing site; true when it is to be diagnosed now.
   bool admit(int step, std::size_t layer_order);
   void add(int step, std::size_t layer_order, DiagnosisFinding finding);
+  // Whether a failing site not yet seen could still be kept: the budget is not full, or the site
+  // is earlier than the latest one kept. Once false for a site it stays false (the kept sites only
+  // get earlier), so a layer replayed beside others may skip a diagnosis this says no to.
+  bool could_admit(int step, std::size_t layer_order) const;
+  // Another budget's sites and diagnoses (one layer's, replayed on its own with the same limit),
+  // as if its failing sites had been admitted here in turn: its diagnoses of the sites this budget
+  // keeps are taken over. The result is the same in whatever order the layers are absorbed.
+  void absorb(DiagnosisBudget other);
   std::vector<DiagnosisFinding> findings() const;  // by step, then layer order
   std::size_t failing_sites() const { return failing_.size(); }
   std::size_t diagnosed_sites() const { return kept_.size(); }

@@ -10,10 +10,12 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <future>
 #include <memory>
 #include <mutex>
@@ -56,12 +58,25 @@ struct StageSeconds {
 // 2.9 s elapsed, about 1 min 46 s left" (the estimate is the mean time per finished layer times
 // those left, the split is the run's time so far per stage, and the layer's bytes are what it
 // held: read from the dump and computed).
+//
+// With several layers in flight, the running line follows the earliest layer not yet done (the one
+// the run waits for; update is called from every layer's thread), and the per-layer line comes
+// when the layer is merged, in layer order; it adds "up to N layers in flight" to the bytes.
 class Progress {
  public:
-  explicit Progress(bool enabled) : enabled_(enabled), start_(Clock::now()) {}
+  Progress(bool enabled, int in_flight)
+      : enabled_(enabled), in_flight_(in_flight), start_(Clock::now()) {}
+
+  // The layer (its order among the selected ones) whose steps the running line follows.
+  void follow(std::size_t layer) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    followed_ = layer;
+  }
 
   void update(std::size_t layer, std::size_t layers, std::size_t step, std::size_t steps) {
     if (!enabled_) return;
+    const std::lock_guard<std::mutex> lock(mutex_);
+    if (layer != followed_) return;
     const auto now = Clock::now();
     if (printed_ && now - last_ < std::chrono::milliseconds(200)) return;
     printed_ = true;
@@ -89,10 +104,12 @@ class Progress {
     fmt::print(stderr,
                "kvaudit: layer {}/{} (layer_id {}) done in {:.1f} s ({} steps; so far read {:.1f} "
                "s, waited {:.1f} s for it, reference {:.1f} s, backend {:.1f} s, compare {:.1f} "
-               "s; layer {}); {} elapsed{}\n",
+               "s; layer {}{}); {} elapsed{}\n",
                done, layers, done_layer.layer_id, done_layer.seconds, done_layer.steps, split.read,
                split.read_wait, split.reference, split.backend, split.compare,
-               format_bytes(done_layer.layer_bytes), duration_text(elapsed),
+               format_bytes(done_layer.layer_bytes),
+               in_flight_ > 1 ? fmt::format(", up to {} layers in flight", in_flight_) : "",
+               duration_text(elapsed),
                done < layers ? ", about " + duration_text(left) + " left" : std::string());
   }
 
@@ -105,6 +122,9 @@ class Progress {
   }
 
   bool enabled_;
+  int in_flight_;
+  std::mutex mutex_;  // update comes from every layer's thread
+  std::size_t followed_ = 0;
   bool printed_ = false;
   Clock::time_point start_;
   Clock::time_point last_;
@@ -416,26 +436,33 @@ class SourceRows {
 
 // The certification recomputations, run on their own threads beside the replay (a 50-digit
 // recomputation of one long row takes seconds; the replay need not wait for it), at most
-// `max_in_flight` at once; results are collected in the order the jobs were planned.
+// `max_in_flight` at once. Jobs come from every layer in flight, each with its place in replay
+// order (layer order, then step); the samples go into the run in that order.
 class CertificationQueue {
  public:
+  using Place = std::pair<std::size_t, std::size_t>;  // (layer order, step index)
+
   explicit CertificationQueue(std::size_t max_in_flight)
       : max_in_flight_(std::max<std::size_t>(max_in_flight, 1)) {}
 
-  Status submit(CertificationJob job) {
+  Status submit(Place place, CertificationJob job) {
+    const std::lock_guard<std::mutex> lock(mutex_);
     if (pending_.size() - collected_ >= max_in_flight_) KVAUDIT_TRY(collect_one());
-    pending_.push_back(std::async(std::launch::async, [job = std::move(job)] {
-      const auto start = Clock::now();
-      Result<CertificationSample> sample = run_certification(job);
-      return TimedSample{std::move(sample), seconds_since(start)};
-    }));
+    pending_.push_back({place, std::async(std::launch::async, [job = std::move(job)] {
+                          const auto start = Clock::now();
+                          Result<CertificationSample> sample = run_certification(job);
+                          return TimedSample{std::move(sample), seconds_since(start)};
+                        })});
     return ok_status();
   }
 
-  // Waits for every job; the samples in planned order, their time summed into the run.
+  // Waits for every job; the samples in replay order, their time summed into the run.
   Status finish(CheckRun& run) {
+    const std::lock_guard<std::mutex> lock(mutex_);
     while (collected_ < pending_.size()) KVAUDIT_TRY(collect_one());
-    run.certification.insert(run.certification.end(), samples_.begin(), samples_.end());
+    std::stable_sort(samples_.begin(), samples_.end(),
+                     [](const auto& a, const auto& b) { return a.first < b.first; });
+    for (const auto& [place, sample] : samples_) run.certification.push_back(sample);
     run.certification_seconds += seconds_;
     return ok_status();
   }
@@ -447,28 +474,30 @@ class CertificationQueue {
   };
 
   Status collect_one() {
-    TimedSample done = pending_[collected_++].get();
+    auto& [place, job] = pending_[collected_++];
+    TimedSample done = job.get();
     seconds_ += done.seconds;
     if (!done.sample.ok()) return done.sample.error();
-    samples_.push_back(*done.sample);
+    samples_.emplace_back(place, *done.sample);
     return ok_status();
   }
 
   std::size_t max_in_flight_;
-  std::vector<std::future<TimedSample>> pending_;
+  std::mutex mutex_;  // submit comes from every layer's thread
+  std::vector<std::pair<Place, std::future<TimedSample>>> pending_;
   std::size_t collected_ = 0;
-  std::vector<CertificationSample> samples_;
+  std::vector<std::pair<Place, CertificationSample>> samples_;
   double seconds_ = 0.0;
 };
 
-// What the replay of every layer shares.
+// What the replay of every layer shares, read from every layer's thread.
 struct ReplayContext {
   const DumpReader& reader;
   const ReplayOptions& options;
   Backend* backend;  // null: --backend none
-  CheckRun& run;
-  RunJudge& judge;
   Progress& progress;
+  // The diagnoses of the layers merged so far (diagnosis_mutex): a layer skips the diagnosis of a
+  // site this budget can no longer admit (DiagnosisBudget::could_admit).
   DiagnosisBudget& diagnosis;
   const CertificationPlan& certification;
   std::size_t num_layers = 0;    // selected
@@ -477,11 +506,38 @@ struct ReplayContext {
   // The slots any request of any step of the dump holds (sorted): a slot outside them holds no
   // token the dump ever reads, so a change there is classed unused_slot (integrity.hpp).
   std::vector<std::int64_t> held_slots = {};
-  ArrayRecycler* arrays = nullptr;  // the steps' out arrays, kept between steps
+  std::mutex diagnosis_mutex{};
+  std::mutex backend_mutex{};  // run_step of a backend that is not BackendConcurrency::kConcurrent
+  std::atomic<bool> stopping{false};  // an earlier layer failed: the run's error is known
+  ArrayRecycler* arrays = nullptr;    // the steps' out arrays, kept between steps
 
   bool is_reported(std::size_t step) const {
     return reported_steps.empty() || reported_steps.count(static_cast<int>(step)) != 0;
   }
+  // Whether the diagnosis of the failing site can still be kept, given the layers merged so far.
+  bool may_diagnose(int step, std::size_t layer_order) {
+    const std::lock_guard<std::mutex> lock(diagnosis_mutex);
+    return diagnosis.could_admit(step, layer_order);
+  }
+};
+
+// What one layer's replay adds to the run, kept apart from the other layers in flight and merged
+// into the run in layer order (merge_layer): its comparisons (judged, with their divergence
+// points), integrity findings, notes, coverage and stage times in `run`; its failing sites and
+// diagnoses; and the error that stopped it, if any.
+struct LayerOutcome {
+  LayerOutcome(const Policy& policy, int diagnose) : judge(run), diagnosis(diagnose) {
+    run.policy = policy;
+  }
+  LayerOutcome(const LayerOutcome&) = delete;
+  LayerOutcome& operator=(const LayerOutcome&) = delete;
+
+  CheckRun run;
+  RunJudge judge;  // judges into `run` (its first divergence is this layer's alone)
+  DiagnosisBudget diagnosis;
+  Status status = ok_status();
+  double seconds = 0.0;     // the layer's own wall time
+  double held_bytes = 0.0;  // LayerReplay::held_bytes
 };
 
 // One step of one layer, as the phases below read it.
@@ -529,8 +585,10 @@ struct StepResults {
 // the source rows, and what carries from step to step (captured damage, NaN codes).
 class LayerReplay {
  public:
-  LayerReplay(ReplayContext& context, std::size_t layer_index, std::size_t order)
+  LayerReplay(ReplayContext& context, LayerOutcome& outcome, std::size_t layer_index,
+              std::size_t order)
       : context_(context),
+        outcome_(outcome),
         attrs_(context.reader.layout().attrs),
         layer_(context.reader.layout().layers[layer_index]),
         layer_index_(layer_index),
@@ -574,6 +632,7 @@ class LayerReplay {
   double output_bytes(const StepInput& step, const StepResults& results) const;
 
   ReplayContext& context_;
+  LayerOutcome& outcome_;
   const DumpAttributes& attrs_;
   const LayerMeta& layer_;
   std::size_t layer_index_;
@@ -595,7 +654,7 @@ class LayerReplay {
 Status LayerReplay::load_state(LayerData data) {
   const DumpReader& reader = context_.reader;
   data_ = std::move(data);
-  context_.run.read_seconds += data_.read_seconds;
+  outcome_.run.read_seconds += data_.read_seconds;
   if (!data_.pool->ok()) return data_.pool->error();
   reference_pool_ = std::move(**data_.pool);
   backend_pool_ = reference_pool_;
@@ -619,7 +678,7 @@ Status LayerReplay::replay_step(std::size_t step_index) {
   if (data_.steps_deferred) {  // read in place, this step only
     const auto read_start = Clock::now();
     read_now.emplace(context_.reader.read_step_layer(step_index, layer_index_));
-    context_.run.read_seconds += seconds_since(read_start);
+    outcome_.run.read_seconds += seconds_since(read_start);
   } else if (step_index >= data_.steps.size()) {
     return internal_error(layer_.group,
                           fmt::format("step {} of the layer was not read", step_index));
@@ -643,11 +702,11 @@ Status LayerReplay::replay_step(std::size_t step_index) {
   // NaN codes in the reference pool: data (unused slots may hold them), reported per step.
   if (auto nan_codes =
           reference_nan_codes_.report(writes, reference_pool_.num_slots, step.visible)) {
-    context_.run.integrity.push_back(std::move(*nan_codes));
+    outcome_.run.integrity.push_back(std::move(*nan_codes));
   }
   const auto judge_start = Clock::now();
   KVAUDIT_TRY(compare(step, results));
-  context_.run.judge_seconds += seconds_since(judge_start);
+  outcome_.run.judge_seconds += seconds_since(judge_start);
   largest_step_bytes_ = std::max(largest_step_bytes_, output_bytes(step, results));
   KVAUDIT_TRY(observe(step, results));
   for (std::vector<double>* out :
@@ -742,7 +801,7 @@ Status LayerReplay::reference_on_pool(const KvPool& pool, const StepInput& step,
       exact_reference_attention(context_.options.reference, step.view.attrs, step.view.step,
                                 step.tensors.q_nope, step.tensors.q_pe, dequantized, out, lse,
                                 context_.options.threads));
-  context_.run.reference_rows_heads_tokens += static_cast<double>(work);
+  outcome_.run.reference_rows_heads_tokens += static_cast<double>(work);
   return ok_status();
 }
 
@@ -757,10 +816,10 @@ Status LayerReplay::compute_references(const StepInput& step, StepResults& resul
         const std::int64_t work,
         source_.attention(step.view.attrs, step.view.step, step.tensors, results.rs_out,
                           results.rs_lse, context_.options.reference, context_.options.threads));
-    context_.run.reference_rows_heads_tokens += static_cast<double>(work);
+    outcome_.run.reference_rows_heads_tokens += static_cast<double>(work);
     results.has_source_reference = true;
   }
-  context_.run.reference_seconds += seconds_since(start);
+  outcome_.run.reference_seconds += seconds_since(start);
   record_coverage(step);
   return certify(step, results);
 }
@@ -770,9 +829,11 @@ Status LayerReplay::compute_references(const StepInput& step, StepResults& resul
 Status LayerReplay::certify(const StepInput& step, const StepResults& results) {
   const auto site = context_.certification.find({static_cast<int>(step.index), layer_.layer_id});
   if (site == context_.certification.end()) return ok_status();
-  return context_.certification_queue->submit(prepare_certification(
-      step.view.attrs, step.view.step, step.tensors, reference_pool_, layer_.kv_scale,
-      results.r8_out, results.r8_lse, static_cast<int>(step.index), layer_.layer_id, site->second));
+  return context_.certification_queue->submit(
+      {order_, step.index},
+      prepare_certification(step.view.attrs, step.view.step, step.tensors, reference_pool_,
+                            layer_.kv_scale, results.r8_out, results.r8_lse,
+                            static_cast<int>(step.index), layer_.layer_id, site->second));
 }
 
 // What the step read: tokens, those without a source value, saturated codes among them (in the
@@ -789,7 +850,7 @@ void LayerReplay::record_coverage(const StepInput& step) {
   }
   ++reported_steps_;
   if (site.tokens_without_source > 0) unmeasured_.push_back(site);
-  context_.run.coverage.push_back(site);
+  outcome_.run.coverage.push_back(site);
 }
 
 void LayerReplay::note_unmeasured_steps() {
@@ -802,7 +863,7 @@ void LayerReplay::note_unmeasured_steps() {
           ? fmt::format("any of the {} reported steps", reported_steps_)
           : fmt::format("steps {} ({} of {} reported)", fmt::join(steps, ", "), steps.size(),
                         reported_steps_);
-  context_.run.notes.push_back(fmt::format(
+  outcome_.run.notes.push_back(fmt::format(
       "{}: quantization and total error not measured at {}: they read tokens with no source "
       "value ({}; only the new_kv rows the dump's steps write have one); at step {}, {} of the "
       "{} tokens read have none",
@@ -817,9 +878,13 @@ Status LayerReplay::run_backend(const StepInput& step, const StepLayerWrites& wr
   Backend& backend = *context_.backend;
   const KvPool before = backend_pool_;
   const StepLayerInput input{attrs_, step.meta, layer_, step.tensors, step.index, layer_index_};
+  // One call at a time unless the backend allows more (layers in flight); the time is the call's.
+  std::unique_lock<std::mutex> one_call(context_.backend_mutex, std::defer_lock);
+  if (backend.concurrency() != BackendConcurrency::kConcurrent) one_call.lock();
   const auto start = Clock::now();
   KVAUDIT_ASSIGN_OR_RETURN(results.backend, backend.run_step(input, backend_pool_));
-  context_.run.backend_seconds += seconds_since(start);
+  outcome_.run.backend_seconds += seconds_since(start);
+  if (one_call.owns_lock()) one_call.unlock();
   if (results.backend->out_bf16.size() != step.shape.size() ||
       results.backend->lse.size() != static_cast<std::size_t>(step.shape.rows) * step.shape.heads) {
     return internal_error(
@@ -849,7 +914,7 @@ Status LayerReplay::reference_on_read_pool(const StepInput& step, StepResults& r
   if (!results.read_differs) return ok_status();
   const auto start = Clock::now();
   KVAUDIT_TRY(reference_on_pool(backend_pool_, step, results.read_out, results.read_lse));
-  context_.run.reference_seconds += seconds_since(start);
+  outcome_.run.reference_seconds += seconds_since(start);
   return ok_status();
 }
 
@@ -882,7 +947,7 @@ Status LayerReplay::reference_on_server_pool(const StepInput& step, StepResults&
   if (!results.server_differs) return ok_status();
   const auto start = Clock::now();
   KVAUDIT_TRY(reference_on_pool(server, step, results.server_out, results.server_lse));
-  context_.run.reference_seconds += seconds_since(start);
+  outcome_.run.reference_seconds += seconds_since(start);
   return ok_status();
 }
 
@@ -891,9 +956,9 @@ Status LayerReplay::reference_on_server_pool(const StepInput& step, StepResults&
 void LayerReplay::record(std::vector<IntegrityFinding> findings, bool reported) {
   for (IntegrityFinding& finding : findings) {
     if (reported) {
-      context_.run.integrity.push_back(std::move(finding));
+      outcome_.run.integrity.push_back(std::move(finding));
     } else if (!finding.pass) {
-      context_.run.notes.push_back("(step not reported) " + finding.detail);
+      outcome_.run.notes.push_back("(step not reported) " + finding.detail);
     }
   }
 }
@@ -911,15 +976,15 @@ Status LayerReplay::compare(const StepInput& step, const StepResults& results) {
   }
   if (results.has_source_reference) {
     const OutputView rs{results.rs_out, results.rs_lse};
-    context_.judge.compare(site, Comparison::kQuantization, step.shape, {rs, results.r8()});
+    outcome_.judge.compare(site, Comparison::kQuantization, step.shape, {rs, results.r8()});
     if (results.backend) {
-      context_.judge.compare(site, Comparison::kTotal, step.shape,
+      outcome_.judge.compare(site, Comparison::kTotal, step.shape,
                              {rs, {backend_out, backend_lse}});
     }
   }
   if (step.tensors.out || step.tensors.lse) KVAUDIT_TRY(compare_captured(site, step, results));
   if (results.server_tracked) {
-    context_.judge.compare(site, Comparison::kCapturedCache, step.shape,
+    outcome_.judge.compare(site, Comparison::kCapturedCache, step.shape,
                            {results.r8(), results.server()});
   }
   context_.arrays->give_back(backend_out);
@@ -936,12 +1001,12 @@ Status LayerReplay::compare_backend(const ComparisonSite& site, const StepInput&
       results.read_differs ? choose_kernel_reference(context_.options.policy, step.shape, backend,
                                                      read, r8, step.where)
                            : KernelReferenceChoice{};
-  if (!choice.note.empty()) context_.run.notes.push_back(choice.note);
+  if (!choice.note.empty()) outcome_.run.notes.push_back(choice.note);
   const bool on_reference_pool = choice.reference == KernelReference::kReferencePool;
   const OutputView& kernel_reference = on_reference_pool ? r8 : read;
   const ComparisonResult kernel =
-      context_.judge.compare(site, Comparison::kKernel, step.shape, {kernel_reference, backend});
-  context_.judge.compare(site, Comparison::kCache, step.shape, {r8, read});
+      outcome_.judge.compare(site, Comparison::kKernel, step.shape, {kernel_reference, backend});
+  outcome_.judge.compare(site, Comparison::kCache, step.shape, {r8, read});
   if (kernel.judgement.pass) return ok_status();
   return diagnose_failure(step, kernel, step.shape, {kernel_reference, backend},
                           on_reference_pool ? reference_pool_ : backend_pool_);
@@ -966,14 +1031,14 @@ Status LayerReplay::compare_captured(const ComparisonSite& site, const StepInput
   };
   const OutputView r8 = as_captured(results.r8());
   const ComparisonResult captured =
-      context_.judge.compare(site, Comparison::kCaptured, shape, {r8, candidate});
+      outcome_.judge.compare(site, Comparison::kCaptured, shape, {r8, candidate});
   if (!results.server_tracked) {
     if (captured.judgement.pass) return ok_status();
     return diagnose_failure(step, captured, shape, {r8, candidate}, reference_pool_);
   }
   const OutputView server = as_captured(results.server());
   const ComparisonResult read =
-      context_.judge.compare(site, Comparison::kCapturedRead, shape, {server, candidate});
+      outcome_.judge.compare(site, Comparison::kCapturedRead, shape, {server, candidate});
   const ComparisonResult& failed = results.server_differs ? read : captured;
   if (failed.judgement.pass) return ok_status();
   return diagnose_failure(step, failed, shape, {results.server_differs ? server : r8, candidate},
@@ -994,7 +1059,8 @@ Status LayerReplay::diagnose_failure(const StepInput& step, const ComparisonResu
                                      const KvPool& pool) {
   // The hypotheses are per-tensor conventions over dense steps (src/replay/diagnosis.hpp).
   if (attrs_.per_token_group() || step.tensors.sparse()) return ok_status();
-  if (!context_.diagnosis.admit(static_cast<int>(step.index), order_)) return ok_status();
+  if (!outcome_.diagnosis.admit(static_cast<int>(step.index), order_)) return ok_status();
+  if (!context_.may_diagnose(static_cast<int>(step.index), order_)) return ok_status();
   const auto start = Clock::now();
   const DiagnosisInput input{attrs_,
                              step.meta,
@@ -1012,8 +1078,8 @@ Status LayerReplay::diagnose_failure(const StepInput& step, const ComparisonResu
                              context_.options.diagnose_tiles,
                              candidate_out_storage(failed.comparison, step.tensors)};
   KVAUDIT_ASSIGN_OR_RETURN(DiagnosisFinding finding, diagnose(input));
-  context_.diagnosis.add(static_cast<int>(step.index), order_, std::move(finding));
-  context_.run.diagnosis_seconds += seconds_since(start);
+  outcome_.diagnosis.add(static_cast<int>(step.index), order_, std::move(finding));
+  outcome_.run.diagnosis_seconds += seconds_since(start);
   return ok_status();
 }
 
@@ -1167,6 +1233,7 @@ Status check_replay_fits(const DumpLayout& layout, const ReplayOptions& options,
                          bool with_backend) {
   const std::vector<std::size_t> layers = selected_layers(layout, options);
   const bool ahead = reads_ahead(layout, options) && layers.size() > 1;
+  const int in_flight = layers_in_flight(layout, options, nullptr).count;
   double largest_read = 0.0;
   for (const std::size_t li : layers) {
     largest_read =
@@ -1176,7 +1243,8 @@ Status check_replay_fits(const DumpLayout& layout, const ReplayOptions& options,
   double worst_bytes = 0.0;
   for (const std::size_t li : layers) {
     const LayerBytes bytes = estimate_layer_bytes(layout, li, with_backend, ahead);
-    const double resident = bytes.read + bytes.computed + (ahead ? largest_read : 0.0);
+    const double resident =
+        in_flight * (bytes.read + bytes.computed) + (ahead ? largest_read : 0.0);
     if (!worst || resident > worst_bytes) {
       worst = li;
       worst_bytes = resident;
@@ -1187,9 +1255,10 @@ Status check_replay_fits(const DumpLayout& layout, const ReplayOptions& options,
   return check_memory_fits(
       worst_bytes, "check",
       fmt::format(
-          "layer {} (layer_id {}): {} read from the dump and {} computed{}",
+          "layer {} (layer_id {}): {} read from the dump and {} computed{}{}",
           layout.layers[*worst].group, layout.layers[*worst].layer_id, format_bytes(bytes.read),
           format_bytes(bytes.computed),
+          in_flight > 1 ? fmt::format(", times {} layers in flight", in_flight) : std::string(),
           ahead ? fmt::format(", with the next layer's {} read ahead", format_bytes(largest_read))
                 : std::string()));
 }
@@ -1258,6 +1327,116 @@ Status add_indexer_findings(const DumpReader& reader, const ReplayOptions& optio
   return ok_status();
 }
 
+// One layer's replay, on the thread that calls it, into its own outcome; the layer's pools and
+// outputs are freed when it returns. Stops at the layer's first error (kept in the outcome), or
+// before a step once context.stopping says an earlier layer's error ends the run.
+std::unique_ptr<LayerOutcome> replay_layer(ReplayContext& context, std::size_t layer_index,
+                                           std::size_t order, LayerData data) {
+  auto outcome = std::make_unique<LayerOutcome>(context.options.policy, context.options.diagnose);
+  const auto start = Clock::now();
+  outcome->status = [&]() -> Status {
+    LayerReplay layer(context, *outcome, layer_index, order);
+    KVAUDIT_TRY(layer.load_state(std::move(data)));
+    const std::size_t num_steps = context.reader.layout().steps.size();
+    for (std::size_t step = 0; step < num_steps; ++step) {
+      if (context.stopping) {
+        return internal_error(context.reader.layout().layers[layer_index].group,
+                              "stopped: an earlier layer failed");
+      }
+      KVAUDIT_TRY(layer.replay_step(step));
+    }
+    layer.note_unmeasured_steps();
+    outcome->held_bytes = layer.held_bytes();
+    return ok_status();
+  }();
+  outcome->seconds = seconds_since(start);
+  return outcome;
+}
+
+// The run the layers merge into, in layer order, on the calling thread.
+struct RunMerge {
+  CheckRun& run;
+  Progress& progress;
+  ReplayContext& context;
+  const std::vector<std::size_t>& layers;
+  DivergenceTracker divergence = {};
+  double read_wait_seconds = 0.0;
+  std::vector<std::size_t> layer_ends = {};  // run.integrity's size after each layer
+};
+
+// Layer `order`'s outcome into the run, as the sequential replay would have recorded it: its
+// comparisons (the first divergence followed over them), findings, notes, coverage, diagnoses
+// and stage times; then its progress line. Its error ends the run.
+Status merge_layer(RunMerge& merge, std::size_t order, LayerOutcome& layer) {
+  KVAUDIT_TRY(layer.status);
+  CheckRun& run = merge.run;
+  for (ComparisonResult& result : layer.run.comparisons) {
+    merge.divergence.consider(order, result);
+    run.comparisons.push_back(std::move(result));
+  }
+  if (merge.divergence.first()) run.first_divergence = merge.divergence.first();
+  auto append = [](auto& into, auto& from) {
+    into.insert(into.end(), std::make_move_iterator(from.begin()),
+                std::make_move_iterator(from.end()));
+  };
+  append(run.integrity, layer.run.integrity);
+  append(run.notes, layer.run.notes);
+  append(run.coverage, layer.run.coverage);
+  run.read_seconds += layer.run.read_seconds;
+  run.reference_seconds += layer.run.reference_seconds;
+  run.reference_rows_heads_tokens += layer.run.reference_rows_heads_tokens;
+  run.backend_seconds += layer.run.backend_seconds;
+  run.judge_seconds += layer.run.judge_seconds;
+  run.diagnosis_seconds += layer.run.diagnosis_seconds;
+  {
+    const std::lock_guard<std::mutex> lock(merge.context.diagnosis_mutex);
+    merge.context.diagnosis.absorb(std::move(layer.diagnosis));
+  }
+  merge.layer_ends.push_back(run.integrity.size());
+  const DumpLayout& layout = merge.context.reader.layout();
+  merge.progress.layer_done(
+      {order, merge.layers.size(), layout.layers[merge.layers[order]].layer_id, layout.steps.size(),
+       layer.seconds,
+       StageSeconds{run.read_seconds, merge.read_wait_seconds, run.reference_seconds,
+                    run.backend_seconds, run.judge_seconds},
+       layer.held_bytes});
+  merge.progress.follow(order + 1);
+  return ok_status();
+}
+
+// The layers in flight, on their own threads, oldest first. Going out of scope (an error, or an
+// exception of a layer's thread) it tells the layers still running to stop and waits for them.
+class LayersRunning {
+ public:
+  explicit LayersRunning(ReplayContext& context) : context_(context) {}
+  ~LayersRunning() {
+    context_.stopping = true;
+    for (auto& layer : running_) {
+      if (layer.valid()) layer.wait();
+    }
+  }
+  LayersRunning(const LayersRunning&) = delete;
+  LayersRunning& operator=(const LayersRunning&) = delete;
+
+  std::size_t size() const { return running_.size(); }
+  void start(std::size_t layer_index, std::size_t order, LayerData data) {
+    running_.push_back(std::async(
+        std::launch::async, [this, layer_index, order, data = std::move(data)]() mutable {
+          return replay_layer(context_, layer_index, order, std::move(data));
+        }));
+  }
+  // The oldest layer's outcome, once it is done (an exception of its thread comes out here).
+  std::unique_ptr<LayerOutcome> finish_oldest() {
+    std::unique_ptr<LayerOutcome> outcome = running_.front().get();
+    running_.pop_front();
+    return outcome;
+  }
+
+ private:
+  ReplayContext& context_;
+  std::deque<std::future<std::unique_ptr<LayerOutcome>>> running_;
+};
+
 // The GPU's split of the run's reference and backend time, where either ran on one.
 void record_device_seconds(const DeviceSeconds& reference, const Backend* backend, CheckRun& run) {
   if (reference.calls > 0) run.reference_device_seconds = reference;
@@ -1268,21 +1447,46 @@ void record_device_seconds(const DeviceSeconds& reference, const Backend* backen
 
 }  // namespace
 
+LayersInFlight layers_in_flight(const DumpLayout& layout, const ReplayOptions& options,
+                                const Backend* backend) {
+  if (options.layers_in_flight <= 1) return {};
+  if (!reads_ahead(layout, options)) {
+    std::string why =
+        "the dump holds captured pools (kv_cache_after), read from the dump step by "
+        "step while a layer runs, and HDF5 allows one thread at a time";
+    if (options.observer) {
+      why =
+          "an observer (--save-outputs, golden outputs) sees each (step, layer) in order and "
+          "may write HDF5 while the layer runs";
+    } else if (!options.read_ahead) {
+      why = "the layers are read in place (no read-ahead)";
+    }
+    return {1, "1 layer in flight, not " + std::to_string(options.layers_in_flight) + ": " + why};
+  }
+  if (backend != nullptr && backend->concurrency() == BackendConcurrency::kOneLayerAtATime) {
+    return {1, fmt::format("1 layer in flight, not {}: backend {} holds one layer at a time",
+                           options.layers_in_flight, backend->name())};
+  }
+  const std::size_t selected = std::max<std::size_t>(1, selected_layers(layout, options).size());
+  return {static_cast<int>(std::min<std::size_t>(options.layers_in_flight, selected)), ""};
+}
+
 Result<CheckRun> replay_dump(const DumpReader& reader, Backend* backend,
                              const ReplayOptions& options) {
   const auto total_start = Clock::now();
   const DeviceSeconds gpu_reference_before = gpu_reference_seconds();
   KVAUDIT_TRY(check_selection(reader.layout(), options));
   CheckRun run = begin_run(reader, backend, options);
-  RunJudge judge(run);
-  Progress progress(options.progress);
+  const LayersInFlight in_flight = layers_in_flight(reader.layout(), options, backend);
+  run.layers_in_flight = in_flight.count;
+  run.layers_in_flight_note = in_flight.reason;
+  Progress progress(options.progress, in_flight.count);
   DiagnosisBudget diagnosis(options.diagnose);
   const std::vector<std::size_t> layers = selected_layers(reader.layout(), options);
   const CertificationPlan certification = certification_plan(reader.layout(), options, layers);
   ReplayContext context{
       reader,        options,
-      backend,       run,
-      judge,         progress,
+      backend,       progress,
       diagnosis,     certification,
       layers.size(), std::set<int>(options.step_indices.begin(), options.step_indices.end())};
   CertificationQueue certification_queue(std::max(1u, std::thread::hardware_concurrency() / 4));
@@ -1290,30 +1494,36 @@ Result<CheckRun> replay_dump(const DumpReader& reader, Backend* backend,
   ArrayRecycler arrays;
   context.arrays = &arrays;
   context.held_slots = slots_held_by_any_step(reader.layout());
+  RunMerge merge{run, progress, context, layers};
   // Read ahead on one reader thread, unless an observer writes HDF5 during the replay or the dump
   // holds captured pools (reads_ahead).
   auto layer_reader =
       std::make_unique<LayerReader>(reader, layers, reads_ahead(reader.layout(), options));
-  double read_wait_seconds = 0.0;
-  const std::size_t num_steps = reader.layout().steps.size();
-  std::vector<std::size_t> layer_ends;  // run.integrity's size after each layer's replay
-  for (std::size_t order = 0; order < layers.size(); ++order) {
-    const auto layer_start = Clock::now();
-    LayerReplay layer(context, layers[order], order);
-    KVAUDIT_TRY(layer.load_state(layer_reader->next(read_wait_seconds)));
-    for (std::size_t step = 0; step < num_steps; ++step) {
-      KVAUDIT_TRY(layer.replay_step(step));
+  {
+    // One layer in flight: each layer on this thread, merged when done (an observer is called
+    // from here). More: each on its own thread, merged in layer order while later ones run.
+    LayersRunning running(context);
+    std::size_t merged = 0;
+    for (std::size_t order = 0; order < layers.size(); ++order) {
+      if (running.size() >= static_cast<std::size_t>(in_flight.count)) {
+        KVAUDIT_TRY(merge_layer(merge, merged++, *running.finish_oldest()));
+      }
+      LayerData data = layer_reader->next(merge.read_wait_seconds);
+      // The reader stops after a failed read: this layer's replay meets the error, and no layer
+      // after it is taken (the run ends there, or at an earlier layer's error).
+      const bool read_failed = data.failed();
+      if (in_flight.count == 1) {
+        KVAUDIT_TRY(merge_layer(merge, merged++,
+                                *replay_layer(context, layers[order], order, std::move(data))));
+      } else {
+        running.start(layers[order], order, std::move(data));
+      }
+      if (read_failed) break;
     }
-    layer.note_unmeasured_steps();
-    progress.layer_done({order, layers.size(), reader.layout().layers[layers[order]].layer_id,
-                         num_steps, seconds_since(layer_start),
-                         StageSeconds{run.read_seconds, read_wait_seconds, run.reference_seconds,
-                                      run.backend_seconds, run.judge_seconds},
-                         layer.held_bytes()});
-    layer_ends.push_back(run.integrity.size());
+    while (running.size() > 0) KVAUDIT_TRY(merge_layer(merge, merged++, *running.finish_oldest()));
   }
   layer_reader.reset();  // its thread joined: this thread may read the dump again
-  KVAUDIT_TRY(add_indexer_findings(reader, options, layers, layer_ends, run));
+  KVAUDIT_TRY(add_indexer_findings(reader, options, layers, merge.layer_ends, run));
   KVAUDIT_TRY(certification_queue.finish(run));
   if (backend != nullptr) run.backend_protocol = backend->protocol_statistics();
   record_device_seconds(gpu_reference_seconds() - gpu_reference_before, backend, run);

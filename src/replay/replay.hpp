@@ -1,6 +1,8 @@
 // The replay engine of `kvaudit check` (docs/design.md "Pipeline", docs/kvdump-v1.md "Semantics").
 //
-// Layer-outer, step-inner, so that one layer's pool is in memory at a time. For each selected
+// Layer-outer, step-inner, so that one layer's pool is in memory at a time (layers_in_flight of
+// them where several layers run at once, each on its own thread and merged in layer order: the run
+// is the same). For each selected
 // layer: the reference replay keeps its own pool (reference_pool) and the backend a separate copy
 // (backend_pool), both read from kv_cache; the source rows [S, D] come from kv_source (NaN where
 // the dump has none). Every step is replayed in order (steps not selected are replayed and not
@@ -99,6 +101,11 @@ struct ReplayOptions {
   // with an observer (it may write HDF5, which Debian's build does not allow from two threads at
   // once), each layer is read in place before it is computed. The run is the same either way.
   bool read_ahead = true;
+  // Layers replayed at once, each on its own thread (`kvaudit check --layers-in-flight`): while
+  // one layer's comparisons run on the CPU, the next one's reference and backend can keep a GPU
+  // busy. Each layer writes into its own outcome, merged into the run strictly in layer order, so
+  // the run is the same for every N (layers_in_flight says where it falls back to 1).
+  int layers_in_flight = 1;
 };
 
 // Checks that every requested layer id and step index exists (bad input naming it otherwise).
@@ -122,6 +129,18 @@ Result<CheckRun> replay_dump(const DumpReader& reader, Backend* backend,
 // each layer's pool and kv_source are read in place and its steps one at a time.
 bool reads_ahead(const DumpLayout& layout, const ReplayOptions& options);
 
+// How many layers replay_dump replays at once: options.layers_in_flight (at least 1, at most the
+// selected layers), or 1 where a layer must be replayed alone (LayersInFlight::reason): layers read
+// in place (!reads_ahead: an observer, which may write HDF5 and must see the layers in order, or
+// captured pools, whose steps are read from the dump while the layer runs) or a backend that holds
+// one layer at a time (an exec program). `backend` may be null (none, or not yet made).
+struct LayersInFlight {
+  int count = 1;
+  std::string reason;  // why count is below what was asked; empty otherwise
+};
+LayersInFlight layers_in_flight(const DumpLayout& layout, const ReplayOptions& options,
+                                const Backend* backend);
+
 // The memory the replay of one layer holds, from the layout alone (before anything is read), in
 // bytes: what is read from the dump (its pool, kv_source, and every step's tensors and captures
 // when `steps_up_front` (read ahead), else the largest step's) and what is computed beside it
@@ -137,8 +156,9 @@ struct LayerBytes {
 LayerBytes estimate_layer_bytes(const DumpLayout& layout, std::size_t layer_index,
                                 bool with_backend, bool steps_up_front);
 
-// Whether the machine can hold the replay of every selected layer with the next one read ahead:
-// bad input "check" naming the layer that needs the most and its bytes otherwise.
+// Whether the machine can hold the replay of every selected layer with the next one read ahead,
+// layers_in_flight(layout, options, nullptr) layers at once (each counted as the one that needs
+// the most): bad input "check" naming the layer that needs the most and its bytes otherwise.
 Status check_replay_fits(const DumpLayout& layout, const ReplayOptions& options, bool with_backend);
 
 // Dump facts for the report: model, producer, shapes, layers, steps.

@@ -187,6 +187,15 @@ void print_timing(std::ostream& out, const CheckRun& run) {
              run.reference_device, run.reference_seconds, run.backend_seconds, run.read_seconds,
              run.judge_seconds, diagnosis, run.total_seconds, throughput,
              run.reference_rows_heads_tokens);
+  if (run.layers_in_flight > 1) {
+    fmt::print(out,
+               "layers in flight: {} (reference, backend and comparisons are each the sum of the "
+               "layers' own times, which overlap: the total is less than their sum)\n",
+               run.layers_in_flight);
+  }
+  if (!run.layers_in_flight_note.empty()) {
+    fmt::print(out, "layers in flight: {}\n", run.layers_in_flight_note);
+  }
   print_device_seconds(out, "reference", run.reference_device_seconds);
   print_device_seconds(out, "backend", run.backend_device_seconds);
   if (const nlohmann::json& protocol = run.backend_protocol; protocol.is_object()) {

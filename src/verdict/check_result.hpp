@@ -335,6 +335,11 @@ struct CheckRun {
   double diagnosis_seconds = 0.0;      // the diagnosis of failing comparisons
   double certification_seconds = 0.0;  // the 50-digit recomputations (their own threads' time)
   double total_seconds = 0.0;
+  // Layers replayed at once (ReplayOptions::layers_in_flight, after its fallbacks) and, where it
+  // fell back to 1, why: --verbose prints them; not in report.json (the report is the same for
+  // every count).
+  int layers_in_flight = 1;
+  std::string layers_in_flight_note;
   // Where the GPU's share of reference_seconds and backend_seconds went (host preparation, uploads,
   // kernels, downloads: src/core/device_seconds.hpp), for `check --verbose`; absent where nothing
   // ran on a GPU. Not in report.json.

@@ -457,8 +457,11 @@ FuzzCommands fuzz_commands(const std::filesystem::path& target,
   const std::string prefix = testing::sanitizer_environment(reports) + open_timeout +
                              "timeout 20 '" + kvaudit_test::kvaudit_binary().string() + "' ";
   const std::string file = " '" + target.string() + "' > /dev/null 2>&1";
-  return {prefix + "info" + file,
-          prefix + "check --backend cpu-fp8 --certify 0 --diagnose 1 --threads 1" + file};
+  // Two layers in flight: a read error in a later layer must end the run at the earliest failing
+  // layer (the reader stops after it), not leave the replay waiting for a layer never read.
+  const std::string check =
+      "check --backend cpu-fp8 --certify 0 --diagnose 1 --threads 1 --layers-in-flight 2";
+  return {prefix + "info" + file, prefix + check + file};
 }
 
 // One run judged: by its exit status and the sanitizer reports it left. A bad one is kept.
