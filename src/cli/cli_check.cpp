@@ -439,6 +439,18 @@ Status take_backend_tiles(const CheckOptions& options, const Backend* backend,
   return ok_status();
 }
 
+// The memory guard, with the layers in flight the backend as made allows. Where the count is the
+// default (no --layers-in-flight) and more than one layer does not fit, one layer at a time is
+// tried before refusing: the default must not refuse a dump that fits one layer at a time.
+Status check_fits(const CheckOptions& options, const DumpLayout& layout, const Backend* backend,
+                  ReplayOptions& replay) {
+  const bool with_backend = options.selection.backend != "none";
+  Status fits = check_replay_fits(layout, replay, with_backend, backend);
+  if (fits.ok() || options.layers_in_flight > 0 || replay.layers_in_flight <= 1) return fits;
+  replay.layers_in_flight = 1;
+  return check_replay_fits(layout, replay, with_backend, backend);
+}
+
 // The exit status of a check, or the error that stopped it. Everything is validated before any
 // work: dump, selection, policy, backend, output files.
 Result<int> check_dump(const CheckOptions& options) {
@@ -452,12 +464,12 @@ Result<int> check_dump(const CheckOptions& options) {
   KVAUDIT_TRY(probe_dump_in_child(options.dump));
   KVAUDIT_ASSIGN_OR_RETURN(const DumpReader reader, DumpReader::open(options.dump));
   KVAUDIT_ASSIGN_OR_RETURN(ReplayOptions replay, replay_options(options, reader.layout()));
-  KVAUDIT_TRY(check_replay_fits(reader.layout(), replay, options.selection.backend != "none"));
   KVAUDIT_TRY(check_backend_selection(options.selection, NoBackend::kAllowed));
   KVAUDIT_ASSIGN_OR_RETURN(
       const std::unique_ptr<Backend> backend,
       make_selected_backend(options.selection, reader.layout(), options.threads));
   KVAUDIT_TRY(take_backend_tiles(options, backend.get(), replay));
+  KVAUDIT_TRY(check_fits(options, reader.layout(), backend.get(), replay));
   KVAUDIT_ASSIGN_OR_RETURN(const std::optional<ResolvedShard> resolved, check_shard(options));
   KVAUDIT_ASSIGN_OR_RETURN(CheckOutputs files, open_outputs(options));
   std::optional<OutputsWriter> outputs;

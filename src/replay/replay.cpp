@@ -1229,11 +1229,11 @@ LayerBytes estimate_layer_bytes(const DumpLayout& layout, std::size_t layer_inde
   return bytes;
 }
 
-Status check_replay_fits(const DumpLayout& layout, const ReplayOptions& options,
-                         bool with_backend) {
+Status check_replay_fits(const DumpLayout& layout, const ReplayOptions& options, bool with_backend,
+                         const Backend* backend) {
   const std::vector<std::size_t> layers = selected_layers(layout, options);
   const bool ahead = reads_ahead(layout, options) && layers.size() > 1;
-  const int in_flight = layers_in_flight(layout, options, nullptr).count;
+  const int in_flight = layers_in_flight(layout, options, backend).count;
   double largest_read = 0.0;
   for (const std::size_t li : layers) {
     largest_read =

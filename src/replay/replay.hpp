@@ -157,9 +157,11 @@ LayerBytes estimate_layer_bytes(const DumpLayout& layout, std::size_t layer_inde
                                 bool with_backend, bool steps_up_front);
 
 // Whether the machine can hold the replay of every selected layer with the next one read ahead,
-// layers_in_flight(layout, options, nullptr) layers at once (each counted as the one that needs
-// the most): bad input "check" naming the layer that needs the most and its bytes otherwise.
-Status check_replay_fits(const DumpLayout& layout, const ReplayOptions& options, bool with_backend);
+// layers_in_flight(layout, options, backend) layers at once (each counted as the one that needs
+// the most; the backend as made, since one that holds one layer at a time runs one): bad input
+// "check" naming the layer that needs the most and its bytes otherwise.
+Status check_replay_fits(const DumpLayout& layout, const ReplayOptions& options, bool with_backend,
+                         const Backend* backend = nullptr);
 
 // Dump facts for the report: model, producer, shapes, layers, steps.
 nlohmann::json summarize_dump(const DumpLayout& layout);

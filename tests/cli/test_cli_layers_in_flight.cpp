@@ -115,4 +115,23 @@ TEST_CASE("kvaudit check --layers-in-flight refuses a negative count and what is
   CHECK(word.err.find("--layers-in-flight") != std::string::npos);
 }
 
+TEST_CASE("kvaudit check's memory guard counts the layers the backend lets run at once",
+          "[cli][layers-in-flight]") {
+  // An exec backend holds one layer at a time, so --layers-in-flight 3 runs one layer: a budget
+  // that holds one layer (about 15 MiB for glm5_page1 with its read-ahead) but not three must
+  // not refuse the run.
+  const std::string arguments = "check " + shipped_dump("glm5_page1") +
+                                " --backend exec:cpu-fp8 --backend-command '" +
+                                kvaudit::exec_test::serve_command() + "' --layers-in-flight 3";
+  const CommandOutcome fits =
+      run_kvaudit("layers_in_flight_guard_exec", arguments, "KVAUDIT_MEMORY_BUDGET=8388608");
+  INFO(fits.err);
+  CHECK(fits.status == 0);
+  // A budget below one layer is still refused, naming the layer.
+  const CommandOutcome too_small =
+      run_kvaudit("layers_in_flight_guard_small", arguments, "KVAUDIT_MEMORY_BUDGET=65536");
+  CHECK(too_small.status == 2);
+  CHECK(too_small.err.find("layer") != std::string::npos);
+}
+
 }  // namespace kvaudit_test
