@@ -13,6 +13,7 @@
 // visible tokens and in tokens only later rows see.
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <random>
 #include <vector>
@@ -220,6 +221,11 @@ TEST_CASE(
     "the compensated kernels",
     "[gpu][reference]") {
   KVAUDIT_REQUIRE_GPU();
+  // The sliced kernels are opt-in (mla_reference_cuda.cu, slicing_allowed).
+  struct SlicingOn {
+    SlicingOn() { setenv("KVAUDIT_GPU_REFERENCE_SLICING", "on", 1); }
+    ~SlicingOn() { unsetenv("KVAUDIT_GPU_REFERENCE_SLICING"); }
+  } slicing_on;
   const MlaCaseSpec spec =
       spec_of(StepKind::kPrefill, 4, 512, 64, 16, {{200, 40}, {90, 1}, {64, 64}}, 21);
   SECTION("bf16 q: one or two slices of q, sliced weights, no compensated batch") {
