@@ -217,8 +217,8 @@ long long sliced(const auto& batches) {
 }  // namespace
 
 TEST_CASE(
-    "GPU reference slices q and the weights exactly as the CPU does; other batches take "
-    "the compensated kernels",
+    "GPU reference slices q and the weights exactly as the CPU does and sends other "
+    "batches to the compensated kernels",
     "[gpu][reference]") {
   KVAUDIT_REQUIRE_GPU();
   // The sliced kernels are opt-in (mla_reference_cuda.cu, slicing_allowed).
