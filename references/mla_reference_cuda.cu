@@ -431,21 +431,61 @@ __global__ void __launch_bounds__(kThreads) weights_kernel(DeviceArgs a, int fir
 
 // ---- 3. values -------------------------------------------------------------------------------
 
+// Phases shared by kernels 3 and 3': each thread's rows (tile.qv0 + ty + 16 i) and their visible
+// token counts; the stage of kDepth KV rows' c columns [t0 .. +15][x0 .. +63] (dim-fastest, zero
+// beyond the segment or c); and the epilogue out = (hi + lo) / l * scale (NaN for a NaN pair).
+__device__ __forceinline__ void visible_of_rows(const DeviceArgs& a, const Segment& seg,
+                                                const Tile& tile, int ty,
+                                                int (&visible)[kPerThread]) {
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int qv = tile.qv0 + ty + 16 * i;
+    visible[i] = qv < seg.num_qv ? visible_of_qv(a, seg, qv) : 0;
+  }
+}
+
+__device__ __forceinline__ void stage_value_element(const DeviceArgs& a, const Segment& seg,
+                                                    const Tile& tile, int t0, int e,
+                                                    float (&v_tile)[kDepth][kTile]) {
+  const int width = a.dc + a.dr;
+  const int d = e % kTile;
+  const int tt = e / kTile;
+  v_tile[tt][d] = (t0 + tt < seg.num_tokens && tile.x0 + d < a.dc)
+                      ? a.kv[(seg.kv_offset + t0 + tt) * width + tile.x0 + d]
+                      : 0.0f;
+}
+
+__device__ __forceinline__ void store_outputs(const DeviceArgs& a, const Segment& seg,
+                                              const Tile& tile, int tx, int ty,
+                                              const double (&hi)[kPerThread][kPerThread],
+                                              const double (&lo)[kPerThread][kPerThread]) {
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int qv = tile.qv0 + ty + 16 * i;
+    if (qv >= seg.num_qv) continue;
+    const long long pair = static_cast<long long>(seg.first_row) * a.heads + qv;
+    const bool nan = a.is_nan[pair] != 0;
+    const dd::DoubleDouble l{a.l_hi[pair], a.l_lo[pair]};
+#pragma unroll
+    for (int c = 0; c < kPerThread; ++c) {
+      const int d = tile.x0 + tx + 16 * c;
+      if (d >= a.dc) continue;
+      a.out[pair * a.dc + d] =
+          nan ? NAN : dd::to_double(dd::mul(dd::div(dd::two_sum(hi[i][c], lo[i][c]), l), a.scale));
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kThreads) values_kernel(DeviceArgs a, const Tile* tiles) {
   __shared__ double w_hi[kDepth][kTile + 1];
   __shared__ double w_lo[kDepth][kTile + 1];
   __shared__ float v_tile[kDepth][kTile];
   const Tile tile = tiles[blockIdx.x];
   const Segment seg = a.segments[tile.segment];
-  const int width = a.dc + a.dr;
   const int tx = threadIdx.x % 16;
   const int ty = threadIdx.x / 16;
   int visible[kPerThread];
-#pragma unroll
-  for (int i = 0; i < kPerThread; ++i) {
-    const int qv = tile.qv0 + ty + 16 * i;
-    visible[i] = qv < seg.num_qv ? visible_of_qv(a, seg, qv) : 0;
-  }
+  visible_of_rows(a, seg, tile, ty, visible);
   double hi[kPerThread][kPerThread] = {};
   double lo[kPerThread][kPerThread] = {};
   for (int t0 = 0; t0 < tile.limit; t0 += kDepth) {
@@ -464,11 +504,7 @@ __global__ void __launch_bounds__(kThreads) values_kernel(DeviceArgs a, const Ti
       }
       w_hi[t][r] = whi;
       w_lo[t][r] = wlo;
-      const int d = e % kTile;
-      const int tt = e / kTile;
-      v_tile[tt][d] = (t0 + tt < seg.num_tokens && tile.x0 + d < a.dc)
-                          ? a.kv[(seg.kv_offset + t0 + tt) * width + tile.x0 + d]
-                          : 0.0f;
+      stage_value_element(a, seg, tile, t0, e, v_tile);
     }
     __syncthreads();
     for (int t = 0; t < kDepth; ++t) {
@@ -491,21 +527,7 @@ __global__ void __launch_bounds__(kThreads) values_kernel(DeviceArgs a, const Ti
     }
     __syncthreads();
   }
-#pragma unroll
-  for (int i = 0; i < kPerThread; ++i) {
-    const int qv = tile.qv0 + ty + 16 * i;
-    if (qv >= seg.num_qv) continue;
-    const long long pair = static_cast<long long>(seg.first_row) * a.heads + qv;
-    const bool nan = a.is_nan[pair] != 0;
-    const dd::DoubleDouble l{a.l_hi[pair], a.l_lo[pair]};
-#pragma unroll
-    for (int c = 0; c < kPerThread; ++c) {
-      const int d = tile.x0 + tx + 16 * c;
-      if (d >= a.dc) continue;
-      a.out[pair * a.dc + d] =
-          nan ? NAN : dd::to_double(dd::mul(dd::div(dd::two_sum(hi[i][c], lo[i][c]), l), a.scale));
-    }
-  }
+  store_outputs(a, seg, tile, tx, ty, hi, lo);
 }
 
 // ---- 3'. sliced values -------------------------------------------------------------------------
@@ -530,15 +552,10 @@ __global__ void __launch_bounds__(kThreads) sliced_values_kernel(DeviceArgs a, c
   __shared__ float v_tile[kDepth][kTile];
   const Tile tile = tiles[blockIdx.x];
   const Segment seg = a.segments[tile.segment];
-  const int width = a.dc + a.dr;
   const int tx = threadIdx.x % 16;
   const int ty = threadIdx.x / 16;
   int visible[kPerThread];
-#pragma unroll
-  for (int i = 0; i < kPerThread; ++i) {
-    const int qv = tile.qv0 + ty + 16 * i;
-    visible[i] = qv < seg.num_qv ? visible_of_qv(a, seg, qv) : 0;
-  }
+  visible_of_rows(a, seg, tile, ty, visible);
   double hi[kPerThread][kPerThread] = {};
   double lo[kPerThread][kPerThread] = {};
   for (int t0 = 0; t0 < tile.limit; t0 += kDepth) {
@@ -554,11 +571,7 @@ __global__ void __launch_bounds__(kThreads) sliced_values_kernel(DeviceArgs a, c
       }
 #pragma unroll
       for (int k = 0; k < Kw; ++k) w_tile[k][t][r] = cut_weight_slice(w, a.weight_bits, k + 1);
-      const int d = e % kTile;
-      const int tt = e / kTile;
-      v_tile[tt][d] = (t0 + tt < seg.num_tokens && tile.x0 + d < a.dc)
-                          ? a.kv[(seg.kv_offset + t0 + tt) * width + tile.x0 + d]
-                          : 0.0f;
+      stage_value_element(a, seg, tile, t0, e, v_tile);
     }
     __syncthreads();
 #pragma unroll 1
@@ -584,21 +597,7 @@ __global__ void __launch_bounds__(kThreads) sliced_values_kernel(DeviceArgs a, c
     }
     __syncthreads();
   }
-#pragma unroll
-  for (int i = 0; i < kPerThread; ++i) {
-    const int qv = tile.qv0 + ty + 16 * i;
-    if (qv >= seg.num_qv) continue;
-    const long long pair = static_cast<long long>(seg.first_row) * a.heads + qv;
-    const bool nan = a.is_nan[pair] != 0;
-    const dd::DoubleDouble l{a.l_hi[pair], a.l_lo[pair]};
-#pragma unroll
-    for (int c = 0; c < kPerThread; ++c) {
-      const int d = tile.x0 + tx + 16 * c;
-      if (d >= a.dc) continue;
-      a.out[pair * a.dc + d] =
-          nan ? NAN : dd::to_double(dd::mul(dd::div(dd::two_sum(hi[i][c], lo[i][c]), l), a.scale));
-    }
-  }
+  store_outputs(a, seg, tile, tx, ty, hi, lo);
 }
 
 // ---- host ------------------------------------------------------------------------------------
