@@ -749,19 +749,27 @@ void plan_tiles(const ReferenceProblem& p, const Batch& batch, std::vector<Tile>
   }
 }
 
+// Copies are queued on the reference's own stream (the caller synchronizes it before the host
+// reuses a page-locked source or reads a result); a pageable source may be freed at return (the
+// runtime has staged it by then).
 template <typename T>
-Status upload(T* device, const T* host, std::size_t count, const std::string& where) {
+Status upload(T* device, const T* host, std::size_t count, cudaStream_t stream,
+              const std::string& where) {
   if (count == 0) return ok_status();
-  return cuda_check(cudaMemcpy(device, host, count * sizeof(T), cudaMemcpyHostToDevice), where,
-                    "cudaMemcpy to the device");
+  return cuda_check(
+      cudaMemcpyAsync(device, host, count * sizeof(T), cudaMemcpyHostToDevice, stream), where,
+      "cudaMemcpy to the device");
 }
 
+// A device array into host memory, complete at return.
 template <typename T>
-Status download_array(T* host, const T* device, std::size_t count, const std::string& where,
-                      const char* what) {
+Status download_array(T* host, const T* device, std::size_t count, cudaStream_t stream,
+                      const std::string& where, const char* what) {
   if (count == 0) return ok_status();
-  return cuda_check(cudaMemcpy(host, device, count * sizeof(T), cudaMemcpyDeviceToHost), where,
-                    what);
+  KVAUDIT_TRY(
+      cuda_check(cudaMemcpyAsync(host, device, count * sizeof(T), cudaMemcpyDeviceToHost, stream),
+                 where, what));
+  return cuda_check(cudaStreamSynchronize(stream), where, what);
 }
 
 // bw of the sliced values (3'): 48 - bV (blocks of kDepth = 2^4 tokens, weights < 2); 0 where the
@@ -797,12 +805,17 @@ class GpuReference {
   Result<int> weight_slices(const std::string& where);
   void launch_values(int slices, const Tile* value_tiles);
   Status download(const ReferenceProblem& p, const std::string& where);
+  Status synchronize(const std::string& where, const char* what);
 
   // A caller's array copied (on p.threads threads) into a page-locked buffer, then to the device.
   template <typename T>
   Status upload_staged(T* device, std::span<const T> host, PinnedSlot slot, int threads,
                        const std::string& where);
 
+  // The reference's own stream (non-blocking): its copies and kernels overlap a cuda-* backend's,
+  // which has its own, when two layers are in flight; made at the first call, never destroyed
+  // (see gpu_reference()).
+  cudaStream_t stream_ = nullptr;
   DeviceSeconds seconds_;  // this call's split (add_gpu_reference_seconds at its end)
   Arena arena_{Memory::kDevice};
   Arena pinned_{Memory::kPinnedHost};
@@ -819,7 +832,11 @@ Status GpuReference::upload_staged(T* device, std::span<const T> host, PinnedSlo
                                    const std::string& where) {
   KVAUDIT_ASSIGN_OR_RETURN(T * staged, pinned_.get<T>(slot, host.size(), where));
   parallel_copy(host.data(), host.size(), staged, threads);
-  return upload(device, staged, host.size(), where);
+  return upload(device, staged, host.size(), stream_, where);
+}
+
+Status GpuReference::synchronize(const std::string& where, const char* what) {
+  return cuda_check(cudaStreamSynchronize(stream_), where, what);
 }
 
 // The visible KV rows gathered (on p.threads threads) straight into a page-locked buffer, q staged
@@ -840,8 +857,9 @@ Status GpuReference::upload_inputs(const ReferenceProblem& p, const std::string&
   KVAUDIT_ASSIGN_OR_RETURN(int* visible_device, arena_.get<int>(kVisible, visible.size(), where));
   KVAUDIT_TRY(upload_staged(q_nope, p.q_nope, kPinnedQNope, p.threads, where));
   KVAUDIT_TRY(upload_staged(q_pe, p.q_pe, kPinnedQPe, p.threads, where));
-  KVAUDIT_TRY(upload(kv_device, kv, kv_count, where));
-  KVAUDIT_TRY(upload(visible_device, visible.data(), visible.size(), where));
+  KVAUDIT_TRY(upload(kv_device, kv, kv_count, stream_, where));
+  KVAUDIT_TRY(upload(visible_device, visible.data(), visible.size(), stream_, where));
+  KVAUDIT_TRY(synchronize(where, "uploads"));
   seconds_.upload += elapsed_seconds_since(start);
   args_ = DeviceArgs{};
   args_.q_nope = q_nope;
@@ -887,14 +905,15 @@ Result<int> GpuReference::slice_queries(const ReferenceProblem& p, const Batch& 
   const int num_pairs = (batch.end_row - batch.first_row) * p.num_heads;
   if (args_.slice_bits == 0 || num_pairs == 0 || !slicing_allowed()) return 0;
   KVAUDIT_ASSIGN_OR_RETURN(int* flags, arena_.get<int>(kSliceFlags, 2, where));
-  KVAUDIT_TRY(cuda_check(cudaMemset(flags, 0, 2 * sizeof(int)), where, "cudaMemset"));
+  KVAUDIT_TRY(cuda_check(cudaMemsetAsync(flags, 0, 2 * sizeof(int), stream_), where, "cudaMemset"));
   constexpr int kWarps = 8;
-  slicing_kernel<<<static_cast<unsigned>((num_pairs + kWarps - 1) / kWarps), 32 * kWarps>>>(
-      args_, batch.first_row * p.num_heads, num_pairs, args_.query_top, args_.query_slices, flags);
+  slicing_kernel<<<static_cast<unsigned>((num_pairs + kWarps - 1) / kWarps), 32 * kWarps, 0,
+                   stream_>>>(args_, batch.first_row * p.num_heads, num_pairs, args_.query_top,
+                              args_.query_slices, flags);
   KVAUDIT_TRY(cuda_check(cudaGetLastError(), where, "slicing kernel launch"));
   int host_flags[2] = {0, 0};
-  KVAUDIT_TRY(cuda_check(cudaMemcpy(host_flags, flags, sizeof host_flags, cudaMemcpyDeviceToHost),
-                         where, "cudaMemcpy of the slice counts"));
+  KVAUDIT_TRY(
+      download_array(host_flags, flags, 2, stream_, where, "cudaMemcpy of the slice counts"));
   return host_flags[1] != 0 ? 0 : host_flags[0];
 }
 
@@ -902,15 +921,15 @@ void GpuReference::launch_scores(int slices, const Tile* score_tiles) {
   const auto blocks = static_cast<unsigned>(score_tiles_.size());
   switch (slices) {
     case 1:
-      return sliced_scores_kernel<1><<<blocks, kThreads>>>(args_, score_tiles);
+      return sliced_scores_kernel<1><<<blocks, kThreads, 0, stream_>>>(args_, score_tiles);
     case 2:
-      return sliced_scores_kernel<2><<<blocks, kThreads>>>(args_, score_tiles);
+      return sliced_scores_kernel<2><<<blocks, kThreads, 0, stream_>>>(args_, score_tiles);
     case 3:
-      return sliced_scores_kernel<3><<<blocks, kThreads>>>(args_, score_tiles);
+      return sliced_scores_kernel<3><<<blocks, kThreads, 0, stream_>>>(args_, score_tiles);
     case 4:
-      return sliced_scores_kernel<4><<<blocks, kThreads>>>(args_, score_tiles);
+      return sliced_scores_kernel<4><<<blocks, kThreads, 0, stream_>>>(args_, score_tiles);
     default:
-      return scores_kernel<<<blocks, kThreads>>>(args_, score_tiles);
+      return scores_kernel<<<blocks, kThreads, 0, stream_>>>(args_, score_tiles);
   }
 }
 
@@ -920,9 +939,8 @@ void GpuReference::launch_scores(int slices, const Tile* score_tiles) {
 Result<int> GpuReference::weight_slices(const std::string& where) {
   if (args_.weight_flags == nullptr) return 0;
   int host_flags[2] = {0, 0};
-  KVAUDIT_TRY(cuda_check(
-      cudaMemcpy(host_flags, args_.weight_flags, sizeof host_flags, cudaMemcpyDeviceToHost), where,
-      "cudaMemcpy of the weight slice counts"));
+  KVAUDIT_TRY(download_array(host_flags, args_.weight_flags, 2, stream_, where,
+                             "cudaMemcpy of the weight slice counts"));
   return host_flags[1] != 0 ? 0 : std::max(host_flags[0], 1);
 }
 
@@ -930,17 +948,17 @@ void GpuReference::launch_values(int slices, const Tile* value_tiles) {
   const auto blocks = static_cast<unsigned>(value_tiles_.size());
   switch (slices) {
     case 1:
-      return sliced_values_kernel<1><<<blocks, kThreads>>>(args_, value_tiles);
+      return sliced_values_kernel<1><<<blocks, kThreads, 0, stream_>>>(args_, value_tiles);
     case 2:
-      return sliced_values_kernel<2><<<blocks, kThreads>>>(args_, value_tiles);
+      return sliced_values_kernel<2><<<blocks, kThreads, 0, stream_>>>(args_, value_tiles);
     case 3:
-      return sliced_values_kernel<3><<<blocks, kThreads>>>(args_, value_tiles);
+      return sliced_values_kernel<3><<<blocks, kThreads, 0, stream_>>>(args_, value_tiles);
     case 4:
-      return sliced_values_kernel<4><<<blocks, kThreads>>>(args_, value_tiles);
+      return sliced_values_kernel<4><<<blocks, kThreads, 0, stream_>>>(args_, value_tiles);
     case 5:
-      return sliced_values_kernel<5><<<blocks, kThreads>>>(args_, value_tiles);
+      return sliced_values_kernel<5><<<blocks, kThreads, 0, stream_>>>(args_, value_tiles);
     default:
-      return values_kernel<<<blocks, kThreads>>>(args_, value_tiles);
+      return values_kernel<<<blocks, kThreads, 0, stream_>>>(args_, value_tiles);
   }
 }
 
@@ -963,10 +981,12 @@ Status GpuReference::run_batch(const ReferenceProblem& p, const Batch& batch,
                            arena_.get<Tile>(kValueTiles, value_tiles_.size(), where));
   KVAUDIT_ASSIGN_OR_RETURN(args_.s_hi, arena_.get<double>(kScoreHi, batch.score_elements, where));
   KVAUDIT_ASSIGN_OR_RETURN(args_.s_lo, arena_.get<double>(kScoreLo, batch.score_elements, where));
-  KVAUDIT_TRY(upload(segment_of_row_, segment_of_row.data(), segment_of_row.size(), where));
-  KVAUDIT_TRY(upload(segments, batch.segments.data(), batch.segments.size(), where));
-  KVAUDIT_TRY(upload(score_tiles, score_tiles_.data(), score_tiles_.size(), where));
-  KVAUDIT_TRY(upload(value_tiles, value_tiles_.data(), value_tiles_.size(), where));
+  KVAUDIT_TRY(
+      upload(segment_of_row_, segment_of_row.data(), segment_of_row.size(), stream_, where));
+  KVAUDIT_TRY(upload(segments, batch.segments.data(), batch.segments.size(), stream_, where));
+  KVAUDIT_TRY(upload(score_tiles, score_tiles_.data(), score_tiles_.size(), stream_, where));
+  KVAUDIT_TRY(upload(value_tiles, value_tiles_.data(), value_tiles_.size(), stream_, where));
+  KVAUDIT_TRY(synchronize(where, "uploads"));
   args_.segments = segments;
   seconds_.upload += elapsed_seconds_since(start);
 
@@ -978,18 +998,18 @@ Status GpuReference::run_batch(const ReferenceProblem& p, const Batch& batch,
   args_.weight_flags = nullptr;
   if (args_.weight_bits > 0 && slicing_allowed()) {
     KVAUDIT_ASSIGN_OR_RETURN(args_.weight_flags, arena_.get<int>(kWeightFlags, 2, where));
-    KVAUDIT_TRY(
-        cuda_check(cudaMemset(args_.weight_flags, 0, 2 * sizeof(int)), where, "cudaMemset"));
+    KVAUDIT_TRY(cuda_check(cudaMemsetAsync(args_.weight_flags, 0, 2 * sizeof(int), stream_), where,
+                           "cudaMemset"));
   }
   if (pairs > 0) {
-    weights_kernel<<<static_cast<unsigned>(pairs), kThreads>>>(args_,
-                                                               batch.first_row * p.num_heads);
+    weights_kernel<<<static_cast<unsigned>(pairs), kThreads, 0, stream_>>>(
+        args_, batch.first_row * p.num_heads);
   }
   KVAUDIT_ASSIGN_OR_RETURN(const int weight_slice_count, weight_slices(where));
   if (!value_tiles_.empty()) launch_values(weight_slice_count, value_tiles);
   ++kernels_run_.value_batches[weight_slice_count];
   KVAUDIT_TRY(cuda_check(cudaGetLastError(), where, "kernel launch"));
-  KVAUDIT_TRY(cuda_check(cudaDeviceSynchronize(), where, "kernels"));
+  KVAUDIT_TRY(synchronize(where, "kernels"));
   seconds_.kernels += elapsed_seconds_since(start);
   return ok_status();
 }
@@ -1000,8 +1020,8 @@ Status GpuReference::download(const ReferenceProblem& p, const std::string& wher
   const auto start = Clock::now();
   KVAUDIT_ASSIGN_OR_RETURN(double* out, pinned_.get<double>(kPinnedOut, p.out.size(), where));
   KVAUDIT_ASSIGN_OR_RETURN(double* lse, pinned_.get<double>(kPinnedLse, p.lse.size(), where));
-  KVAUDIT_TRY(download_array(out, args_.out, p.out.size(), where, "cudaMemcpy of out"));
-  KVAUDIT_TRY(download_array(lse, args_.lse, p.lse.size(), where, "cudaMemcpy of lse"));
+  KVAUDIT_TRY(download_array(out, args_.out, p.out.size(), stream_, where, "cudaMemcpy of out"));
+  KVAUDIT_TRY(download_array(lse, args_.lse, p.lse.size(), stream_, where, "cudaMemcpy of lse"));
   parallel_copy(out, p.out.size(), p.out.data(), p.threads);
   parallel_copy(lse, p.lse.size(), p.lse.data(), p.threads);
   seconds_.download += elapsed_seconds_since(start);
@@ -1015,6 +1035,10 @@ Status GpuReference::run(const ReferenceProblem& p, const std::string& where) {
   seconds_ = DeviceSeconds{};
   seconds_.calls = 1;
   const Status status = [&]() -> Status {
+    if (stream_ == nullptr) {
+      KVAUDIT_TRY(cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), where,
+                             "cudaStreamCreate"));
+    }
     KVAUDIT_TRY(upload_inputs(p, where));
     auto start = Clock::now();
     const std::vector<Batch> batches = plan_batches(p, kv_offset_);

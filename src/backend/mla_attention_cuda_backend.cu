@@ -253,6 +253,11 @@ class CudaMlaBackend final : public Backend {
         options_(std::move(options)),
         injection_(injection),
         mma_ran_(mla_attention_64_row_path(options_.cuda_variant.mma)) {}
+  ~CudaMlaBackend() override {
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+  CudaMlaBackend(const CudaMlaBackend&) = delete;
+  CudaMlaBackend& operator=(const CudaMlaBackend&) = delete;
 
   std::string name() const override { return cast_whole_pool_ ? "cuda-cast-bf16" : "cuda-fp8"; }
 
@@ -300,6 +305,7 @@ class CudaMlaBackend final : public Backend {
                                         bool attend);
   Status upload(const StepLayerInput& input, const HostStaging& staged, const KvPool& pool,
                 const std::string& where);
+  Status synchronize(const std::string& where, const char* what);
   Status write_kv(const StepLayerInput& input, const KvPool& pool, const DeviceIndices& indices,
                   const std::string& where, cudaStream_t stream);
   MlaAttentionProblem attention_problem(const StepLayerInput& input, const KvPool& pool,
@@ -318,6 +324,9 @@ class CudaMlaBackend final : public Backend {
   TensorCorePath mma_ran_;  // the 64-row blocks' instructions on this device (kernel_variant)
   CudaBackendAllocations allocations_;
   DeviceSeconds seconds_;  // summed over run_on_device calls
+  // The backend's own stream (non-blocking), made at the first step: its copies and kernels
+  // overlap the GPU reference's, which has its own, when two layers are in flight.
+  cudaStream_t stream_ = nullptr;
   DeviceBuffer pool_{&allocations_.pool_bytes};
   DeviceBuffer pool_bf16_{&allocations_.pool_bf16_bytes};
   DeviceBuffer indices_{&allocations_.other_bytes};
@@ -372,6 +381,10 @@ Result<AttentionOutput> CudaMlaBackend::run_on_device(const StepLayerInput& inpu
   const std::string where = name() + ": step " + input.step.group + " layer " + input.layer.group;
   auto start = Clock::now();
   KVAUDIT_TRY(check_step(input, pool, where));
+  if (stream_ == nullptr) {
+    KVAUDIT_TRY(cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), where,
+                           "stream creation"));
+  }
   KVAUDIT_ASSIGN_OR_RETURN(std::uint16_t * q_bits,
                            q_host_.reserve<std::uint16_t>(q_elements(input), where));
   const HostStaging staged = stage_inputs(input, q_bits, options_.threads);
@@ -381,7 +394,7 @@ Result<AttentionOutput> CudaMlaBackend::run_on_device(const StepLayerInput& inpu
   seconds_.upload += elapsed_seconds_since(start);
   start = Clock::now();
   const DeviceIndices indices = device_indices(indices_.as<std::int32_t>(), staged);
-  cudaStream_t stream = nullptr;
+  cudaStream_t stream = stream_;
   if (write) KVAUDIT_TRY(write_kv(input, pool, indices, where, stream));
   MlaAttentionProblem problem = attention_problem(input, pool, indices, staged);
   if (attend_rows) {
@@ -407,18 +420,25 @@ Status CudaMlaBackend::upload(const StepLayerInput& input, const HostStaging& st
   KVAUDIT_TRY(new_kv_.reserve(std::max<std::size_t>(staged.new_kv.size() * 2, 16), where));
   KVAUDIT_TRY(out_.reserve(lse_offset_bytes(input) + lse_bytes + 16, where));
 
+  KVAUDIT_TRY(cuda_check(
+      cudaMemcpyAsync(pool_.data(), pool.bytes.data(), pool_bytes, cudaMemcpyHostToDevice, stream_),
+      where, "pool upload"));
   KVAUDIT_TRY(
-      cuda_check(cudaMemcpy(pool_.data(), pool.bytes.data(), pool_bytes, cudaMemcpyHostToDevice),
-                 where, "pool upload"));
-  KVAUDIT_TRY(cuda_check(cudaMemcpy(indices_.data(), staged.indices.data(),
-                                    staged.indices.size() * 4, cudaMemcpyHostToDevice),
-                         where, "index upload"));
-  KVAUDIT_TRY(
-      cuda_check(cudaMemcpy(q_.data(), staged.q, staged.q_elements * 2, cudaMemcpyHostToDevice),
-                 where, "q upload"));
-  return cuda_check(cudaMemcpy(new_kv_.data(), staged.new_kv.data(), staged.new_kv.size() * 2,
-                               cudaMemcpyHostToDevice),
-                    where, "new_kv upload");
+      cuda_check(cudaMemcpyAsync(indices_.data(), staged.indices.data(), staged.indices.size() * 4,
+                                 cudaMemcpyHostToDevice, stream_),
+                 where, "index upload"));
+  KVAUDIT_TRY(cuda_check(
+      cudaMemcpyAsync(q_.data(), staged.q, staged.q_elements * 2, cudaMemcpyHostToDevice, stream_),
+      where, "q upload"));
+  KVAUDIT_TRY(cuda_check(cudaMemcpyAsync(new_kv_.data(), staged.new_kv.data(),
+                                         staged.new_kv.size() * 2, cudaMemcpyHostToDevice, stream_),
+                         where, "new_kv upload"));
+  // Waited for here: the staged sources are reused by the next step, and the split stays honest.
+  return synchronize(where, "uploads");
+}
+
+Status CudaMlaBackend::synchronize(const std::string& where, const char* what) {
+  return cuda_check(cudaStreamSynchronize(stream_), where, what);
 }
 
 // The write: kvdump's rule, or the named reciprocal option, or an injected write fault (the rules
@@ -505,10 +525,11 @@ Status CudaMlaBackend::select_attention_pool(const KvPool& pool, MlaAttentionPro
     // buffer's end read zeros (a copy with a zero-filled second half), as the CPU model does.
     const std::size_t pool_bytes = pool.bytes.size();
     KVAUDIT_TRY(pool_bf16_.reserve(std::max<std::size_t>(2 * pool_bytes, 16), where));
-    KVAUDIT_TRY(cuda_check(cudaMemset(pool_bf16_.data(), 0, 2 * pool_bytes), where, "memset"));
-    KVAUDIT_TRY(cuda_check(
-        cudaMemcpy(pool_bf16_.data(), pool_.data(), pool_bytes, cudaMemcpyDeviceToDevice), where,
-        "pool copy"));
+    KVAUDIT_TRY(
+        cuda_check(cudaMemsetAsync(pool_bf16_.data(), 0, 2 * pool_bytes, stream), where, "memset"));
+    KVAUDIT_TRY(cuda_check(cudaMemcpyAsync(pool_bf16_.data(), pool_.data(), pool_bytes,
+                                           cudaMemcpyDeviceToDevice, stream),
+                           where, "pool copy"));
     problem.pool_element = PoolElement::kBf16;
     problem.pool = pool_bf16_.data();
   }
@@ -520,7 +541,7 @@ Status CudaMlaBackend::attend(const MlaAttentionProblem& problem, const std::str
   const std::size_t workspace_bytes = mla_attention_workspace_bytes(problem);
   if (workspace_bytes > 0) KVAUDIT_TRY(workspace_.reserve(workspace_bytes, where));
   KVAUDIT_TRY(launch_mla_attention(problem, workspace_.data(), workspace_bytes, stream));
-  return cuda_check(cudaDeviceSynchronize(), where, "attention");
+  return cuda_check(cudaStreamSynchronize(stream), where, "attention");
 }
 
 // out, lse and the pool after the step's writes (the harness checks its integrity).
@@ -534,15 +555,17 @@ Result<AttentionOutput> CudaMlaBackend::download(const StepLayerInput& input,
   output.lse.resize(static_cast<std::size_t>(input.step.num_rows()) * input.attrs.num_heads);
   KVAUDIT_ASSIGN_OR_RETURN(std::uint16_t * out_bits,
                            out_host_.reserve<std::uint16_t>(out_count, where));
-  KVAUDIT_TRY(cuda_check(cudaMemcpy(out_bits, problem.out, out_count * 2, cudaMemcpyDeviceToHost),
-                         where, "out download"));
+  KVAUDIT_TRY(cuda_check(
+      cudaMemcpyAsync(out_bits, problem.out, out_count * 2, cudaMemcpyDeviceToHost, stream_), where,
+      "out download"));
+  KVAUDIT_TRY(cuda_check(cudaMemcpyAsync(output.lse.data(), problem.lse, output.lse.size() * 4,
+                                         cudaMemcpyDeviceToHost, stream_),
+                         where, "lse download"));
+  KVAUDIT_TRY(cuda_check(cudaMemcpyAsync(pool.bytes.data(), pool_.data(), pool.bytes.size(),
+                                         cudaMemcpyDeviceToHost, stream_),
+                         where, "pool download"));
+  KVAUDIT_TRY(synchronize(where, "downloads"));
   parallel_copy(out_bits, out_count, output.out_bf16.data(), options_.threads);
-  KVAUDIT_TRY(cuda_check(
-      cudaMemcpy(output.lse.data(), problem.lse, output.lse.size() * 4, cudaMemcpyDeviceToHost),
-      where, "lse download"));
-  KVAUDIT_TRY(cuda_check(
-      cudaMemcpy(pool.bytes.data(), pool_.data(), pool.bytes.size(), cudaMemcpyDeviceToHost), where,
-      "pool download"));
   return output;
 }
 
