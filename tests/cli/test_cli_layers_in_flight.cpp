@@ -8,6 +8,7 @@
 
 #include "tests/backend/exec_test_support.hpp"
 #include "tests/cli/shard_commands.hpp"
+#include "tests/gpu_skip.hpp"
 
 namespace kvaudit_test {
 namespace {
@@ -63,6 +64,25 @@ TEST_CASE("kvaudit check --layers-in-flight 3 gives the report of 1 for every sh
     CHECK((in_flight.outcome.out.find(
                "layers in flight: " + std::to_string(std::min<std::size_t>(3, layers)) + " (") !=
            std::string::npos) == (layers > 1));
+  }
+}
+
+// On the GPU the two layers' reference and backend calls run on their own CUDA streams, side by
+// side: the reports must still be those of one layer at a time.
+TEST_CASE(
+    "kvaudit check on the GPU (cuda reference and cuda-fp8) gives the report of 1 with 2 "
+    "layers in flight",
+    "[gpu][cli][layers-in-flight]") {
+  KVAUDIT_REQUIRE_GPU();
+  for (const char* dump : {"glm5_page1", "glm5_outliers_calibrated", "page64_nan"}) {
+    INFO(dump);
+    const std::string gpu = "--reference cuda --backend cuda-fp8";
+    const FlightRun sequential = check_in_flight(std::string(dump) + "-gpu", dump, gpu, 1);
+    const FlightRun in_flight = check_in_flight(std::string(dump) + "-gpu", dump, gpu, 2);
+    check_same(sequential, in_flight);
+    const std::size_t layers = sequential.report.at("dump").at("summary").at("layers").size();
+    CHECK((in_flight.outcome.out.find("layers in flight: 2 (") != std::string::npos) ==
+          (layers > 1));
   }
 }
 
