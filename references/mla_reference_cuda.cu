@@ -614,7 +614,9 @@ enum class Memory : std::uint8_t { kDevice, kPinnedHost };
 
 // Allocations that only grow, kept between calls (a check calls once per step and layer): device
 // memory, or page-locked host memory, which the copies to and from the device read and write at the
-// link's speed (pageable memory goes through the driver's own staging copy first).
+// link's speed (pageable memory goes through the driver's own staging copy first). A buffer grows
+// by at least a quarter: cudaFree and cudaFreeHost wait for the whole device (the backend's stream
+// too), and a decode dump's context grows a little at every step.
 class Arena {
  public:
   explicit Arena(Memory memory) : memory_(memory) {}
@@ -625,8 +627,9 @@ class Arena {
     Buffer& b = buffers_[slot];
     const std::size_t bytes = std::max<std::size_t>(count * sizeof(T), 16);
     if (bytes > b.bytes) {
+      const std::size_t grown = std::max(bytes, b.bytes + b.bytes / 4);
       release(b);
-      KVAUDIT_TRY(allocate(b, bytes, where));
+      KVAUDIT_TRY(allocate(b, grown, where));
     }
     return static_cast<T*>(b.data);
   }
@@ -1046,6 +1049,8 @@ Status GpuReference::run(const ReferenceProblem& p, const std::string& where) {
     for (const Batch& batch : batches) KVAUDIT_TRY(run_batch(p, batch, where));
     return download(p, where);
   }();
+  // A failure may leave copies queued from page-locked buffers the next call reuses or frees.
+  if (!status.ok() && stream_ != nullptr) cudaStreamSynchronize(stream_);
   add_gpu_reference_seconds(seconds_);
   return status;
 }

@@ -44,16 +44,23 @@ Status cuda_check(cudaError_t status, const std::string& where, const char* what
   return internal_error(where, std::string(what) + ": " + cudaGetErrorString(status));
 }
 
+// How a DeviceBuffer grows: to the bytes asked for, or by at least a quarter (cudaFree waits for
+// the whole device, the GPU reference's stream too, and a decode dump's indices and workspace grow
+// a little at every step).
+enum class Growth : std::uint8_t { kExact, kByQuarter };
+
 // A device allocation that only grows; `held` counts the bytes of the role it serves.
 class DeviceBuffer {
  public:
-  explicit DeviceBuffer(std::size_t* held) : held_(held) {}
+  explicit DeviceBuffer(std::size_t* held, Growth growth = Growth::kByQuarter)
+      : held_(held), growth_(growth) {}
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
   ~DeviceBuffer() { release(); }
 
   Status reserve(std::size_t bytes, const std::string& where) {
     if (bytes <= capacity_) return ok_status();
+    if (growth_ == Growth::kByQuarter) bytes = std::max(bytes, capacity_ + capacity_ / 4);
     release();
     void* data = nullptr;
     KVAUDIT_TRY(cuda_check(cudaMalloc(&data, bytes), where, "cudaMalloc"));
@@ -78,6 +85,7 @@ class DeviceBuffer {
     capacity_ = 0;
   }
   std::size_t* held_;
+  Growth growth_;
   void* data_ = nullptr;
   std::size_t capacity_ = 0;
 };
@@ -254,7 +262,9 @@ class CudaMlaBackend final : public Backend {
         injection_(injection),
         mma_ran_(mla_attention_64_row_path(options_.cuda_variant.mma)) {}
   ~CudaMlaBackend() override {
-    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+    if (stream_ == nullptr) return;
+    cudaStreamSynchronize(stream_);  // a failed step may have left copies queued to our buffers
+    cudaStreamDestroy(stream_);
   }
   CudaMlaBackend(const CudaMlaBackend&) = delete;
   CudaMlaBackend& operator=(const CudaMlaBackend&) = delete;
@@ -327,8 +337,8 @@ class CudaMlaBackend final : public Backend {
   // The backend's own stream (non-blocking), made at the first step: its copies and kernels
   // overlap the GPU reference's, which has its own, when two layers are in flight.
   cudaStream_t stream_ = nullptr;
-  DeviceBuffer pool_{&allocations_.pool_bytes};
-  DeviceBuffer pool_bf16_{&allocations_.pool_bf16_bytes};
+  DeviceBuffer pool_{&allocations_.pool_bytes, Growth::kExact};
+  DeviceBuffer pool_bf16_{&allocations_.pool_bf16_bytes, Growth::kExact};
   DeviceBuffer indices_{&allocations_.other_bytes};
   DeviceBuffer q_{&allocations_.other_bytes};
   DeviceBuffer new_kv_{&allocations_.other_bytes};
@@ -390,7 +400,10 @@ Result<AttentionOutput> CudaMlaBackend::run_on_device(const StepLayerInput& inpu
   const HostStaging staged = stage_inputs(input, q_bits, options_.threads);
   seconds_.prepare += elapsed_seconds_since(start);
   start = Clock::now();
-  KVAUDIT_TRY(upload(input, staged, pool, where));
+  if (const Status uploaded = upload(input, staged, pool, where); !uploaded.ok()) {
+    cudaStreamSynchronize(stream_);  // copies queued before the failure read q_host_
+    return uploaded.error();
+  }
   seconds_.upload += elapsed_seconds_since(start);
   start = Clock::now();
   const DeviceIndices indices = device_indices(indices_.as<std::int32_t>(), staged);
@@ -400,10 +413,13 @@ Result<AttentionOutput> CudaMlaBackend::run_on_device(const StepLayerInput& inpu
   if (attend_rows) {
     KVAUDIT_TRY(select_attention_pool(pool, problem, where, stream));
     KVAUDIT_TRY(attend(problem, where, stream));
-  }  // a write alone is not waited for here: the download's copy waits for it
+  } else {
+    KVAUDIT_TRY(synchronize(where, "kv write"));  // a write alone: its time is the kernels'
+  }
   seconds_.kernels += elapsed_seconds_since(start);
   start = Clock::now();
   Result<AttentionOutput> output = download(input, problem, pool, where);
+  if (!output.ok()) cudaStreamSynchronize(stream_);  // a queued download may still fill out_host_
   seconds_.download += elapsed_seconds_since(start);
   return output;
 }
