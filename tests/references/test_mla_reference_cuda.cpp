@@ -221,11 +221,12 @@ TEST_CASE(
     "batches to the compensated kernels",
     "[gpu][reference]") {
   KVAUDIT_REQUIRE_GPU();
-  // The sliced kernels are opt-in (mla_reference_cuda.cu, slicing_allowed).
-  struct SlicingOn {
-    SlicingOn() { setenv("KVAUDIT_GPU_REFERENCE_SLICING", "on", 1); }
-    ~SlicingOn() { unsetenv("KVAUDIT_GPU_REFERENCE_SLICING"); }
-  } slicing_on;
+  // The sliced kernels are the default (mla_reference_cuda.cu, slicing_allowed): a setting left in
+  // the environment must not turn them off here.
+  struct SlicingDefault {
+    SlicingDefault() { unsetenv("KVAUDIT_GPU_REFERENCE_SLICING"); }
+    ~SlicingDefault() { unsetenv("KVAUDIT_GPU_REFERENCE_SLICING"); }
+  } slicing_default;
   const MlaCaseSpec spec =
       spec_of(StepKind::kPrefill, 4, 512, 64, 16, {{200, 40}, {90, 1}, {64, 64}}, 21);
   SECTION("bf16 q: one or two slices of q, sliced weights, no compensated batch") {
@@ -254,6 +255,14 @@ TEST_CASE(
     for (float& v : c.tensors.q_nope) v *= 64.0f;  // scores spread over hundreds: tiny weights
     const GpuReferenceKernels ran = run_and_compare(c, 0);
     CHECK(ran.value_batches[0] >= 1);
+  }
+  SECTION("KVAUDIT_GPU_REFERENCE_SLICING=off: the compensated kernels alone") {
+    setenv("KVAUDIT_GPU_REFERENCE_SLICING", "off", 1);
+    const GpuReferenceKernels ran = run_and_compare(make_mla_case(spec), 0);
+    CHECK(ran.score_batches[0] >= 1);
+    CHECK(sliced(ran.score_batches) == 0);
+    CHECK(ran.value_batches[0] >= 1);
+    CHECK(sliced(ran.value_batches) == 0);
   }
   SECTION("a NaN in one query: that (row, head) is NaN, the batch takes the compensated scores") {
     MlaCase c = make_mla_case(spec);
