@@ -777,7 +777,7 @@ TEST_CASE("cuda-fp8 injects every fault (and --reciprocal-scale) as cpu-fp8 does
       }
     }
     const int rows = c.step.num_rows();
-    int nan_mismatch = 0, failures = 0;
+    int nan_mismatch = 0, failures = 0, gpu_nonfinite = 0, model_nonfinite = 0;
     for (int rh = 0; rh < rows * s.heads; ++rh) {
       double row_max = 0;
       for (int d = 0; d < kDc; ++d) {
@@ -787,6 +787,8 @@ TEST_CASE("cuda-fp8 injects every fault (and --reciprocal-scale) as cpu-fp8 does
       for (int d = 0; d < kDc; ++d) {
         const double k = kvaudit::bf16_to_float(g.out.out_bf16[rh * kDc + d]);
         const double r = kvaudit::bf16_to_float(h.out.out_bf16[rh * kDc + d]);
+        gpu_nonfinite += !std::isfinite(k);
+        model_nonfinite += !std::isfinite(r);
         if (std::isfinite(k) != std::isfinite(r)) {
           ++nan_mismatch;
           continue;
@@ -796,8 +798,22 @@ TEST_CASE("cuda-fp8 injects every fault (and --reciprocal-scale) as cpu-fp8 does
         }
       }
     }
-    CHECK(nan_mismatch == 0);
     CHECK(failures == 0);
+    if (options.injection == "fp8-read-as-bf16") {
+      // The fp8 bytes read as bf16 include the unused slots' NaN codes: 0x7F7F is 3.39e38, so
+      // scores and P.V overflow fp32, and whether a (row, head) ends as inf, NaN or finite depends
+      // on the summation order, which the GPU's and the model's need not share. Measured on an
+      // H100 (2026-12-05, the same with the legacy stream): the model's outputs non-finite in 64
+      // of 96 (row, head)s; 15,872 = 31 x 512 elements non-finite on one side only. 31 is not a
+      // multiple of the 16 heads, so the two sides split the heads of a row: all heads read the
+      // same KV rows (reading other bytes would differ for all of them), only q, and with it the
+      // order of magnitudes, differs per head. Where both are finite they agree (above); here
+      // both must show the fault's non-finite outputs.
+      CHECK(gpu_nonfinite > 0);
+      CHECK(model_nonfinite > 0);
+    } else {
+      CHECK(nan_mismatch == 0);
+    }
   }
 }
 
