@@ -18,7 +18,7 @@
 #   KVAUDIT_REQUIRE          prerequisite tags whose cases must run, not skip (tests/test_main.cpp;
 #                            "torch" is added with KVAUDIT_WITH_TORCH=1, "gpu" on a GPU machine)
 #   KVAUDIT_WITH_TORCH=1     install PyTorch into the Python venv, so that the exec protocol is
-#                            tested end to end with the torch adapter (CI does; about 3.5 GB)
+#                            tested end to end with the torch adapter (CI does; about 5.6 GiB, 7 GiB free needed)
 #   KVAUDIT_PYTHON_VENV      the Python venv (default: build/python-venv, scripts/setup-python.sh)
 # Where nvcc exists but no cuobjdump, NVIDIA's PyPI wheel of it goes into that venv, for the CTest
 # fault_free_kernels.

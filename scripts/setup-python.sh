@@ -66,7 +66,19 @@ if [[ ${KVAUDIT_WITH_TORCH:-0} == 1 ]]; then
     say "installing torch (>= 2.1)${index:+ from $KVAUDIT_TORCH_INDEX_URL}"
     # torch's Linux wheels pull in CUDA libraries (about 5 GiB installed); without pip's cache
     # they are not stored a second time, which keeps a CI machine's disk from filling up.
-    say "free disk before torch: $(df -h --output=avail . | tail -1 | tr -d ' ')"
+    # Measured: the venv with torch 2.x and its CUDA libraries is 5.6 GiB; pip also holds the
+    # largest wheel while it unpacks. Below 7 GiB free pip ends in "[Errno 28] No space left on
+    # device" after minutes of downloading, so say so before starting.
+    free_kib=$(df -k --output=avail "$(dirname "$venv")" | tail -1 | tr -d ' ')
+    say "free disk before torch: $((free_kib / 1024 / 1024)) GiB in $(dirname "$venv")"
+    if ((free_kib < 7 * 1024 * 1024)); then
+      echo "setup-python: torch with its CUDA libraries needs about 7 GiB free in" \
+        "$(dirname "$venv") (5.6 GiB installed plus the download); $((free_kib / 1024)) MiB" \
+        "are free. Free some space, or set KVAUDIT_TORCH_INDEX_URL to an index of CPU-only" \
+        "wheels (about 1 GiB), or leave KVAUDIT_WITH_TORCH unset to skip the torch adapter's" \
+        "tests" >&2
+      exit 2
+    fi
     "${pip[@]}" install --no-cache-dir "${index[@]}" 'torch>=2.1'
     say "installed torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
   fi
