@@ -565,29 +565,36 @@ void weight_exps(const dd::DoubleDouble* x, std::int64_t n, dd::DoubleDouble* ou
 // <= Kq 2^-106 sum_j |q_j k_j|, below the compensated dot's bound).
 //
 // P.V. The weights w_t = exp(s_t - m) (double-double, w_t < 2: the largest is 1 up to the
-// score's low word) are cut into slices on fixed grids 2^(-bw k), k = 1..Kw, bw = 44 - bV, so a
-// block of kPvBlockTokens = 2^8 tokens has sum_t |w_t,k V_t,d| <= 2^8 * 2^(bw + 1) * 2^bV = 2^53
-// units: each slice's block sum is exact, accumulated over 16 or 8 dims held in registers and
-// added into the (hi, lo) accumulators once per block with TwoSum. The slices leave
-// |r_t| <= 2^(-bw Kw) of each weight; a token is sliced only where r_t <= 2^-88 w_t, i.e.
-// w_t >= 2^(88 - bw Kw), with Kw the fewest slices that cover the smallest weight (a (row, head)
-// needing more than kMaxFastWeightSlices takes the compensated sum whole). With Kw chosen from the
-// smallest weight every token is at or above that threshold, so a sliced (row, head) slices all
-// its tokens; accumulate_sliced still sends a token below it to the compensated sum, a guard that
-// keeps the bound should the choice of Kw change (today it never runs). So the truncation costs
-// at most
-// 2^-88 sum_t w_t |c_t| on out (relative to the quantity the guarantee of mla_reference.hpp is
-// stated against) and the guarantee holds by construction.
+// score's low word) are cut into Kw slices each, on grids that depend on the weight's band: a
+// weight with exponent e = ilogb(w_t) <= 0 is in band j = floor(-e / sb) (band 0 for e >= 0), so
+// 2^(1 - sb (j + 1)) <= w_t < 2^(1 - sb j), and its slices lie on the grids 2^(-sb j - bw k),
+// k = 1..Kw, bw = 44 - bV (weight_slice_bits). Scaled by 2^(sb j) (exact: a power of two) the
+// weight is below 2, as band 0's are, so each slice is at most 2^(bw + 1) units of its grid and a
+// block of kPvBlockTokens = 2^8 tokens of one band has sum_t |w_t,k V_t,d| <= 2^8 * 2^(bw + 1) *
+// 2^bV = 2^53 units: each slice's block sum is exact, accumulated over 16 or 8 dims held in
+// registers and added into the (hi, lo) accumulators once per block with TwoSum (tokens are
+// grouped by band, in token order within a band, so every block is one band's). The slices leave
+// |r_t| <= 2^(-sb j - bw Kw) of each weight; with bw Kw >= 87 + sb that is at most
+// 2^(-88 + 1 - sb (j + 1)) <= 2^-88 w_t whatever the band. WeightBanding picks Kw, the fewest
+// slices with bands of at least 8 bits (18-bit e4m3 values: bw = 26, Kw = 4, sb = 17), and the
+// last band whose finest products stay normal binary64 numbers (so that scaling a slice back by
+// 2^(-sb j) and multiplying it by a value are exact); a weight below that band (under about
+// 2^-780) takes the compensated sum, as every token does where Kw would exceed
+// kMaxFastWeightSlices. So the truncation costs at most 2^-88 sum_t w_t |c_t| on out (relative to
+// the quantity the guarantee of mla_reference.hpp is stated against), for any spread of the
+// weights, and the guarantee holds by construction.
 constexpr int kMaxScoreSlices = 4;
 constexpr int kMaxWeightSlices = 6;
 constexpr int kPvBlockLog2 = 8;
 constexpr int kPvBlockTokens = 1 << kPvBlockLog2;
 constexpr int kWeightRelativeBits = 88;  // truncation of a sliced weight <= 2^-88 of the weight
-// More weight slices than this cost more than the register-tiled compensated sum: on a 78-layer
-// GLM-5 decode dump (scripts/bench-decode-only.sh, 4096 tokens; e4m3 values of 18 bits leave 26
-// bits per slice) the reference took 110.6 s with up to 6 slices and 95.7 s with up to 3.
+constexpr int kMinBandBits = 8;          // bands narrower than this would mean many small blocks
+// More weight slices than this cost more than the register-tiled compensated sum.
 // kMaxWeightSlices stays the bound the kernels are instantiated for.
-constexpr int kMaxFastWeightSlices = 3;
+constexpr int kMaxFastWeightSlices = 4;
+// The lowest exponent of a float's last bit (2^-149, the smallest subnormal): a bound on the grid
+// of any KV value, which keeps WeightBanding independent of the values.
+constexpr int kLowestFloatGrid = -149;
 
 int ceil_log2(int n) {
   return n <= 1 ? 0 : static_cast<int>(std::bit_width(static_cast<unsigned>(n - 1)));
@@ -751,6 +758,38 @@ inline void slice_weight(dd::DoubleDouble w, int bits, int slices, double* out) 
   }
 }
 
+}  // namespace
+
+int WeightBanding::band_of(double weight_hi) const {
+  const int e = std::ilogb(weight_hi);
+  return e >= 0 ? 0 : std::min(-e / band_bits, last_band + 1);
+}
+
+WeightBanding weight_banding(int magnitude_bits) {
+  WeightBanding banding;
+  banding.weight_bits = weight_slice_bits(magnitude_bits);
+  if (banding.weight_bits <= 0) return banding;
+  const int needed = kWeightRelativeBits - 1 + kMinBandBits;
+  const int slices = (needed + banding.weight_bits - 1) / banding.weight_bits;
+  if (slices > kMaxFastWeightSlices) return banding;
+  banding.slices = slices;
+  banding.band_bits = banding.weight_bits * slices - (kWeightRelativeBits - 1);
+  // A slice of band j is a multiple of 2^(-sb j - bw Kw); times a value's grid (>= 2^-149) it
+  // must stay at or above 2^-1022, the smallest normal double.
+  banding.last_band = (1022 + kLowestFloatGrid - banding.weight_bits * slices) / banding.band_bits;
+  return banding;
+}
+
+// Scaled by 2^(sb j) the weight is below 2 (band 0's case); its slices are scaled back exactly.
+void slice_banded_weight(const WeightBanding& banding, dd::DoubleDouble w, int band, double* out) {
+  const double up = dd::power_of_two(banding.band_bits * band);
+  const double down = dd::power_of_two(-banding.band_bits * band);
+  slice_weight({w.hi * up, w.lo * up}, banding.weight_bits, banding.slices, out);
+  for (int k = 0; k < banding.slices; ++k) out[k] *= down;
+}
+
+namespace {
+
 // The compensated P.V over many (weight, row) entries, in their order: acc += e_i * v_i over the
 // first dc values of each row. Where the CPU has AVX2 + FMA, 8 dims are held in registers through
 // all entries (the accumulators loaded and stored once per 8 dims, not once per entry), with per
@@ -809,15 +848,17 @@ class DoubleDoubleKernel {
         s_(problem.max_visible),
         sliced_rows_(kPvBlockTokens),
         entry_weights_(kPvBlockTokens),
-        small_rows_(kPvBlockTokens),
         sliced_weights_(static_cast<std::size_t>(kMaxWeightSlices) * kPvBlockTokens),
         acc_hi_(problem.dc),
         acc_lo_(problem.dc),
         score_bits_(problem.value_grid_bits < 0
                         ? 0
                         : score_slice_bits(problem.value_grid_bits, problem.width())),
-        weight_bits_(problem.value_grid_bits < 0 ? 0 : weight_slice_bits(problem.value_grid_bits)) {
-  }
+        banding_(problem.value_grid_bits < 0 ? WeightBanding{}
+                                             : weight_banding(problem.value_grid_bits)),
+        band_tokens_(banding_.slices > 0 ? problem.max_visible : 0),
+        band_start_(banding_.slices > 0 ? banding_.last_band + 3 : 0),
+        band_fill_(band_start_.size()) {}
 
   void run(int row, int head) {
     const float* qn = p_.q_nope_of(row, head);
@@ -834,7 +875,7 @@ class DoubleDoubleKernel {
     const dd::DoubleDouble l = weigh_tokens(n, m);
     std::fill(acc_hi_.begin(), acc_hi_.end(), 0.0);
     std::fill(acc_lo_.begin(), acc_lo_.end(), 0.0);
-    if (weight_bits_ > 0) {
+    if (banding_.slices > 0) {
       accumulate_sliced(rows, n);
     } else {
       accumulate_compensated(rows, rows_lo, n);
@@ -937,42 +978,58 @@ class DoubleDoubleKernel {
                              acc_hi_.data(), acc_lo_.data());
   }
 
-  // Phase 3 (rows with a value grid): the fewest weight slices that cover the smallest weight to
-  // 2^-88 of itself, so every token is sliced, in exact blocks (the compensated branch for a token
-  // below the threshold is a guard that does not run with this choice of slices).
+  // Phase 3 (rows with a value grid): every token's weight cut into banding_.slices slices on its
+  // band's grids, in exact blocks of one band each (bands in order, tokens in order within a
+  // band); weights lighter than the last band take the compensated sum.
   void accumulate_sliced(const float* const* rows, std::int64_t n) {
-    double smallest = 1.0;
-    for (std::int64_t t = 0; t < n; ++t) {
-      if (s_[t].hi > 0.0) smallest = std::min(smallest, s_[t].hi);
-    }
-    const int needed = kWeightRelativeBits - std::ilogb(smallest);
-    const int slices = std::clamp((needed + weight_bits_ - 1) / weight_bits_, 1, kMaxWeightSlices);
-    if (slices > kMaxFastWeightSlices) return accumulate_compensated(rows, nullptr, n);
-    const double threshold = dd::power_of_two(kWeightRelativeBits - weight_bits_ * slices);
-    int held = 0;
-    int held_small = 0;
-    for (std::int64_t t = 0; t < n; ++t) {
-      if (s_[t].hi == 0.0) continue;  // exp underflowed: w_t c_t = 0
-      if (s_[t].hi < threshold) {
-        entry_weights_[held_small] = s_[t];
-        small_rows_[held_small++] = rows[t];
-        if (held_small == kPvBlockTokens) {
-          accumulate_weighted_rows(entry_weights_.data(), small_rows_.data(), held_small, p_.dc,
-                                   acc_hi_.data(), acc_lo_.data());
-          held_small = 0;
+    order_tokens_by_band(n);
+    const int slices = banding_.slices;
+    for (int band = 0; band <= banding_.last_band; ++band) {
+      int held = 0;
+      for (int i = band_start_[band]; i < band_start_[band + 1]; ++i) {
+        const std::int64_t t = band_tokens_[i];
+        slice_banded_weight(banding_, s_[t], band, sliced_weights_.data() + held * slices);
+        sliced_rows_[held++] = rows[t];
+        if (held == kPvBlockTokens) {
+          flush_block(slices, held);
+          held = 0;
         }
-        continue;
       }
-      slice_weight(s_[t], weight_bits_, slices, sliced_weights_.data() + held * slices);
+      if (held > 0) flush_block(slices, held);
+    }
+    accumulate_lightest(rows);
+  }
+
+  // Counting sort of the visible tokens with a nonzero weight by band (exp underflowed to 0:
+  // w_t c_t = 0): band_tokens_[band_start_[j] .. band_start_[j + 1]) are band j's, in token order;
+  // band last_band + 1 holds the weights too light to slice.
+  void order_tokens_by_band(std::int64_t n) {
+    const int bands = banding_.last_band + 2;
+    std::fill(band_start_.begin(), band_start_.end(), 0);
+    for (std::int64_t t = 0; t < n; ++t) {
+      if (s_[t].hi != 0.0) ++band_start_[banding_.band_of(s_[t].hi) + 1];
+    }
+    for (int j = 0; j < bands; ++j) band_start_[j + 1] += band_start_[j];
+    std::copy_n(band_start_.begin(), bands, band_fill_.begin());
+    for (std::int64_t t = 0; t < n; ++t) {
+      if (s_[t].hi != 0.0) band_tokens_[band_fill_[banding_.band_of(s_[t].hi)]++] = t;
+    }
+  }
+
+  // The weights below the last band (under about 2^-780 of the largest), compensated.
+  void accumulate_lightest(const float* const* rows) {
+    const int band = banding_.last_band + 1;
+    int held = 0;
+    for (int i = band_start_[band]; i < band_start_[band + 1]; ++i) {
+      const std::int64_t t = band_tokens_[i];
+      entry_weights_[held] = s_[t];
       sliced_rows_[held++] = rows[t];
-      if (held == kPvBlockTokens) {
-        flush_block(slices, held);
+      if (held == kPvBlockTokens || i + 1 == band_start_[band + 1]) {
+        accumulate_weighted_rows(entry_weights_.data(), sliced_rows_.data(), held, p_.dc,
+                                 acc_hi_.data(), acc_lo_.data());
         held = 0;
       }
     }
-    if (held > 0) flush_block(slices, held);
-    accumulate_weighted_rows(entry_weights_.data(), small_rows_.data(), held_small, p_.dc,
-                             acc_hi_.data(), acc_lo_.data());
   }
 
   void flush_block(int slices, int held) {
@@ -998,12 +1055,14 @@ class DoubleDoubleKernel {
   std::vector<dd::DoubleDouble> s_;
   std::vector<const float*> sliced_rows_;        // a block's rows (sliced or compensated)
   std::vector<dd::DoubleDouble> entry_weights_;  // a compensated block's weights
-  std::vector<const float*> small_rows_;         // ... and rows, beside a sliced block
   std::vector<double> sliced_weights_;           // [token][slice]
   std::vector<double> acc_hi_;
   std::vector<double> acc_lo_;
-  int score_bits_ = 0;   // bits per q slice; 0: no value grid, compensated scores
-  int weight_bits_ = 0;  // bits per weight slice; 0: compensated P.V
+  int score_bits_ = 0;                     // bits per q slice; 0: no value grid, compensated scores
+  WeightBanding banding_;                  // slices 0: compensated P.V
+  std::vector<std::int64_t> band_tokens_;  // visible tokens ordered by band
+  std::vector<int> band_start_;            // [band + 1]: where each band starts in band_tokens_
+  std::vector<int> band_fill_;             // scratch of order_tokens_by_band
 };
 
 // The number type of an accumulation tag: Boost's for the multiprecision tags (kept out of the

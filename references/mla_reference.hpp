@@ -21,8 +21,9 @@
 // times 2^-9 of at most 18 bits), both sums are made exact by slicing instead of compensation
 // (mla_reference.cpp, "Exact slicing": q and the weights cut into fixed-grid slices whose sums
 // are integers below 2^53 grid units, so plain binary64 sums are exact by construction; the
-// weights' last slice leaves at most 2^-88 of each weight, inside the bound below; more than 3
-// weight slices needed: the compensated sums).
+// weights' slices, on grids set by each weight's band of exponents, leave at most 2^-88 of each
+// weight, inside the bound below; values of more than 20 bits, which would need more than 4
+// weight slices, and weights below about 2^-780: the compensated sums).
 //
 // Accumulation type Acc (CUTLASS-style reference: templated on the compute type, separately from
 // the storage types):
@@ -41,10 +42,9 @@
 //       rows*heads*tokens per second, 1.14-1.20x a plain binary64 loop over the same step in the
 //       same run (the compensated sums before the slicing: 1.50-2.20x under load, 3.26x on the
 //       quiet machine; x86-64-v3 clones of the hot loops where the CPU has AVX2 + FMA). The bench's
-//       values (|v| < 3.75, 11 bits) let 3 weight slices cover its weights; a calibrated pool
-//       (values to 448, 18 bits) always needs 4 or more, so its P.V, like rows without a value
-//       grid (fp32 or bf16 source values), takes the register-tiled compensated sum (about 2-3x
-//       the plain loop) and only its scores are sliced.
+//       values (|v| < 3.75, 11 bits) take 3 weight slices per band; a calibrated pool (values to
+//       448, 18 bits) takes 4, which beats the register-tiled compensated sum that rows without a
+//       value grid (fp32 or bf16 source values) keep (about 2-3x the plain loop).
 //   Float50 / Float100 (tags for boost::multiprecision::cpp_bin_float_50/_100, which
 //       references/mla_reference.cpp maps them to, so that Boost stays out of this header) — the
 //       same formulas evaluated naively in the multiprecision type; slow; they check the default.
@@ -156,6 +156,24 @@ extern template Result<std::int64_t> mla_reference_attention<Float50>(
 extern template Result<std::int64_t> mla_reference_attention<Float100>(
     const DumpAttributes&, const StepMeta&, std::span<const float>, std::span<const float>,
     const KvRows&, std::span<double>, std::span<double>, int);
+
+// How the sliced P.V cuts the softmax weights of rows whose values are integers of
+// `magnitude_bits` bits on one grid (mla_reference.cpp, "Exact slicing", which proves the bounds;
+// exposed so that tests check them on the code the reference runs). A weight 0 < w < 2 is in band
+// j = band_of(w.hi) and is cut into `slices` slices on the grids 2^-(band_bits j + weight_bits k),
+// k = 1..slices, leaving at most 2^-88 w; bands after last_band (and every weight where slices is
+// 0) take the compensated sum instead.
+struct WeightBanding {
+  int weight_bits = 0;  // bits per slice (each slice is at most 2^(weight_bits + 1) grid units)
+  int slices = 0;       // 0: the compensated P.V for every weight
+  int band_bits = 0;
+  int last_band = 0;
+
+  int band_of(double weight_hi) const;
+};
+WeightBanding weight_banding(int magnitude_bits);
+// Writes w's `banding.slices` slices for its band `band` (<= last_band) to `out`.
+void slice_banded_weight(const WeightBanding& banding, dd::DoubleDouble w, int band, double* out);
 
 // mla_reference_attention<dd::DoubleDouble> on `device` (threads: the CPU's; on the GPU, the host
 // threads that gather its inputs and copy out its results).

@@ -342,9 +342,10 @@ __device__ dd::DoubleDouble block_sum(dd::DoubleDouble x, dd::DoubleDouble* shar
 constexpr int kMaxWeightSlices = 5;      // more: kernel 3 (a slice costs one FMA per product)
 constexpr int kWeightRelativeBits = 88;  // a sliced weight's remainder <= 2^-88 of the weight
 
-// The weight slices this query vector needs (3'), as the CPU's accumulate_sliced: from the
-// smallest positive weight w, the fewest Kw with 2^(-bw Kw) <= 2^-88 w; gathered into
-// a.weight_flags. Called by every thread of the block.
+// The weight slices this query vector needs (3'): from the smallest positive weight w, the fewest
+// Kw with 2^(-bw Kw) <= 2^-88 w (grids from 2^0 for every weight; the CPU's accumulate_sliced
+// instead starts each weight's grids at its band of exponents); gathered into a.weight_flags.
+// Called by every thread of the block.
 __device__ void count_weight_slices(const DeviceArgs& a, const double* weights, int visible) {
   __shared__ double scratch[kThreads];
   double smallest = 1.0;

@@ -190,8 +190,8 @@ TEST_CASE("KvRows finds the value grid the sliced path is built on", "[reference
 TEST_CASE("sliced path: every e4m3 value, +-448 and subnormals, long context past one block",
           "[reference][sliced]") {
   // 700 tokens: two blocks of 256 and a partial one. Scores spread over ~40 nats by a large
-  // rope part. Values up to 448 (18 bits) need 4+ weight slices, so this case's P.V takes the
-  // compensated sum (only its scores are sliced); "near-equal scores" below covers sliced P.V.
+  // rope part, then over hundreds: values up to 448 (18 bits) take 4 weight slices per band, and
+  // the weights fill many bands (P.V of each band in blocks of its own).
   std::mt19937_64 rng(11);
   SlicedCase c = make_case(2, 2, 700, 0.0625);
   c.scale = 0.375;
@@ -252,6 +252,109 @@ TEST_CASE("sliced path: a NaN in a visible row gives NaN for that row only",
     CHECK(std::isfinite(got.lse[2 + h]));
     CHECK(std::isfinite(got.out[(2 + h) * kDc]));
   }
+}
+
+TEST_CASE("weight banding: slices on the band's grids, exact block sums, 2^-88 of each weight left",
+          "[reference][sliced]") {
+  // The bounds of mla_reference.cpp's "P.V" paragraph, checked on the functions the kernel calls,
+  // for weights from 1 down past the last band, in 100 digits.
+  std::mt19937_64 rng(29);
+  for (const int magnitude_bits : {4, 11, 14, 18, 20}) {
+    CAPTURE(magnitude_bits);
+    const WeightBanding banding = weight_banding(magnitude_bits);
+    REQUIRE(banding.slices > 0);
+    const int bw = banding.weight_bits;
+    // a block of 2^8 tokens: sum |slice * value| <= 2^8 * 2^(bw + 1) * 2^magnitude_bits <= 2^53
+    CHECK(8 + bw + 1 + magnitude_bits <= 53);
+    // the finest product (slice grid times a float value's grid, >= 2^-149) stays normal
+    CHECK(banding.band_bits * banding.last_band + bw * banding.slices + 149 <= 1022);
+    CHECK(banding.band_bits >= 8);
+    int sliced = 0, lightest = 0;
+    for (int i = 0; i < 4000; ++i) {
+      // w = exp(-x) as double-double: a random hi in [1, 2) * 2^-e and a random low word
+      const int e = static_cast<int>(rng() % 1000);
+      const double hi = std::ldexp(1.0 + std::ldexp(static_cast<double>(rng() >> 12), -52), -e);
+      const double lo =
+          std::ldexp(hi, -54) * (std::ldexp(static_cast<double>(rng() >> 11), -53) - 0.5);
+      const dd::DoubleDouble w{hi, lo};
+      const int band = banding.band_of(w.hi);
+      if (band > banding.last_band) {
+        CHECK(e > 700);  // only weights far below 2^-700 are left to the compensated sum
+        ++lightest;
+        continue;
+      }
+      ++sliced;
+      double slices[8];
+      slice_banded_weight(banding, w, band, slices);
+      Big sum = 0;
+      for (int k = 1; k <= banding.slices; ++k) {
+        const double units = std::ldexp(slices[k - 1], banding.band_bits * band + bw * k);
+        INFO("band " << band << " slice " << k << " = " << slices[k - 1]);
+        CHECK(units == std::nearbyint(units));               // on its grid
+        CHECK(std::fabs(units) <= std::ldexp(1.0, bw + 1));  // and within the block bound
+        sum += Big(slices[k - 1]);
+      }
+      const Big exact = Big(w.hi) + Big(w.lo);
+      INFO("w = " << w.hi << " + " << w.lo << ", band " << band);
+      CHECK(abs(exact - sum) <= ldexp(exact, -88));
+    }
+    CHECK(sliced > 1000);
+    CHECK(lightest > 100);
+  }
+}
+
+// A random e4m3 value in [low, high).
+float random_e4m3_in(std::mt19937_64& rng, float low, float high) {
+  for (;;) {
+    const float v = random_e4m3(rng);
+    if (v >= low && v < high) return v;
+  }
+}
+
+TEST_CASE("sliced path: dims that only light weights reach, in every band and below the last",
+          "[reference][sliced]") {
+  // The guarantee is per dim, relative to sum_t p_t |c_t[d]|: where the heavier tokens' values are
+  // 0, a light token alone decides out[d]. Scores s_t = q_pe[0] r_t (the rest of q 0, sm_scale 1,
+  // r_t a token's first rope value, e4m3): token 0 has r = 448, the heaviest; tokens 1..99 have
+  // r in [-200, -100), weights e^(r - 448) of 2^-790 .. 2^-935 where q_pe[0] = 1, below the last
+  // band (2^-781 for these 18-bit values), and mid bands where q_pe[0] = 1/2; the rest r in
+  // [-90, 448), weights in every band above. Each of dims 0..255 is nonzero in one token only:
+  // dims 0..127 in one of tokens 1..99, dims 128..255 in one of the rest.
+  std::mt19937_64 rng(31);
+  SlicedCase c = make_case(2, 2, 1024, 1.0);
+  fill_e4m3(c.rows, rng);
+  constexpr int kLightest = 99;
+  for (int b = 0; b < 2; ++b) {
+    float* request = c.rows.data() + static_cast<std::size_t>(b) * c.tokens * kWidth;
+    for (int t = 0; t < c.tokens; ++t) {
+      float* row = request + static_cast<std::size_t>(t) * kWidth;
+      row[kDc] = t == 0           ? 448.0f
+                 : t <= kLightest ? random_e4m3_in(rng, -200.0f, -100.0f)
+                                  : random_e4m3_in(rng, -90.0f, 448.0f);
+      std::fill(row, row + 256, 0.0f);
+    }
+    for (int d = 0; d < 256; ++d) {
+      const int t =
+          d < 128 ? 1 + d % kLightest : kLightest + 1 + (d * 7) % (c.tokens - kLightest - 1);
+      float v = 0.0f;
+      while (v == 0.0f) v = random_e4m3(rng);
+      request[static_cast<std::size_t>(t) * kWidth + d] = v;
+    }
+  }
+  for (int bh = 0; bh < 4; ++bh) {
+    c.q_pe[static_cast<std::size_t>(bh) * kDr] = bh % 2 == 0 ? 1.0f : 0.5f;
+  }
+  REQUIRE(rows_of(c).has_value_grid());
+  const WeightBanding banding = weight_banding(rows_of(c).magnitude_bits());
+  REQUIRE(banding.band_bits * (banding.last_band + 1) <= 790);  // the last band ends above 2^-790
+  const Outputs got = run_default(c);
+  for (int bh = 0; bh < 4; bh += 2) {  // q_pe[0] = 1: dims 0..127 hold weights below 2^-790
+    for (int d = 0; d < 128; ++d) {
+      INFO("pair " << bh << " dim " << d);
+      CHECK(got.out[static_cast<std::size_t>(bh) * kDc + d] != 0.0);
+    }
+  }
+  CHECK(outputs_outside_guarantee(c) == 0);
 }
 
 TEST_CASE("compensated path: fp32 source rows and grouped hi + lo rows", "[reference][sliced]") {
