@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <boost/multiprecision/cpp_bin_float.hpp>
 #include <chrono>
@@ -187,9 +188,38 @@ struct GridScan {
   }
 };
 
+// max_i |values[i]|, NaNs skipped (m = |v| > m ? |v| : m is false for NaN). Written with vectors
+// and four accumulators: the plain loop does not vectorise (std::max's NaN rule) and waits on
+// each maximum in turn; a maximum is the same in any order.
+KVAUDIT_CPU_CLONES
+float largest_magnitude(std::span<const float> values) {
+  using Float8 = float __attribute__((vector_size(32)));
+  using Int8 = std::int32_t __attribute__((vector_size(32)));
+  constexpr int kAccumulators = 4;
+  constexpr std::size_t kStep = 8 * kAccumulators;
+  Float8 most[kAccumulators] = {};
+  std::size_t i = 0;
+  for (; i + kStep <= values.size(); i += kStep) {
+    for (int k = 0; k < kAccumulators; ++k) {
+      Int8 bits;
+      std::memcpy(&bits, values.data() + i + 8 * k, sizeof bits);
+      bits &= 0x7fffffff;  // |v|
+      Float8 magnitude;
+      std::memcpy(&magnitude, &bits, sizeof magnitude);
+      most[k] = magnitude > most[k] ? magnitude : most[k];
+    }
+  }
+  float largest = 0.0f;
+  for (int k = 0; k < kAccumulators; ++k) {
+    for (int lane = 0; lane < 8; ++lane) largest = std::max(largest, most[k][lane]);
+  }
+  for (; i < values.size(); ++i) largest = std::max(largest, std::fabs(values[i]));  // NaN: out
+  return largest;
+}
+
 GridScan scan_e4m3_values(std::span<const float> values) {
   GridScan scan;
-  for (const float v : values) scan.largest = std::max(scan.largest, std::fabs(v));  // NaN: out
+  scan.largest = largest_magnitude(values);
   scan.unbounded = std::isinf(scan.largest);
   return scan;
 }
@@ -229,6 +259,54 @@ GridScan scan_values(std::span<const float> values, bool e4m3_values, int max_bi
   return all;
 }
 
+// Whether some finite nonzero value lies off the grid 2^grid, i.e. v * 2^-grid is not an
+// integer (exact: a power-of-two scaling into binary64); NaNs are skipped. In blocks whose inner
+// loop has no exit, so that it vectorises; stops after the first block with such a value.
+KVAUDIT_CPU_CLONES
+bool any_off_grid(std::span<const float> values, int grid) {
+  constexpr std::size_t kBlock = 1024;
+  const double up = std::ldexp(1.0, -grid);
+  for (std::size_t start = 0; start < values.size(); start += kBlock) {
+    const std::size_t end = std::min(values.size(), start + kBlock);
+    bool off = false;
+    for (std::size_t i = start; i < end; ++i) {
+      const double scaled = static_cast<double>(values[i]) * up;
+      off |= (scaled != std::trunc(scaled)) & (scaled == scaled);
+    }
+    if (off) return true;
+  }
+  return false;
+}
+
+// A quick test that float values span more than max_bits (or hold an infinity), in two passes
+// that vectorise: their largest magnitude gives the highest exponent `top`; a value off the grid
+// 2^(top - max_bits) is one whose last bit lies further below (top - low > max_bits, what
+// scan_float_values looks for). Returns false where the values may still have a grid; then only
+// the full scan says. (bf16 or fp32 source values usually span more: this keeps their per-layer
+// scan from visiting every value's exponents.)
+bool spans_too_many_bits(std::span<const float> values, int max_bits, int threads) {
+  constexpr std::size_t kChunk = std::size_t{1} << 18;
+  const std::size_t chunks = (values.size() + kChunk - 1) / kChunk;
+  auto chunk_of = [&](std::size_t c) {
+    return values.subspan(c * kChunk, std::min(kChunk, values.size() - c * kChunk));
+  };
+  std::vector<float> largest(chunks, 0.0f);
+  parallel_for(chunks, threads, [&] {
+    return [&](std::size_t c) { largest[c] = scan_e4m3_values(chunk_of(c)).largest; };
+  });
+  const float all_largest = chunks == 0 ? 0.0f : *std::max_element(largest.begin(), largest.end());
+  if (std::isinf(all_largest)) return true;
+  if (all_largest == 0.0f) return false;
+  const int grid = float_exponents(all_largest).top - max_bits;
+  std::atomic<bool> off{false};  // once one chunk has found a value off the grid, the rest skip
+  parallel_for(chunks, threads, [&] {
+    return [&](std::size_t c) {
+      if (!off.load(std::memory_order_relaxed) && any_off_grid(chunk_of(c), grid)) off = true;
+    };
+  });
+  return off;
+}
+
 }  // namespace
 
 // Scans the held values once (NaNs ignored: they reach the result through the products anyway).
@@ -236,6 +314,7 @@ GridScan scan_values(std::span<const float> values, bool e4m3_values, int max_bi
 // for; other values are scanned for their lowest set bit too, stopping once they span too much.
 void KvRows::find_value_grid(std::span<const float> values, bool e4m3_values, int threads) {
   has_value_grid_ = false;
+  if (!e4m3_values && spans_too_many_bits(values, kMaxGridBits, threads)) return;
   const GridScan scan = scan_values(values, e4m3_values, kMaxGridBits, threads);
   if (scan.unbounded) return;
   int low = scan.low;

@@ -185,6 +185,22 @@ TEST_CASE("KvRows finds the value grid the sliced path is built on", "[reference
   CHECK(n.grid_exponent() == -1);
   CHECK(n.magnitude_bits() == 1);                                    // 0.5 < 2^(-1 + 1)
   CHECK(!KvRows::from_values(e4m3, 3, 1.0, e4m3).has_value_grid());  // residuals: compensated
+
+  // Float values 30 bits apart have a grid and 31 do not, also where the value that decides is
+  // one of 600,000 (the scans work in chunks of 2^18, in parallel) and NaNs are about.
+  std::vector<float> many(600000, 1.5f);  // 1.5 = 1.1b: its last bit is 2^-1, it is below 2^1
+  many[123] = std::numeric_limits<float>::quiet_NaN();
+  many[550000] = std::ldexp(1.0f, -29);
+  const KvRows thirty = KvRows::from_values(many, 6, 1.0, {}, 3);
+  REQUIRE(thirty.has_value_grid());
+  CHECK(thirty.grid_exponent() == -29);
+  CHECK(thirty.magnitude_bits() == 30);
+  many[550000] = std::ldexp(1.0f, -30);
+  CHECK(!KvRows::from_values(many, 6, 1.0, {}, 3).has_value_grid());
+  many[550000] = std::ldexp(3.0f, -31);  // 1.1b * 2^-30: its last bit is 2^-31
+  CHECK(!KvRows::from_values(many, 6, 1.0, {}, 3).has_value_grid());
+  many[550000] = std::numeric_limits<float>::infinity();
+  CHECK(!KvRows::from_values(many, 6, 1.0, {}, 3).has_value_grid());
 }
 
 TEST_CASE("sliced path: every e4m3 value, +-448 and subnormals, long context past one block",
