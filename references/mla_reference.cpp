@@ -839,11 +839,14 @@ inline void slice_weight(dd::DoubleDouble w, int bits, int slices, double* out) 
 
 }  // namespace
 
+// From the exponent field (ilogb without the library call): a weight below 2^-1022 (subnormal)
+// lies far below the last band (about 2^-780) in any banding.
 int WeightBanding::band_of(double weight_hi) const {
-  const int e = std::ilogb(weight_hi);
+  const auto field = static_cast<int>(std::bit_cast<std::uint64_t>(weight_hi) >> 52 & 0x7ffu);
+  if (field == 0) return last_band + 1;
+  const int e = field - 1023;
   return e >= 0 ? 0 : std::min(-e / band_bits, last_band + 1);
 }
-
 WeightBanding weight_banding(int magnitude_bits) {
   WeightBanding banding;
   banding.weight_bits = weight_slice_bits(magnitude_bits);
@@ -936,6 +939,7 @@ class DoubleDoubleKernel {
         banding_(problem.value_grid_bits < 0 ? WeightBanding{}
                                              : weight_banding(problem.value_grid_bits)),
         band_tokens_(banding_.slices > 0 ? problem.max_visible : 0),
+        token_band_(band_tokens_.size()),
         band_start_(banding_.slices > 0 ? banding_.last_band + 3 : 0),
         band_fill_(band_start_.size()) {}
 
@@ -1086,12 +1090,14 @@ class DoubleDoubleKernel {
     const int bands = banding_.last_band + 2;
     std::fill(band_start_.begin(), band_start_.end(), 0);
     for (std::int64_t t = 0; t < n; ++t) {
-      if (s_[t].hi != 0.0) ++band_start_[banding_.band_of(s_[t].hi) + 1];
+      token_band_[t] = s_[t].hi != 0.0 ? banding_.band_of(s_[t].hi) : -1;
+      ++band_start_[token_band_[t] + 1];
     }
+    band_start_[0] = 0;  // the zero weights' count, dropped
     for (int j = 0; j < bands; ++j) band_start_[j + 1] += band_start_[j];
     std::copy_n(band_start_.begin(), bands, band_fill_.begin());
     for (std::int64_t t = 0; t < n; ++t) {
-      if (s_[t].hi != 0.0) band_tokens_[band_fill_[banding_.band_of(s_[t].hi)]++] = t;
+      if (token_band_[t] >= 0) band_tokens_[band_fill_[token_band_[t]]++] = t;
     }
   }
 
@@ -1140,6 +1146,7 @@ class DoubleDoubleKernel {
   int score_bits_ = 0;                     // bits per q slice; 0: no value grid, compensated scores
   WeightBanding banding_;                  // slices 0: compensated P.V
   std::vector<std::int64_t> band_tokens_;  // visible tokens ordered by band
+  std::vector<int> token_band_;            // each token's band (-1: zero weight)
   std::vector<int> band_start_;            // [band + 1]: where each band starts in band_tokens_
   std::vector<int> band_fill_;             // scratch of order_tokens_by_band
 };
