@@ -12,8 +12,10 @@
 # Then `kvaudit check --backend cpu-fp8 --verbose` on it, timed with /usr/bin/time, prints the
 # split the check reports (reading, reference, backend, comparisons) and the wall time.
 #
-# Measured 2026-12-05 (2-core Xeon, no GPU, load 4-7): context 512: 9.5-12.4 s wall before and
-# after the exact slicing; KVAUDIT_CONTEXT=4096: 135.5 s before, 127.7 s after (docs/design.md).
+# Measured 2026-12-05 on a 2-core Xeon without a GPU, nothing else running: context 512: 4.58 s
+# wall; KVAUDIT_CONTEXT=4096: 39.5 s (45.9 s before the weights were sliced per band;
+# reports/whole-model-speed.md). Beside other builds (load 4-7) the same dumps took 9.5-12.4 s and
+# 127.7 s before that change.
 #
 # Usage: scripts/bench-decode-only.sh [KVAUDIT_BINARY] (default build-cpu/kvaudit)
 #   KVAUDIT_DUMP_DIR  where the dump goes (default build/decode-only)
