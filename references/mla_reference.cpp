@@ -643,13 +643,14 @@ void weight_exps(const dd::DoubleDouble* x, std::int64_t n, dd::DoubleDouble* ou
 // KV row is exact by the bound above; the Kq exact dots are added in double-double (error
 // <= Kq 2^-106 sum_j |q_j k_j|, below the compensated dot's bound).
 //
-// P.V. The weights w_t = exp(s_t - m) (double-double, w_t < 2: the largest is 1 up to the
-// score's low word) are cut into Kw slices each, on grids that depend on the weight's band: a
-// weight with exponent e = ilogb(w_t) <= 0 is in band j = floor(-e / sb) (band 0 for e >= 0), so
-// 2^(1 - sb (j + 1)) <= w_t < 2^(1 - sb j), and its slices lie on the grids 2^(-sb j - bw k),
-// k = 1..Kw, bw = 44 - bV (weight_slice_bits). Scaled by 2^(sb j) (exact: a power of two) the
-// weight is below 2, as band 0's are, so each slice is at most 2^(bw + 1) units of its grid and a
-// block of kPvBlockTokens = 2^8 tokens of one band has sum_t |w_t,k V_t,d| <= 2^8 * 2^(bw + 1) *
+// P.V. The weights w_t = exp(s_t - m) (double-double; the largest is 1 up to the score's low
+// word, so w_t < 2 unless |m| >= 2^53, where that low word can pass ln 2: a weight of 2 or more
+// takes the compensated sum) are cut into Kw slices each, on grids that depend on the weight's
+// band: a weight with exponent e = ilogb(w_t) <= 0 is in band j = floor(-e / sb) (band 0 for
+// e = 0), so 2^(1 - sb (j + 1)) <= w_t < 2^(1 - sb j), and its slices lie on the grids 2^(-sb j -
+// bw k), k = 1..Kw, bw = 44 - bV (weight_slice_bits). Scaled by 2^(sb j) (exact: a power of two)
+// the weight is below 2, as band 0's are, so each slice is at most 2^(bw + 1) units of its grid and
+// a block of kPvBlockTokens = 2^8 tokens of one band has sum_t |w_t,k V_t,d| <= 2^8 * 2^(bw + 1) *
 // 2^bV = 2^53 units: each slice's block sum is exact, accumulated over 16 or 8 dims held in
 // registers and added into the (hi, lo) accumulators once per block with TwoSum (tokens are
 // grouped by band, in token order within a band, so every block is one band's). The slices leave
@@ -657,8 +658,8 @@ void weight_exps(const dd::DoubleDouble* x, std::int64_t n, dd::DoubleDouble* ou
 // 2^(-88 + 1 - sb (j + 1)) <= 2^-88 w_t whatever the band. WeightBanding picks Kw, the fewest
 // slices with bands of at least 8 bits (18-bit e4m3 values: bw = 26, Kw = 4, sb = 17), and the
 // last band whose finest products stay normal binary64 numbers (so that scaling a slice back by
-// 2^(-sb j) and multiplying it by a value are exact); a weight below that band (under about
-// 2^-780) takes the compensated sum, as every token does where Kw would exceed
+// 2^(-sb j) and multiplying it by a value are exact); a weight below that band (under 2^-755 to
+// 2^-782, by bV) takes the compensated sum, as every token does where Kw would exceed
 // kMaxFastWeightSlices. So the truncation costs at most 2^-88 sum_t w_t |c_t| on out (relative to
 // the quantity the guarantee of mla_reference.hpp is stated against), for any spread of the
 // weights, and the guarantee holds by construction.
@@ -840,12 +841,13 @@ inline void slice_weight(dd::DoubleDouble w, int bits, int slices, double* out) 
 }  // namespace
 
 // From the exponent field (ilogb without the library call): a weight below 2^-1022 (subnormal)
-// lies far below the last band (about 2^-780) in any banding.
+// lies far below the last band (about 2^-780) in any banding, and one of 2 or more (or infinite)
+// above band 0's bound; both take the compensated sum, as every weight does without slices.
 int WeightBanding::band_of(double weight_hi) const {
   const auto field = static_cast<int>(std::bit_cast<std::uint64_t>(weight_hi) >> 52 & 0x7ffu);
-  if (field == 0) return last_band + 1;
   const int e = field - 1023;
-  return e >= 0 ? 0 : std::min(-e / band_bits, last_band + 1);
+  if (field == 0 || e >= 1 || slices == 0) return last_band + 1;
+  return e == 0 ? 0 : std::min(-e / band_bits, last_band + 1);
 }
 WeightBanding weight_banding(int magnitude_bits) {
   WeightBanding banding;

@@ -40,11 +40,12 @@
 //       16 heads, e4m3 values (`kvaudit bench --cpu-only --cpu-seconds 3`, 2 threads, on a
 //       2-core Intel Xeon without a GPU, 2026-12-05, three runs at load 5): 2.1e6-2.2e6
 //       rows*heads*tokens per second, 1.14-1.20x a plain binary64 loop over the same step in the
-//       same run (the compensated sums before the slicing: 1.50-2.20x under load, 3.26x on the
-//       quiet machine; x86-64-v3 clones of the hot loops where the CPU has AVX2 + FMA). The bench's
-//       values (|v| < 3.75, 11 bits) take 3 weight slices per band; a calibrated pool (values to
-//       448, 18 bits) takes 4, which beats the register-tiled compensated sum that rows without a
-//       value grid (fp32 or bf16 source values) keep (about 2-3x the plain loop).
+//       same run (1.10-1.12x with the weights sliced per band, quiet machine, three runs) (the
+//       compensated sums before the slicing: 1.50-2.20x under load, 3.26x on the quiet machine;
+//       x86-64-v3 clones of the hot loops where the CPU has AVX2 + FMA). The bench's values (|v|
+//       < 3.75, 11 bits) take 3 weight slices per band; a calibrated pool (values to 448, 18 bits)
+//       takes 4, which beats the register-tiled compensated sum that rows without a value grid
+//       (fp32 or bf16 source values) keep (about 2-3x the plain loop).
 //   Float50 / Float100 (tags for boost::multiprecision::cpp_bin_float_50/_100, which
 //       references/mla_reference.cpp maps them to, so that Boost stays out of this header) — the
 //       same formulas evaluated naively in the multiprecision type; slow; they check the default.

@@ -285,6 +285,13 @@ TEST_CASE("weight banding: slices on the band's grids, exact block sums, 2^-88 o
     // the finest product (slice grid times a float value's grid, >= 2^-149) stays normal
     CHECK(banding.band_bits * banding.last_band + bw * banding.slices + 149 <= 1022);
     CHECK(banding.band_bits >= 8);
+    // w >= 2 (a score's low word past ln 2, |m| >= 2^53), infinite or subnormal weights: the
+    // compensated sum, never band 0's slices (whose bound needs w < 2)
+    CHECK(banding.band_of(2.0) > banding.last_band);
+    CHECK(banding.band_of(2.46) > banding.last_band);
+    CHECK(banding.band_of(std::numeric_limits<double>::infinity()) > banding.last_band);
+    CHECK(banding.band_of(std::ldexp(1.0, -1030)) > banding.last_band);
+    CHECK(banding.band_of(1.9999) == 0);
     int sliced = 0, lightest = 0;
     for (int i = 0; i < 4000; ++i) {
       // w = exp(-x) as double-double: a random hi in [1, 2) * 2^-e and a random low word
@@ -327,14 +334,15 @@ float random_e4m3_in(std::mt19937_64& rng, float low, float high) {
   }
 }
 
-TEST_CASE("sliced path: dims that only light weights reach, in every band and below the last",
+TEST_CASE("sliced path: dims that only light weights reach, in many bands and below the last",
           "[reference][sliced]") {
   // The guarantee is per dim, relative to sum_t p_t |c_t[d]|: where the heavier tokens' values are
   // 0, a light token alone decides out[d]. Scores s_t = q_pe[0] r_t (the rest of q 0, sm_scale 1,
   // r_t a token's first rope value, e4m3): token 0 has r = 448, the heaviest; tokens 1..99 have
   // r in [-200, -100), weights e^(r - 448) of 2^-790 .. 2^-935 where q_pe[0] = 1, below the last
   // band (2^-781 for these 18-bit values), and mid bands where q_pe[0] = 1/2; the rest r in
-  // [-90, 448), weights in every band above. Each of dims 0..255 is nonzero in one token only:
+  // [-90, 448), weights in many bands above (e4m3's spacing leaves some empty; the banding test
+  // covers each band's bounds). Each of dims 0..255 is nonzero in one token only:
   // dims 0..127 in one of tokens 1..99, dims 128..255 in one of the rest.
   std::mt19937_64 rng(31);
   SlicedCase c = make_case(2, 2, 1024, 1.0);
