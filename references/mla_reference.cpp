@@ -291,9 +291,8 @@ bool spans_too_many_bits(std::span<const float> values, int max_bits, int thread
     return values.subspan(c * kChunk, std::min(kChunk, values.size() - c * kChunk));
   };
   std::vector<float> largest(chunks, 0.0f);
-  parallel_for(chunks, threads, [&] {
-    return [&](std::size_t c) { largest[c] = scan_e4m3_values(chunk_of(c)).largest; };
-  });
+  parallel_for(chunks, threads,
+               [&] { return [&](std::size_t c) { largest[c] = largest_magnitude(chunk_of(c)); }; });
   const float all_largest = chunks == 0 ? 0.0f : *std::max_element(largest.begin(), largest.end());
   if (std::isinf(all_largest)) return true;
   if (all_largest == 0.0f) return false;
@@ -1046,19 +1045,23 @@ class DoubleDoubleKernel {
   void accumulate_compensated(const float* const* rows, const float* const* rows_lo,
                               std::int64_t n) {
     int held = 0;
-    auto add = [&](dd::DoubleDouble e, const float* row) {
-      entry_weights_[held] = e;
-      sliced_rows_[held++] = row;
-      if (held == kPvBlockTokens) {
-        accumulate_weighted_rows(entry_weights_.data(), sliced_rows_.data(), held, p_.dc,
-                                 acc_hi_.data(), acc_lo_.data());
-        held = 0;
-      }
-    };
     for (std::int64_t t = 0; t < n; ++t) {
-      add(s_[t], rows[t]);
-      if (rows_lo != nullptr) add(s_[t], rows_lo[t]);
+      add_compensated_entry(s_[t], rows[t], held);
+      if (rows_lo != nullptr) add_compensated_entry(s_[t], rows_lo[t], held);
     }
+    flush_compensated(held);
+  }
+
+  // One (weight, row) entry of a compensated block; a full block is summed into acc.
+  void add_compensated_entry(dd::DoubleDouble weight, const float* row, int& held) {
+    entry_weights_[held] = weight;
+    sliced_rows_[held++] = row;
+    if (held == kPvBlockTokens) {
+      flush_compensated(held);
+      held = 0;
+    }
+  }
+  void flush_compensated(int held) {
     accumulate_weighted_rows(entry_weights_.data(), sliced_rows_.data(), held, p_.dc,
                              acc_hi_.data(), acc_lo_.data());
   }
@@ -1108,15 +1111,9 @@ class DoubleDoubleKernel {
     const int band = banding_.last_band + 1;
     int held = 0;
     for (int i = band_start_[band]; i < band_start_[band + 1]; ++i) {
-      const std::int64_t t = band_tokens_[i];
-      entry_weights_[held] = s_[t];
-      sliced_rows_[held++] = rows[t];
-      if (held == kPvBlockTokens || i + 1 == band_start_[band + 1]) {
-        accumulate_weighted_rows(entry_weights_.data(), sliced_rows_.data(), held, p_.dc,
-                                 acc_hi_.data(), acc_lo_.data());
-        held = 0;
-      }
+      add_compensated_entry(s_[band_tokens_[i]], rows[band_tokens_[i]], held);
     }
+    flush_compensated(held);
   }
 
   void flush_block(int slices, int held) {
