@@ -663,13 +663,12 @@ void weight_exps(const dd::DoubleDouble* x, std::int64_t n, dd::DoubleDouble* ou
 // the quantity the guarantee of mla_reference.hpp is stated against), for any spread of the
 // weights, and the guarantee holds by construction.
 constexpr int kMaxScoreSlices = 4;
-constexpr int kMaxWeightSlices = 6;
 constexpr int kPvBlockLog2 = 8;
 constexpr int kPvBlockTokens = 1 << kPvBlockLog2;
 constexpr int kWeightRelativeBits = 88;  // truncation of a sliced weight <= 2^-88 of the weight
 constexpr int kMinBandBits = 8;          // bands narrower than this would mean many small blocks
-// More weight slices than this cost more than the register-tiled compensated sum.
-// kMaxWeightSlices stays the bound the kernels are instantiated for.
+// More weight slices than this cost more than the register-tiled compensated sum; the sliced P.V
+// kernels are instantiated for 1..4.
 constexpr int kMaxFastWeightSlices = 4;
 // The lowest exponent of a float's last bit (2^-149, the smallest subnormal): a bound on the grid
 // of any KV value, which keeps WeightBanding independent of the values.
@@ -812,12 +811,8 @@ void sliced_pv_block(int slices, const double* weights, const float* const* rows
       return sliced_pv_impl<2>(weights, rows, n, dc, acc_hi, acc_lo);
     case 3:
       return sliced_pv_impl<3>(weights, rows, n, dc, acc_hi, acc_lo);
-    case 4:
+    default:  // weight_banding never picks more than kMaxFastWeightSlices
       return sliced_pv_impl<4>(weights, rows, n, dc, acc_hi, acc_lo);
-    case 5:
-      return sliced_pv_impl<5>(weights, rows, n, dc, acc_hi, acc_lo);
-    default:
-      return sliced_pv_impl<6>(weights, rows, n, dc, acc_hi, acc_lo);
   }
 }
 
@@ -931,7 +926,7 @@ class DoubleDoubleKernel {
         s_(problem.max_visible),
         sliced_rows_(kPvBlockTokens),
         entry_weights_(kPvBlockTokens),
-        sliced_weights_(static_cast<std::size_t>(kMaxWeightSlices) * kPvBlockTokens),
+        sliced_weights_(static_cast<std::size_t>(kMaxFastWeightSlices) * kPvBlockTokens),
         acc_hi_(problem.dc),
         acc_lo_(problem.dc),
         score_bits_(problem.value_grid_bits < 0
