@@ -206,6 +206,10 @@ void register_synth_command(CLI::App& app, CommandRunner& runner) {
       ->required();
   add_seed_option(*cmd, "--seed", options->spec.seed, "Seed of every random draw")
       ->capture_default_str();
+  add_integer_option(*cmd, "--threads", options->spec.threads, 0, kMaxThreads,
+                     "Threads that draw the values (0: every core); the dump is the same for any "
+                     "count, as each draw is keyed by its layer, request and position")
+      ->capture_default_str();
   cmd->add_option("--model", options->spec.model,
                   "Model name stored in the dump; GLM-5, DeepSeek-V3 and DeepSeek-V3.2 also "
                   "give the default --sm-scale")

@@ -18,6 +18,7 @@
 
 #include "src/core/fp8_e4m3.hpp"
 #include "src/core/memory_budget.hpp"
+#include "src/core/parallel_for.hpp"
 #include "src/format/group_scales.hpp"
 #include "src/tools/model_presets.hpp"
 
@@ -40,6 +41,8 @@ enum StreamTag : std::uint64_t {
 // 2% of the ckv channels are outliers, 10-20x larger (what latent caches of DeepSeek-V3 and
 // GLM-5 show: a handful of channels dominate amax and so the per-tensor scale).
 constexpr double kOutlierChannelFraction = 0.02;
+// Cached tokens drawn per unit of work on the generation threads.
+constexpr std::int64_t kTokensPerChunk = 256;
 constexpr double kCkvSigma = 0.5;
 constexpr double kKpeSigma = 2.0;
 // Score standard deviation 2 * f_h, f_h in [0.5, 1.5): softmax weights that are neither uniform
@@ -706,19 +709,35 @@ float layer_kv_scale(const SynthSpec& spec, const SynthPlan& plan, const LayerPr
   if (spec.scale_group_size > 0 && spec.rope_dtype == KvDtype::kBfloat16) return 1.0f;
   if (spec.kv_scale) return *spec.kv_scale;
   // Per tensor: over every regular value; per token group: over the RoPE part only (the latent's
-  // scales are per token).
+  // scales are per token). Each request's tokens in chunks on spec.threads threads, each chunk's
+  // largest magnitudes kept apart: the maximum over them does not depend on the order.
   const bool rope_only = spec.scale_group_size > 0;
-  std::vector<float> row(profile.sigma.size());
   float amax = 0.0f;
   float regular_amax = 0.0f;
   for (std::size_t b = 0; b < plan.prefix_lens.size(); ++b) {
-    for (std::int64_t p = 0; p < plan.final_lens[b]; ++p) {
-      generate_token(spec, profile, layer_id, static_cast<int>(b), p, 1.0f, row.data(),
-                     &regular_amax);
-      if (rope_only) {
-        amax = std::max(amax, finite_amax({row.data() + spec.kv_lora_rank,
-                                           static_cast<std::size_t>(spec.rope_dim)}));
-      }
+    const std::int64_t tokens = plan.final_lens[b];
+    const std::size_t chunks =
+        static_cast<std::size_t>((tokens + kTokensPerChunk - 1) / kTokensPerChunk);
+    std::vector<float> chunk_amax(chunks, 0.0f);
+    std::vector<float> chunk_regular_amax(chunks, 0.0f);
+    parallel_for(chunks, spec.threads, [&] {
+      return [&, row = std::vector<float>(profile.sigma.size())](std::size_t chunk) mutable {
+        const std::int64_t begin = static_cast<std::int64_t>(chunk) * kTokensPerChunk;
+        const std::int64_t end = std::min(tokens, begin + kTokensPerChunk);
+        for (std::int64_t p = begin; p < end; ++p) {
+          generate_token(spec, profile, layer_id, static_cast<int>(b), p, 1.0f, row.data(),
+                         &chunk_regular_amax[chunk]);
+          if (rope_only) {
+            chunk_amax[chunk] =
+                std::max(chunk_amax[chunk], finite_amax({row.data() + spec.kv_lora_rank,
+                                                         static_cast<std::size_t>(spec.rope_dim)}));
+          }
+        }
+      };
+    });
+    for (std::size_t chunk = 0; chunk < chunks; ++chunk) {
+      amax = std::max(amax, chunk_amax[chunk]);
+      regular_amax = std::max(regular_amax, chunk_regular_amax[chunk]);
     }
   }
   if (!rope_only) amax = regular_amax;
@@ -735,17 +754,27 @@ struct InitialPool {
 void write_prefix_tokens(const SynthSpec& spec, const SynthPlan& plan, const SynthLayer& layer,
                          InitialPool* initial) {
   const int width = initial->pool.row_width;
-  std::vector<float> row(static_cast<std::size_t>(width));
   for (std::size_t b = 0; b < plan.prefix_lens.size(); ++b) {
-    for (std::int64_t p = 0; p < plan.prefix_lens[b]; ++p) {
-      float unused_amax = 0.0f;
-      generate_token(spec, layer.profile, layer.meta.layer_id, static_cast<int>(b), p,
-                     layer.meta.kv_scale, row.data(), &unused_amax);
-      const std::int64_t slot = trace_slot(plan, spec.page_size, b, p);
-      initial->pool.write_row(slot, row.data(), layer.meta.kv_scale);
-      if (spec.with_source)
-        std::copy(row.begin(), row.end(), initial->source.begin() + slot * width);
-    }
+    const std::int64_t tokens = plan.prefix_lens[b];
+    const std::size_t chunks =
+        static_cast<std::size_t>((tokens + kTokensPerChunk - 1) / kTokensPerChunk);
+    // Each token has its own slot: the chunks write disjoint rows.
+    parallel_for(chunks, spec.threads, [&] {
+      return [&, row = std::vector<float>(static_cast<std::size_t>(width))](
+                 std::size_t chunk) mutable {
+        const std::int64_t begin = static_cast<std::int64_t>(chunk) * kTokensPerChunk;
+        const std::int64_t end = std::min(tokens, begin + kTokensPerChunk);
+        for (std::int64_t p = begin; p < end; ++p) {
+          float unused_amax = 0.0f;
+          generate_token(spec, layer.profile, layer.meta.layer_id, static_cast<int>(b), p,
+                         layer.meta.kv_scale, row.data(), &unused_amax);
+          const std::int64_t slot = trace_slot(plan, spec.page_size, b, p);
+          initial->pool.write_row(slot, row.data(), layer.meta.kv_scale);
+          if (spec.with_source)
+            std::copy(row.begin(), row.end(), initial->source.begin() + slot * width);
+        }
+      };
+    });
   }
 }
 
@@ -819,16 +848,19 @@ StepLayerTensors step_layer_tensors(const SynthSpec& spec, const StepMeta& step,
   tensors.q_nope.resize(rows * q_nope_floats);
   tensors.q_pe.resize(rows * q_pe_floats);
   tensors.new_kv.resize(rows * row_floats);
-  for (std::size_t i = 0; i < rows; ++i) {
-    const int b = step.request_of_row(static_cast<int>(i));
-    const std::int64_t pos = step.position_of_row(static_cast<int>(i), spec.page_size);
-    float unused_amax = 0.0f;
-    generate_token(spec, layer.profile, layer.meta.layer_id, b, pos, layer.meta.kv_scale,
-                   tensors.new_kv.data() + i * row_floats, &unused_amax);
-    generate_query(spec, layer.profile, layer.meta.layer_id, b, pos,
-                   tensors.q_nope.data() + i * q_nope_floats,
-                   tensors.q_pe.data() + i * q_pe_floats);
-  }
+  // Each row's values land in its own part of the tensors.
+  parallel_for(rows, spec.threads, [&] {
+    return [&](std::size_t i) {
+      const int b = step.request_of_row(static_cast<int>(i));
+      const std::int64_t pos = step.position_of_row(static_cast<int>(i), spec.page_size);
+      float unused_amax = 0.0f;
+      generate_token(spec, layer.profile, layer.meta.layer_id, b, pos, layer.meta.kv_scale,
+                     tensors.new_kv.data() + i * row_floats, &unused_amax);
+      generate_query(spec, layer.profile, layer.meta.layer_id, b, pos,
+                     tensors.q_nope.data() + i * q_nope_floats,
+                     tensors.q_pe.data() + i * q_pe_floats);
+    };
+  });
   if (spec.topk > 0) {
     tensors.topk = spec.topk;
     tensors.topk_indices.resize(rows * static_cast<std::size_t>(spec.topk));

@@ -92,6 +92,9 @@ struct SynthSpec {
   // Dc, at least one), and G: each one's sigma is G to 2G times its regular value.
   std::optional<int> outlier_channels;
   double outlier_gain = 10.0;
+  // Threads that draw the values (0: every core). Every draw is keyed by what it is for (layer,
+  // request, position), not by the order of the draws, so the dump is the same for any count.
+  int threads = 0;
 };
 
 // The request/page plan a spec produces (no tensors): what write_synth_dump writes as steps.

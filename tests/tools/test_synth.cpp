@@ -234,6 +234,21 @@ TEST_CASE("synth is deterministic: same seed same bits, another seed other bits"
   CHECK(a.layout().steps[0].new_kv_slots != c.layout().steps[0].new_kv_slots);
 }
 
+TEST_CASE("synth draws the same dump on 1 thread and on 3", "[synth]") {
+  SynthSpec spec = small_spec();
+  spec.nan_unused = true;
+  spec.saturate_fraction = 0.01;
+  spec.prefix_lens = {700, 0, 300};  // several chunks of 256 tokens per request
+  spec.prefill_tokens = {40, 9, 0};
+  spec.threads = 1;
+  const DumpReader one = write_and_open(spec, "threads_1.h5");
+  spec.threads = 3;
+  const DumpReader three = write_and_open(spec, "threads_3.h5");
+  testing::require_same_dump(one, three);
+  REQUIRE(one.layout().layers.size() == 2);
+  CHECK(one.layout().layers[0].kv_scale == three.layout().layers[0].kv_scale);
+}
+
 TEST_CASE("synth file: layers sorted, shapes, empty request without rows or pages", "[synth]") {
   const SynthSpec spec = small_spec();
   const DumpReader reader = write_and_open(spec, "shapes.h5");
