@@ -2,6 +2,7 @@
 #include <boost/multiprecision/cpp_bin_float.hpp>
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -343,4 +344,163 @@ TEST_CASE("the sums of squares are accurate to dims units in the last place", "[
   INFO("cos_diff relative error " << relative_error << " (" << relative_error / 0x1p-53
                                   << " u), bound " << bound);
   CHECK(relative_error <= bound);
+}
+
+namespace {
+
+// bf16 ordered position of x by an independent route: frexp's significand in [0.5, 1) scaled by
+// 2^8 and rounded to an integer, nearest even (the default rounding mode), gives bf16's 8
+// significant bits; below 2^-126 the quantum stays 2^-133; past the largest finite, infinity
+// (0x7F80). Then sign-magnitude to a signed position, as metrics.hpp defines the distance.
+long long bf16_position_oracle(double x) {
+  const double magnitude = std::fabs(x);
+  double rounded = 0.0;
+  if (magnitude < std::ldexp(1.0, -126)) {
+    rounded = std::nearbyint(std::ldexp(magnitude, 133)) * std::ldexp(1.0, -133);
+  } else {
+    int exponent = 0;
+    const double significand = std::frexp(magnitude, &exponent);
+    rounded = std::ldexp(std::nearbyint(std::ldexp(significand, 8)), exponent - 8);
+  }
+  long long bits = 0x7F80;  // infinity
+  if (rounded <= std::ldexp(2.0 - 0.0078125, 127)) {
+    const float as_float = static_cast<float>(rounded);  // exact: rounded has 8 bits
+    std::uint32_t float_bits = 0;
+    std::memcpy(&float_bits, &as_float, sizeof float_bits);
+    bits = float_bits >> 16;
+  }
+  return std::signbit(x) ? -bits : bits;
+}
+
+double bf16_distance_oracle(double a, double b) {
+  return static_cast<double>(std::llabs(bf16_position_oracle(a) - bf16_position_oracle(b)));
+}
+
+// Values around every edge of bf16_ulp_distance's fast range (2^-126 .. 2^127) and of rounding
+// (midpoints, the carry into the exponent), with random ones between.
+std::vector<double> edge_values(std::mt19937_64& rng) {
+  std::vector<double> values = {
+      0.0, -0.0, 1.0, -1.0, 1.00390625, 1.01171875, std::ldexp(2.0 - 0.00390625, 0)};
+  for (const int e : {-140, -133, -127, -126, -125, -1, 0, 1, 126, 127, 128}) {
+    const double p = std::ldexp(1.0, e);
+    for (const double x : {p, std::nextafter(p, 0.0), std::nextafter(p, 2 * p), p * 1.00390625,
+                           p * (2.0 - 0.00390625), p * (2.0 - 0.0078125)}) {
+      values.push_back(x);
+      values.push_back(-x);
+    }
+  }
+  std::uniform_int_distribution<int> exponent(-150, 130);
+  std::uniform_real_distribution<double> significand(1.0, 2.0);
+  for (int i = 0; i < 2000; ++i) {
+    const double x = std::ldexp(significand(rng), exponent(rng));
+    values.push_back(i % 2 == 0 ? x : -x);
+  }
+  return values;
+}
+
+// compare_outputs' out metrics by a plain loop over (row, head, dim) in order, written from
+// metrics.hpp's definitions: maxima keep their first position, ULPs only where |a| reaches
+// max(rel_floor, 2^-4 S), non-finite positions counted and skipped.
+struct PlainOutMetrics {
+  std::size_t finite = 0;
+  double max_abs = 0, max_rel = 0, max_ulp = 0, reference_max = 0;
+  std::size_t max_abs_at = 0, max_rel_at = 0, max_ulp_at = 0;
+  std::size_t reference_nonfinite = 0, candidate_nonfinite = 0;
+};
+
+PlainOutMetrics plain_out_metrics(const RandomPair& pair, double rel_floor) {
+  PlainOutMetrics m;
+  const int dims = pair.shape.dims;
+  bool first = true;
+  for (std::size_t pair_index = 0; pair_index * dims < pair.a.size(); ++pair_index) {
+    double scale = 0.0;
+    for (int d = 0; d < dims; ++d) {
+      const double a = pair.a[pair_index * dims + d];
+      if (std::isfinite(a)) scale = std::max(scale, std::fabs(a));
+    }
+    const double ulp_floor = std::max(rel_floor, scale / 16.0);
+    for (int d = 0; d < dims; ++d) {
+      const std::size_t i = pair_index * dims + d;
+      const double a = pair.a[i];
+      const double b = pair.b[i];
+      m.reference_nonfinite += !std::isfinite(a);
+      m.candidate_nonfinite += !std::isfinite(b);
+      if (!std::isfinite(a) || !std::isfinite(b)) continue;
+      ++m.finite;
+      const double diff = std::fabs(a - b);
+      const double denominator = std::max(std::fabs(a), rel_floor);
+      const double rel = diff == 0.0 ? 0.0 : denominator > 0.0 ? diff / denominator : kInf;
+      const double ulp = std::fabs(a) >= ulp_floor ? bf16_distance_oracle(a, b) : 0.0;
+      if (first || diff > m.max_abs) m.max_abs = diff, m.max_abs_at = i;
+      if (first || rel > m.max_rel) m.max_rel = rel, m.max_rel_at = i;
+      if (first || ulp > m.max_ulp) m.max_ulp = ulp, m.max_ulp_at = i;
+      m.reference_max = std::max(m.reference_max, std::fabs(a));
+      first = false;
+    }
+  }
+  return m;
+}
+
+std::size_t flat_index(const kvaudit::ElementLocation& at, TensorShape3 shape) {
+  return (static_cast<std::size_t>(at.row) * shape.heads + at.head) * shape.dims + at.dim;
+}
+
+}  // namespace
+
+TEST_CASE("bf16 ULP distance agrees with rounding by frexp around every edge", "[metrics][bf16]") {
+  std::mt19937_64 rng(20261205);
+  const std::vector<double> values = edge_values(rng);
+  std::size_t checked = 0;
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    for (const std::size_t j : {i, (i * 7919 + 13) % values.size(), (i + 1) % values.size()}) {
+      INFO("a = " << values[i] << ", b = " << values[j]);
+      REQUIRE(bf16_ulp_distance(values[i], values[j]) ==
+              bf16_distance_oracle(values[i], values[j]));
+      ++checked;
+    }
+  }
+  CHECK(checked > 6000);
+}
+
+TEST_CASE("compare_outputs' maxima and their positions match a plain loop over the elements",
+          "[metrics]") {
+  // 40 x 8 pairs of 64 dims: most pairs all finite, some with NaN or Inf (the element-by-element
+  // path), ties of the largest error at several positions (the first must be kept), exact
+  // agreement, zeros in the reference.
+  RandomPair pair = random_pair({40, 8, 64}, 99);
+  const double rel_floor = GENERATE(0.0, 0.00390625);
+  SECTION("random") {}
+  SECTION("ties, zeros and non-finite values") {
+    for (std::size_t i = 0; i < pair.a.size(); i += 5) pair.b[i] = pair.a[i];  // exact
+    for (std::size_t i = 1; i < pair.a.size(); i += 11) pair.a[i] = 0.0;
+    for (std::size_t i = 2; i < pair.a.size(); i += 13) pair.a[i] = std::ldexp(1.0, -130);
+    // The same largest error at three positions in different pairs, and twice within one pair.
+    for (const std::size_t i : {700u, 703u, 4000u, 9000u}) {
+      pair.a[i] = 3.0;
+      pair.b[i] = -61.0;
+    }
+    pair.a[1500] = kNan;
+    pair.b[2600] = kInf;
+    pair.b[2601] = -kInf;
+    pair.a[7000] = kInf;
+    pair.b[7000] = kInf;
+    pair.b[300] = 0.0;  // in the ULP domain, outside the distance's fast range
+    pair.b[301] = std::ldexp(1.0, -140);
+  }
+  const PlainOutMetrics plain = plain_out_metrics(pair, rel_floor);
+  for (const int threads : {1, 3}) {
+    const ComparisonMetrics m =
+        compare_outputs(pair.shape, pair.a, pair.b, pair.lse_a, pair.lse_b, rel_floor, threads);
+    INFO("threads " << threads << ", rel_floor " << rel_floor);
+    CHECK(m.finite_elements == plain.finite);
+    CHECK(m.reference_nonfinite == plain.reference_nonfinite);
+    CHECK(m.candidate_nonfinite == plain.candidate_nonfinite);
+    CHECK(bits_of(m.max_abs) == bits_of(plain.max_abs));
+    CHECK(flat_index(m.max_abs_at, pair.shape) == plain.max_abs_at);
+    CHECK(bits_of(m.max_rel) == bits_of(plain.max_rel));
+    CHECK(flat_index(m.max_rel_at, pair.shape) == plain.max_rel_at);
+    CHECK(bits_of(m.max_ulp_bf16) == bits_of(plain.max_ulp));
+    CHECK(flat_index(m.max_ulp_at, pair.shape) == plain.max_ulp_at);
+    CHECK(bits_of(m.reference_max_abs) == bits_of(plain.reference_max));
+  }
 }
