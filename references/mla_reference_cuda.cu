@@ -42,12 +42,14 @@
 #include <array>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "references/double_double.hpp"
@@ -622,6 +624,13 @@ class Arena {
  public:
   explicit Arena(Memory memory) : memory_(memory) {}
 
+  // Bytes held over every buffer.
+  std::size_t bytes() const {
+    std::size_t total = 0;
+    for (const Buffer& b : buffers_) total += b.bytes;
+    return total;
+  }
+
   template <typename T>
   Result<T*> get(int slot, std::size_t count, const std::string& where) {
     if (buffers_.size() <= static_cast<std::size_t>(slot)) buffers_.resize(slot + 1);
@@ -798,7 +807,9 @@ int score_slice_bits(const ReferenceProblem& p) {
 class GpuReference {
  public:
   Status run(const ReferenceProblem& p, const std::string& where);
-  GpuReferenceKernels kernels_run() const { return kernels_run_; }
+  // The kernels run since the last call of this, counted from zero again.
+  GpuReferenceKernels take_kernels_run() { return std::exchange(kernels_run_, {}); }
+  std::size_t device_bytes() const { return arena_.bytes(); }
 
  private:
   Status upload_inputs(const ReferenceProblem& p, const std::string& where);
@@ -1060,25 +1071,90 @@ Status GpuReference::run(const ReferenceProblem& p, const std::string& where) {
 
 namespace {
 
-// One GPU reference per process, its buffers kept between calls; calls are serialized. Never
-// destroyed: freeing device memory from a static destructor races the CUDA runtime's own
-// teardown at exit, and the process's end releases it anyway.
-std::mutex gpu_reference_mutex;
-GpuReference& gpu_reference() {
-  static GpuReference* const reference = new GpuReference;
-  return *reference;
+// The process's GPU references: up to kMaxReferences, each with its own stream and buffers, kept
+// between calls. A call takes an idle one; with two layers in flight, one call's host work
+// (gathering and staging inputs, copying results out) and copies then overlap the other's
+// kernels. A second reference is made only when a call finds the first busy and the device has
+// room for another of its size (its buffers only grow, so the first call's size is a fair guess),
+// else the call waits for the first: a process that calls one at a time, or a small GPU, holds
+// one reference, as before. Never destroyed: freeing device memory from a static destructor
+// races the CUDA runtime's own teardown at exit, and the process's end releases it anyway.
+class GpuReferencePool {
+ public:
+  static constexpr std::size_t kMaxReferences = 2;
+
+  GpuReference& acquire() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      if (!idle_.empty()) {
+        GpuReference* reference = idle_.back();
+        idle_.pop_back();
+        return *reference;
+      }
+      if (all_.empty() || (all_.size() < kMaxReferences && room_for_another())) {
+        all_.push_back(new GpuReference);
+        return *all_.back();
+      }
+      released_.wait(lock);
+    }
+  }
+
+  void release(GpuReference& reference) {
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      add(kernels_run_, reference.take_kernels_run());
+      idle_.push_back(&reference);
+    }
+    released_.notify_one();
+  }
+
+  GpuReferenceKernels kernels_run() {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    return kernels_run_;
+  }
+
+ private:
+  // Twice the first reference's device buffers free: room for a second and for what the
+  // backend under test may still allocate.
+  bool room_for_another() const {
+    std::size_t free_bytes = 0;
+    std::size_t total_bytes = 0;
+    if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) return false;
+    return free_bytes > 2 * all_.front()->device_bytes();
+  }
+  static void add(GpuReferenceKernels& into, const GpuReferenceKernels& part) {
+    for (std::size_t i = 0; i < into.score_batches.size(); ++i)
+      into.score_batches[i] += part.score_batches[i];
+    for (std::size_t i = 0; i < into.value_batches.size(); ++i)
+      into.value_batches[i] += part.value_batches[i];
+  }
+
+  std::mutex mutex_;
+  std::condition_variable released_;
+  std::vector<GpuReference*> all_;
+  std::vector<GpuReference*> idle_;
+  GpuReferenceKernels kernels_run_;
+};
+
+GpuReferencePool& gpu_references() {
+  static GpuReferencePool* const pool = new GpuReferencePool;
+  return *pool;
 }
 
 }  // namespace
 
 Status mla_reference_attention_cuda(const ReferenceProblem& problem, const std::string& where) {
-  const std::lock_guard<std::mutex> lock(gpu_reference_mutex);
-  return gpu_reference().run(problem, where);
+  // Given back however the call ends (an exception too), so that no later call waits forever.
+  struct Lease {
+    GpuReferencePool& pool;
+    GpuReference& reference;
+    ~Lease() { pool.release(reference); }
+  };
+  GpuReferencePool& pool = gpu_references();
+  const Lease lease{pool, pool.acquire()};
+  return lease.reference.run(problem, where);
 }
 
-GpuReferenceKernels gpu_reference_kernels() {
-  const std::lock_guard<std::mutex> lock(gpu_reference_mutex);
-  return gpu_reference().kernels_run();
-}
+GpuReferenceKernels gpu_reference_kernels() { return gpu_references().kernels_run(); }
 
 }  // namespace kvaudit

@@ -14,8 +14,10 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "references/mla_reference.hpp"
@@ -131,6 +133,43 @@ TEST_CASE("GPU reference equals the CPU reference within 1e-15 on every shape it
     CHECK(a.out_relative <= 1e-15);
     CHECK(a.lse_excess <= 1.0);
     CHECK(a.identical_fraction() >= 0.999);
+  }
+}
+
+TEST_CASE("GPU reference calls from two threads at once give the bits of calls one at a time",
+          "[gpu][reference]") {
+  // Two layers in flight call the reference at once (mla_reference_cuda.cu: up to two references,
+  // each with its own stream and buffers); a call's result must not depend on what runs beside it.
+  KVAUDIT_REQUIRE_GPU();
+  const MlaCase a = make_mla_case(
+      spec_of(StepKind::kPrefill, 16, 512, 64, 64, {{340, 40}, {190, 90}, {7, 3}}, 21));
+  const MlaCase b =
+      make_mla_case(spec_of(StepKind::kDecode, 16, 512, 64, 64, {{500, 1}, {129, 1}}, 22));
+  const KvRows kv_a = KvRows::from_pool(a.pool_after, a.layer.kv_scale);
+  const KvRows kv_b = KvRows::from_pool(b.pool_after, b.layer.kv_scale);
+  const Outputs alone_a = run_on(ReferenceDevice::kCuda, a, kv_a);
+  const Outputs alone_b = run_on(ReferenceDevice::kCuda, b, kv_b);
+  for (int round = 0; round < 4; ++round) {
+    INFO("round " << round);
+    // Catch2's assertions are not thread-safe: the threads only compute, the checks run here.
+    std::vector<double> out_a(alone_a.out.size()), lse_a(alone_a.lse.size());
+    std::vector<double> out_b(alone_b.out.size()), lse_b(alone_b.lse.size());
+    bool ok_a = false, ok_b = false;
+    std::thread other([&] {
+      ok_a = exact_reference_attention(ReferenceDevice::kCuda, a.attrs, a.step, a.tensors.q_nope,
+                                       a.tensors.q_pe, kv_a, out_a, lse_a, 2)
+                 .ok();
+    });
+    ok_b = exact_reference_attention(ReferenceDevice::kCuda, b.attrs, b.step, b.tensors.q_nope,
+                                     b.tensors.q_pe, kv_b, out_b, lse_b, 2)
+               .ok();
+    other.join();
+    REQUIRE(ok_a);
+    REQUIRE(ok_b);
+    CHECK(std::memcmp(out_a.data(), alone_a.out.data(), out_a.size() * sizeof(double)) == 0);
+    CHECK(std::memcmp(lse_a.data(), alone_a.lse.data(), lse_a.size() * sizeof(double)) == 0);
+    CHECK(std::memcmp(out_b.data(), alone_b.out.data(), out_b.size() * sizeof(double)) == 0);
+    CHECK(std::memcmp(lse_b.data(), alone_b.lse.data(), lse_b.size() * sizeof(double)) == 0);
   }
 }
 
