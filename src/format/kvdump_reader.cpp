@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "src/core/hdf5_handles.hpp"
+#include "src/core/huge_pages.hpp"
 #include "src/format/hdf5_objects.hpp"
 #include "src/format/kvdump.hpp"
 #include "src/format/kvdump_validator.hpp"
@@ -121,6 +122,7 @@ template <typename T>
 Status read_all(const BulkSource& source, const std::string& path, hid_t memory_type,
                 std::size_t elements, std::vector<T>* values) {
   try {
+    reserve_on_huge_pages(*values, elements);
     values->assign(elements, T{});
   } catch (const std::bad_alloc&) {
     return internal_error(source.where(path),
@@ -149,7 +151,9 @@ Result<ElementClass> element_class(const BulkSource& source, const std::string& 
   return bad_input(source.where(path), "element type changed since the file was opened");
 }
 
-// A bfloat16-or-float32 tensor as float.
+// A bfloat16-or-float32 tensor as float. The bf16 bits are read into a buffer each thread keeps,
+// and the floats go to a vector on huge pages (src/core/huge_pages.hpp): a prefill step's q_nope
+// is tens of MB, and fresh 4 KiB pages every time cost more than the read.
 Result<std::vector<float>> read_bf16_tensor(const BulkSource& source, const std::string& path,
                                             std::size_t elements) {
   KVAUDIT_ASSIGN_OR_RETURN(const ElementClass cls, element_class(source, path));
@@ -158,10 +162,16 @@ Result<std::vector<float>> read_bf16_tensor(const BulkSource& source, const std:
     KVAUDIT_TRY(read_all(source, path, H5T_NATIVE_FLOAT, elements, &values));
     return values;
   }
-  std::vector<std::uint16_t> bits;
+  thread_local std::vector<std::uint16_t> bits;
   KVAUDIT_TRY(read_all(source, path, H5T_NATIVE_UINT16, elements, &bits));
-  values.resize(bits.size());
-  for (std::size_t i = 0; i < bits.size(); ++i) values[i] = bf16_to_float(bits[i]);
+  try {
+    reserve_on_huge_pages(values, elements);
+    values.resize(elements);
+  } catch (const std::bad_alloc&) {
+    return internal_error(source.where(path),
+                          fmt::format("out of memory reading {} bytes", elements * sizeof(float)));
+  }
+  for (std::size_t i = 0; i < elements; ++i) values[i] = bf16_to_float(bits[i]);
   return values;
 }
 

@@ -25,6 +25,7 @@
 
 #include "references/mla_reference.hpp"
 #include "references/mla_reference_cuda.hpp"
+#include "src/core/huge_pages.hpp"
 #include "src/core/memory_budget.hpp"
 #include "src/core/parallel_for.hpp"
 #include "src/format/pool_codes.hpp"
@@ -303,17 +304,27 @@ void widen_bf16_into(std::span<const std::uint16_t> bits, int threads, std::vect
 // out `size` zeros, exactly what a fresh vector holds; give_back() keeps up to kKept arrays.
 class ArrayRecycler {
  public:
-  static constexpr std::size_t kKept = 4;
+  // Up to the most a run holds at once (a step's R8, Rs, R8' and the backend's copy, per layer in
+  // flight): kept arrays are those the run just gave back.
+  static constexpr std::size_t kKept = 16;
   static constexpr std::size_t kMinElements = std::size_t{1} << 17;  // 1 MiB: below, not kept
 
   std::vector<double> take(std::size_t size, int threads) {
     std::vector<double> array;
+    bool kept = false;
     {
       const std::lock_guard<std::mutex> lock(mutex_);
       const auto best = smallest_fitting(size);
-      if (best == kept_.end()) return std::vector<double>(size);
-      array = std::move(*best);
-      kept_.erase(best);
+      if (best != kept_.end()) {
+        array = std::move(*best);
+        kept_.erase(best);
+        kept = true;
+      }
+    }
+    if (!kept) {  // a fresh one, on huge pages where it is large
+      reserve_on_huge_pages(array, size);
+      array.resize(size);
+      return array;
     }
     array.resize(size);  // within the capacity: no reallocation, pages already mapped
     parallel_for((size + kChunk - 1) / kChunk, threads, [&] {
