@@ -272,15 +272,20 @@ Status check_reference_device(ReferenceDevice device) {
   return ok_status();
 }
 
-// --layers-in-flight: as given, else 2 where the reference or the backend runs on a GPU (its next
-// layer's GPU work overlaps this layer's CPU comparisons), 1 on the CPU alone (each layer already
-// uses every core; a second would only add its memory).
+// --layers-in-flight: as given, else kGpuLayersInFlight where the reference or the backend runs on
+// a GPU (the next layers' GPU work and reads overlap this layer's CPU comparisons), 1 on the CPU
+// alone (each layer already uses every core; a second would only add its memory). On an H100
+// (reports/whole-model-speed.md, 2026-12-05) the 78-layer prefill check took 27.2 and 32.2 s with
+// 2 layers in flight, 24.3 s with 3, and 21.3, 21.7 and 23.7 s with 4; at 4 the GPU is busy with
+// the reference's kernels nearly all the time, so more layers would add memory for little.
+constexpr int kGpuLayersInFlight = 4;
+
 int layers_in_flight_for(const CheckOptions& options) {
   if (options.layers_in_flight > 0) return options.layers_in_flight;
   const std::string& backend = options.selection.backend;
   const bool on_gpu =
       options.reference == "cuda" || backend == "cuda-fp8" || backend == "cuda-cast-bf16";
-  return on_gpu ? 2 : 1;
+  return on_gpu ? kGpuLayersInFlight : 1;
 }
 
 // Layers, steps (checked against the dump), policy and the replay's own options.
@@ -440,15 +445,17 @@ Status take_backend_tiles(const CheckOptions& options, const Backend* backend,
 }
 
 // The memory guard, with the layers in flight the backend as made allows. Where the count is the
-// default (no --layers-in-flight) and more than one layer does not fit, one layer at a time is
-// tried before refusing: the default must not refuse a dump that fits one layer at a time.
+// default (no --layers-in-flight) and that many layers do not fit, one fewer is tried, down to one
+// layer at a time, before refusing: the default must not refuse a dump that fits one at a time.
 Status check_fits(const CheckOptions& options, const DumpLayout& layout, const Backend* backend,
                   ReplayOptions& replay) {
   const bool with_backend = options.selection.backend != "none";
   Status fits = check_replay_fits(layout, replay, with_backend, backend);
-  if (fits.ok() || options.layers_in_flight > 0 || replay.layers_in_flight <= 1) return fits;
-  replay.layers_in_flight = 1;
-  return check_replay_fits(layout, replay, with_backend, backend);
+  while (!fits.ok() && options.layers_in_flight == 0 && replay.layers_in_flight > 1) {
+    --replay.layers_in_flight;
+    fits = check_replay_fits(layout, replay, with_backend, backend);
+  }
+  return fits;
 }
 
 // The exit status of a check, or the error that stopped it. Everything is validated before any
@@ -622,10 +629,11 @@ void add_output_options(CLI::App& cmd, CheckOptions& options) {
       cmd, "--layers-in-flight", options.layers_in_flight, 0, 64,
       "Replay up to N layers at once, each on its own thread, so that one layer's reference and "
       "backend keep a GPU busy while the layer before is compared on the CPU; the report is the "
-      "same for every N (each layer's results are merged in layer order). 0, the default: 2 "
+      "same for every N (each layer's results are merged in layer order). 0, the default: 4 "
       "where the reference or the backend runs on a GPU (--reference cuda, --backend cuda-*), "
-      "else 1 (the CPU reference and cpu-fp8 already use every core per layer; a second layer "
-      "adds its memory and little speed). N layers are resident at once (see Memory above). "
+      "fewer where 4 do not fit in memory, else 1 (the CPU reference and cpu-fp8 already use "
+      "every core per layer; a second layer adds its memory and little speed). N layers are "
+      "resident at once (see Memory above). "
       "Falls back to 1, saying why under --verbose, with --save-outputs, a dump with captured "
       "pools (kv_cache_after) or an exec backend")
       ->capture_default_str();

@@ -86,6 +86,73 @@ TEST_CASE(
   }
 }
 
+namespace {
+
+// A size as format_bytes writes it ("1.23 MiB", "512 B"), in bytes.
+double parse_size(const std::string& text) {
+  const std::size_t space = text.find(' ');
+  const double value = std::stod(text.substr(0, space));
+  const std::string unit = text.substr(space + 1);
+  double scale = 1.0;
+  for (const char* step : {"KiB", "MiB", "GiB"}) {
+    scale *= 1024.0;
+    if (unit.rfind(step, 0) == 0) return value * scale;
+  }
+  return value;
+}
+
+// The size written just before `marker` in `text` ("<value> <unit><marker>").
+double size_before(const std::string& text, const std::string& marker) {
+  const std::size_t end = text.find(marker);
+  REQUIRE(end != std::string::npos);
+  const std::size_t unit_start = text.rfind(' ', end - 1);
+  const std::size_t value_start = text.rfind(' ', unit_start - 1) + 1;
+  return parse_size(text.substr(value_start, end - value_start));
+}
+
+}  // namespace
+
+TEST_CASE(
+    "kvaudit check on the GPU runs 4 layers at once by default, fewer where 4 do not fit in "
+    "memory",
+    "[gpu][cli][layers-in-flight]") {
+  KVAUDIT_REQUIRE_GPU();
+  const std::filesystem::path dir = test_tmpdir() / "layers_in_flight";
+  std::filesystem::create_directories(dir);
+  const std::string dump = (dir / "six_layers.h5").string();
+  const CommandOutcome synth =
+      run_kvaudit("layers_in_flight_default_synth",
+                  "synth --out '" + dump +
+                      "' --layers 6 --heads 4 --kv-lora-rank 64 --rope-dim 16 --page-size 16 "
+                      "--prefix-lens 40,70 --prefill-tokens 8,3 --decode-steps 1");
+  REQUIRE(synth.status == 0);
+  // The GPU reference takes any shape (the cuda-* backends only 512 + 64); a GPU reference alone
+  // makes the default 4.
+  const std::string check = "check '" + dump + "' --reference cuda --backend cpu-fp8 --verbose";
+  // Room for plenty: 4 layers in flight.
+  const CommandOutcome roomy = run_kvaudit("layers_in_flight_default_roomy", check);
+  INFO(roomy.err);
+  CHECK(roomy.status == 0);
+  CHECK(roomy.out.find("layers in flight: 4 (") != std::string::npos);
+  // Room for less than one layer: refused, for one layer (no "times N layers in flight"). Its
+  // sizes give one layer's read and computed bytes and the read-ahead.
+  const CommandOutcome tiny =
+      run_kvaudit("layers_in_flight_default_tiny", check, "KVAUDIT_MEMORY_BUDGET=4096");
+  INFO(tiny.err);
+  REQUIRE(tiny.status == 2);
+  CHECK(tiny.err.find("layers in flight") == std::string::npos);
+  const double read = size_before(tiny.err, " read from the dump");
+  const double computed = size_before(tiny.err, " computed");
+  const double ahead = size_before(tiny.err, " read ahead");
+  // Half-way between what 2 and 3 layers in flight need: the default steps down to 2.
+  const auto budget = static_cast<long long>(2.5 * (read + computed) + ahead);
+  const CommandOutcome tight = run_kvaudit("layers_in_flight_default_tight", check,
+                                           "KVAUDIT_MEMORY_BUDGET=" + std::to_string(budget));
+  INFO(tight.err);
+  CHECK(tight.status == 0);
+  CHECK(tight.out.find("layers in flight: 2 (") != std::string::npos);
+}
+
 TEST_CASE("kvaudit check --layers-in-flight: a failing injection and --save-outputs",
           "[cli][layers-in-flight]") {
   SECTION("--inject bf16-writeback fails alike, with the same findings and diagnoses") {
