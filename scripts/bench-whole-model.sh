@@ -12,7 +12,7 @@
 #        [--layers-in-flight N] [--kvaudit PATH] [--dir DIR]
 #
 # Defaults: --reference cpu --backend cpu-fp8 --layers 78 --heads 16 --prefix 4096 --prefill 512
-# --decode-steps 1, every core, check's own --layers-in-flight (2 with a GPU reference or backend,
+# --decode-steps 1, every core, check's own --layers-in-flight (4 with a GPU reference or backend,
 # else 1), build/kvaudit, --dir build/bench-whole-model. The dump is generated
 # once per shape (DIR/glm5_L<layers>_h<heads>_p<prefix>_f<prefill>_d<decode>.h5; about 105 MB per
 # layer at the defaults, 8.2 GB for 78 layers) and reused; the check's stdout goes to
