@@ -1074,11 +1074,13 @@ namespace {
 // The process's GPU references: up to kMaxReferences, each with its own stream and buffers, kept
 // between calls. A call takes an idle one; with two layers in flight, one call's host work
 // (gathering and staging inputs, copying results out) and copies then overlap the other's
-// kernels. A second reference is made only when a call finds the first busy and the device has
-// room for another of its size (its buffers only grow, so the first call's size is a fair guess),
-// else the call waits for the first: a process that calls one at a time, or a small GPU, holds
-// one reference, as before. Never destroyed: freeing device memory from a static destructor
-// races the CUDA runtime's own teardown at exit, and the process's end releases it anyway.
+// kernels. A second reference is made only when a call finds the first busy, the first has
+// finished a call, and the device has room for another of the largest size a finished call left
+// (buffers only grow, so that is a fair guess); else the call waits for the first: a process that
+// calls one at a time, or a small GPU, holds one reference, as before. The size is read when a
+// call gives its reference back, never while another thread runs it. Never destroyed: freeing
+// device memory from a static destructor races the CUDA runtime's own teardown at exit, and the
+// process's end releases it anyway.
 class GpuReferencePool {
  public:
   static constexpr std::size_t kMaxReferences = 2;
@@ -1103,6 +1105,7 @@ class GpuReferencePool {
     {
       const std::lock_guard<std::mutex> lock(mutex_);
       add(kernels_run_, reference.take_kernels_run());
+      largest_device_bytes_ = std::max(largest_device_bytes_, reference.device_bytes());
       idle_.push_back(&reference);
     }
     released_.notify_one();
@@ -1114,13 +1117,15 @@ class GpuReferencePool {
   }
 
  private:
-  // Twice the first reference's device buffers free: room for a second and for what the
-  // backend under test may still allocate.
+  // Twice the largest device buffers a finished call left free: room for another reference and
+  // for what the backend under test may still allocate. None before a call has finished (the
+  // first calls of a run arrive together, before any size is known).
   bool room_for_another() const {
+    if (largest_device_bytes_ == 0) return false;
     std::size_t free_bytes = 0;
     std::size_t total_bytes = 0;
     if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) return false;
-    return free_bytes > 2 * all_.front()->device_bytes();
+    return free_bytes > 2 * largest_device_bytes_;
   }
   static void add(GpuReferenceKernels& into, const GpuReferenceKernels& part) {
     for (std::size_t i = 0; i < into.score_batches.size(); ++i)
@@ -1134,6 +1139,7 @@ class GpuReferencePool {
   std::vector<GpuReference*> all_;
   std::vector<GpuReference*> idle_;
   GpuReferenceKernels kernels_run_;
+  std::size_t largest_device_bytes_ = 0;  // of any reference, read as a call gives it back
 };
 
 GpuReferencePool& gpu_references() {

@@ -151,9 +151,11 @@ Result<ElementClass> element_class(const BulkSource& source, const std::string& 
   return bad_input(source.where(path), "element type changed since the file was opened");
 }
 
-// A bfloat16-or-float32 tensor as float. The bf16 bits are read into a buffer each thread keeps,
-// and the floats go to a vector on huge pages (src/core/huge_pages.hpp): a prefill step's q_nope
-// is tens of MB, and fresh 4 KiB pages every time cost more than the read.
+// A bfloat16-or-float32 tensor as float. The bf16 bits are read into a buffer each thread keeps
+// (until it ends: the reader thread's lives for the check, 2 bytes per element of the largest
+// tensor read, half the float copy's), and the floats go to a vector on huge pages
+// (src/core/huge_pages.hpp): a prefill step's q_nope is tens of MB, and fresh 4 KiB pages every
+// time cost more than the read.
 Result<std::vector<float>> read_bf16_tensor(const BulkSource& source, const std::string& path,
                                             std::size_t elements) {
   KVAUDIT_ASSIGN_OR_RETURN(const ElementClass cls, element_class(source, path));

@@ -304,9 +304,10 @@ void widen_bf16_into(std::span<const std::uint16_t> bits, int threads, std::vect
 // out `size` zeros, exactly what a fresh vector holds; give_back() keeps up to kKept arrays.
 class ArrayRecycler {
  public:
-  // Up to the most a run holds at once (a step's R8, Rs, R8' and the backend's copy, per layer in
-  // flight): kept arrays are those the run just gave back.
-  static constexpr std::size_t kKept = 16;
+  // Two per layer of the default 4 in flight (R8 and the backend's binary64 copy of a prefill
+  // step); what is kept stays resident between steps, so at most 8 of the largest out arrays
+  // (2.1 GB for the 16-head bench's prefill step) beyond those in use.
+  static constexpr std::size_t kKept = 8;
   static constexpr std::size_t kMinElements = std::size_t{1} << 17;  // 1 MiB: below, not kept
 
   std::vector<double> take(std::size_t size, int threads) {

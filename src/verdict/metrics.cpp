@@ -416,6 +416,11 @@ ComparisonMetrics compare_outputs(TensorShape3 shape, std::span<const double> re
       candidate_out.size() != shape.size()) {
     throw std::invalid_argument("compare_outputs: out sizes disagree with the shape");
   }
+  // A finite floor keeps every relative error a number (an infinite one would make inf / inf);
+  // policies accept only finite, non-negative floors.
+  if (!std::isfinite(rel_floor) || rel_floor < 0.0) {
+    throw std::invalid_argument("compare_outputs: rel_floor must be finite and non-negative");
+  }
   const std::size_t lse_size = static_cast<std::size_t>(shape.rows) * shape.heads;
   const bool has_lse = !reference_lse.empty() && !candidate_lse.empty();
   if (has_lse && (reference_lse.size() != lse_size || candidate_lse.size() != lse_size)) {

@@ -69,9 +69,10 @@ struct ComparisonMetrics {
   ElementLocation first_nonfinite_mismatch;
 };
 
-// rel_floor: denominators below it are replaced by it (so near-zero outputs do not dominate).
-// threads: how many threads share the work (0: every core); the result is bit-for-bit the same
-// for any count (metrics.cpp: the sums run in a fixed order).
+// rel_floor: denominators below it are replaced by it (so near-zero outputs do not dominate);
+// finite and >= 0, else std::invalid_argument. threads: how many threads share the work (0: every
+// core); the result is bit-for-bit the same for any count (metrics.cpp: the sums run in a fixed
+// order).
 ComparisonMetrics compare_outputs(TensorShape3 shape, std::span<const double> reference_out,
                                   std::span<const double> candidate_out,
                                   std::span<const double> reference_lse,

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <stdexcept>
 #include <vector>
 
 #include "src/verdict/metrics.hpp"
@@ -122,6 +123,15 @@ TEST_CASE("lse error and a non-finite lse ordered before later out positions", "
   CHECK(m.lse_max_abs_at.row == 1);
   CHECK(m.lse_max_abs_at.head == 0);
   CHECK(m.lse_max_abs_at.dim == -1);
+}
+
+TEST_CASE("a relative error floor that is infinite, NaN or negative is refused", "[metrics]") {
+  const std::vector<double> a = {1e308, 1.0};
+  const std::vector<double> b = {-1e308, 2.0};
+  for (const double floor : {kInf, kNan, -1.0}) {
+    CHECK_THROWS_AS(compare({1, 1, 2}, a, b, floor), std::invalid_argument);
+  }
+  CHECK_NOTHROW(compare({1, 1, 2}, a, b, 0.0));
 }
 
 TEST_CASE("relative error floor", "[metrics]") {
