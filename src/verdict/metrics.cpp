@@ -259,20 +259,8 @@ class MetricsAccumulator {
   void add_out(double a, double b, int row, int head, int dim, double ulp_floor) {
     ++m_.finite_elements;
     const ElementErrors e = element_errors(a, b, ulp_floor, rel_floor_);
-    if (!have_finite_ || e.diff > m_.max_abs) {
-      m_.max_abs = e.diff;
-      m_.max_abs_at = location(row, head, dim, a, b);
-    }
-    if (!have_finite_ || e.rel > m_.max_rel) {
-      m_.max_rel = e.rel;
-      m_.max_rel_at = location(row, head, dim, a, b);
-    }
-    if (!have_finite_ || e.ulp > m_.max_ulp_bf16) {
-      m_.max_ulp_bf16 = e.ulp;
-      m_.max_ulp_at = location(row, head, dim, a, b);
-    }
-    have_finite_ = true;
-    m_.reference_max_abs = std::max(m_.reference_max_abs, std::fabs(a));
+    const ElementLocation at = location(row, head, dim, a, b);
+    fold_finite({e.diff, at, e.rel, at, e.ulp, at, std::fabs(a)});
   }
 
   // A (row, head) pair whose `dims` (> 0) outputs are all finite in both, with the largest |a|
@@ -301,20 +289,8 @@ class MetricsAccumulator {
     }
     m_.finite_elements += static_cast<std::size_t>(dims);
     const auto at = [&](int d) { return location(row, head, d, a_row[d], b_row[d]); };
-    if (!have_finite_ || diff.value > m_.max_abs) {
-      m_.max_abs = diff.value;
-      m_.max_abs_at = at(diff.dim);
-    }
-    if (!have_finite_ || rel.value > m_.max_rel) {
-      m_.max_rel = rel.value;
-      m_.max_rel_at = at(rel.dim);
-    }
-    if (!have_finite_ || ulp.value > m_.max_ulp_bf16) {
-      m_.max_ulp_bf16 = ulp.value;
-      m_.max_ulp_at = at(ulp.dim);
-    }
-    have_finite_ = true;
-    m_.reference_max_abs = std::max(m_.reference_max_abs, largest_magnitude);
+    fold_finite({diff.value, at(diff.dim), rel.value, at(rel.dim), ulp.value, at(ulp.dim),
+                 largest_magnitude});
   }
 
   void add_lse(double a, double b, int row, int head) {
@@ -340,20 +316,8 @@ class MetricsAccumulator {
     }
     m_.finite_elements += b.finite_elements;
     if (later.have_finite_) {
-      if (!have_finite_ || b.max_abs > m_.max_abs) {
-        m_.max_abs = b.max_abs;
-        m_.max_abs_at = b.max_abs_at;
-      }
-      if (!have_finite_ || b.max_rel > m_.max_rel) {
-        m_.max_rel = b.max_rel;
-        m_.max_rel_at = b.max_rel_at;
-      }
-      if (!have_finite_ || b.max_ulp_bf16 > m_.max_ulp_bf16) {
-        m_.max_ulp_bf16 = b.max_ulp_bf16;
-        m_.max_ulp_at = b.max_ulp_at;
-      }
-      m_.reference_max_abs = std::max(m_.reference_max_abs, b.reference_max_abs);
-      have_finite_ = true;
+      fold_finite({b.max_abs, b.max_abs_at, b.max_rel, b.max_rel_at, b.max_ulp_bf16, b.max_ulp_at,
+                   b.reference_max_abs});
     }
     if (later.have_finite_lse_ && (!have_finite_lse_ || b.lse_max_abs > m_.lse_max_abs)) {
       m_.lse_max_abs = b.lse_max_abs;
@@ -363,6 +327,38 @@ class MetricsAccumulator {
   }
 
  private:
+  // The largest of each error among some finite elements that come after this accumulator's, with
+  // where it is, and their largest |a|.
+  struct FiniteMaxima {
+    double diff;
+    ElementLocation diff_at;
+    double rel;
+    ElementLocation rel_at;
+    double ulp;
+    ElementLocation ulp_at;
+    double magnitude;
+  };
+
+  // One element, a pair or a later block folded in: a maximum is replaced only by a strictly
+  // larger value, so the first position of the largest is kept; the first finite elements set
+  // all three.
+  void fold_finite(const FiniteMaxima& later) {
+    if (!have_finite_ || later.diff > m_.max_abs) {
+      m_.max_abs = later.diff;
+      m_.max_abs_at = later.diff_at;
+    }
+    if (!have_finite_ || later.rel > m_.max_rel) {
+      m_.max_rel = later.rel;
+      m_.max_rel_at = later.rel_at;
+    }
+    if (!have_finite_ || later.ulp > m_.max_ulp_bf16) {
+      m_.max_ulp_bf16 = later.ulp;
+      m_.max_ulp_at = later.ulp_at;
+    }
+    m_.reference_max_abs = std::max(m_.reference_max_abs, later.magnitude);
+    have_finite_ = true;
+  }
+
   ComparisonMetrics& m_;
   double rel_floor_;
   bool have_mismatch_ = false;
