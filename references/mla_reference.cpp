@@ -406,46 +406,114 @@ class NaiveKernel {
 // error-free under it, and the inexact products (e.lo * c and the like, 2^-106 relative) may only
 // round differently between clones, far below the final rounding to double.
 
-// sum_j q_j v_j with each product exact in binary64 (float * float) and the sum compensated:
-// kLanes independent TwoSum accumulators (their error terms summed in plain double: error
-// <= n u^2 sum_j |q_j v_j|, u = 2^-53), combined in double-double.
-KVAUDIT_CPU_CLONES
-dd::DoubleDouble compensated_dot(const double* q, const float* v, int n) {
-  // Two 4-lane vectors of accumulators (GCC/Clang vector extensions: AVX registers in the x86-64-v3
-  // clone, SSE pairs otherwise). Lane k holds the elements j = k mod 8.
-  using Double4 = double __attribute__((vector_size(32)));
-  using Float4 = float __attribute__((vector_size(16)));
+// W doubles (W floats) as one vector (GCC/Clang vector extensions): W = 4 is one AVX register in
+// x86-64-v3 code (two SSE ones elsewhere), W = 8 one AVX-512 register in x86-64-v4 code. Loops
+// written for W lanes are instantiated inside functions compiled for those targets.
+template <int W>
+struct Lanes;
+template <>
+struct Lanes<4> {
+  using Doubles = double __attribute__((vector_size(32)));
+  using Floats = float __attribute__((vector_size(16)));
+};
+template <>
+struct Lanes<8> {
+  using Doubles = double __attribute__((vector_size(64)));
+  using Floats = float __attribute__((vector_size(32)));
+};
+
+// (By reference: a vector return value would differ in ABI between the targets.)
+template <int W>
+KVAUDIT_DD_INLINE void load_as_doubles(const float* v, typename Lanes<W>::Doubles& out) {
+  typename Lanes<W>::Floats f;
+  std::memcpy(&f, v, sizeof f);
+  out = __builtin_convertvector(f, typename Lanes<W>::Doubles);
+}
+
+// dots[t] = sum_j q_j v_t,j for kTokens rows v_t, each product exact in binary64 (float * float)
+// and each sum compensated: kLanes = 8 independent TwoSum accumulators per row (their error terms
+// summed in plain double: error <= n u^2 sum_j |q_j v_j|, u = 2^-53), combined in double-double.
+// Lane k holds the elements j = k mod 8, as 8 / W vectors of W lanes: the same operations on
+// every element whatever W and kTokens, so every form gives the same bits. The rows of a tile
+// share q's loads, and their chains of additions run side by side.
+template <int W, int kTokens>
+KVAUDIT_DD_INLINE void compensated_dots_tile(const double* q, const float* const* rows, int width,
+                                             dd::DoubleDouble* dots) {
+  using Doubles = typename Lanes<W>::Doubles;
   constexpr int kLanes = 8;
-  Double4 hi[2] = {};
-  Double4 lo[2] = {};
+  constexpr int kVectors = kLanes / W;
+  Doubles hi[kTokens][kVectors] = {};
+  Doubles lo[kTokens][kVectors] = {};
   int j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    for (int h = 0; h < 2; ++h) {
-      Double4 qv;
-      Float4 vv;
-      std::memcpy(&qv, q + j + 4 * h, sizeof qv);
-      std::memcpy(&vv, v + j + 4 * h, sizeof vv);
-      const Double4 prod = qv * __builtin_convertvector(vv, Double4);
-      const Double4 s = hi[h] + prod;
-      const Double4 bb = s - hi[h];
-      lo[h] += (hi[h] - (s - bb)) + (prod - bb);
-      hi[h] = s;
+  for (; j + kLanes <= width; j += kLanes) {
+    for (int h = 0; h < kVectors; ++h) {
+      Doubles qv;
+      std::memcpy(&qv, q + j + W * h, sizeof qv);
+      for (int t = 0; t < kTokens; ++t) {
+        Doubles vv;
+        load_as_doubles<W>(rows[t] + j + W * h, vv);
+        const Doubles prod = qv * vv;
+        const Doubles s = hi[t][h] + prod;
+        const Doubles bb = s - hi[t][h];
+        lo[t][h] += (hi[t][h] - (s - bb)) + (prod - bb);
+        hi[t][h] = s;
+      }
     }
   }
-  double tail_hi = 0.0;
-  double tail_lo = 0.0;
-  for (; j < n; ++j) {
-    const double prod = q[j] * static_cast<double>(v[j]);
-    const double s = tail_hi + prod;
-    const double bb = s - tail_hi;
-    tail_lo += (tail_hi - (s - bb)) + (prod - bb);
-    tail_hi = s;
+  for (int t = 0; t < kTokens; ++t) {
+    double tail_hi = 0.0;
+    double tail_lo = 0.0;
+    for (int jj = j; jj < width; ++jj) {
+      const double prod = q[jj] * static_cast<double>(rows[t][jj]);
+      const double s = tail_hi + prod;
+      const double bb = s - tail_hi;
+      tail_lo += (tail_hi - (s - bb)) + (prod - bb);
+      tail_hi = s;
+    }
+    dd::DoubleDouble sum = dd::two_sum(tail_hi, tail_lo);
+    for (int h = 0; h < kVectors; ++h) {
+      for (int k = 0; k < W; ++k) sum = dd::add(sum, dd::two_sum(hi[t][h][k], lo[t][h][k]));
+    }
+    dots[t] = sum;
   }
-  dd::DoubleDouble sum = dd::two_sum(tail_hi, tail_lo);
-  for (int h = 0; h < 2; ++h) {
-    for (int k = 0; k < 4; ++k) sum = dd::add(sum, dd::two_sum(hi[h][k], lo[h][k]));
+}
+
+// The dots of n rows, kTokens at a time (4 with 8 lanes, 2 with 4: what the registers hold); the
+// last group repeats its last row where n is not a multiple of kTokens (computed and dropped).
+template <int W>
+KVAUDIT_DD_INLINE void compensated_dots_lanes(const double* q, const float* const* rows,
+                                              std::int64_t n, int width, dd::DoubleDouble* dots) {
+  constexpr int kTokens = W == 8 ? 4 : 2;
+  for (std::int64_t t = 0; t < n; t += kTokens) {
+    const float* tile[kTokens];
+    for (int i = 0; i < kTokens; ++i) tile[i] = rows[std::min<std::int64_t>(t + i, n - 1)];
+    dd::DoubleDouble tile_dots[kTokens];
+    compensated_dots_tile<W, kTokens>(q, tile, width, tile_dots);
+    const int valid = static_cast<int>(std::min<std::int64_t>(kTokens, n - t));
+    std::copy_n(tile_dots, valid, dots + t);
   }
-  return sum;
+}
+
+KVAUDIT_CPU_CLONES
+void compensated_dots_4(const double* q, const float* const* rows, std::int64_t n, int width,
+                        dd::DoubleDouble* dots) {
+  compensated_dots_lanes<4>(q, rows, n, width, dots);
+}
+#if defined(KVAUDIT_HAVE_CPU_V4_TARGET)
+KVAUDIT_CPU_V4_TARGET
+void compensated_dots_8(const double* q, const float* const* rows, std::int64_t n, int width,
+                        dd::DoubleDouble* dots) {
+  compensated_dots_lanes<8>(q, rows, n, width, dots);
+}
+#endif
+
+// dots[t] = q . rows[t] (width values each) for t < n, compensated.
+void compensated_dots(const double* q, const float* const* rows, std::int64_t n, int width,
+                      dd::DoubleDouble* dots) {
+#if defined(KVAUDIT_HAVE_CPU_V4_TARGET)
+  if (kvaudit_cpu_use_v4()) return compensated_dots_8(q, rows, n, width, dots);
+#endif
+  compensated_dots_4(q, rows, n, width, dots);
 }
 
 // acc += e * v over v's first n elements (e double-double, v floats), acc as (hi, lo) arrays.
@@ -689,131 +757,196 @@ int weight_slice_bits(int magnitude_bits) {
   return bits >= 8 ? bits : 0;
 }
 
-// (By reference: a vector return value would differ in ABI between the clones.)
-KVAUDIT_DD_INLINE void load_as_double4(const float* v, Double4& out) {
-  Float4 f;
-  std::memcpy(&f, v, sizeof f);
-  out = __builtin_convertvector(f, Double4);
-}
-
-// dots[t][k] = sum_j q_slices[k][j] * rows[t][j] for kTokens tokens (each exact: the bound above).
-template <int K, int kTokens>
+// dots[t][k] = sum_j q_slices[k][j] * rows[t][j] for kTokens tokens, W lanes at a time (each sum
+// exact: the bound above, so the same bits in any order and for any W).
+template <int K, int kTokens, int W>
 KVAUDIT_DD_INLINE void sliced_dots_tile(const double* q_slices, const float* const* rows, int width,
                                         double* dots) {
-  Double4 acc[kTokens][K] = {};
+  using Doubles = typename Lanes<W>::Doubles;
+  Doubles acc[kTokens][K] = {};
   int j = 0;
-  for (; j + 4 <= width; j += 4) {
-    Double4 qv[K];
+  for (; j + W <= width; j += W) {
+    Doubles qv[K];
     for (int k = 0; k < K; ++k) std::memcpy(&qv[k], q_slices + k * width + j, sizeof qv[k]);
     for (int t = 0; t < kTokens; ++t) {
-      Double4 v;
-      load_as_double4(rows[t] + j, v);
+      Doubles v;
+      load_as_doubles<W>(rows[t] + j, v);
       for (int k = 0; k < K; ++k) acc[t][k] += qv[k] * v;
     }
   }
   for (int t = 0; t < kTokens; ++t) {
     for (int k = 0; k < K; ++k) {
-      double sum = (acc[t][k][0] + acc[t][k][1]) + (acc[t][k][2] + acc[t][k][3]);
+      double sum = 0.0;
+      for (int lane = 0; lane < W; ++lane) sum += acc[t][k][lane];
       for (int jj = j; jj < width; ++jj) sum += q_slices[k * width + jj] * rows[t][jj];
       dots[t * K + k] = sum;
     }
   }
 }
 
-// The dots of n tokens, 4 at a time (q slices loaded once per 4 tokens); the last group repeats
-// its last row where n is not a multiple of 4 (computed and dropped).
-template <int K>
+// The dots of n tokens, kTokens at a time (q slices loaded once per kTokens tokens: as many as
+// the registers hold, 16 of W = 4 lanes, 32 of 8); the last group repeats its last row where n
+// is not a multiple of kTokens (computed and dropped).
+template <int K, int W>
 KVAUDIT_DD_INLINE void sliced_dots_impl(const double* q_slices, const float* const* rows,
                                         std::int64_t n, int width, double* dots) {
-  constexpr int kTokens = K <= 2 ? 4 : 2;
+  constexpr int kTokens = W == 8 || K <= 2 ? 4 : 2;
   for (std::int64_t t = 0; t < n; t += kTokens) {
     const float* tile[kTokens];
     for (int i = 0; i < kTokens; ++i) tile[i] = rows[std::min<std::int64_t>(t + i, n - 1)];
     double tile_dots[kTokens * K];
-    sliced_dots_tile<K, kTokens>(q_slices, tile, width, tile_dots);
+    sliced_dots_tile<K, kTokens, W>(q_slices, tile, width, tile_dots);
     const int valid = static_cast<int>(std::min<std::int64_t>(kTokens, n - t));
     std::copy_n(tile_dots, valid * K, dots + t * K);
   }
 }
 
-KVAUDIT_CPU_CLONES
-void sliced_dots(int slices, const double* q_slices, const float* const* rows, std::int64_t n,
-                 int width, double* dots) {
+template <int W>
+KVAUDIT_DD_INLINE void sliced_dots_lanes(int slices, const double* q_slices,
+                                         const float* const* rows, std::int64_t n, int width,
+                                         double* dots) {
   switch (slices) {
     case 1:
-      return sliced_dots_impl<1>(q_slices, rows, n, width, dots);
+      return sliced_dots_impl<1, W>(q_slices, rows, n, width, dots);
     case 2:
-      return sliced_dots_impl<2>(q_slices, rows, n, width, dots);
+      return sliced_dots_impl<2, W>(q_slices, rows, n, width, dots);
     case 3:
-      return sliced_dots_impl<3>(q_slices, rows, n, width, dots);
+      return sliced_dots_impl<3, W>(q_slices, rows, n, width, dots);
     default:
-      return sliced_dots_impl<4>(q_slices, rows, n, width, dots);
+      return sliced_dots_impl<4, W>(q_slices, rows, n, width, dots);
   }
 }
 
-// acc_hi/acc_lo[d] += sum_t (sum_k weights[t][k]) * rows[t][d] for d < dc over n <= 2^8 tokens:
-// kVectors * 4 dims at a time held in registers through all n tokens (each slice's sum exact),
-// then added with TwoSum, largest slice first.
-template <int K, int kVectors>
-KVAUDIT_DD_INLINE void sliced_pv_dims(const double* weights, const float* const* rows, int n,
-                                      int d0, double* acc_hi, double* acc_lo) {
-  Double4 acc[K][kVectors] = {};
-  for (int t = 0; t < n; ++t) {
-    Double4 v[kVectors];
-    for (int i = 0; i < kVectors; ++i) load_as_double4(rows[t] + d0 + 4 * i, v[i]);
+KVAUDIT_CPU_CLONES
+void sliced_dots_4(int slices, const double* q_slices, const float* const* rows, std::int64_t n,
+                   int width, double* dots) {
+  sliced_dots_lanes<4>(slices, q_slices, rows, n, width, dots);
+}
+#if defined(KVAUDIT_HAVE_CPU_V4_TARGET)
+KVAUDIT_CPU_V4_TARGET
+void sliced_dots_8(int slices, const double* q_slices, const float* const* rows, std::int64_t n,
+                   int width, double* dots) {
+  sliced_dots_lanes<8>(slices, q_slices, rows, n, width, dots);
+}
+#endif
+
+void sliced_dots(int slices, const double* q_slices, const float* const* rows, std::int64_t n,
+                 int width, double* dots) {
+#if defined(KVAUDIT_HAVE_CPU_V4_TARGET)
+  if (kvaudit_cpu_use_v4()) return sliced_dots_8(slices, q_slices, rows, n, width, dots);
+#endif
+  sliced_dots_4(slices, q_slices, rows, n, width, dots);
+}
+
+// P.V of one block of n <= 2^8 tokens, in tiles: block[k][d] += sum_t weights[t][k] * rows[t][d]
+// for tokens [t0, t1) and kVectors * W dims from d0, the dims held in registers through the
+// tokens. Every slice's block sum is exact (the bound above), so the tiles' order cannot change
+// a bit. The next tile's rows are prefetched at the same dims: the rows are walked along their
+// length, kPvTileTokens at a time, rather than down one column of 256 rows at a time, whose
+// 2,304-byte stride the hardware does not prefetch.
+constexpr int kPvTileTokens = 8;
+
+template <int K, int kVectors, int W>
+KVAUDIT_DD_INLINE void sliced_pv_tile(const double* weights, const float* const* rows, int t0,
+                                      int t1, int n, int d0, int dc, double* block) {
+  using Doubles = typename Lanes<W>::Doubles;
+  Doubles acc[K][kVectors];
+  for (int k = 0; k < K; ++k) {
+    for (int i = 0; i < kVectors; ++i) {
+      std::memcpy(&acc[k][i], block + k * dc + d0 + W * i, sizeof acc[k][i]);
+    }
+  }
+  for (int t = t0; t < t1; ++t) {
+    if (t + kPvTileTokens < n) {
+      for (int i = 0; i < kVectors * W; i += 16) {
+        __builtin_prefetch(rows[t + kPvTileTokens] + d0 + i);
+      }
+    }
+    Doubles v[kVectors];
+    for (int i = 0; i < kVectors; ++i) load_as_doubles<W>(rows[t] + d0 + W * i, v[i]);
     for (int k = 0; k < K; ++k) {
       const double w = weights[t * K + k];
       for (int i = 0; i < kVectors; ++i) acc[k][i] += w * v[i];
     }
   }
-  for (int i = 0; i < kVectors; ++i) {
-    Double4 hi, lo;
-    std::memcpy(&hi, acc_hi + d0 + 4 * i, sizeof hi);
-    std::memcpy(&lo, acc_lo + d0 + 4 * i, sizeof lo);
-    for (int k = 0; k < K; ++k) {
-      const Double4 s = hi + acc[k][i];
-      const Double4 bb = s - hi;
-      lo += (hi - (s - bb)) + (acc[k][i] - bb);
-      hi = s;
+  for (int k = 0; k < K; ++k) {
+    for (int i = 0; i < kVectors; ++i) {
+      std::memcpy(block + k * dc + d0 + W * i, &acc[k][i], sizeof acc[k][i]);
     }
-    std::memcpy(acc_hi + d0 + 4 * i, &hi, sizeof hi);
-    std::memcpy(acc_lo + d0 + 4 * i, &lo, sizeof lo);
   }
 }
 
-template <int K>
+// One block: its sums per slice in `block` ([K][dc], scratch), tile by tile (dims in groups of
+// kVectors * W, then of W, of 4 after 8, then one at a time), then added into acc_hi/acc_lo with
+// TwoSum, largest slice first.
+template <int K, int W>
 KVAUDIT_DD_INLINE void sliced_pv_impl(const double* weights, const float* const* rows, int n,
-                                      int dc, double* acc_hi, double* acc_lo) {
-  constexpr int kVectors = K <= 3 ? 4 : 2;
-  int d = 0;
-  for (; d + 4 * kVectors <= dc; d += 4 * kVectors) {
-    sliced_pv_dims<K, kVectors>(weights, rows, n, d, acc_hi, acc_lo);
+                                      int dc, double* acc_hi, double* acc_lo, double* block) {
+  constexpr int kVectors = W == 8 || K <= 3 ? 4 : 2;
+  std::fill_n(block, K * dc, 0.0);
+  for (int t0 = 0; t0 < n; t0 += kPvTileTokens) {
+    const int t1 = std::min(n, t0 + kPvTileTokens);
+    int d = 0;
+    for (; d + W * kVectors <= dc; d += W * kVectors) {
+      sliced_pv_tile<K, kVectors, W>(weights, rows, t0, t1, n, d, dc, block);
+    }
+    for (; d + W <= dc; d += W) sliced_pv_tile<K, 1, W>(weights, rows, t0, t1, n, d, dc, block);
+    if constexpr (W > 4) {
+      for (; d + 4 <= dc; d += 4) sliced_pv_tile<K, 1, 4>(weights, rows, t0, t1, n, d, dc, block);
+    }
+    for (; d < dc; ++d) {
+      for (int k = 0; k < K; ++k) {
+        for (int t = t0; t < t1; ++t) block[k * dc + d] += weights[t * K + k] * rows[t][d];
+      }
+    }
   }
-  for (; d + 4 <= dc; d += 4) sliced_pv_dims<K, 1>(weights, rows, n, d, acc_hi, acc_lo);
-  for (; d < dc; ++d) {
+  for (int d = 0; d < dc; ++d) {
     for (int k = 0; k < K; ++k) {
-      double sum = 0.0;
-      for (int t = 0; t < n; ++t) sum += weights[t * K + k] * rows[t][d];
-      const dd::DoubleDouble s = dd::two_sum(acc_hi[d], sum);
+      const dd::DoubleDouble s = dd::two_sum(acc_hi[d], block[k * dc + d]);
       acc_hi[d] = s.hi;
       acc_lo[d] += s.lo;
     }
   }
 }
 
-KVAUDIT_CPU_CLONES
-void sliced_pv_block(int slices, const double* weights, const float* const* rows, int n, int dc,
-                     double* acc_hi, double* acc_lo) {
+template <int W>
+KVAUDIT_DD_INLINE void sliced_pv_lanes(int slices, const double* weights, const float* const* rows,
+                                       int n, int dc, double* acc_hi, double* acc_lo,
+                                       double* block) {
   switch (slices) {
     case 1:
-      return sliced_pv_impl<1>(weights, rows, n, dc, acc_hi, acc_lo);
+      return sliced_pv_impl<1, W>(weights, rows, n, dc, acc_hi, acc_lo, block);
     case 2:
-      return sliced_pv_impl<2>(weights, rows, n, dc, acc_hi, acc_lo);
+      return sliced_pv_impl<2, W>(weights, rows, n, dc, acc_hi, acc_lo, block);
     case 3:
-      return sliced_pv_impl<3>(weights, rows, n, dc, acc_hi, acc_lo);
+      return sliced_pv_impl<3, W>(weights, rows, n, dc, acc_hi, acc_lo, block);
     default:  // weight_banding never picks more than kMaxFastWeightSlices
-      return sliced_pv_impl<4>(weights, rows, n, dc, acc_hi, acc_lo);
+      return sliced_pv_impl<4, W>(weights, rows, n, dc, acc_hi, acc_lo, block);
   }
+}
+
+KVAUDIT_CPU_CLONES
+void sliced_pv_block_4(int slices, const double* weights, const float* const* rows, int n, int dc,
+                       double* acc_hi, double* acc_lo, double* block) {
+  sliced_pv_lanes<4>(slices, weights, rows, n, dc, acc_hi, acc_lo, block);
+}
+#if defined(KVAUDIT_HAVE_CPU_V4_TARGET)
+KVAUDIT_CPU_V4_TARGET
+void sliced_pv_block_8(int slices, const double* weights, const float* const* rows, int n, int dc,
+                       double* acc_hi, double* acc_lo, double* block) {
+  sliced_pv_lanes<8>(slices, weights, rows, n, dc, acc_hi, acc_lo, block);
+}
+#endif
+
+// `block`: scratch of kMaxFastWeightSlices * dc doubles.
+void sliced_pv_block(int slices, const double* weights, const float* const* rows, int n, int dc,
+                     double* acc_hi, double* acc_lo, double* block) {
+#if defined(KVAUDIT_HAVE_CPU_V4_TARGET)
+  if (kvaudit_cpu_use_v4()) {
+    return sliced_pv_block_8(slices, weights, rows, n, dc, acc_hi, acc_lo, block);
+  }
+#endif
+  sliced_pv_block_4(slices, weights, rows, n, dc, acc_hi, acc_lo, block);
 }
 
 // value rounded to the grid 2^grid_exponent (exact: a power-of-two scaling, an integer rounding).
@@ -869,14 +1002,17 @@ void slice_banded_weight(const WeightBanding& banding, dd::DoubleDouble w, int b
 namespace {
 
 // The compensated P.V over many (weight, row) entries, in their order: acc += e_i * v_i over the
-// first dc values of each row. Where the CPU has AVX2 + FMA, 8 dims are held in registers through
-// all entries (the accumulators loaded and stored once per 8 dims, not once per entry), with per
-// (entry, dim) accumulate_weighted_row_fma's operations in the same order: the same bits.
+// first dc values of each row. Where the CPU has AVX2 + FMA, 8 dims (16 with AVX-512) are held in
+// registers through all entries (the accumulators loaded and stored once per 8 or 16 dims, not
+// once per entry), with per (entry, dim) accumulate_weighted_row_fma's operations in the same
+// order: the same bits.
 #if defined(KVAUDIT_HAVE_CPU_V3_TARGET)
+// Dims [d_begin, dc).
 KVAUDIT_CPU_V3_TARGET
 void accumulate_weighted_rows_fma(const dd::DoubleDouble* e, const float* const* rows, int n,
-                                  int dc, double* acc_hi, double* acc_lo) {
-  int d0 = 0;
+                                  int d_begin, int dc, double* acc_hi, double* acc_lo) {
+  using Double4 = Lanes<4>::Doubles;
+  int d0 = d_begin;
   for (; d0 + 8 <= dc; d0 += 8) {
     Double4 hi[2], lo[2];
     std::memcpy(hi, acc_hi + d0, sizeof hi);
@@ -886,7 +1022,7 @@ void accumulate_weighted_rows_fma(const dd::DoubleDouble* e, const float* const*
       const Double4 el = Double4{} + e[t].lo;
       for (int i = 0; i < 2; ++i) {
         Double4 c;
-        load_as_double4(rows[t] + d0 + 4 * i, c);
+        load_as_doubles<4>(rows[t] + d0 + 4 * i, c);
         const Double4 p = _mm256_fmadd_pd(h, c, Double4{});
         const Double4 p_error = _mm256_fmadd_pd(h, c, -p);
         const Double4 sum = hi[i] + p;
@@ -906,10 +1042,53 @@ void accumulate_weighted_rows_fma(const dd::DoubleDouble* e, const float* const*
 }
 #endif
 
+#if defined(KVAUDIT_HAVE_CPU_V4_TARGET)
+// The same with AVX-512, in tiles of kPvTileTokens entries by 16 dims (as sliced_pv_tile, the
+// rows walked along their length with the next tile's prefetched): per dim the entries are still
+// taken in their order, with the operations of the form above, so the bits are the same. The
+// dims left over (dc not a multiple of 16) take the form above.
+KVAUDIT_CPU_V4_TARGET
+void accumulate_weighted_rows_fma8(const dd::DoubleDouble* e, const float* const* rows, int n,
+                                   int dc, double* acc_hi, double* acc_lo) {
+  using Double8 = Lanes<8>::Doubles;
+  const int dims = dc - dc % 16;
+  for (int t0 = 0; t0 < n; t0 += kPvTileTokens) {
+    const int t1 = std::min(n, t0 + kPvTileTokens);
+    for (int d0 = 0; d0 < dims; d0 += 16) {
+      Double8 hi[2], lo[2];
+      std::memcpy(hi, acc_hi + d0, sizeof hi);
+      std::memcpy(lo, acc_lo + d0, sizeof lo);
+      for (int t = t0; t < t1; ++t) {
+        if (t + kPvTileTokens < n) __builtin_prefetch(rows[t + kPvTileTokens] + d0);
+        const Double8 h = Double8{} + e[t].hi;
+        const Double8 el = Double8{} + e[t].lo;
+        for (int i = 0; i < 2; ++i) {
+          Double8 c;
+          load_as_doubles<8>(rows[t] + d0 + 8 * i, c);
+          const Double8 p = _mm512_fmadd_pd(h, c, Double8{});
+          const Double8 p_error = _mm512_fmadd_pd(h, c, -p);
+          const Double8 sum = hi[i] + p;
+          const Double8 bb = sum - hi[i];
+          const Double8 err = (hi[i] - (sum - bb)) + (p - bb);
+          hi[i] = sum;
+          lo[i] += err + static_cast<Double8>(_mm512_fmadd_pd(el, c, p_error));
+        }
+      }
+      std::memcpy(acc_hi + d0, hi, sizeof hi);
+      std::memcpy(acc_lo + d0, lo, sizeof lo);
+    }
+  }
+  if (dims < dc) accumulate_weighted_rows_fma(e, rows, n, dims, dc, acc_hi, acc_lo);
+}
+#endif
+
 void accumulate_weighted_rows(const dd::DoubleDouble* e, const float* const* rows, int n, int dc,
                               double* acc_hi, double* acc_lo) {
+#if defined(KVAUDIT_HAVE_CPU_V4_TARGET)
+  if (kvaudit_cpu_use_v4()) return accumulate_weighted_rows_fma8(e, rows, n, dc, acc_hi, acc_lo);
+#endif
 #if defined(KVAUDIT_HAVE_CPU_V3_TARGET)
-  if (kvaudit_cpu_has_v3()) return accumulate_weighted_rows_fma(e, rows, n, dc, acc_hi, acc_lo);
+  if (kvaudit_cpu_has_v3()) return accumulate_weighted_rows_fma(e, rows, n, 0, dc, acc_hi, acc_lo);
 #endif
   for (int t = 0; t < n; ++t) accumulate_weighted_row_split(e[t], rows[t], dc, acc_hi, acc_lo);
 }
@@ -924,11 +1103,13 @@ class DoubleDoubleKernel {
         q_slices_(static_cast<std::size_t>(kMaxScoreSlices) * problem.width()),
         dots_(static_cast<std::size_t>(kMaxScoreSlices) * problem.max_visible),
         s_(problem.max_visible),
+        residual_dots_(problem.token_rows_lo.empty() ? 0 : problem.max_visible),
         sliced_rows_(kPvBlockTokens),
         entry_weights_(kPvBlockTokens),
         sliced_weights_(static_cast<std::size_t>(kMaxFastWeightSlices) * kPvBlockTokens),
         acc_hi_(problem.dc),
         acc_lo_(problem.dc),
+        pv_block_(static_cast<std::size_t>(kMaxFastWeightSlices) * problem.dc),
         score_bits_(problem.value_grid_bits < 0
                         ? 0
                         : score_slice_bits(problem.value_grid_bits, problem.width())),
@@ -983,10 +1164,11 @@ class DoubleDoubleKernel {
   bool score_compensated(const float* const* rows, const float* const* rows_lo, std::int64_t n,
                          dd::DoubleDouble factor) {
     const int width = p_.width();
+    compensated_dots(q_.data(), rows, n, width, s_.data());
+    if (rows_lo != nullptr) compensated_dots(q_.data(), rows_lo, n, width, residual_dots_.data());
     for (std::int64_t t = 0; t < n; ++t) {
-      dd::DoubleDouble dot = compensated_dot(q_.data(), rows[t], width);
-      if (rows_lo != nullptr) dot = dd::add(dot, compensated_dot(q_.data(), rows_lo[t], width));
-      s_[t] = dd::mul(dot, factor);
+      if (rows_lo != nullptr) s_[t] = dd::add(s_[t], residual_dots_[t]);
+      s_[t] = dd::mul(s_[t], factor);
       if (std::isnan(s_[t].hi)) return false;
     }
     return true;
@@ -1113,7 +1295,7 @@ class DoubleDoubleKernel {
 
   void flush_block(int slices, int held) {
     sliced_pv_block(slices, sliced_weights_.data(), sliced_rows_.data(), held, p_.dc,
-                    acc_hi_.data(), acc_lo_.data());
+                    acc_hi_.data(), acc_lo_.data(), pv_block_.data());
   }
 
   // Phase 4: out = scale * acc / l, lse = m + ln l.
@@ -1132,11 +1314,13 @@ class DoubleDoubleKernel {
   std::vector<double> q_slices_;  // [kMaxScoreSlices][width]
   std::vector<double> dots_;      // [token][slice]
   std::vector<dd::DoubleDouble> s_;
+  std::vector<dd::DoubleDouble> residual_dots_;  // q . row_lo, where the rows have residuals
   std::vector<const float*> sliced_rows_;        // a block's rows (sliced or compensated)
   std::vector<dd::DoubleDouble> entry_weights_;  // a compensated block's weights
   std::vector<double> sliced_weights_;           // [token][slice]
   std::vector<double> acc_hi_;
   std::vector<double> acc_lo_;
+  std::vector<double> pv_block_;           // a sliced block's sums, [slice][dim]
   int score_bits_ = 0;                     // bits per q slice; 0: no value grid, compensated scores
   WeightBanding banding_;                  // slices 0: compensated P.V
   std::vector<std::int64_t> band_tokens_;  // visible tokens ordered by band

@@ -9,12 +9,14 @@
 #include <boost/multiprecision/cpp_bin_float.hpp>
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstring>
 #include <iomanip>
 #include <limits>
 #include <random>
 #include <vector>
 
 #include "references/mla_reference.hpp"
+#include "src/core/cpu_clones.hpp"
 #include "src/core/fp8_e4m3.hpp"
 
 namespace kvaudit {
@@ -39,11 +41,14 @@ struct SlicedCase {
   int tokens = 0;
 };
 
-SlicedCase make_case(int batch, int heads, int tokens, double sm_scale) {
+// (dc, dr: other widths than GLM-5's 512 + 64 reach the loops' tails; the oracle below takes
+// 512 + 64 only.)
+SlicedCase make_case(int batch, int heads, int tokens, double sm_scale, int dc = kDc,
+                     int dr = kDr) {
   SlicedCase c;
   c.attrs.num_heads = heads;
-  c.attrs.kv_lora_rank = kDc;
-  c.attrs.qk_rope_head_dim = kDr;
+  c.attrs.kv_lora_rank = dc;
+  c.attrs.qk_rope_head_dim = dr;
   c.attrs.sm_scale = sm_scale;
   c.attrs.page_size = 1;
   c.tokens = tokens;
@@ -58,14 +63,14 @@ SlicedCase make_case(int batch, int heads, int tokens, double sm_scale) {
     c.step.kv_last_page_len.push_back(1);
     c.step.new_kv_slots.push_back(b * tokens + tokens - 1);
   }
-  c.q_nope.assign(static_cast<std::size_t>(batch) * heads * kDc, 0.0f);
-  c.q_pe.assign(static_cast<std::size_t>(batch) * heads * kDr, 0.0f);
-  c.rows.assign(static_cast<std::size_t>(batch) * tokens * kWidth, 0.0f);
+  c.q_nope.assign(static_cast<std::size_t>(batch) * heads * dc, 0.0f);
+  c.q_pe.assign(static_cast<std::size_t>(batch) * heads * dr, 0.0f);
+  c.rows.assign(static_cast<std::size_t>(batch) * tokens * (dc + dr), 0.0f);
   return c;
 }
 
 KvRows rows_of(const SlicedCase& c) {
-  return KvRows::from_values(c.rows, kWidth, c.scale, c.rows_lo);
+  return KvRows::from_values(c.rows, c.attrs.row_width(), c.scale, c.rows_lo);
 }
 
 struct Outputs {
@@ -76,7 +81,7 @@ struct Outputs {
 Outputs run_default(const SlicedCase& c) {
   Outputs r;
   r.out.assign(c.q_nope.size(), -12345.0);
-  r.lse.assign(c.q_nope.size() / kDc, -12345.0);
+  r.lse.assign(c.q_nope.size() / c.attrs.kv_lora_rank, -12345.0);
   const KvRows kv = rows_of(c);
   auto work = mla_reference_attention<dd::DoubleDouble>(c.attrs, c.step, c.q_nope, c.q_pe, kv,
                                                         r.out, r.lse, 2);
@@ -402,6 +407,70 @@ TEST_CASE("compensated path: fp32 source rows and grouped hi + lo rows", "[refer
   REQUIRE(!rows_of(grouped).has_value_grid());
   CHECK(outputs_outside_guarantee(grouped) == 0);
 }
+
+#if defined(KVAUDIT_HAVE_CPU_V4_TARGET)
+// Every output of the default run twice, with the CPU's x86-64-v4 forms (8 doubles per vector)
+// and with the 4-wide forms they replace; the number of values whose bits differ.
+int values_differing_between_widths(const SlicedCase& c) {
+  const Outputs wide = run_default(c);
+  kvaudit_cpu_v4_off = true;
+  const Outputs narrow = run_default(c);
+  kvaudit_cpu_v4_off = false;
+  int differ = 0;
+  for (std::size_t i = 0; i < wide.out.size(); ++i) {
+    differ += std::memcmp(&wide.out[i], &narrow.out[i], sizeof(double)) != 0;
+  }
+  for (std::size_t i = 0; i < wide.lse.size(); ++i) {
+    differ += std::memcmp(&wide.lse[i], &narrow.lse[i], sizeof(double)) != 0;
+  }
+  return differ;
+}
+
+// The 8-wide loops change the order of the sliced sums (exact: any order gives the same bits) and
+// hold each compensated sum's lanes and each dim's order of entries as the 4-wide ones do; the
+// cases reach every tail: dims 102 (not a multiple of 16, 8 or 4), width 109 (not of 8), 261
+// tokens (past one block, not a multiple of a tile).
+TEST_CASE("the reference's AVX-512 and 4-wide loops give the same bits", "[reference][sliced]") {
+  if (!kvaudit_cpu_has_v4()) {
+    WARN("this CPU has no x86-64-v4 (AVX-512): only the 4-wide loops run, nothing to compare");
+    return;
+  }
+  std::mt19937_64 rng(34);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (const int dc : {102, kDc}) {
+    const int dr = dc == kDc ? kDr : 7;
+    const int tokens = dc == kDc ? 300 : 261;
+    SlicedCase e4m3 = make_case(2, 3, tokens, 0.0625, dc, dr);  // 4 weight slices
+    fill_e4m3(e4m3.rows, rng);
+    fill_q(e4m3, rng, 1.0f);
+    REQUIRE(rows_of(e4m3).has_value_grid());
+    CHECK(values_differing_between_widths(e4m3) == 0);
+
+    SlicedCase small = make_case(2, 3, tokens, 0.0625, dc, dr);  // |v| < 4: 3 weight slices
+    for (float& x : small.rows) x = std::ldexp(std::round(std::ldexp(normal(rng), 6)), -6);
+    for (float& x : small.q_nope) x = std::ldexp(normal(rng), static_cast<int>(rng() % 40) - 20);
+    for (float& x : small.q_pe) x = normal(rng);  // fp32 q, wide spread: several q slices
+    REQUIRE(rows_of(small).has_value_grid());
+    CHECK(values_differing_between_widths(small) == 0);
+
+    SlicedCase source = make_case(2, 3, tokens, 0.0625, dc, dr);  // compensated
+    for (float& x : source.rows) x = std::ldexp(normal(rng), static_cast<int>(rng() % 40) - 30);
+    fill_q(source, rng, 1.0f);
+    REQUIRE(!rows_of(source).has_value_grid());
+    CHECK(values_differing_between_widths(source) == 0);
+
+    SlicedCase grouped = make_case(2, 3, tokens, 0.0625, dc, dr);  // compensated, hi + lo rows
+    grouped.rows_lo.resize(grouped.rows.size());
+    for (std::size_t k = 0; k < grouped.rows.size(); ++k) {
+      const double value = static_cast<double>(random_e4m3(rng)) * 1.2345678f;
+      grouped.rows[k] = static_cast<float>(value);
+      grouped.rows_lo[k] = static_cast<float>(value - grouped.rows[k]);
+    }
+    fill_q(grouped, rng, 1.0f);
+    CHECK(values_differing_between_widths(grouped) == 0);
+  }
+}
+#endif
 
 }  // namespace
 }  // namespace kvaudit
