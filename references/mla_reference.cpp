@@ -422,11 +422,21 @@ struct Lanes<8> {
   using Floats = float __attribute__((vector_size(32)));
 };
 
-// (By reference: a vector return value would differ in ABI between the targets.)
+// (By reference: a vector return value would differ in ABI between the targets.) Eight floats
+// become eight doubles by one vcvtps2pd written out: GCC 12 converts them as two halves joined by
+// two shuffles, which compete with the loops' multiply-adds for the same port, and these
+// templates, compiled for the default target before they are inlined into x86-64-v4 code, cannot
+// call the AVX-512 intrinsic. W = 8 is only instantiated inside such code.
 template <int W>
 KVAUDIT_DD_INLINE void load_as_doubles(const float* v, typename Lanes<W>::Doubles& out) {
   typename Lanes<W>::Floats f;
   std::memcpy(&f, v, sizeof f);
+#if defined(KVAUDIT_HAVE_CPU_V4_TARGET)
+  if constexpr (W == 8) {
+    asm("vcvtps2pd %1, %0" : "=v"(out) : "v"(f));
+    return;
+  }
+#endif
   out = __builtin_convertvector(f, typename Lanes<W>::Doubles);
 }
 
