@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "kernels/mla_attention_model.hpp"
+#include "src/core/cpu_clones.hpp"
 #include "src/core/fp8_e4m3.hpp"
 #include "src/core/parallel_for.hpp"
 
@@ -41,6 +42,44 @@ std::array<float, 256> make_e4m3_table() {
 const std::array<float, 256>& e4m3_table() {
   static const std::array<float, 256> table = make_e4m3_table();
   return table;
+}
+
+// s[t] = sum_j q[j] * cols[j][t] for t < n (cols: [width, kTile]), each summed in index order
+// j = 0, 1, ..., vectorised over t. A full tile (n = kTile) keeps its sums in registers through
+// all j. Cloned for x86-64-v3 and -v4; with -ffp-contract=off (kernels/CMakeLists.txt) every
+// clone rounds each product and each sum, in the same order: the same bits.
+template <int kN>
+void tile_scores_fixed(const float* q, const float* cols, int width, float* s) {
+  float sums[kN] = {};
+  for (int j = 0; j < width; ++j) {
+    const float qj = q[j];
+    const float* col = cols + static_cast<std::size_t>(j) * kTile;
+    for (int t = 0; t < kN; ++t) sums[t] += qj * col[t];
+  }
+  std::copy_n(sums, kN, s);
+}
+
+KVAUDIT_CPU_CLONES_V4
+void tile_scores(const float* q, const float* cols, int width, int n, float* s) {
+  if (n == kTile) return tile_scores_fixed<kTile>(q, cols, width, s);
+  for (int t = 0; t < n; ++t) s[t] = 0.0f;
+  for (int j = 0; j < width; ++j) {
+    const float qj = q[j];
+    const float* col = cols + static_cast<std::size_t>(j) * kTile;
+    for (int t = 0; t < n; ++t) s[t] += qj * col[t];
+  }
+}
+
+// acc[d] = acc[d] * alpha, then acc[d] += p[t] * rows[t][d] for t < n in order (rows: [n,
+// width]), vectorised over d; cloned as tile_scores, the same bits in every clone.
+KVAUDIT_CPU_CLONES_V4
+void tile_pv(const float* p, const float* rows, int width, int dc, int n, float alpha, float* acc) {
+  for (int d = 0; d < dc; ++d) acc[d] *= alpha;
+  for (int t = 0; t < n; ++t) {
+    const float pt = p[t];
+    const float* v = rows + static_cast<std::size_t>(t) * width;
+    for (int d = 0; d < dc; ++d) acc[d] += pt * v[d];
+  }
 }
 
 // The problem as the tile worker reads it: the caller's arrays and the split of each row's heads
@@ -208,12 +247,7 @@ class TileWorker {
   void qk_scores(int h, int n, float (&s)[kTile]) const {
     const int width = p_.width();
     const float* q = q_.data() + static_cast<std::size_t>(h) * width;
-    for (int t = 0; t < n; ++t) s[t] = 0.0f;
-    for (int j = 0; j < width; ++j) {
-      const float qj = q[j];
-      const float* col = tile_cols_.data() + static_cast<std::size_t>(j) * kTile;
-      for (int t = 0; t < n; ++t) s[t] += qj * col[t];
-    }
+    tile_scores(q, tile_cols_.data(), width, n, s);
   }
 
   // Scales the scores, moves m and l onto the tile's max and fills p (p[n .. n_read) = 0, the
@@ -251,12 +285,9 @@ class TileWorker {
     const int width = p_.width();
     const int dc = p_.dc;
     float* acc = acc_.data() + static_cast<std::size_t>(h) * dc;
-    for (int d = 0; d < dc; ++d) acc[d] *= alpha;
-    for (int t = 0; t < n_read; ++t) {
-      const float pb = bf16_round(p[t]);  // mla::kRoundProbabilitiesToBf16
-      const float* v = tile_rows_.data() + static_cast<std::size_t>(t) * width;
-      for (int d = 0; d < dc; ++d) acc[d] += pb * v[d];
-    }
+    float pb[kTile];
+    for (int t = 0; t < n_read; ++t) pb[t] = bf16_round(p[t]);  // mla::kRoundProbabilitiesToBf16
+    tile_pv(pb, tile_rows_.data(), width, dc, n_read, alpha, acc);
   }
 
   const CpuProblem& p_;

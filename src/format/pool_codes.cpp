@@ -6,21 +6,27 @@
 namespace kvaudit {
 namespace {
 
-// Adds the counts of `count` stored elements starting at `bytes`.
+// Adds the counts of `count` stored elements starting at `bytes`. (Counted in locals: a store to
+// `counts` inside the loop could alias the bytes, as any store may alias a byte array, which kept
+// the loops from vectorising.)
 void add_codes(KvDtype dtype, const std::uint8_t* bytes, std::size_t count,
                PoolCodeCounts& counts) {
+  std::int64_t nan = 0;
+  std::int64_t saturated = 0;
   if (dtype == KvDtype::kFloat8E4m3fn) {
     for (std::size_t i = 0; i < count; ++i) {
       const std::uint8_t magnitude = bytes[i] & 0x7F;
-      counts.nan += magnitude == kE4m3NanCode;
-      counts.saturated += magnitude == kE4m3MaxFiniteCode;
+      nan += magnitude == kE4m3NanCode;
+      saturated += magnitude == kE4m3MaxFiniteCode;
     }
-    return;
+  } else {
+    for (std::size_t i = 0; i < count; ++i) {
+      const auto bits = static_cast<std::uint16_t>(bytes[2 * i] | (bytes[2 * i + 1] << 8));
+      nan += (bits & 0x7FFF) > 0x7F80;  // exponent all ones, mantissa non-zero
+    }
   }
-  for (std::size_t i = 0; i < count; ++i) {
-    const std::uint16_t bits = static_cast<std::uint16_t>(bytes[2 * i] | (bytes[2 * i + 1] << 8));
-    counts.nan += (bits & 0x7FFF) > 0x7F80;  // exponent all ones, mantissa non-zero
-  }
+  counts.nan += nan;
+  counts.saturated += saturated;
 }
 
 // One slot: the whole row of a v1 pool; a per_token_group slot's latent codes and its RoPE part
