@@ -38,14 +38,15 @@
 //       cpp_bin_float at 50 and 100 digits (tests/references/test_mla_reference_sliced.cpp checks
 //       the nearest-double statement itself against a 100-digit oracle). Throughput at D = 576,
 //       16 heads, e4m3 values (`kvaudit bench --cpu-only --cpu-seconds 3`, 2 threads, on a
-//       2-core Intel Xeon without a GPU, 2026-12-05, three runs at load 5): 2.1e6-2.2e6
-//       rows*heads*tokens per second, 1.14-1.20x a plain binary64 loop over the same step in the
-//       same run (1.10-1.12x with the weights sliced per band, quiet machine, three runs) (the
-//       compensated sums before the slicing: 1.50-2.20x under load, 3.26x on the quiet machine;
-//       x86-64-v3 clones of the hot loops where the CPU has AVX2 + FMA). The bench's values (|v|
-//       < 3.75, 11 bits) take 3 weight slices per band; a calibrated pool (values to 448, 18 bits)
-//       takes 4, which beats the register-tiled compensated sum that rows without a value grid
-//       (fp32 or bf16 source values) keep (about 2-3x the plain loop).
+//       2-core Intel Xeon with AVX-512 and without a GPU, 2026-12-05, three runs alternating with
+//       the code before): 6.1e6-6.5e6 rows*heads*tokens per second, 0.79-0.92x a plain binary64
+//       loop over the same step in the same run (before: 3.2e6-3.8e6, 1.14-1.74x; the
+//       compensated sums before the slicing: 1.50-2.20x under load, 3.26x on a quiet machine).
+//       The hot loops have x86-64-v3 clones (AVX2 + FMA) and, where the CPU has x86-64-v4, forms
+//       of 8 doubles per vector that give the same bits (a test runs both on such a CPU). The
+//       bench's values (|v| < 3.75, 11 bits) take 3 weight slices per band; a calibrated pool
+//       (values to 448, 18 bits) takes 4, which beats the register-tiled compensated sum that
+//       rows without a value grid (fp32 or bf16 source values) keep.
 //   Float50 / Float100 (tags for boost::multiprecision::cpp_bin_float_50/_100, which
 //       references/mla_reference.cpp maps them to, so that Boost stays out of this header) — the
 //       same formulas evaluated naively in the multiprecision type; slow; they check the default.

@@ -12,10 +12,10 @@
 # Then `kvaudit check --backend cpu-fp8 --verbose` on it, timed with /usr/bin/time, prints the
 # split the check reports (reading, reference, backend, comparisons) and the wall time.
 #
-# Measured 2026-12-05 on a 2-core Xeon without a GPU, nothing else running: context 512: 4.58 s
-# wall; KVAUDIT_CONTEXT=4096: 39.5 s (45.9 s before the weights were sliced per band;
-# reports/whole-model-speed.md). Beside other builds (load 4-7) the same dumps took 9.5-12.4 s and
-# 127.7 s before that change.
+# Measured 2026-12-05 on a 2-core Xeon with AVX-512 and without a GPU (reports/whole-model-speed.md):
+# KVAUDIT_CONTEXT=4096: 27.9 s and 29.4 s wall, against 47.0 s for the code before the reference's
+# AVX-512 loops run between them (39.5 s the same morning on another machine of the kind, 45.9 s
+# before the weights were sliced per band); context 512: 4.2-4.9 s.
 #
 # Usage: scripts/bench-decode-only.sh [KVAUDIT_BINARY] (default build-cpu/kvaudit)
 #   KVAUDIT_DUMP_DIR  where the dump goes (default build/decode-only)
