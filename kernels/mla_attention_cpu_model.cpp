@@ -228,9 +228,19 @@ class TileWorker {
         for (int j = 0; j < width; ++j) dst[j] = table[codes[j]];
       }
     }
-    for (int t = 0; t < n; ++t) {
-      const float* src = tile_rows_.data() + static_cast<std::size_t>(t) * width;
-      for (int j = 0; j < width; ++j) tile_cols_[static_cast<std::size_t>(j) * kTile + t] = src[j];
+    transpose_tile(n, width);
+  }
+
+  // tile_cols_[j][t] = tile_rows_[t][j], in blocks of 16 columns (16 destination rows of the
+  // tile written at once rather than all 576: they stay in L1 while the 64 tokens fill them).
+  void transpose_tile(int n, int width) {
+    constexpr int kColumns = 16;
+    for (int j0 = 0; j0 < width; j0 += kColumns) {
+      const int j1 = std::min(width, j0 + kColumns);
+      for (int t = 0; t < n; ++t) {
+        const float* src = tile_rows_.data() + static_cast<std::size_t>(t) * width;
+        for (int j = j0; j < j1; ++j) tile_cols_[static_cast<std::size_t>(j) * kTile + t] = src[j];
+      }
     }
   }
 
