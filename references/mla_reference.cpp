@@ -328,9 +328,12 @@ bool spans_too_many_bits(std::span<const float> values, int max_bits, int thread
 // for; other values are scanned for their lowest set bit too, stopping once they span too much.
 void KvRows::find_value_grid(std::span<const float> values, bool e4m3_values, int threads) {
   has_value_grid_ = false;
-  if (!e4m3_values && spans_too_many_bits(values, kMaxGridBits, threads)) return;
+  row_on_grid_.clear();
+  if (!e4m3_values && spans_too_many_bits(values, kMaxGridBits, threads)) {
+    return find_row_grids(values, threads);
+  }
   const GridScan scan = scan_values(values, e4m3_values, kMaxGridBits, threads);
-  if (scan.unbounded) return;
+  if (scan.unbounded) return find_row_grids(values, threads);
   int low = scan.low;
   int top = scan.top;
   if (e4m3_values) {
@@ -339,10 +342,71 @@ void KvRows::find_value_grid(std::span<const float> values, bool e4m3_values, in
   } else if (low > top) {
     low = top = 0;  // no nonzero finite value
   }
-  if (top - low > kMaxGridBits) return;
+  if (top - low > kMaxGridBits) return find_row_grids(values, threads);
   has_value_grid_ = true;
   grid_exponent_ = low;
   magnitude_bits_ = top - low;
+}
+
+namespace {
+
+// Whether a row's finite nonzero values span at most `bits` bits (top - lowest last bit, as
+// float_exponents defines them) with no infinity; NaNs are skipped. One pass on the values' bits
+// that the compiler vectorises: a value's last bit is its exponent (at least 1 for subnormals)
+// - 150 plus the position of its significand's lowest set bit, found as the exponent of that bit
+// converted to a float (exact: a power of two).
+KVAUDIT_CPU_CLONES_V4
+bool row_spans_at_most(const float* row, int width, int bits) {
+  constexpr std::int32_t kNone = 1 << 20;
+  std::int32_t largest = 0;     // the largest |v|'s bits among finite values
+  std::int32_t lowest = kNone;  // the lowest last-bit exponent, + 150
+  std::int32_t infinite = 0;
+  for (int j = 0; j < width; ++j) {
+    std::int32_t bits_of_v;
+    std::memcpy(&bits_of_v, row + j, sizeof bits_of_v);
+    const std::int32_t a = bits_of_v & 0x7fffffff;
+    const std::int32_t field = a >> 23;
+    // Masks and arithmetic rather than branches or selects, which keep GCC from vectorising.
+    const std::int32_t keep = -static_cast<std::int32_t>((a != 0) & (field != 0xff));
+    const std::int32_t significand = (a & 0x7fffff) | (static_cast<std::int32_t>(field != 0) << 23);
+    const std::int32_t lowest_bit = significand & -significand;  // <= 2^23: exact as a float
+    const float lowest_bit_value = static_cast<float>(lowest_bit);
+    std::int32_t lowest_bit_bits;
+    std::memcpy(&lowest_bit_bits, &lowest_bit_value, sizeof lowest_bit_bits);
+    const std::int32_t last =
+        field + static_cast<std::int32_t>(field == 0) + (lowest_bit_bits >> 23) - 127;
+    lowest = std::min(lowest, (last & keep) | (kNone & ~keep));
+    largest = std::max(largest, a & keep);
+    infinite |= static_cast<std::int32_t>(a == 0x7f800000);
+  }
+  if (infinite != 0) return false;
+  if (largest == 0) return true;
+  const int top = float_exponents(std::bit_cast<float>(largest)).top;
+  return top - (lowest - 150) <= bits;
+}
+
+}  // namespace
+
+// Rows on up to `threads` threads; each row's answer is its own, so the same for any count.
+void KvRows::find_row_grids(std::span<const float> values, int threads) {
+  const std::size_t width = static_cast<std::size_t>(row_width_);
+  const std::size_t rows = width > 0 ? values.size() / width : 0;
+  row_on_grid_.assign(rows, 0);
+  constexpr std::size_t kRowsPerUnit = 1024;
+  parallel_for((rows + kRowsPerUnit - 1) / kRowsPerUnit, threads, [&] {
+    return [&](std::size_t unit) {
+      const std::size_t end = std::min(rows, (unit + 1) * kRowsPerUnit);
+      for (std::size_t r = unit * kRowsPerUnit; r < end; ++r) {
+        row_on_grid_[r] = row_spans_at_most(values.data() + r * width, row_width_, kRowGridBits);
+      }
+    };
+  });
+}
+
+bool KvRows::row_on_grid(std::int64_t slot) const {
+  if (row_on_grid_.empty()) return false;
+  const float* r = row(slot);
+  return r != nullptr && row_on_grid_[static_cast<std::size_t>((r - values_) / row_width_)] != 0;
 }
 
 const float* KvRows::row(std::int64_t slot) const {
@@ -733,7 +797,10 @@ void weight_exps(const dd::DoubleDouble* x, std::int64_t n, dd::DoubleDouble* ou
 // slices stop when the remainder is zero (bf16 q: usually 1, fp32 q: 2 or 3; more than
 // kMaxScoreSlices or a non-finite q: the compensated dot below). Each slice's dot product with a
 // KV row is exact by the bound above; the Kq exact dots are added in double-double (error
-// <= Kq 2^-106 sum_j |q_j k_j|, below the compensated dot's bound).
+// <= Kq 2^-106 sum_j |q_j k_j|, below the compensated dot's bound). The bound needs only the one
+// row's values on a grid 2^G with |V| < 2^bV: where the rows have no grid as a whole (source
+// values), a row within KvRows::kRowGridBits bits of its own largest value (KvRows::row_on_grid)
+// takes these dots with bV = kRowGridBits, the other rows the compensated dot.
 //
 // P.V. The weights w_t = exp(s_t - m) (double-double; the largest is 1 up to the score's low
 // word, so w_t < 2 unless |m| >= 2^53, where that low word can pass ln 2: a weight of 2 or more
@@ -1129,15 +1196,16 @@ class DoubleDoubleKernel {
         dots_(static_cast<std::size_t>(kMaxScoreSlices) * problem.max_visible),
         s_(problem.max_visible),
         residual_dots_(problem.token_rows_lo.empty() ? 0 : problem.max_visible),
+        split_rows_(problem.token_on_grid.empty() ? 0 : problem.max_visible),
+        split_tokens_(split_rows_.size()),
+        other_dots_(split_rows_.size()),
         sliced_rows_(kPvBlockTokens),
         entry_weights_(kPvBlockTokens),
         sliced_weights_(static_cast<std::size_t>(kMaxFastWeightSlices) * kPvBlockTokens),
         acc_hi_(problem.dc),
         acc_lo_(problem.dc),
         pv_block_(static_cast<std::size_t>(kMaxFastWeightSlices) * problem.dc),
-        score_bits_(problem.value_grid_bits < 0
-                        ? 0
-                        : score_slice_bits(problem.value_grid_bits, problem.width())),
+        score_bits_(score_bits_of(problem)),
         banding_(problem.value_grid_bits < 0 ? WeightBanding{}
                                              : weight_banding(problem.value_grid_bits)),
         band_tokens_(banding_.slices > 0 ? problem.max_visible : 0),
@@ -1154,7 +1222,9 @@ class DoubleDoubleKernel {
     const std::int64_t n = p_.visible_of_row[row];
     const float* const* rows_lo =
         p_.token_rows_lo.empty() ? nullptr : p_.token_rows_lo[p_.request_of_row[row]].data();
-    const bool finite = score_tokens(rows, rows_lo, n);
+    const std::uint8_t* on_grid =
+        p_.token_on_grid.empty() ? nullptr : p_.token_on_grid[p_.request_of_row[row]].data();
+    const bool finite = score_tokens(rows, rows_lo, on_grid, n);
     if (!finite) return p_.write_nan(row, head);
     const double m = max_score(n);
     const dd::DoubleDouble l = weigh_tokens(n, m);
@@ -1169,18 +1239,62 @@ class DoubleDoubleKernel {
   }
 
  private:
+  // Bits per q slice: from the rows' value grid, else from the per-row grids' bound; 0 (the
+  // compensated dots) where neither exists.
+  static int score_bits_of(const Problem& p) {
+    if (p.value_grid_bits >= 0) return score_slice_bits(p.value_grid_bits, p.width());
+    if (p.row_grid_bits >= 0) return score_slice_bits(p.row_grid_bits, p.width());
+    return 0;
+  }
+
   // Phase 1: s_t = sm_scale * scale * (q . k_t) for every visible token; false at a NaN score.
-  bool score_tokens(const float* const* rows, const float* const* rows_lo, std::int64_t n) {
+  // on_grid (per-row grids, else nullptr): which tokens' rows take the sliced dots.
+  bool score_tokens(const float* const* rows, const float* const* rows_lo,
+                    const std::uint8_t* on_grid, std::int64_t n) {
     const dd::DoubleDouble factor = dd::two_prod(p_.sm_scale, p_.scale);
     const int slices = score_bits_ > 0 ? slice_q() : 0;
     if (slices == 0) return score_compensated(rows, rows_lo, n, factor);
+    if (on_grid != nullptr) return score_by_row(rows, on_grid, n, slices, factor);
     const int width = p_.width();
     sliced_dots(slices, q_slices_.data(), rows, n, width, dots_.data());
     for (std::int64_t t = 0; t < n; ++t) {
-      const double* d = dots_.data() + t * slices;
-      dd::DoubleDouble dot{d[0], 0.0};
-      for (int k = 1; k < slices; ++k) dot = dd::add(dot, d[k]);
-      s_[t] = dd::mul(dot, factor);
+      s_[t] = dd::mul(sliced_dot(t, slices), factor);
+      if (std::isnan(s_[t].hi)) return false;
+    }
+    return true;
+  }
+
+  // The sum of the i-th dot's slices (dots_), largest first, in double-double.
+  dd::DoubleDouble sliced_dot(std::int64_t i, int slices) const {
+    const double* d = dots_.data() + i * slices;
+    dd::DoubleDouble dot{d[0], 0.0};
+    for (int k = 1; k < slices; ++k) dot = dd::add(dot, d[k]);
+    return dot;
+  }
+
+  // Per-row grids: the tokens whose rows span at most row_grid_bits take the sliced dots, the
+  // others the compensated ones; each dot is its token's alone, so the split changes no other's.
+  bool score_by_row(const float* const* rows, const std::uint8_t* on_grid, std::int64_t n,
+                    int slices, dd::DoubleDouble factor) {
+    std::int64_t sliced = 0;
+    for (std::int64_t t = 0; t < n; ++t) {
+      if (on_grid[t] == 0) continue;
+      split_rows_[sliced] = rows[t];
+      split_tokens_[sliced++] = t;
+    }
+    std::int64_t other = sliced;
+    for (std::int64_t t = 0; t < n; ++t) {
+      if (on_grid[t] != 0) continue;
+      split_rows_[other] = rows[t];
+      split_tokens_[other++] = t;
+    }
+    const int width = p_.width();
+    sliced_dots(slices, q_slices_.data(), split_rows_.data(), sliced, width, dots_.data());
+    for (std::int64_t i = 0; i < sliced; ++i) s_[split_tokens_[i]] = sliced_dot(i, slices);
+    compensated_dots(q_.data(), split_rows_.data() + sliced, n - sliced, width, other_dots_.data());
+    for (std::int64_t i = sliced; i < n; ++i) s_[split_tokens_[i]] = other_dots_[i - sliced];
+    for (std::int64_t t = 0; t < n; ++t) {
+      s_[t] = dd::mul(s_[t], factor);
       if (std::isnan(s_[t].hi)) return false;
     }
     return true;
@@ -1340,6 +1454,11 @@ class DoubleDoubleKernel {
   std::vector<double> dots_;      // [token][slice]
   std::vector<dd::DoubleDouble> s_;
   std::vector<dd::DoubleDouble> residual_dots_;  // q . row_lo, where the rows have residuals
+  // Per-row grids: the rows of the sliced tokens, then of the compensated ones, with their
+  // tokens; the compensated ones' dots.
+  std::vector<const float*> split_rows_;
+  std::vector<std::int64_t> split_tokens_;
+  std::vector<dd::DoubleDouble> other_dots_;
   std::vector<const float*> sliced_rows_;        // a block's rows (sliced or compensated)
   std::vector<dd::DoubleDouble> entry_weights_;  // a compensated block's weights
   std::vector<double> sliced_weights_;           // [token][slice]
@@ -1403,16 +1522,21 @@ Status resolve_token_rows(const StepMeta& step, int page_size, const KvRows& kv,
                           const std::string& where, Problem* problem) {
   problem->token_rows.resize(step.batch_size());
   if (kv.has_residual()) problem->token_rows_lo.resize(step.batch_size());
+  const bool row_grids = !kv.has_value_grid() && kv.has_row_grids();
+  problem->row_grid_bits = row_grids ? KvRows::kRowGridBits : -1;
+  if (row_grids) problem->token_on_grid.resize(step.batch_size());
   for (int b = 0; b < step.batch_size(); ++b) {
     if (step.rows_of(b) == 0) continue;
     const std::int64_t len = step.kv_len(b, page_size);
     auto& token_rows = problem->token_rows[b];
     token_rows.resize(static_cast<std::size_t>(len));
     if (kv.has_residual()) problem->token_rows_lo[b].resize(static_cast<std::size_t>(len));
+    if (row_grids) problem->token_on_grid[b].resize(static_cast<std::size_t>(len));
     for (std::int64_t p = 0; p < len; ++p) {
       const std::int64_t slot = step.slot_of(b, p, page_size);
       token_rows[p] = kv.row(slot);
       if (kv.has_residual()) problem->token_rows_lo[b][p] = kv.row_lo(slot);
+      if (row_grids) problem->token_on_grid[b][p] = kv.row_on_grid(slot) ? 1 : 0;
       if (token_rows[p] == nullptr) {
         return internal_error(
             where,

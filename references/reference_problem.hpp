@@ -37,6 +37,12 @@ struct ReferenceProblem {
   // KvRows::magnitude_bits() where the rows have a value grid (KvRows::has_value_grid), else -1:
   // the CPU reference's exact sliced path reads it; the GPU reference ignores it.
   int value_grid_bits = -1;
+  // Where value_grid_bits < 0 and KvRows found per-row grids (KvRows::has_row_grids):
+  // KvRows::kRowGridBits, and per request whether each position's row spans at most that many
+  // bits (1) or not (0); else -1 and empty. The CPU reference slices those rows' scores; the GPU
+  // reference ignores it.
+  int row_grid_bits = -1;
+  std::vector<std::vector<std::uint8_t>> token_on_grid;
   int threads = 0;  // host threads for the GPU reference's copies (0: every core)
 
   int width() const { return dc + dr; }

@@ -408,6 +408,118 @@ TEST_CASE("compensated path: fp32 source rows and grouped hi + lo rows", "[refer
   CHECK(outputs_outside_guarantee(grouped) == 0);
 }
 
+TEST_CASE("KvRows marks the rows whose values span at most kRowGridBits bits",
+          "[reference][sliced]") {
+  constexpr int kWidth8 = 8;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  const float bits27 = std::ldexp(1.0f, -26);  // with 1.5 (< 2^1): 1 - (-26) = 27 bits
+  const float bits28 = std::ldexp(1.0f, -27);
+  std::vector<float> values = {
+      1.5f,
+      bits27,
+      -1.0f,
+      nan,
+      0.0f,
+      0.5f,
+      1.0f,
+      -1.5f,  // 27 bits: on its grid
+      1.5f,
+      bits28,
+      -1.0f,
+      0.0f,
+      0.0f,
+      0.5f,
+      1.0f,
+      -1.5f,  // 28 bits
+      1.5f,
+      inf,
+      1.0f,
+      0.0f,
+      0.0f,
+      0.0f,
+      0.0f,
+      0.0f,  // an infinity
+      0.0f,
+      0.0f,
+      0.0f,
+      0.0f,
+      0.0f,
+      0.0f,
+      0.0f,
+      0.0f,  // zeros
+      std::ldexp(1.0f, -149),
+      std::ldexp(3.0f, -141),
+      0.0f,
+      0.0f,
+      0.0f,
+      0.0f,
+      0.0f,
+      0.0f,
+      1.0f + std::ldexp(1.0f, -23),
+      -0.75f,
+      0.0f,
+      0.0f,
+      0.0f,
+      0.0f,
+      0.0f,
+      0.0f,  // 24 bits
+  };
+  const KvRows rows = KvRows::from_values(values, kWidth8);
+  REQUIRE(!rows.has_value_grid());  // 2^-149 and 1.5 in one tensor: far more than 30 bits
+  REQUIRE(rows.has_row_grids());
+  CHECK(rows.row_on_grid(0));
+  CHECK(!rows.row_on_grid(1));
+  CHECK(!rows.row_on_grid(2));
+  CHECK(rows.row_on_grid(3));
+  CHECK(rows.row_on_grid(4));  // subnormals: 2^-149 .. 3 * 2^-141 (< 2^-139), 10 bits
+  CHECK(rows.row_on_grid(5));
+  CHECK(!rows.row_on_grid(6));  // no such slot
+
+  // e4m3 values have a grid as a whole: no per-row grids.
+  std::vector<float> e4m3(16, 0.0f);
+  e4m3[0] = 448.0f;
+  e4m3[9] = std::ldexp(1.0f, -9);
+  const KvRows graded = KvRows::from_values(e4m3, kWidth8);
+  CHECK(graded.has_value_grid());
+  CHECK(!graded.has_row_grids());
+}
+
+// Source rows (bf16 values, no grid as a whole): rows within 27 bits take the sliced scores,
+// wider ones the compensated; both against the 100-digit oracle. The first rows of each request
+// span exactly 27 bits (every value of full magnitude, one value 27 bits down) and q has one sign.
+TEST_CASE("per-row grids: bf16 source rows at the 27-bit bound and wider ones against the oracle",
+          "[reference][sliced]") {
+  std::mt19937_64 rng(27);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  SlicedCase c = make_case(2, 2, 300, 0.0625);
+  for (float& x : c.rows) x = bf16_round(normal(rng));
+  for (int b = 0; b < 2; ++b) {
+    for (int t = 0; t < 300; ++t) {
+      float* row = c.rows.data() + (static_cast<std::size_t>(b) * 300 + t) * kWidth;
+      if (t < 40) {  // at the bound: |v| < 2^1, one value at 2^-26
+        std::fill_n(row, kWidth, 1.9921875f);
+        row[t % kWidth] = std::ldexp(1.0f, -26);
+      } else if (t % 7 == 0) {  // wider than 27 bits: compensated
+        row[t % kWidth] = std::ldexp(row[t % kWidth], -30);
+      }
+    }
+  }
+  // 1 - 2^-17: two slices of the bound's 16 bits, the first of full magnitude. (A slice one bit
+  // wider would round these sums by about 2^-54 of the score, below what the outputs show: this
+  // case checks the path against the oracle, the test above the rows' bound.)
+  for (float& x : c.q_nope) x = 1.0f - std::ldexp(1.0f, -17);
+  for (float& x : c.q_pe) x = std::ldexp(normal(rng), static_cast<int>(rng() % 12) - 6);
+  const KvRows kv = rows_of(c);
+  REQUIRE(!kv.has_value_grid());
+  REQUIRE(kv.has_row_grids());
+  int on = 0;
+  for (int s = 0; s < 600; ++s) on += kv.row_on_grid(s);
+  CHECK(on > 300);
+  CHECK(on < 600);
+  CHECK(outputs_outside_guarantee(c) == 0);
+}
+
 #if defined(KVAUDIT_HAVE_CPU_V4_TARGET)
 // Every output of the default run twice, with the CPU's x86-64-v4 forms (8 doubles per vector)
 // and with the 4-wide forms they replace; the number of values whose bits differ.
