@@ -13,8 +13,8 @@
 # split the check reports (reading, reference, backend, comparisons) and the wall time.
 #
 # Measured 2026-12-05 on a 2-core Xeon with AVX-512 and without a GPU (reports/whole-model-speed.md):
-# KVAUDIT_CONTEXT=4096: 27.9 s and 29.4 s wall, against 47.0 s for the code before the reference's
-# AVX-512 loops run between them (39.5 s the same morning on another machine of the kind, 45.9 s
+# KVAUDIT_CONTEXT=4096: 26.6-27.6 s wall; 27.9 s and 29.4 s a little earlier, against 47.0 s for
+# the code before the reference's AVX-512 loops run between them (39.5 s the same morning on another machine of the kind, 45.9 s
 # before the weights were sliced per band); context 512: 4.2-4.9 s.
 #
 # Usage: scripts/bench-decode-only.sh [KVAUDIT_BINARY] (default build-cpu/kvaudit)
