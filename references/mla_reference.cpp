@@ -1138,7 +1138,9 @@ void accumulate_weighted_rows_fma(const dd::DoubleDouble* e, const float* const*
 // The same with AVX-512, in tiles of kPvTileTokens entries by 16 dims (as sliced_pv_tile, the
 // rows walked along their length with the next tile's prefetched): per dim the entries are still
 // taken in their order, with the operations of the form above, so the bits are the same. The
-// dims left over (dc not a multiple of 16) take the form above.
+// dims left over (dc not a multiple of 16) take the form above. (Written out a second time rather
+// than shared as a template: the fused multiply-add intrinsics may only be called from code built
+// for their target, which a template instantiated outside it is not.)
 KVAUDIT_CPU_V4_TARGET
 void accumulate_weighted_rows_fma8(const dd::DoubleDouble* e, const float* const* rows, int n,
                                    int dc, double* acc_hi, double* acc_lo) {

@@ -167,6 +167,17 @@ void fill_e4m3(std::vector<float>& v, std::mt19937_64& rng) {
   for (float& x : v) x = random_e4m3(rng);
 }
 
+// Rows of a per_token_group pool: code * group scale (a float of 24 bits) as hi + lo, as
+// KvRows::from_pool holds them.
+void fill_grouped_rows(SlicedCase& c, std::mt19937_64& rng) {
+  c.rows_lo.resize(c.rows.size());
+  for (std::size_t k = 0; k < c.rows.size(); ++k) {
+    const double value = static_cast<double>(random_e4m3(rng)) * 1.2345678f;
+    c.rows[k] = static_cast<float>(value);
+    c.rows_lo[k] = static_cast<float>(value - c.rows[k]);
+  }
+}
+
 // bf16 q, each part scaled (the scores' spread follows).
 void fill_q(SlicedCase& c, std::mt19937_64& rng, float pe_scale, float nope_scale = 1.0f) {
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
@@ -396,13 +407,7 @@ TEST_CASE("compensated path: fp32 source rows and grouped hi + lo rows", "[refer
   CHECK(outputs_outside_guarantee(source) == 0);
 
   SlicedCase grouped = make_case(2, 2, 150, 0.0625);  // 300 entries: hi and lo rows
-  grouped.rows_lo.resize(grouped.rows.size());
-  for (std::size_t k = 0; k < grouped.rows.size(); ++k) {
-    // code * group scale (a float with 24 bits) as hi + lo, as KvRows::from_pool holds it
-    const double value = static_cast<double>(random_e4m3(rng)) * 1.2345678f;
-    grouped.rows[k] = static_cast<float>(value);
-    grouped.rows_lo[k] = static_cast<float>(value - grouped.rows[k]);
-  }
+  fill_grouped_rows(grouped, rng);
   fill_q(grouped, rng, 1.0f);
   REQUIRE(!rows_of(grouped).has_value_grid());
   CHECK(outputs_outside_guarantee(grouped) == 0);
@@ -415,56 +420,20 @@ TEST_CASE("KvRows marks the rows whose values span at most kRowGridBits bits",
   const float inf = std::numeric_limits<float>::infinity();
   const float bits27 = std::ldexp(1.0f, -26);  // with 1.5 (< 2^1): 1 - (-26) = 27 bits
   const float bits28 = std::ldexp(1.0f, -27);
-  std::vector<float> values = {
-      1.5f,
-      bits27,
-      -1.0f,
-      nan,
-      0.0f,
-      0.5f,
-      1.0f,
-      -1.5f,  // 27 bits: on its grid
-      1.5f,
-      bits28,
-      -1.0f,
-      0.0f,
-      0.0f,
-      0.5f,
-      1.0f,
-      -1.5f,  // 28 bits
-      1.5f,
-      inf,
-      1.0f,
-      0.0f,
-      0.0f,
-      0.0f,
-      0.0f,
-      0.0f,  // an infinity
-      0.0f,
-      0.0f,
-      0.0f,
-      0.0f,
-      0.0f,
-      0.0f,
-      0.0f,
-      0.0f,  // zeros
-      std::ldexp(1.0f, -149),
-      std::ldexp(3.0f, -141),
-      0.0f,
-      0.0f,
-      0.0f,
-      0.0f,
-      0.0f,
-      0.0f,
-      1.0f + std::ldexp(1.0f, -23),
-      -0.75f,
-      0.0f,
-      0.0f,
-      0.0f,
-      0.0f,
-      0.0f,
-      0.0f,  // 24 bits
+  // One row each, padded with zeros to kWidth8 values.
+  const std::vector<std::vector<float>> row_values = {
+      {1.5f, bits27, -1.0f, nan, 0.5f, 1.0f, -1.5f},  // 27 bits: on its grid
+      {1.5f, bits28, -1.0f, 0.5f, 1.0f, -1.5f},       // 28 bits
+      {1.5f, inf, 1.0f},                              // an infinity
+      {},                                             // zeros
+      {std::ldexp(1.0f, -149), std::ldexp(3.0f, -141)},
+      {1.0f + std::ldexp(1.0f, -23), -0.75f},  // 24 bits
   };
+  std::vector<float> values;
+  for (const std::vector<float>& row : row_values) {
+    values.insert(values.end(), row.begin(), row.end());
+    values.resize(values.size() + kWidth8 - row.size(), 0.0f);
+  }
   const KvRows rows = KvRows::from_values(values, kWidth8);
   REQUIRE(!rows.has_value_grid());  // 2^-149 and 1.5 in one tensor: far more than 30 bits
   REQUIRE(rows.has_row_grids());
@@ -572,12 +541,7 @@ TEST_CASE("the reference's AVX-512 and 4-wide loops give the same bits", "[refer
     CHECK(values_differing_between_widths(source) == 0);
 
     SlicedCase grouped = make_case(2, 3, tokens, 0.0625, dc, dr);  // compensated, hi + lo rows
-    grouped.rows_lo.resize(grouped.rows.size());
-    for (std::size_t k = 0; k < grouped.rows.size(); ++k) {
-      const double value = static_cast<double>(random_e4m3(rng)) * 1.2345678f;
-      grouped.rows[k] = static_cast<float>(value);
-      grouped.rows_lo[k] = static_cast<float>(value - grouped.rows[k]);
-    }
+    fill_grouped_rows(grouped, rng);
     fill_q(grouped, rng, 1.0f);
     CHECK(values_differing_between_widths(grouped) == 0);
   }
