@@ -13,7 +13,6 @@
 #include "kernels/mla_attention_cpu_model.hpp"
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -32,17 +31,6 @@ float mla_score_scale(double sm_scale, float kv_scale) {
 namespace {
 
 constexpr int kTile = mla::kKvTileTokens;
-
-std::array<float, 256> make_e4m3_table() {
-  std::array<float, 256> table{};
-  for (int code = 0; code < 256; ++code) table[code] = e4m3_decode(static_cast<std::uint8_t>(code));
-  return table;
-}
-
-const std::array<float, 256>& e4m3_table() {
-  static const std::array<float, 256> table = make_e4m3_table();
-  return table;
-}
 
 // s[t] = sum_j q[j] * cols[j][t] for t < n (cols: [width, kTile]), each summed in index order
 // j = 0, 1, ..., vectorised over t. A full tile (n = kTile) keeps its sums in registers through
@@ -203,7 +191,7 @@ class TileWorker {
     const MlaCpuAttention& a = *p_.attention;
     const std::span<const std::uint8_t> pool = a.pool;
     const int width = p_.width();
-    const auto& table = e4m3_table();
+    const auto& table = e4m3_value_table();
     for (int t = 0; t < n; ++t) {
       const std::int64_t slot = slot_of(a, request, t0 + t);
       float* dst = tile_rows_.data() + static_cast<std::size_t>(t) * width;

@@ -9,7 +9,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <array>
 #include <atomic>
 #include <bit>
 #include <boost/multiprecision/cpp_bin_float.hpp>
@@ -58,25 +57,12 @@ void decode_grouped_row(const KvPool& pool, std::int64_t slot, float kv_scale, f
   }
 }
 
-// The values of all 256 e4m3 codes (NaN codes: e4m3_decode's quiet NaNs, bits kept by the
-// copies), so that a row decodes by one load per element: e4m3_decode branches on subnormals and
-// NaN codes, and was 5% of a decode-only check's CPU time.
-const std::array<float, 256>& e4m3_values() {
-  static const std::array<float, 256> table = [] {
-    std::array<float, 256> values{};
-    for (int code = 0; code < 256; ++code)
-      values[code] = e4m3_decode(static_cast<std::uint8_t>(code));
-    return values;
-  }();
-  return table;
-}
-
 void decode_pool_row(const KvPool& pool, std::int64_t slot, float* dst) {
   if (pool.dtype == KvDtype::kBfloat16) {
     for (int c = 0; c < pool.row_width; ++c) dst[c] = bf16_to_float(pool.bf16_bits(slot, c));
   } else {
     const std::uint8_t* codes = pool.row(slot);
-    const float* values = e4m3_values().data();
+    const float* values = e4m3_value_table().data();
     for (int c = 0; c < pool.row_width; ++c) dst[c] = values[codes[c]];
   }
 }

@@ -16,6 +16,7 @@
 // NaN input gives the canonical NaN code 0x7F in both modes (the PTX conversion's result).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <cstring>
 
@@ -78,6 +79,19 @@ KVAUDIT_HOST_DEVICE constexpr std::uint32_t e4m3_decode_float_bits(std::uint8_t 
 
 KVAUDIT_HOST_DEVICE inline float e4m3_decode(std::uint8_t code) {
   return float_from_bits(e4m3_decode_float_bits(code));
+}
+
+// The values of all 256 codes (e4m3_decode of each; NaN codes as its quiet NaNs, whose bits the
+// copies keep), built once, so that a row decodes by one load per element: e4m3_decode branches
+// on subnormals and NaN codes. Host only (the exact reference and the kernels' CPU model).
+inline const std::array<float, 256>& e4m3_value_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> values{};
+    for (int code = 0; code < 256; ++code)
+      values[code] = e4m3_decode(static_cast<std::uint8_t>(code));
+    return values;
+  }();
+  return table;
 }
 
 // ---- e4m3fn encode -----------------------------------------------------------------------------
