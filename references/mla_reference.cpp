@@ -18,6 +18,7 @@
 #include <limits>
 #include <mutex>
 #include <string>
+#include <type_traits>
 
 #include "references/mla_reference_cuda.hpp"
 #include "src/core/cpu_clones.hpp"
@@ -954,14 +955,14 @@ KVAUDIT_DD_INLINE void sliced_pv_tile(const double* weights, const float* const*
   }
 }
 
-// One block: its sums per slice in `block` ([K][dc], scratch), tile by tile (dims in groups of
-// kVectors * W, then of W, of 4 after 8, then one at a time), then added into acc_hi/acc_lo with
-// TwoSum, largest slice first.
+// Tokens of one block added into its sums per slice, `block` ([K][dc], the block's running
+// sums: zero for a new block), tile by tile (dims in groups of kVectors * W, then of W, of 4 after
+// 8, then one at a time). A block may take its tokens over several calls: every partial sum is
+// exact (the bound above), so how the tokens are split between calls cannot change a bit.
 template <int K, int W>
 KVAUDIT_DD_INLINE void sliced_pv_impl(const double* weights, const float* const* rows, int n,
-                                      int dc, double* acc_hi, double* acc_lo, double* block) {
+                                      int dc, double* block) {
   constexpr int kVectors = W == 8 || K <= 3 ? 4 : 2;
-  std::fill_n(block, K * dc, 0.0);
   for (int t0 = 0; t0 < n; t0 += kPvTileTokens) {
     const int t1 = std::min(n, t0 + kPvTileTokens);
     int d = 0;
@@ -978,53 +979,55 @@ KVAUDIT_DD_INLINE void sliced_pv_impl(const double* weights, const float* const*
       }
     }
   }
+}
+
+template <int W>
+KVAUDIT_DD_INLINE void sliced_pv_lanes(int slices, const double* weights, const float* const* rows,
+                                       int n, int dc, double* block) {
+  switch (slices) {
+    case 1:
+      return sliced_pv_impl<1, W>(weights, rows, n, dc, block);
+    case 2:
+      return sliced_pv_impl<2, W>(weights, rows, n, dc, block);
+    case 3:
+      return sliced_pv_impl<3, W>(weights, rows, n, dc, block);
+    default:  // weight_banding never picks more than kMaxFastWeightSlices
+      return sliced_pv_impl<4, W>(weights, rows, n, dc, block);
+  }
+}
+
+KVAUDIT_CPU_CLONES
+void sliced_pv_accumulate_4(int slices, const double* weights, const float* const* rows, int n,
+                            int dc, double* block) {
+  sliced_pv_lanes<4>(slices, weights, rows, n, dc, block);
+}
+#if defined(KVAUDIT_HAVE_CPU_V4_TARGET)
+KVAUDIT_CPU_V4_TARGET
+void sliced_pv_accumulate_8(int slices, const double* weights, const float* const* rows, int n,
+                            int dc, double* block) {
+  sliced_pv_lanes<8>(slices, weights, rows, n, dc, block);
+}
+#endif
+
+// block[k][d] += sum_t weights[t][k] * rows[t][d] for n <= kPvBlockTokens tokens of one band
+// (block: `slices` x dc doubles).
+void sliced_pv_accumulate(int slices, const double* weights, const float* const* rows, int n,
+                          int dc, double* block) {
+#if defined(KVAUDIT_HAVE_CPU_V4_TARGET)
+  if (kvaudit_cpu_use_v4()) return sliced_pv_accumulate_8(slices, weights, rows, n, dc, block);
+#endif
+  sliced_pv_accumulate_4(slices, weights, rows, n, dc, block);
+}
+
+// A finished block's exact sums added into acc_hi/acc_lo with TwoSum, largest slice first.
+void add_block_sums(int slices, const double* block, int dc, double* acc_hi, double* acc_lo) {
   for (int d = 0; d < dc; ++d) {
-    for (int k = 0; k < K; ++k) {
+    for (int k = 0; k < slices; ++k) {
       const dd::DoubleDouble s = dd::two_sum(acc_hi[d], block[k * dc + d]);
       acc_hi[d] = s.hi;
       acc_lo[d] += s.lo;
     }
   }
-}
-
-template <int W>
-KVAUDIT_DD_INLINE void sliced_pv_lanes(int slices, const double* weights, const float* const* rows,
-                                       int n, int dc, double* acc_hi, double* acc_lo,
-                                       double* block) {
-  switch (slices) {
-    case 1:
-      return sliced_pv_impl<1, W>(weights, rows, n, dc, acc_hi, acc_lo, block);
-    case 2:
-      return sliced_pv_impl<2, W>(weights, rows, n, dc, acc_hi, acc_lo, block);
-    case 3:
-      return sliced_pv_impl<3, W>(weights, rows, n, dc, acc_hi, acc_lo, block);
-    default:  // weight_banding never picks more than kMaxFastWeightSlices
-      return sliced_pv_impl<4, W>(weights, rows, n, dc, acc_hi, acc_lo, block);
-  }
-}
-
-KVAUDIT_CPU_CLONES
-void sliced_pv_block_4(int slices, const double* weights, const float* const* rows, int n, int dc,
-                       double* acc_hi, double* acc_lo, double* block) {
-  sliced_pv_lanes<4>(slices, weights, rows, n, dc, acc_hi, acc_lo, block);
-}
-#if defined(KVAUDIT_HAVE_CPU_V4_TARGET)
-KVAUDIT_CPU_V4_TARGET
-void sliced_pv_block_8(int slices, const double* weights, const float* const* rows, int n, int dc,
-                       double* acc_hi, double* acc_lo, double* block) {
-  sliced_pv_lanes<8>(slices, weights, rows, n, dc, acc_hi, acc_lo, block);
-}
-#endif
-
-// `block`: scratch of kMaxFastWeightSlices * dc doubles.
-void sliced_pv_block(int slices, const double* weights, const float* const* rows, int n, int dc,
-                     double* acc_hi, double* acc_lo, double* block) {
-#if defined(KVAUDIT_HAVE_CPU_V4_TARGET)
-  if (kvaudit_cpu_use_v4()) {
-    return sliced_pv_block_8(slices, weights, rows, n, dc, acc_hi, acc_lo, block);
-  }
-#endif
-  sliced_pv_block_4(slices, weights, rows, n, dc, acc_hi, acc_lo, block);
 }
 
 // value rounded to the grid 2^grid_exponent (exact: a power-of-two scaling, an integer rounding).
@@ -1173,18 +1176,26 @@ void accumulate_weighted_rows(const dd::DoubleDouble* e, const float* const* row
   for (int t = 0; t < n; ++t) accumulate_weighted_row_split(e[t], rows[t], dc, acc_hi, acc_lo);
 }
 
+// Tokens per chunk where the heads of a row run together (HeadGroupKernel): 64 rows of 576
+// floats are 147 KB, which stay in a core's L2 cache while every head of the group reads them.
+constexpr std::int64_t kChunkTokens = 64;
+
 // The default: double-double with exact products (see mla_reference.hpp), by exact slicing where
-// the KV rows have a value grid and by compensated sums elsewhere.
+// the KV rows have a value grid and by compensated sums elsewhere. One object is one (row, head)
+// at a time, in phases that take the tokens in ranges: begin; score over ranges covering the
+// visible tokens in order; weigh; accumulate over ranges in order; end. Each token's score is its
+// own, and the P.V sums are taken in the order of one pass over all tokens (accumulate_sliced
+// says how), so the ranges change no bit of out or lse.
 class DoubleDoubleKernel {
  public:
   explicit DoubleDoubleKernel(const Problem& problem)
       : p_(problem),
         q_(problem.width()),
         q_slices_(static_cast<std::size_t>(kMaxScoreSlices) * problem.width()),
-        dots_(static_cast<std::size_t>(kMaxScoreSlices) * problem.max_visible),
+        dots_(static_cast<std::size_t>(kMaxScoreSlices) * kChunkTokens),
         s_(problem.max_visible),
-        residual_dots_(problem.token_rows_lo.empty() ? 0 : problem.max_visible),
-        split_rows_(problem.token_on_grid.empty() ? 0 : problem.max_visible),
+        residual_dots_(problem.token_rows_lo.empty() ? 0 : kChunkTokens),
+        split_rows_(problem.token_on_grid.empty() ? 0 : kChunkTokens),
         split_tokens_(split_rows_.size()),
         other_dots_(split_rows_.size()),
         sliced_rows_(kPvBlockTokens),
@@ -1192,38 +1203,78 @@ class DoubleDoubleKernel {
         sliced_weights_(static_cast<std::size_t>(kMaxFastWeightSlices) * kPvBlockTokens),
         acc_hi_(problem.dc),
         acc_lo_(problem.dc),
-        pv_block_(static_cast<std::size_t>(kMaxFastWeightSlices) * problem.dc),
         score_bits_(score_bits_of(problem)),
         banding_(problem.value_grid_bits < 0 ? WeightBanding{}
                                              : weight_banding(problem.value_grid_bits)),
         band_tokens_(banding_.slices > 0 ? problem.max_visible : 0),
         token_band_(band_tokens_.size()),
         band_start_(banding_.slices > 0 ? banding_.last_band + 3 : 0),
-        band_fill_(band_start_.size()) {}
+        band_fill_(band_start_.size()),
+        band_next_(band_start_.size()),
+        open_block_(band_start_.size()) {}
 
-  void run(int row, int head) {
-    const float* qn = p_.q_nope_of(row, head);
-    const float* qp = p_.q_pe_of(row, head);
-    std::copy_n(qn, p_.dc, q_.begin());
-    std::copy_n(qp, p_.dr, q_.begin() + p_.dc);
-    const float* const* rows = p_.token_rows[p_.request_of_row[row]].data();
-    const std::int64_t n = p_.visible_of_row[row];
-    const float* const* rows_lo =
-        p_.token_rows_lo.empty() ? nullptr : p_.token_rows_lo[p_.request_of_row[row]].data();
-    const std::uint8_t* on_grid =
-        p_.token_on_grid.empty() ? nullptr : p_.token_on_grid[p_.request_of_row[row]].data();
-    const bool finite = score_tokens(rows, rows_lo, on_grid, n);
-    if (!finite) return p_.write_nan(row, head);
-    const double m = max_score(n);
-    const dd::DoubleDouble l = weigh_tokens(n, m);
+  // Phase 0: head `head` of query row `row`: its q, cut into slices where it can be.
+  void begin(int row, int head) {
+    row_ = row;
+    head_ = head;
+    std::copy_n(p_.q_nope_of(row, head), p_.dc, q_.begin());
+    std::copy_n(p_.q_pe_of(row, head), p_.dr, q_.begin() + p_.dc);
+    const int request = p_.request_of_row[row];
+    rows_ = p_.token_rows[request].data();
+    rows_lo_ = p_.token_rows_lo.empty() ? nullptr : p_.token_rows_lo[request].data();
+    on_grid_ = p_.token_on_grid.empty() ? nullptr : p_.token_on_grid[request].data();
+    n_ = p_.visible_of_row[row];
+    q_slice_count_ = score_bits_ > 0 ? slice_q() : 0;
+    finite_ = true;
+  }
+
+  // Phase 1 for tokens [t0, t1): s_t = sm_scale * scale * (q . k_t). A NaN score ends the head's
+  // work: its out and lse are NaN.
+  void score(std::int64_t t0, std::int64_t t1) {
+    for (std::int64_t c0 = t0; finite_ && c0 < t1; c0 += kChunkTokens) {
+      const std::int64_t c1 = std::min(t1, c0 + kChunkTokens);
+      if (q_slice_count_ == 0) {
+        score_compensated(c0, c1);
+      } else if (on_grid_ != nullptr) {
+        score_by_row(c0, c1);
+      } else {
+        score_sliced(c0, c1);
+      }
+      finite_ = scale_scores(c0, c1);
+    }
+  }
+
+  // Phase 2 (every token scored): m = max_t s_t, s_t becomes w_t = exp(s_t - m), l = sum_t w_t.
+  void weigh() {
+    if (!finite_) return;
+    m_ = max_score(n_);
+    l_ = weigh_tokens(n_, m_);
     std::fill(acc_hi_.begin(), acc_hi_.end(), 0.0);
     std::fill(acc_lo_.begin(), acc_lo_.end(), 0.0);
+    held_ = 0;
+    if (banding_.slices == 0) return;
+    order_tokens_by_band(n_);
+    std::copy(band_start_.begin(), band_start_.end(), band_next_.begin());
+    std::fill(open_block_.begin(), open_block_.end(), -1);
+    blocks_.clear();
+    block_sums_used_ = 0;
+  }
+
+  // Phase 3 for tokens [t0, t1): their w_t c_t into acc.
+  void accumulate(std::int64_t t0, std::int64_t t1) {
+    if (!finite_) return;
+    if (banding_.slices > 0) return accumulate_sliced(t1);
+    accumulate_compensated(t0, t1);
+  }
+
+  // Phase 4: out = scale * acc / l, lse = m + ln l (NaN where a score was).
+  void end() {
+    if (!finite_) return p_.write_nan(row_, head_);
     if (banding_.slices > 0) {
-      accumulate_sliced(rows, n);
-    } else {
-      accumulate_compensated(rows, rows_lo, n);
+      add_blocks();
+      accumulate_lightest();
     }
-    finish(row, head, l, m);
+    finish();
   }
 
  private:
@@ -1235,70 +1286,61 @@ class DoubleDoubleKernel {
     return 0;
   }
 
-  // Phase 1: s_t = sm_scale * scale * (q . k_t) for every visible token; false at a NaN score.
-  // on_grid (per-row grids, else nullptr): which tokens' rows take the sliced dots.
-  bool score_tokens(const float* const* rows, const float* const* rows_lo,
-                    const std::uint8_t* on_grid, std::int64_t n) {
-    const dd::DoubleDouble factor = dd::two_prod(p_.sm_scale, p_.scale);
-    const int slices = score_bits_ > 0 ? slice_q() : 0;
-    if (slices == 0) return score_compensated(rows, rows_lo, n, factor);
-    if (on_grid != nullptr) return score_by_row(rows, on_grid, n, slices, factor);
+  // Phase 1's three forms write q . k_t to s_t for t in [c0, c1), at most kChunkTokens tokens.
+  void score_sliced(std::int64_t c0, std::int64_t c1) {
+    const std::int64_t n = c1 - c0;
+    sliced_dots(q_slice_count_, q_slices_.data(), rows_ + c0, n, p_.width(), dots_.data());
+    for (std::int64_t i = 0; i < n; ++i) s_[c0 + i] = sliced_dot(i);
+  }
+
+  // Per-row grids: the tokens whose rows span at most row_grid_bits take the sliced dots, the
+  // others the compensated ones; each dot is its token's alone, so the split changes no other's.
+  void score_by_row(std::int64_t c0, std::int64_t c1) {
+    const std::int64_t n = c1 - c0;
+    std::int64_t sliced = 0;
+    for (std::int64_t t = c0; t < c1; ++t) {
+      if (on_grid_[t] == 0) continue;
+      split_rows_[sliced] = rows_[t];
+      split_tokens_[sliced++] = t;
+    }
+    std::int64_t other = sliced;
+    for (std::int64_t t = c0; t < c1; ++t) {
+      if (on_grid_[t] != 0) continue;
+      split_rows_[other] = rows_[t];
+      split_tokens_[other++] = t;
+    }
     const int width = p_.width();
-    sliced_dots(slices, q_slices_.data(), rows, n, width, dots_.data());
-    for (std::int64_t t = 0; t < n; ++t) {
-      s_[t] = dd::mul(sliced_dot(t, slices), factor);
+    sliced_dots(q_slice_count_, q_slices_.data(), split_rows_.data(), sliced, width, dots_.data());
+    for (std::int64_t i = 0; i < sliced; ++i) s_[split_tokens_[i]] = sliced_dot(i);
+    compensated_dots(q_.data(), split_rows_.data() + sliced, n - sliced, width, other_dots_.data());
+    for (std::int64_t i = sliced; i < n; ++i) s_[split_tokens_[i]] = other_dots_[i - sliced];
+  }
+
+  void score_compensated(std::int64_t c0, std::int64_t c1) {
+    const std::int64_t n = c1 - c0;
+    const int width = p_.width();
+    compensated_dots(q_.data(), rows_ + c0, n, width, s_.data() + c0);
+    if (rows_lo_ == nullptr) return;
+    compensated_dots(q_.data(), rows_lo_ + c0, n, width, residual_dots_.data());
+    for (std::int64_t i = 0; i < n; ++i) s_[c0 + i] = dd::add(s_[c0 + i], residual_dots_[i]);
+  }
+
+  // s_t *= sm_scale * scale for t in [c0, c1); false at a NaN score.
+  bool scale_scores(std::int64_t c0, std::int64_t c1) {
+    const dd::DoubleDouble factor = dd::two_prod(p_.sm_scale, p_.scale);
+    for (std::int64_t t = c0; t < c1; ++t) {
+      s_[t] = dd::mul(s_[t], factor);
       if (std::isnan(s_[t].hi)) return false;
     }
     return true;
   }
 
   // The sum of the i-th dot's slices (dots_), largest first, in double-double.
-  dd::DoubleDouble sliced_dot(std::int64_t i, int slices) const {
-    const double* d = dots_.data() + i * slices;
+  dd::DoubleDouble sliced_dot(std::int64_t i) const {
+    const double* d = dots_.data() + i * q_slice_count_;
     dd::DoubleDouble dot{d[0], 0.0};
-    for (int k = 1; k < slices; ++k) dot = dd::add(dot, d[k]);
+    for (int k = 1; k < q_slice_count_; ++k) dot = dd::add(dot, d[k]);
     return dot;
-  }
-
-  // Per-row grids: the tokens whose rows span at most row_grid_bits take the sliced dots, the
-  // others the compensated ones; each dot is its token's alone, so the split changes no other's.
-  bool score_by_row(const float* const* rows, const std::uint8_t* on_grid, std::int64_t n,
-                    int slices, dd::DoubleDouble factor) {
-    std::int64_t sliced = 0;
-    for (std::int64_t t = 0; t < n; ++t) {
-      if (on_grid[t] == 0) continue;
-      split_rows_[sliced] = rows[t];
-      split_tokens_[sliced++] = t;
-    }
-    std::int64_t other = sliced;
-    for (std::int64_t t = 0; t < n; ++t) {
-      if (on_grid[t] != 0) continue;
-      split_rows_[other] = rows[t];
-      split_tokens_[other++] = t;
-    }
-    const int width = p_.width();
-    sliced_dots(slices, q_slices_.data(), split_rows_.data(), sliced, width, dots_.data());
-    for (std::int64_t i = 0; i < sliced; ++i) s_[split_tokens_[i]] = sliced_dot(i, slices);
-    compensated_dots(q_.data(), split_rows_.data() + sliced, n - sliced, width, other_dots_.data());
-    for (std::int64_t i = sliced; i < n; ++i) s_[split_tokens_[i]] = other_dots_[i - sliced];
-    for (std::int64_t t = 0; t < n; ++t) {
-      s_[t] = dd::mul(s_[t], factor);
-      if (std::isnan(s_[t].hi)) return false;
-    }
-    return true;
-  }
-
-  bool score_compensated(const float* const* rows, const float* const* rows_lo, std::int64_t n,
-                         dd::DoubleDouble factor) {
-    const int width = p_.width();
-    compensated_dots(q_.data(), rows, n, width, s_.data());
-    if (rows_lo != nullptr) compensated_dots(q_.data(), rows_lo, n, width, residual_dots_.data());
-    for (std::int64_t t = 0; t < n; ++t) {
-      if (rows_lo != nullptr) s_[t] = dd::add(s_[t], residual_dots_[t]);
-      s_[t] = dd::mul(s_[t], factor);
-      if (std::isnan(s_[t].hi)) return false;
-    }
-    return true;
   }
 
   // Cuts q into slices on the grids 2^(Eq - score_bits_ k) (the bound at the top of this
@@ -1335,7 +1377,7 @@ class DoubleDoubleKernel {
     return m;
   }
 
-  // Phase 2: s_t becomes w_t = exp(s_t - m); returns l = sum_t w_t (in token order).
+  // s_t becomes w_t = exp(s_t - m); returns l = sum_t w_t (in token order).
   dd::DoubleDouble weigh_tokens(std::int64_t n, double m) {
     for (std::int64_t t = 0; t < n; ++t) s_[t] = dd::add(s_[t], -m);
     weight_exps(s_.data(), n, s_.data());
@@ -1344,52 +1386,76 @@ class DoubleDoubleKernel {
     return l;
   }
 
-  // Phase 3 (rows without a value grid): acc = sum_t w_t c_t, compensated (today's loop).
-  // (Each token's row, then its residual row, as entries of blocks of kPvBlockTokens.)
-  void accumulate_compensated(const float* const* rows, const float* const* rows_lo,
-                              std::int64_t n) {
-    int held = 0;
-    for (std::int64_t t = 0; t < n; ++t) {
-      add_compensated_entry(s_[t], rows[t], held);
-      if (rows_lo != nullptr) add_compensated_entry(s_[t], rows_lo[t], held);
+  // Phase 3 (rows without a value grid): acc = sum_t w_t c_t, compensated: each token's row, then
+  // its residual row, as entries of blocks of at most kPvBlockTokens. The compensated sum takes
+  // its entries one by one, so where a block ends (here: at a range's end too) changes no bit.
+  void accumulate_compensated(std::int64_t t0, std::int64_t t1) {
+    for (std::int64_t t = t0; t < t1; ++t) {
+      add_compensated_entry(s_[t], rows_[t]);
+      if (rows_lo_ != nullptr) add_compensated_entry(s_[t], rows_lo_[t]);
     }
-    flush_compensated(held);
+    flush_compensated();
   }
 
   // One (weight, row) entry of a compensated block; a full block is summed into acc.
-  void add_compensated_entry(dd::DoubleDouble weight, const float* row, int& held) {
-    entry_weights_[held] = weight;
-    sliced_rows_[held++] = row;
-    if (held == kPvBlockTokens) {
-      flush_compensated(held);
-      held = 0;
-    }
+  void add_compensated_entry(dd::DoubleDouble weight, const float* row) {
+    entry_weights_[held_] = weight;
+    sliced_rows_[held_++] = row;
+    if (held_ == kPvBlockTokens) flush_compensated();
   }
-  void flush_compensated(int held) {
-    accumulate_weighted_rows(entry_weights_.data(), sliced_rows_.data(), held, p_.dc,
+  void flush_compensated() {
+    accumulate_weighted_rows(entry_weights_.data(), sliced_rows_.data(), held_, p_.dc,
                              acc_hi_.data(), acc_lo_.data());
+    held_ = 0;
   }
 
   // Phase 3 (rows with a value grid): every token's weight cut into banding_.slices slices on its
-  // band's grids, in exact blocks of one band each (bands in order, tokens in order within a
-  // band); weights lighter than the last band take the compensated sum.
-  void accumulate_sliced(const float* const* rows, std::int64_t n) {
-    order_tokens_by_band(n);
+  // band's grids, in exact blocks of one band each (tokens in order within a band); weights
+  // lighter than the last band take the compensated sum (end). A range adds each band's tokens
+  // below t1 not yet taken to that band's open block, which closes at kPvBlockTokens tokens: the
+  // blocks of one pass over each band's tokens, with the same exact sums. end() adds them into
+  // acc band by band, each band's in order, as one pass would: so the same bits.
+  void accumulate_sliced(std::int64_t t1) {
     const int slices = banding_.slices;
     for (int band = 0; band <= banding_.last_band; ++band) {
-      int held = 0;
-      for (int i = band_start_[band]; i < band_start_[band + 1]; ++i) {
-        const std::int64_t t = band_tokens_[i];
-        slice_banded_weight(banding_, s_[t], band, sliced_weights_.data() + held * slices);
-        sliced_rows_[held++] = rows[t];
-        if (held == kPvBlockTokens) {
-          flush_block(slices, held);
-          held = 0;
+      int& next = band_next_[band];
+      const int band_end = band_start_[band + 1];
+      while (next < band_end && band_tokens_[next] < t1) {
+        if (open_block_[band] < 0) open_block_[band] = new_block(band);
+        SlicedBlock& block = blocks_[static_cast<std::size_t>(open_block_[band])];
+        int taken = 0;
+        while (next < band_end && band_tokens_[next] < t1 &&
+               block.tokens + taken < kPvBlockTokens) {
+          const std::int64_t t = band_tokens_[next++];
+          slice_banded_weight(banding_, s_[t], band, sliced_weights_.data() + taken * slices);
+          sliced_rows_[taken++] = rows_[t];
         }
+        sliced_pv_accumulate(slices, sliced_weights_.data(), sliced_rows_.data(), taken, p_.dc,
+                             block_sums_.data() + block.offset);
+        block.tokens += taken;
+        if (block.tokens == kPvBlockTokens) open_block_[band] = -1;
       }
-      if (held > 0) flush_block(slices, held);
     }
-    accumulate_lightest(rows);
+  }
+
+  // A new block of `band` (its sums zero); returns its index in blocks_.
+  int new_block(int band) {
+    const std::size_t size = static_cast<std::size_t>(banding_.slices) * p_.dc;
+    blocks_.push_back({band, 0, block_sums_used_});
+    block_sums_used_ += size;
+    if (block_sums_.size() < block_sums_used_) block_sums_.resize(block_sums_used_);
+    std::fill_n(block_sums_.data() + blocks_.back().offset, size, 0.0);
+    return static_cast<int>(blocks_.size()) - 1;
+  }
+
+  // The blocks' sums into acc: bands in order, each band's blocks in the order they were opened.
+  void add_blocks() {
+    std::stable_sort(blocks_.begin(), blocks_.end(),
+                     [](const SlicedBlock& a, const SlicedBlock& b) { return a.band < b.band; });
+    for (const SlicedBlock& block : blocks_) {
+      add_block_sums(banding_.slices, block_sums_.data() + block.offset, p_.dc, acc_hi_.data(),
+                     acc_lo_.data());
+    }
   }
 
   // Counting sort of the visible tokens with a nonzero weight by band (exp underflowed to 0:
@@ -1411,54 +1477,119 @@ class DoubleDoubleKernel {
   }
 
   // The weights below the last band (under about 2^-780 of the largest), compensated.
-  void accumulate_lightest(const float* const* rows) {
+  void accumulate_lightest() {
     const int band = banding_.last_band + 1;
-    int held = 0;
     for (int i = band_start_[band]; i < band_start_[band + 1]; ++i) {
-      add_compensated_entry(s_[band_tokens_[i]], rows[band_tokens_[i]], held);
+      add_compensated_entry(s_[band_tokens_[i]], rows_[band_tokens_[i]]);
     }
-    flush_compensated(held);
+    flush_compensated();
   }
 
-  void flush_block(int slices, int held) {
-    sliced_pv_block(slices, sliced_weights_.data(), sliced_rows_.data(), held, p_.dc,
-                    acc_hi_.data(), acc_lo_.data(), pv_block_.data());
-  }
-
-  // Phase 4: out = scale * acc / l, lse = m + ln l.
-  void finish(int row, int head, dd::DoubleDouble l, double m) {
-    double* out = p_.out_of(row, head);
+  void finish() {
+    double* out = p_.out_of(row_, head_);
     for (int d = 0; d < p_.dc; ++d) {
       const dd::DoubleDouble acc = dd::two_sum(acc_hi_[d], acc_lo_[d]);
-      out[d] = dd::to_double(dd::mul(dd::div(acc, l), p_.scale));
+      out[d] = dd::to_double(dd::mul(dd::div(acc, l_), p_.scale));
     }
-    p_.lse[static_cast<std::size_t>(row) * p_.num_heads + head] =
-        dd::to_double(dd::add(dd::log(l), m));
+    p_.lse[static_cast<std::size_t>(row_) * p_.num_heads + head_] =
+        dd::to_double(dd::add(dd::log(l_), m_));
   }
 
+  // A sliced P.V block: its band, its tokens so far, where its sums ([slice][dim]) start in
+  // block_sums_.
+  struct SlicedBlock {
+    int band = 0;
+    int tokens = 0;
+    std::size_t offset = 0;
+  };
+
   const Problem& p_;
+  // The (row, head) in hand and what begin() and weigh() found for it.
+  int row_ = 0;
+  int head_ = 0;
+  const float* const* rows_ = nullptr;
+  const float* const* rows_lo_ = nullptr;
+  const std::uint8_t* on_grid_ = nullptr;  // per-row grids, else nullptr
+  std::int64_t n_ = 0;
+  int q_slice_count_ = 0;  // 0: the compensated dots
+  bool finite_ = true;     // false once a score is NaN
+  double m_ = 0.0;
+  dd::DoubleDouble l_{0.0, 0.0};
   std::vector<double> q_;
   std::vector<double> q_slices_;  // [kMaxScoreSlices][width]
-  std::vector<double> dots_;      // [token][slice]
+  std::vector<double> dots_;      // a chunk's, [token][slice]
   std::vector<dd::DoubleDouble> s_;
-  std::vector<dd::DoubleDouble> residual_dots_;  // q . row_lo, where the rows have residuals
-  // Per-row grids: the rows of the sliced tokens, then of the compensated ones, with their
-  // tokens; the compensated ones' dots.
+  std::vector<dd::DoubleDouble> residual_dots_;  // a chunk's q . row_lo, where rows have residuals
+  // Per-row grids, a chunk's: the rows of the sliced tokens, then of the compensated ones, with
+  // their tokens; the compensated ones' dots.
   std::vector<const float*> split_rows_;
   std::vector<std::int64_t> split_tokens_;
   std::vector<dd::DoubleDouble> other_dots_;
   std::vector<const float*> sliced_rows_;        // a block's rows (sliced or compensated)
   std::vector<dd::DoubleDouble> entry_weights_;  // a compensated block's weights
+  int held_ = 0;                                 // entries held in them
   std::vector<double> sliced_weights_;           // [token][slice]
   std::vector<double> acc_hi_;
   std::vector<double> acc_lo_;
-  std::vector<double> pv_block_;           // a sliced block's sums, [slice][dim]
   int score_bits_ = 0;                     // bits per q slice; 0: no value grid, compensated scores
   WeightBanding banding_;                  // slices 0: compensated P.V
   std::vector<std::int64_t> band_tokens_;  // visible tokens ordered by band
   std::vector<int> token_band_;            // each token's band (-1: zero weight)
   std::vector<int> band_start_;            // [band + 1]: where each band starts in band_tokens_
   std::vector<int> band_fill_;             // scratch of order_tokens_by_band
+  std::vector<int> band_next_;             // per band: its next token not yet taken
+  std::vector<int> open_block_;            // per band: its open block in blocks_, else -1
+  std::vector<SlicedBlock> blocks_;        // in the order opened
+  std::vector<double> block_sums_;         // their sums
+  std::size_t block_sums_used_ = 0;
+};
+
+// Heads per group, for HeadGroupKernel: every head of a row, unless the rows are too few to keep
+// each thread busy (the heads are then split until rows x groups >= 2 x threads) or a group's
+// state per visible token (s_, band_tokens_, token_band_: 28 bytes a head) would pass 64 MiB.
+int heads_per_group(const Problem& p, int threads) {
+  const int workers = resolve_thread_count(threads);
+  int groups = 1;
+  while (groups < p.num_heads && static_cast<std::int64_t>(p.num_rows()) * groups < 2 * workers) {
+    ++groups;
+  }
+  const int size = (p.num_heads + groups - 1) / groups;
+  constexpr std::int64_t kGroupStateBytes = std::int64_t{64} << 20;
+  const std::int64_t per_head = 28 * std::max<std::int64_t>(p.max_visible, 1);
+  return static_cast<int>(std::clamp<std::int64_t>(kGroupStateBytes / per_head, 1, size));
+}
+
+// The heads [first, last) of one query row together (MLA: every head reads the same KV rows),
+// chunk by chunk of kChunkTokens tokens: a chunk's rows come from memory once for the group, and
+// from the cache for each of its heads. The phases are DoubleDoubleKernel's, so the bits are
+// those of one head at a time.
+class HeadGroupKernel {
+ public:
+  HeadGroupKernel(const Problem& problem, int group_size) : p_(problem) {
+    heads_.reserve(static_cast<std::size_t>(group_size));
+    for (int i = 0; i < group_size; ++i) heads_.emplace_back(problem);
+  }
+
+  void run(int row, int first, int last) {
+    const std::span<DoubleDoubleKernel> group(heads_.data(),
+                                              static_cast<std::size_t>(last - first));
+    for (std::size_t i = 0; i < group.size(); ++i) group[i].begin(row, first + static_cast<int>(i));
+    const std::int64_t n = p_.visible_of_row[row];
+    for (std::int64_t t0 = 0; t0 < n; t0 += kChunkTokens) {
+      const std::int64_t t1 = std::min(n, t0 + kChunkTokens);
+      for (DoubleDoubleKernel& head : group) head.score(t0, t1);
+    }
+    for (DoubleDoubleKernel& head : group) head.weigh();
+    for (std::int64_t t0 = 0; t0 < n; t0 += kChunkTokens) {
+      const std::int64_t t1 = std::min(n, t0 + kChunkTokens);
+      for (DoubleDoubleKernel& head : group) head.accumulate(t0, t1);
+    }
+    for (DoubleDoubleKernel& head : group) head.end();
+  }
+
+ private:
+  const Problem& p_;
+  std::vector<DoubleDoubleKernel> heads_;
 };
 
 // The number type of an accumulation tag: Boost's for the multiprecision tags (kept out of the
@@ -1474,15 +1605,6 @@ struct NumberOf<Float50> {
 template <>
 struct NumberOf<Float100> {
   using type = boost::multiprecision::cpp_bin_float_100;
-};
-
-template <class Acc>
-struct KernelFor {
-  using type = NaiveKernel<typename NumberOf<Acc>::type>;
-};
-template <>
-struct KernelFor<dd::DoubleDouble> {
-  using type = DoubleDoubleKernel;
 };
 
 // Sizes the step and attrs imply: KV rows of width Dc + Dr, q_nope and out [Nq, H, Dc], q_pe
@@ -1588,14 +1710,28 @@ Result<std::int64_t> mla_reference_attention(const DumpAttributes& attrs, const 
   Problem problem;
   KVAUDIT_ASSIGN_OR_RETURN(const std::int64_t work, resolve_problem(attrs, step, q_nope, q_pe, kv,
                                                                     out, lse, where, &problem));
-  // One kernel (with its scratch) per thread; pair = row * H + head.
-  const std::size_t heads = static_cast<std::size_t>(attrs.num_heads);
-  parallel_for(static_cast<std::size_t>(step.num_rows()) * heads, threads, [&] {
-    return [&problem, heads,
-            kernel = typename KernelFor<Acc>::type(problem)](std::size_t pair) mutable {
-      kernel.run(static_cast<int>(pair / heads), static_cast<int>(pair % heads));
-    };
-  });
+  const std::size_t rows = static_cast<std::size_t>(step.num_rows());
+  const int heads = attrs.num_heads;
+  if constexpr (std::is_same_v<Acc, dd::DoubleDouble>) {
+    // One kernel (with its scratch) per thread; unit = row * groups + group.
+    const int group = heads_per_group(problem, threads);
+    const int groups = (heads + group - 1) / group;
+    parallel_for(rows * groups, threads, [&] {
+      return [&problem, heads, group, groups,
+              kernel = HeadGroupKernel(problem, group)](std::size_t unit) mutable {
+        const int first = static_cast<int>(unit % groups) * group;
+        kernel.run(static_cast<int>(unit / groups), first, std::min(heads, first + group));
+      };
+    });
+  } else {
+    // One kernel per thread; pair = row * H + head.
+    parallel_for(rows * heads, threads, [&] {
+      return [&problem, heads, kernel = NaiveKernel<typename NumberOf<Acc>::type>(problem)](
+                 std::size_t pair) mutable {
+        kernel.run(static_cast<int>(pair / heads), static_cast<int>(pair % heads));
+      };
+    });
+  }
   return work;
 }
 
