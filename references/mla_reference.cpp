@@ -429,12 +429,20 @@ class NaiveKernel {
     const Acc factor = Acc(p_.sm_scale) * Acc(p_.scale);
     const auto* rows_lo =
         p_.token_rows_lo.empty() ? nullptr : &p_.token_rows_lo[p_.request_of_row[row]];
+    auto q_float = [&](int j) { return static_cast<double>(j < dc ? qn[j] : qp[j - dc]); };
     auto value = [&](std::int64_t t, int j) {
       return rows_lo == nullptr ? Acc(rows[t][j]) : Acc(rows[t][j]) + Acc((*rows_lo)[t][j]);
     };
     for (std::int64_t t = 0; t < n; ++t) {
       Acc dot = 0;
-      for (int j = 0; j < width; ++j) dot += q_[j] * value(t, j);
+      if (rows_lo == nullptr) {
+        // q_j k_j of two floats is exact in binary64 (48 significant bits), so it enters Acc
+        // as one conversion rather than a multiplication in Acc: the same value, at a third of
+        // the multiprecision work (the certification's 50-digit recomputation is this loop).
+        for (int j = 0; j < width; ++j) dot += Acc(q_float(j) * static_cast<double>(rows[t][j]));
+      } else {
+        for (int j = 0; j < width; ++j) dot += q_[j] * value(t, j);
+      }
       s_[t] = factor * dot;
       if (isnan(s_[t])) {
         p_.write_nan(row, head);
@@ -481,11 +489,13 @@ template <>
 struct Lanes<4> {
   using Doubles = double __attribute__((vector_size(32)));
   using Floats = float __attribute__((vector_size(16)));
+  using Int64s = long long __attribute__((vector_size(32)));
 };
 template <>
 struct Lanes<8> {
   using Doubles = double __attribute__((vector_size(64)));
   using Floats = float __attribute__((vector_size(32)));
+  using Int64s = long long __attribute__((vector_size(64)));
 };
 
 // (By reference: a vector return value would differ in ABI between the targets.) Eight floats
@@ -647,75 +657,114 @@ void accumulate_weighted_row_fma(dd::DoubleDouble e, const float* v, int n, doub
 KVAUDIT_CPU_CLONES
 dd::DoubleDouble weight_exp(dd::DoubleDouble x) { return dd::exp(x); }
 
-// Four doubles (four floats) as one AVX register in the x86-64-v3 code, two SSE ones elsewhere.
-using Double4 = double __attribute__((vector_size(32)));
-using Float4 = float __attribute__((vector_size(16)));
-
 #if defined(KVAUDIT_HAVE_CPU_V3_TARGET)
-// dd::exp of four arguments at once where the CPU has AVX2 + FMA: the same operations in the
-// same order as references/double_double.hpp's exp, one lane per argument (two_prod's fused
-// multiply-add as the vector instruction), so each lane's result is the scalar function's. Used
-// where all four arguments lie in [-708, 709] (2^k then a normal double, the scalar's plain
-// branch); the caller takes the scalar form for others. The weights are a quarter of the
-// reference's time otherwise.
-using Int4 = long long __attribute__((vector_size(32)));
-struct Dd4 {
-  Double4 hi;
-  Double4 lo;
+// dd::exp of W arguments at once (W = 4 where the CPU has AVX2 + FMA, 8 where it has AVX-512): the
+// same operations in the same order as references/double_double.hpp's exp, one lane per argument
+// (two_prod's fused multiply-add as the vector instruction), so each lane's result is the scalar
+// function's. Used where all W arguments lie in [-708, 709] (2^k then a normal double, the
+// scalar's plain branch); the caller takes the scalar form for others. The weights are a quarter
+// of the reference's time otherwise. The helpers are templates of the default target, inlined
+// into the x86-64-v3 and -v4 functions below; their two target instructions (the fused
+// multiply-subtract, the rounding to an integer) are written as asm, which, unlike the
+// intrinsics, such templates may contain.
+template <int W>
+struct DdLanes {
+  typename Lanes<W>::Doubles hi;
+  typename Lanes<W>::Doubles lo;
 };
 
-KVAUDIT_CPU_V3_TARGET KVAUDIT_DD_INLINE Dd4 two_sum4(Double4 a, Double4 b) {
-  const Double4 s = a + b;
-  const Double4 bb = s - a;
+// p becomes a * b - p rounded once (vfmsub231pd: ymm where W = 4, zmm where W = 8).
+template <int W>
+KVAUDIT_DD_INLINE void fused_product_error(typename Lanes<W>::Doubles a,
+                                           typename Lanes<W>::Doubles b,
+                                           typename Lanes<W>::Doubles& p) {
+  if constexpr (W == 8) {
+    asm("vfmsub231pd %2, %1, %0" : "+v"(p) : "v"(a), "v"(b));
+  } else {
+    asm("vfmsub231pd %2, %1, %0" : "+x"(p) : "x"(a), "x"(b));
+  }
+}
+
+// Each lane of v rounded to the nearest integer, ties to even (as std::nearbyint in the default
+// rounding mode).
+template <int W>
+KVAUDIT_DD_INLINE void round_to_integer(typename Lanes<W>::Doubles& v) {
+  if constexpr (W == 8) {
+    asm("vrndscalepd $0, %0, %0" : "+v"(v));
+  } else {
+    asm("vroundpd $0, %0, %0" : "+x"(v));
+  }
+}
+
+template <int W>
+KVAUDIT_DD_INLINE DdLanes<W> two_sum_lanes(typename Lanes<W>::Doubles a,
+                                           typename Lanes<W>::Doubles b) {
+  const auto s = a + b;
+  const auto bb = s - a;
   return {s, (a - (s - bb)) + (b - bb)};
 }
-KVAUDIT_CPU_V3_TARGET KVAUDIT_DD_INLINE Dd4 fast_two_sum4(Double4 a, Double4 b) {
-  const Double4 s = a + b;
+template <int W>
+KVAUDIT_DD_INLINE DdLanes<W> fast_two_sum_lanes(typename Lanes<W>::Doubles a,
+                                                typename Lanes<W>::Doubles b) {
+  const auto s = a + b;
   return {s, b - (s - a)};
 }
-KVAUDIT_CPU_V3_TARGET KVAUDIT_DD_INLINE Dd4 two_prod4(Double4 a, Double4 b) {
-  const Double4 p = a * b;
-  return {p, static_cast<Double4>(_mm256_fmadd_pd(a, b, -p))};
+template <int W>
+KVAUDIT_DD_INLINE DdLanes<W> two_prod_lanes(typename Lanes<W>::Doubles a,
+                                            typename Lanes<W>::Doubles b) {
+  const auto p = a * b;
+  auto error = p;
+  fused_product_error<W>(a, b, error);
+  return {p, error};
 }
-KVAUDIT_CPU_V3_TARGET KVAUDIT_DD_INLINE Dd4 add4(Dd4 a, Dd4 b) {
-  const Dd4 s = two_sum4(a.hi, b.hi);
-  const Dd4 t = two_sum4(a.lo, b.lo);
-  const Dd4 u = fast_two_sum4(s.hi, s.lo + t.hi);
-  return fast_two_sum4(u.hi, t.lo + u.lo);
+template <int W>
+KVAUDIT_DD_INLINE DdLanes<W> add_lanes(DdLanes<W> a, DdLanes<W> b) {
+  const DdLanes<W> s = two_sum_lanes<W>(a.hi, b.hi);
+  const DdLanes<W> t = two_sum_lanes<W>(a.lo, b.lo);
+  const DdLanes<W> u = fast_two_sum_lanes<W>(s.hi, s.lo + t.hi);
+  return fast_two_sum_lanes<W>(u.hi, t.lo + u.lo);
 }
-KVAUDIT_CPU_V3_TARGET KVAUDIT_DD_INLINE Dd4 add4(Dd4 a, Double4 b) {
-  const Dd4 s = two_sum4(a.hi, b);
-  return fast_two_sum4(s.hi, s.lo + a.lo);
+template <int W>
+KVAUDIT_DD_INLINE DdLanes<W> add_lanes(DdLanes<W> a, typename Lanes<W>::Doubles b) {
+  const DdLanes<W> s = two_sum_lanes<W>(a.hi, b);
+  return fast_two_sum_lanes<W>(s.hi, s.lo + a.lo);
 }
-KVAUDIT_CPU_V3_TARGET KVAUDIT_DD_INLINE Dd4 mul4(Dd4 a, Double4 b) {
-  const Dd4 p = two_prod4(a.hi, b);
-  return fast_two_sum4(p.hi, p.lo + a.lo * b);
+template <int W>
+KVAUDIT_DD_INLINE DdLanes<W> mul_lanes(DdLanes<W> a, typename Lanes<W>::Doubles b) {
+  const DdLanes<W> p = two_prod_lanes<W>(a.hi, b);
+  return fast_two_sum_lanes<W>(p.hi, p.lo + a.lo * b);
 }
-KVAUDIT_CPU_V3_TARGET KVAUDIT_DD_INLINE Dd4 mul4(Dd4 a, Dd4 b) {
-  const Dd4 p = two_prod4(a.hi, b.hi);
-  return fast_two_sum4(p.hi, p.lo + (a.hi * b.lo + a.lo * b.hi));
+template <int W>
+KVAUDIT_DD_INLINE DdLanes<W> mul_lanes(DdLanes<W> a, DdLanes<W> b) {
+  const DdLanes<W> p = two_prod_lanes<W>(a.hi, b.hi);
+  return fast_two_sum_lanes<W>(p.hi, p.lo + (a.hi * b.lo + a.lo * b.hi));
 }
 
 // 2^k for integral k in -1022..1023 (as the scalar power_of_two): k + 1023 + 2^52 holds k + 1023
 // in its low mantissa bits, which then move to the exponent field.
-KVAUDIT_CPU_V3_TARGET KVAUDIT_DD_INLINE Double4 power_of_two4(Double4 k) {
+template <int W>
+KVAUDIT_DD_INLINE void power_of_two_lanes(typename Lanes<W>::Doubles k,
+                                          typename Lanes<W>::Doubles& out) {
+  using Int = typename Lanes<W>::Int64s;
   constexpr double kTwo52 = 4503599627370496.0;
-  const Double4 biased = k + (1023.0 + kTwo52);
-  const Int4 field = __builtin_bit_cast(Int4, biased) - std::bit_cast<long long>(kTwo52);
-  const Int4 bits = field << 52;
-  return __builtin_bit_cast(Double4, bits);
+  const auto biased = k + (1023.0 + kTwo52);
+  const Int field = __builtin_bit_cast(Int, biased) - std::bit_cast<long long>(kTwo52);
+  const Int bits = field << 52;
+  out = __builtin_bit_cast(typename Lanes<W>::Doubles, bits);
 }
 
-KVAUDIT_CPU_V3_TARGET
-void weight_exp4(const dd::DoubleDouble* x, dd::DoubleDouble* out) {
-  Dd4 a;
-  for (int i = 0; i < 4; ++i) {
+template <int W>
+KVAUDIT_DD_INLINE void weight_exp_lanes(const dd::DoubleDouble* x, dd::DoubleDouble* out) {
+  using Doubles = typename Lanes<W>::Doubles;
+  DdLanes<W> a;
+  for (int i = 0; i < W; ++i) {
     a.hi[i] = x[i].hi;
     a.lo[i] = x[i].lo;
   }
-  const Double4 k =
-      _mm256_round_pd(a.hi / dd::kLn2Hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  Dd4 r = add4(a, mul4(Dd4{Double4{} + dd::kLn2Hi, Double4{} + dd::kLn2Lo}, -k));
+  Doubles k = a.hi / dd::kLn2Hi;
+  round_to_integer<W>(k);
+  DdLanes<W> r =
+      add_lanes<W>(a, mul_lanes<W>(DdLanes<W>{Doubles{} + dd::kLn2Hi, Doubles{} + dd::kLn2Lo}, -k));
   r = {r.hi * 0.03125, r.lo * 0.03125};
   constexpr double kInverseHi[12] = {
       0x1.0000000000000p-1, 0x1.5555555555555p-2, 0x1.0000000000000p-2, 0x1.999999999999ap-3,
@@ -733,39 +782,58 @@ void weight_exp4(const dd::DoubleDouble* x, dd::DoubleDouble* out) {
                                      -0x1.745d1745d1746p-59,
                                      0x1.5555555555555p-58,
                                      -0x1.3b13b13b13b14p-58};
-  Dd4 t{Double4{} + 1.0, Double4{}};
+  DdLanes<W> t{Doubles{} + 1.0, Doubles{}};
 #pragma GCC unroll 12
   for (int n = 13; n >= 2; --n) {
-    const Dd4 inverse{Double4{} + kInverseHi[n - 2], Double4{} + kInverseLo[n - 2]};
-    t = add4(mul4(mul4(r, inverse), t), Double4{} + 1.0);
+    const DdLanes<W> inverse{Doubles{} + kInverseHi[n - 2], Doubles{} + kInverseLo[n - 2]};
+    t = add_lanes<W>(mul_lanes<W>(mul_lanes<W>(r, inverse), t), Doubles{} + 1.0);
   }
-  Dd4 e = mul4(r, t);
-  for (int i = 0; i < 5; ++i) e = add4(Dd4{2.0 * e.hi, 2.0 * e.lo}, mul4(e, e));
-  const Dd4 y = add4(e, Double4{} + 1.0);
-  const Double4 scale = power_of_two4(k);
-  const Double4 hi = y.hi * scale;
-  const Double4 lo = y.lo * scale;
-  for (int i = 0; i < 4; ++i) out[i] = {hi[i], lo[i]};
+  DdLanes<W> e = mul_lanes<W>(r, t);
+  for (int i = 0; i < 5; ++i)
+    e = add_lanes<W>(DdLanes<W>{2.0 * e.hi, 2.0 * e.lo}, mul_lanes<W>(e, e));
+  const DdLanes<W> y = add_lanes<W>(e, Doubles{} + 1.0);
+  Doubles scale;
+  power_of_two_lanes<W>(k, scale);
+  const Doubles hi = y.hi * scale;
+  const Doubles lo = y.lo * scale;
+  for (int i = 0; i < W; ++i) out[i] = {hi[i], lo[i]};
 }
+
+KVAUDIT_CPU_V3_TARGET
+void weight_exp4(const dd::DoubleDouble* x, dd::DoubleDouble* out) { weight_exp_lanes<4>(x, out); }
+#if defined(KVAUDIT_HAVE_CPU_V4_TARGET)
+KVAUDIT_CPU_V4_TARGET
+void weight_exp8(const dd::DoubleDouble* x, dd::DoubleDouble* out) { weight_exp_lanes<8>(x, out); }
+#endif
 #endif
 
-// w_t = exp(x_t) for n arguments: four at a time where the CPU has AVX2 + FMA and the four lie
-// in the vector form's range, one at a time otherwise; the same values either way.
-void weight_exps(const dd::DoubleDouble* x, std::int64_t n, dd::DoubleDouble* out) {
+// The arguments' exps, W at a time where all W lie in the vector form's range.
+template <int W, class VectorExp>
+std::int64_t weight_exps_by(const dd::DoubleDouble* x, std::int64_t n, dd::DoubleDouble* out,
+                            VectorExp vector_exp) {
   std::int64_t t = 0;
-#if defined(KVAUDIT_HAVE_CPU_V3_TARGET)
-  if (kvaudit_cpu_has_v3()) {
-    for (; t + 4 <= n; t += 4) {
-      const bool in_range = std::all_of(x + t, x + t + 4, [](const dd::DoubleDouble& v) {
-        return v.hi >= -708.0 && v.hi <= 709.0;  // false for NaN
-      });
-      if (in_range) {
-        weight_exp4(x + t, out + t);
-      } else {
-        for (int i = 0; i < 4; ++i) out[t + i] = weight_exp(x[t + i]);
-      }
+  for (; t + W <= n; t += W) {
+    const bool in_range = std::all_of(x + t, x + t + W, [](const dd::DoubleDouble& v) {
+      return v.hi >= -708.0 && v.hi <= 709.0;  // false for NaN
+    });
+    if (in_range) {
+      vector_exp(x + t, out + t);
+    } else {
+      for (int i = 0; i < W; ++i) out[t + i] = weight_exp(x[t + i]);
     }
   }
+  return t;
+}
+
+// w_t = exp(x_t) for n arguments: 8 or 4 at a time where the CPU has AVX-512 or AVX2 + FMA and
+// they lie in the vector form's range, one at a time otherwise; the same values either way.
+void weight_exps(const dd::DoubleDouble* x, std::int64_t n, dd::DoubleDouble* out) {
+  std::int64_t t = 0;
+#if defined(KVAUDIT_HAVE_CPU_V4_TARGET)
+  if (kvaudit_cpu_use_v4()) t = weight_exps_by<8>(x, n, out, weight_exp8);
+#endif
+#if defined(KVAUDIT_HAVE_CPU_V3_TARGET)
+  if (t == 0 && kvaudit_cpu_has_v3()) t = weight_exps_by<4>(x, n, out, weight_exp4);
 #endif
   for (; t < n; ++t) out[t] = weight_exp(x[t]);
 }
