@@ -78,13 +78,13 @@ struct Outputs {
   std::vector<double> lse;
 };
 
-Outputs run_default(const SlicedCase& c) {
+Outputs run_default(const SlicedCase& c, int threads = 2) {
   Outputs r;
   r.out.assign(c.q_nope.size(), -12345.0);
   r.lse.assign(c.q_nope.size() / c.attrs.kv_lora_rank, -12345.0);
   const KvRows kv = rows_of(c);
   auto work = mla_reference_attention<dd::DoubleDouble>(c.attrs, c.step, c.q_nope, c.q_pe, kv,
-                                                        r.out, r.lse, 2);
+                                                        r.out, r.lse, threads);
   REQUIRE(work.ok());
   return r;
 }
@@ -489,6 +489,54 @@ TEST_CASE("per-row grids: bf16 source rows at the 27-bit bound and wider ones ag
   CHECK(outputs_outside_guarantee(c) == 0);
 }
 
+// Bitwise equality of two runs' outputs (NaNs included): the number of values that differ.
+int values_differing(const Outputs& a, const Outputs& b) {
+  int differ = 0;
+  for (std::size_t i = 0; i < a.out.size(); ++i) {
+    differ += std::memcmp(&a.out[i], &b.out[i], sizeof(double)) != 0;
+  }
+  for (std::size_t i = 0; i < a.lse.size(); ++i) {
+    differ += std::memcmp(&a.lse[i], &b.lse[i], sizeof(double)) != 0;
+  }
+  return differ;
+}
+
+// The heads of a row run together in groups, their tokens in chunks (HeadGroupKernel); the group
+// size follows the thread count (2 rows: 1 thread takes all 6 heads at once, 3 threads groups of
+// 2, 64 threads one head each). Every form must give the bits of one head at a time: each head's
+// state is its own, and each row's kernel starts clean (row 0's head 2 has a NaN q, so its out
+// is NaN, and the next row's head 2, in the same kernel, must not be). 700 tokens: 11 chunks and
+// blocks of several bands, opened and closed out of band order.
+TEST_CASE("the reference gives the same bits whatever the heads per group", "[reference][sliced]") {
+  std::mt19937_64 rng(35);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  SlicedCase e4m3 = make_case(2, 6, 700, 0.0625);  // sliced scores and P.V, many bands
+  fill_e4m3(e4m3.rows, rng);
+  fill_q(e4m3, rng, 1.0f);
+  e4m3.q_nope[2 * kDc + 5] = std::numeric_limits<float>::quiet_NaN();  // row 0, head 2
+
+  SlicedCase source = make_case(2, 6, 700, 0.0625);  // per-row grids and compensated P.V
+  for (float& x : source.rows) x = bf16_round(normal(rng));
+  for (int t = 0; t < 2 * 700; t += 9) source.rows[static_cast<std::size_t>(t) * kWidth] *= 1e-12f;
+  fill_q(source, rng, 1.0f);
+
+  SlicedCase grouped = make_case(2, 6, 700, 0.0625);  // compensated scores and P.V, hi + lo
+  fill_grouped_rows(grouped, rng);
+  fill_q(grouped, rng, 1.0f);
+
+  for (const SlicedCase* c : {&e4m3, &source, &grouped}) {
+    const Outputs all_heads = run_default(*c, 1);
+    const Outputs pairs = run_default(*c, 3);
+    const Outputs one_head = run_default(*c, 64);
+    CHECK(values_differing(all_heads, one_head) == 0);
+    CHECK(values_differing(pairs, one_head) == 0);
+  }
+  const Outputs got = run_default(e4m3, 1);
+  CHECK(std::isnan(got.lse[2]));
+  CHECK(std::isfinite(got.lse[6 + 2]));
+  CHECK(std::isfinite(got.lse[3]));
+}
+
 #if defined(KVAUDIT_HAVE_CPU_V4_TARGET)
 // Every output of the default run twice, with the CPU's x86-64-v4 forms (8 doubles per vector)
 // and with the 4-wide forms they replace; the number of values whose bits differ.
@@ -497,14 +545,7 @@ int values_differing_between_widths(const SlicedCase& c) {
   kvaudit_cpu_v4_off = true;
   const Outputs narrow = run_default(c);
   kvaudit_cpu_v4_off = false;
-  int differ = 0;
-  for (std::size_t i = 0; i < wide.out.size(); ++i) {
-    differ += std::memcmp(&wide.out[i], &narrow.out[i], sizeof(double)) != 0;
-  }
-  for (std::size_t i = 0; i < wide.lse.size(); ++i) {
-    differ += std::memcmp(&wide.lse[i], &narrow.lse[i], sizeof(double)) != 0;
-  }
-  return differ;
+  return values_differing(wide, narrow);
 }
 
 // The 8-wide loops change the order of the sliced sums (exact: any order gives the same bits) and
