@@ -753,19 +753,12 @@ KVAUDIT_DD_INLINE void power_of_two_lanes(typename Lanes<W>::Doubles k,
   out = __builtin_bit_cast(typename Lanes<W>::Doubles, bits);
 }
 
-template <int W>
+// V vectors of W arguments (x and out hold W * V), each step taken for all V before the next:
+// the V chains of dependent operations are independent, so the core overlaps them (one chain
+// alone waits on each step's latency).
+template <int W, int V>
 KVAUDIT_DD_INLINE void weight_exp_lanes(const dd::DoubleDouble* x, dd::DoubleDouble* out) {
   using Doubles = typename Lanes<W>::Doubles;
-  DdLanes<W> a;
-  for (int i = 0; i < W; ++i) {
-    a.hi[i] = x[i].hi;
-    a.lo[i] = x[i].lo;
-  }
-  Doubles k = a.hi / dd::kLn2Hi;
-  round_to_integer<W>(k);
-  DdLanes<W> r =
-      add_lanes<W>(a, mul_lanes<W>(DdLanes<W>{Doubles{} + dd::kLn2Hi, Doubles{} + dd::kLn2Lo}, -k));
-  r = {r.hi * 0.03125, r.lo * 0.03125};
   constexpr double kInverseHi[12] = {
       0x1.0000000000000p-1, 0x1.5555555555555p-2, 0x1.0000000000000p-2, 0x1.999999999999ap-3,
       0x1.5555555555555p-3, 0x1.2492492492492p-3, 0x1.0000000000000p-3, 0x1.c71c71c71c71cp-4,
@@ -782,28 +775,56 @@ KVAUDIT_DD_INLINE void weight_exp_lanes(const dd::DoubleDouble* x, dd::DoubleDou
                                      -0x1.745d1745d1746p-59,
                                      0x1.5555555555555p-58,
                                      -0x1.3b13b13b13b14p-58};
-  DdLanes<W> t{Doubles{} + 1.0, Doubles{}};
+  const DdLanes<W> ln2{Doubles{} + dd::kLn2Hi, Doubles{} + dd::kLn2Lo};
+  Doubles k[V];
+  DdLanes<W> r[V];
+  DdLanes<W> t[V];
+  for (int v = 0; v < V; ++v) {
+    DdLanes<W> a;
+    for (int i = 0; i < W; ++i) {
+      a.hi[i] = x[v * W + i].hi;
+      a.lo[i] = x[v * W + i].lo;
+    }
+    k[v] = a.hi / dd::kLn2Hi;
+    round_to_integer<W>(k[v]);
+    r[v] = add_lanes<W>(a, mul_lanes<W>(ln2, -k[v]));
+    r[v] = {r[v].hi * 0.03125, r[v].lo * 0.03125};
+    t[v] = {Doubles{} + 1.0, Doubles{}};
+  }
 #pragma GCC unroll 12
   for (int n = 13; n >= 2; --n) {
     const DdLanes<W> inverse{Doubles{} + kInverseHi[n - 2], Doubles{} + kInverseLo[n - 2]};
-    t = add_lanes<W>(mul_lanes<W>(mul_lanes<W>(r, inverse), t), Doubles{} + 1.0);
+    for (int v = 0; v < V; ++v) {
+      t[v] = add_lanes<W>(mul_lanes<W>(mul_lanes<W>(r[v], inverse), t[v]), Doubles{} + 1.0);
+    }
   }
-  DdLanes<W> e = mul_lanes<W>(r, t);
-  for (int i = 0; i < 5; ++i)
-    e = add_lanes<W>(DdLanes<W>{2.0 * e.hi, 2.0 * e.lo}, mul_lanes<W>(e, e));
-  const DdLanes<W> y = add_lanes<W>(e, Doubles{} + 1.0);
-  Doubles scale;
-  power_of_two_lanes<W>(k, scale);
-  const Doubles hi = y.hi * scale;
-  const Doubles lo = y.lo * scale;
-  for (int i = 0; i < W; ++i) out[i] = {hi[i], lo[i]};
+  DdLanes<W> e[V];
+  for (int v = 0; v < V; ++v) e[v] = mul_lanes<W>(r[v], t[v]);
+  for (int i = 0; i < 5; ++i) {
+    for (int v = 0; v < V; ++v) {
+      e[v] = add_lanes<W>(DdLanes<W>{2.0 * e[v].hi, 2.0 * e[v].lo}, mul_lanes<W>(e[v], e[v]));
+    }
+  }
+  for (int v = 0; v < V; ++v) {
+    const DdLanes<W> y = add_lanes<W>(e[v], Doubles{} + 1.0);
+    Doubles scale;
+    power_of_two_lanes<W>(k[v], scale);
+    const Doubles hi = y.hi * scale;
+    const Doubles lo = y.lo * scale;
+    for (int i = 0; i < W; ++i) out[v * W + i] = {hi[i], lo[i]};
+  }
 }
 
+// 4 arguments (AVX2), 16 (AVX-512: two vectors of 8).
 KVAUDIT_CPU_V3_TARGET
-void weight_exp4(const dd::DoubleDouble* x, dd::DoubleDouble* out) { weight_exp_lanes<4>(x, out); }
+void weight_exp4(const dd::DoubleDouble* x, dd::DoubleDouble* out) {
+  weight_exp_lanes<4, 1>(x, out);
+}
 #if defined(KVAUDIT_HAVE_CPU_V4_TARGET)
 KVAUDIT_CPU_V4_TARGET
-void weight_exp8(const dd::DoubleDouble* x, dd::DoubleDouble* out) { weight_exp_lanes<8>(x, out); }
+void weight_exp16(const dd::DoubleDouble* x, dd::DoubleDouble* out) {
+  weight_exp_lanes<8, 2>(x, out);
+}
 #endif
 #endif
 
@@ -825,15 +846,16 @@ std::int64_t weight_exps_by(const dd::DoubleDouble* x, std::int64_t n, dd::Doubl
   return t;
 }
 
-// w_t = exp(x_t) for n arguments: 8 or 4 at a time where the CPU has AVX-512 or AVX2 + FMA and
-// they lie in the vector form's range, one at a time otherwise; the same values either way.
+// w_t = exp(x_t) for n arguments: 16 at a time where the CPU has AVX-512, then 4 at a time
+// where it has AVX2 + FMA, where they lie in the vector forms' range; one at a time otherwise.
+// The same values either way.
 void weight_exps(const dd::DoubleDouble* x, std::int64_t n, dd::DoubleDouble* out) {
   std::int64_t t = 0;
 #if defined(KVAUDIT_HAVE_CPU_V4_TARGET)
-  if (kvaudit_cpu_use_v4()) t = weight_exps_by<8>(x, n, out, weight_exp8);
+  if (kvaudit_cpu_use_v4()) t = weight_exps_by<16>(x, n, out, weight_exp16);
 #endif
 #if defined(KVAUDIT_HAVE_CPU_V3_TARGET)
-  if (t == 0 && kvaudit_cpu_has_v3()) t = weight_exps_by<4>(x, n, out, weight_exp4);
+  if (kvaudit_cpu_has_v3()) t += weight_exps_by<4>(x + t, n - t, out + t, weight_exp4);
 #endif
   for (; t < n; ++t) out[t] = weight_exp(x[t]);
 }
