@@ -1220,36 +1220,52 @@ void accumulate_weighted_rows_fma(const dd::DoubleDouble* e, const float* const*
 // dims left over (dc not a multiple of 16) take the form above. (Written out a second time rather
 // than shared as a template: the fused multiply-add intrinsics may only be called from code built
 // for their target, which a template instantiated outside it is not.)
+// kVectors * 8 dims from d0 over one tile of entries [t0, t1).
+template <int kVectors>
+KVAUDIT_CPU_V4_TARGET KVAUDIT_DD_INLINE void weighted_rows_tile_fma8(const dd::DoubleDouble* e,
+                                                                     const float* const* rows,
+                                                                     int t0, int t1, int n, int d0,
+                                                                     double* acc_hi,
+                                                                     double* acc_lo) {
+  using Double8 = Lanes<8>::Doubles;
+  Double8 hi[kVectors], lo[kVectors];
+  std::memcpy(hi, acc_hi + d0, sizeof hi);
+  std::memcpy(lo, acc_lo + d0, sizeof lo);
+  for (int t = t0; t < t1; ++t) {
+    if (t + kPvTileTokens < n) {
+      for (int i = 0; i < kVectors * 8; i += 16)
+        __builtin_prefetch(rows[t + kPvTileTokens] + d0 + i);
+    }
+    const Double8 h = Double8{} + e[t].hi;
+    const Double8 el = Double8{} + e[t].lo;
+    for (int i = 0; i < kVectors; ++i) {
+      Double8 c;
+      load_as_doubles<8>(rows[t] + d0 + 8 * i, c);
+      const Double8 p = _mm512_fmadd_pd(h, c, Double8{});
+      const Double8 p_error = _mm512_fmadd_pd(h, c, -p);
+      const Double8 sum = hi[i] + p;
+      const Double8 bb = sum - hi[i];
+      const Double8 err = (hi[i] - (sum - bb)) + (p - bb);
+      hi[i] = sum;
+      lo[i] += err + static_cast<Double8>(_mm512_fmadd_pd(el, c, p_error));
+    }
+  }
+  std::memcpy(acc_hi + d0, hi, sizeof hi);
+  std::memcpy(acc_lo + d0, lo, sizeof lo);
+}
+
+// 32 dims per tile (then 16): one broadcast of each entry's weight serves four vectors.
 KVAUDIT_CPU_V4_TARGET
 void accumulate_weighted_rows_fma8(const dd::DoubleDouble* e, const float* const* rows, int n,
                                    int dc, double* acc_hi, double* acc_lo) {
-  using Double8 = Lanes<8>::Doubles;
   const int dims = dc - dc % 16;
   for (int t0 = 0; t0 < n; t0 += kPvTileTokens) {
     const int t1 = std::min(n, t0 + kPvTileTokens);
-    for (int d0 = 0; d0 < dims; d0 += 16) {
-      Double8 hi[2], lo[2];
-      std::memcpy(hi, acc_hi + d0, sizeof hi);
-      std::memcpy(lo, acc_lo + d0, sizeof lo);
-      for (int t = t0; t < t1; ++t) {
-        if (t + kPvTileTokens < n) __builtin_prefetch(rows[t + kPvTileTokens] + d0);
-        const Double8 h = Double8{} + e[t].hi;
-        const Double8 el = Double8{} + e[t].lo;
-        for (int i = 0; i < 2; ++i) {
-          Double8 c;
-          load_as_doubles<8>(rows[t] + d0 + 8 * i, c);
-          const Double8 p = _mm512_fmadd_pd(h, c, Double8{});
-          const Double8 p_error = _mm512_fmadd_pd(h, c, -p);
-          const Double8 sum = hi[i] + p;
-          const Double8 bb = sum - hi[i];
-          const Double8 err = (hi[i] - (sum - bb)) + (p - bb);
-          hi[i] = sum;
-          lo[i] += err + static_cast<Double8>(_mm512_fmadd_pd(el, c, p_error));
-        }
-      }
-      std::memcpy(acc_hi + d0, hi, sizeof hi);
-      std::memcpy(acc_lo + d0, lo, sizeof lo);
+    int d0 = 0;
+    for (; d0 + 32 <= dims; d0 += 32) {
+      weighted_rows_tile_fma8<4>(e, rows, t0, t1, n, d0, acc_hi, acc_lo);
     }
+    if (d0 < dims) weighted_rows_tile_fma8<2>(e, rows, t0, t1, n, d0, acc_hi, acc_lo);
   }
   if (dims < dc) accumulate_weighted_rows_fma(e, rows, n, dims, dc, acc_hi, acc_lo);
 }
