@@ -1,7 +1,9 @@
 // The high-precision MLA reference (math, shapes and error targets: mla_reference.hpp).
 //
-// Work is split over (row, head) pairs, claimed from an atomic counter by every thread. Each pair
-// makes two passes over its visible tokens: scores s_t, then, with m = max_t s_t,
+// Work is split over (row, head group) units, claimed from an atomic counter by every thread (the
+// multiprecision forms: (row, head) pairs). Each (row, head) makes two passes over its visible
+// tokens, which the heads of a group take together, chunk by chunk (HeadGroupKernel): scores s_t,
+// then, with m = max_t s_t,
 //   l = sum_t exp(s_t - m),  acc = sum_t exp(s_t - m) c_t,  out = scale * acc / l,  lse = m + ln l.
 // Subtracting m changes nothing mathematically; it keeps exp in range.
 #include "references/mla_reference.hpp"

@@ -38,10 +38,12 @@
 //       cpp_bin_float at 50 and 100 digits (tests/references/test_mla_reference_sliced.cpp checks
 //       the nearest-double statement itself against a 100-digit oracle). Throughput at D = 576,
 //       16 heads, e4m3 values (`kvaudit bench --cpu-only --cpu-seconds 3`, 2 threads, on a
-//       2-core Intel Xeon with AVX-512 and without a GPU, 2026-12-05, three runs alternating with
-//       the code before): 6.1e6-6.5e6 rows*heads*tokens per second, 0.79-0.92x a plain binary64
-//       loop over the same step in the same run (before: 3.2e6-3.8e6, 1.14-1.74x; the
-//       compensated sums before the slicing: 1.50-2.20x under load, 3.26x on a quiet machine).
+//       2-core Intel Xeon with AVX-512 and without a GPU, 2026-12-06, three runs alternating with
+//       e446bf7): 7.1e6-8.1e6 rows*heads*tokens per second, 0.67-0.74x a plain binary64 loop
+//       over the same step in the same run (e446bf7: 5.7e6-6.6e6, 0.79-0.85x; 2026-12-05 before
+//       the AVX-512 loops: 1.14-1.74x; the compensated sums before the slicing: 1.50-2.20x under
+//       load, 3.26x on a quiet machine). The heads of a query row run together, their tokens in
+//       chunks of 64, so that the rows of a chunk are read from memory once for every head.
 //       The hot loops have x86-64-v3 clones (AVX2 + FMA) and, where the CPU has x86-64-v4, forms
 //       of 8 doubles per vector that give the same bits (a test runs both on such a CPU). The
 //       bench's values (|v| < 3.75, 11 bits) take 3 weight slices per band; a calibrated pool

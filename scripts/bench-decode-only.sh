@@ -12,10 +12,11 @@
 # Then `kvaudit check --backend cpu-fp8 --verbose` on it, timed with /usr/bin/time, prints the
 # split the check reports (reading, reference, backend, comparisons) and the wall time.
 #
-# Measured 2026-12-05 on a 2-core Xeon with AVX-512 and without a GPU (reports/whole-model-speed.md):
-# KVAUDIT_CONTEXT=4096: 26.6-27.6 s wall; 27.9 s and 29.4 s a little earlier, against 47.0 s for
-# the code before the reference's AVX-512 loops run between them (39.5 s the same morning on another machine of the kind, 45.9 s
-# before the weights were sliced per band); context 512: 4.2-4.9 s.
+# Measured on a 2-core Xeon with AVX-512 and without a GPU (reports/whole-model-speed.md):
+# KVAUDIT_CONTEXT=4096, 2026-12-06: 22.6-24.9 s wall (078f69f), against 26.1-28.3 s for e446bf7
+# in runs alternating with it; 2026-12-05: 26.6-27.6 s (568fad7), and 47.0 s for the code before
+# the reference's AVX-512 loops; context 512: 4.2-4.9 s. The same binary's time drifts by up to
+# 20% within an hour on such a machine: compare only runs made side by side.
 #
 # Usage: scripts/bench-decode-only.sh [KVAUDIT_BINARY] (default build-cpu/kvaudit)
 #   KVAUDIT_DUMP_DIR  where the dump goes (default build/decode-only)
