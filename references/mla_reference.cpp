@@ -1653,8 +1653,10 @@ class DoubleDoubleKernel {
 };
 
 // Heads per group, for HeadGroupKernel: every head of a row, unless the rows are too few to keep
-// each thread busy (the heads are then split until rows x groups >= 2 x threads) or a group's
-// state per visible token (s_, band_tokens_, token_band_: 28 bytes a head) would pass 64 MiB.
+// each thread busy (the heads are then split until rows x groups >= 2 x threads) or the group's
+// state per visible token would pass 16 MiB a thread: per head, s_, band_tokens_ and token_band_
+// (28 bytes a token) and the sliced P.V's block sums (kMaxFastWeightSlices x dc doubles per
+// kPvBlockTokens tokens: 64 bytes a token at dc = 512). 4,096 tokens: 44 heads; 128 K: one.
 int heads_per_group(const Problem& p, int threads) {
   const int workers = resolve_thread_count(threads);
   int groups = 1;
@@ -1662,8 +1664,10 @@ int heads_per_group(const Problem& p, int threads) {
     ++groups;
   }
   const int size = (p.num_heads + groups - 1) / groups;
-  constexpr std::int64_t kGroupStateBytes = std::int64_t{64} << 20;
-  const std::int64_t per_head = 28 * std::max<std::int64_t>(p.max_visible, 1);
+  constexpr std::int64_t kGroupStateBytes = std::int64_t{16} << 20;
+  const std::int64_t per_token =
+      28 + 8 * kMaxFastWeightSlices * std::int64_t{p.dc} / kPvBlockTokens;
+  const std::int64_t per_head = per_token * std::max<std::int64_t>(p.max_visible, 1);
   return static_cast<int>(std::clamp<std::int64_t>(kGroupStateBytes / per_head, 1, size));
 }
 
