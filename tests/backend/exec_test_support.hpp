@@ -7,6 +7,7 @@
 #include <hdf5.h>
 #include <sys/wait.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -14,6 +15,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "src/format/kvdump.hpp"
@@ -137,6 +139,16 @@ inline std::map<std::string, std::vector<char>> dataset_bytes(const std::filesys
 inline bool process_gone(const std::string& pid) {
   const std::string status = read_text("/proc/" + pid + "/status");
   return status.empty() || status.find("State:\tZ") != std::string::npos;
+}
+
+// Whether the process is gone within 5 s: an ended program leaves /proc a moment after its
+// parent returns, later still under a loaded parallel test run.
+inline bool process_gone_soon(const std::string& pid) {
+  for (int i = 0; i < 50; ++i) {
+    if (process_gone(pid)) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return process_gone(pid);
 }
 
 }  // namespace kvaudit::exec_test
