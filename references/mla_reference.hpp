@@ -63,7 +63,7 @@
 #include "references/double_double.hpp"
 #include "references/reference_device.hpp"
 #include "references/reference_problem.hpp"
-#include "src/core/default_init_allocator.hpp"
+#include "src/core/buffer_cache.hpp"
 #include "src/core/result.hpp"
 #include "src/format/kvdump.hpp"
 #include "src/format/step_indices.hpp"
@@ -135,9 +135,10 @@ class KvRows {
   void find_value_grid(std::span<const float> values, bool e4m3_values, int threads = 1);
   void find_row_grids(std::span<const float> values, int threads);
 
-  // Every element is decoded into before it is read: no zeroing first (DefaultInitAllocator).
-  std::vector<float, DefaultInitAllocator<float>> owned_;
-  std::vector<float, DefaultInitAllocator<float>> owned_lo_;
+  // Every element is decoded into before it is read: no zeroing first, and large ones reuse the
+  // last layer's pages (CachedFloats, src/core/buffer_cache.hpp).
+  CachedFloats owned_;
+  CachedFloats owned_lo_;
   const float* values_lo_ = nullptr;
   const float* values_ = nullptr;
   std::vector<std::int64_t> compact_row_;  // slot -> row of owned_ (-1: absent); empty: identity

@@ -118,12 +118,14 @@ struct BulkSource {
 };
 
 // Reads a whole dataset whose type and shape open() validated. `elements` is its element count.
-template <typename T>
+// A vector that held as many elements before (a buffer a thread keeps) is not written twice: its
+// old values stay until the read overwrites every one of them (or fails, and they go unused).
+template <typename T, typename A>
 Status read_all(const BulkSource& source, const std::string& path, hid_t memory_type,
-                std::size_t elements, std::vector<T>* values) {
+                std::size_t elements, std::vector<T, A>* values) {
   try {
     reserve_on_huge_pages(*values, elements);
-    values->assign(elements, T{});
+    values->resize(elements);
   } catch (const std::bad_alloc&) {
     return internal_error(source.where(path),
                           fmt::format("out of memory reading {} bytes", elements * sizeof(T)));
@@ -151,15 +153,17 @@ Result<ElementClass> element_class(const BulkSource& source, const std::string& 
   return bad_input(source.where(path), "element type changed since the file was opened");
 }
 
-// A bfloat16-or-float32 tensor as float. The bf16 bits are read into a buffer each thread keeps
-// (until it ends: the reader thread's lives for the check, 2 bytes per element of the largest
-// tensor read, half the float copy's), and the floats go to a vector on huge pages
-// (src/core/huge_pages.hpp): a prefill step's q_nope is tens of MB, and fresh 4 KiB pages every
-// time cost more than the read.
-Result<std::vector<float>> read_bf16_tensor(const BulkSource& source, const std::string& path,
-                                            std::size_t elements) {
+// A bfloat16-or-float32 tensor as float, into a vector of type Floats (std::vector<float>, or
+// CachedFloats for a layer's kv_source: 76 MB a GLM-5 layer, whose blocks the next layer reuses).
+// The bf16 bits are read into a buffer each thread keeps (until it ends: the reader thread's lives
+// for the check, 2 bytes per element of the largest tensor read, half the float copy's), and the
+// floats go to a vector on huge pages (src/core/huge_pages.hpp): a prefill step's q_nope is tens
+// of MB, and fresh 4 KiB pages every time cost more than the read.
+template <class Floats>
+Result<Floats> read_bf16_tensor(const BulkSource& source, const std::string& path,
+                                std::size_t elements) {
   KVAUDIT_ASSIGN_OR_RETURN(const ElementClass cls, element_class(source, path));
-  std::vector<float> values;
+  Floats values;
   if (cls == ElementClass::kFloat32) {
     KVAUDIT_TRY(read_all(source, path, H5T_NATIVE_FLOAT, elements, &values));
     return values;
@@ -324,7 +328,7 @@ Result<KvPool> DumpReader::read_pool(std::size_t layer_index) const {
                            "/layers/" + layout.layers[layer_index].group + "/kv_cache", layout);
 }
 
-Result<std::vector<float>> DumpReader::read_source(std::size_t layer_index) const {
+Result<CachedFloats> DumpReader::read_source(std::size_t layer_index) const {
   const DumpLayout& layout = impl_->layout;
   if (layer_index >= layout.layers.size()) {
     return internal_error(impl_->file_text,
@@ -333,8 +337,9 @@ Result<std::vector<float>> DumpReader::read_source(std::size_t layer_index) cons
   const LayerMeta& layer = layout.layers[layer_index];
   const std::string path = "/layers/" + layer.group + "/kv_source";
   if (!layer.has_source) return bad_input(impl_->file_text + ":" + path, "missing dataset");
-  return read_bf16_tensor({impl_->file.get(), impl_->file_text}, path,
-                          static_cast<std::size_t>(layout.num_slots()) * layout.attrs.row_width());
+  return read_bf16_tensor<CachedFloats>(
+      {impl_->file.get(), impl_->file_text}, path,
+      static_cast<std::size_t>(layout.num_slots()) * layout.attrs.row_width());
 }
 
 Result<StepLayerTensors> DumpReader::read_step_layer(std::size_t step_index,
@@ -351,15 +356,17 @@ Result<StepLayerTensors> DumpReader::read_step_layer(std::size_t step_index,
   const std::size_t heads = static_cast<std::size_t>(a.num_heads);
   const BulkSource source{impl_->file.get(), impl_->file_text};
   StepLayerTensors tensors;
-  KVAUDIT_ASSIGN_OR_RETURN(tensors.q_nope,
-                           read_bf16_tensor(source, base + "q_nope", nq * heads * a.kv_lora_rank));
   KVAUDIT_ASSIGN_OR_RETURN(
-      tensors.q_pe, read_bf16_tensor(source, base + "q_pe", nq * heads * a.qk_rope_head_dim));
-  KVAUDIT_ASSIGN_OR_RETURN(tensors.new_kv,
-                           read_bf16_tensor(source, base + "new_kv", nq * a.row_width()));
+      tensors.q_nope,
+      read_bf16_tensor<std::vector<float>>(source, base + "q_nope", nq * heads * a.kv_lora_rank));
+  KVAUDIT_ASSIGN_OR_RETURN(
+      tensors.q_pe,
+      read_bf16_tensor<std::vector<float>>(source, base + "q_pe", nq * heads * a.qk_rope_head_dim));
+  KVAUDIT_ASSIGN_OR_RETURN(tensors.new_kv, read_bf16_tensor<std::vector<float>>(
+                                               source, base + "new_kv", nq * a.row_width()));
   if (step.has_out[layer_index]) {
-    KVAUDIT_ASSIGN_OR_RETURN(tensors.out,
-                             read_bf16_tensor(source, base + "out", nq * heads * a.kv_lora_rank));
+    KVAUDIT_ASSIGN_OR_RETURN(tensors.out, read_bf16_tensor<std::vector<float>>(
+                                              source, base + "out", nq * heads * a.kv_lora_rank));
     KVAUDIT_ASSIGN_OR_RETURN(const ElementClass out_class, element_class(source, base + "out"));
     tensors.out_storage =
         out_class == ElementClass::kFloat32 ? OutputStorage::kFloat32 : OutputStorage::kBfloat16;

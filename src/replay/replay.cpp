@@ -148,7 +148,7 @@ double tensor_bytes(const StepLayerTensors& tensors) {
 // read nothing more of the layer is read.
 struct LayerData {
   std::optional<Result<KvPool>> pool;
-  std::optional<Result<std::vector<float>>> source;
+  std::optional<Result<CachedFloats>> source;
   std::vector<Result<StepLayerTensors>> steps;
   // Read in place (no reader thread): the steps are read one at a time when replayed, as each
   // step's tensors (a captured kv_cache_after is a whole pool) need not all be held at once.
@@ -370,7 +370,7 @@ class SourceRows {
   SourceRows(std::int64_t num_slots, int width)
       : width_(width), known_(static_cast<std::size_t>(num_slots), 0) {}
 
-  void set_dense(std::vector<float> values) {
+  void set_dense(CachedFloats values) {
     dense_ = std::move(values);
     std::fill(known_.begin(), known_.end(), 1);
   }
@@ -442,7 +442,7 @@ class SourceRows {
  private:
   int width_;
   std::vector<char> known_;
-  std::vector<float> dense_;
+  CachedFloats dense_;
   std::unordered_map<std::int64_t, std::vector<float>> sparse_;
 };
 
@@ -673,7 +673,7 @@ Status LayerReplay::load_state(LayerData data) {
   reference_nan_codes_.scan(reference_pool_);
   if (!layer_.has_source) return ok_status();
   if (!data_.source->ok()) return data_.source->error();
-  std::vector<float> source = std::move(**data_.source);
+  CachedFloats source = std::move(**data_.source);
   if (source.size() != static_cast<std::size_t>(reader.layout().num_slots()) * attrs_.row_width()) {
     return internal_error(
         fmt::format("{}:/layers/{}/kv_source", reader.path().string(), layer_.group),

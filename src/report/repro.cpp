@@ -222,7 +222,7 @@ Result<KeptPool> reference_pool_before(const DumpReader& reader, std::size_t li,
   result.source.assign(static_cast<std::size_t>(kept.num_slots()) * width, 0.0f);
   result.source_known.assign(static_cast<std::size_t>(kept.num_slots()), 0);
   if (layer.has_source) {
-    KVAUDIT_ASSIGN_OR_RETURN(const std::vector<float> dense, reader.read_source(li));
+    KVAUDIT_ASSIGN_OR_RETURN(const CachedFloats dense, reader.read_source(li));
     const std::size_t page_values = static_cast<std::size_t>(page) * width;
     for (std::size_t i = 0; i < kept.pages().size(); ++i) {
       std::copy_n(dense.begin() + static_cast<std::ptrdiff_t>(kept.pages()[i] * page_values),

@@ -30,7 +30,7 @@ struct LayerStep {
 struct LayerInput {
   const DumpAttributes* attrs = nullptr;
   const DumpLayout* layout = nullptr;
-  std::vector<float> source;  // kv_source [S, D]
+  CachedFloats source;  // kv_source [S, D]
   std::vector<LayerStep> steps;
   std::vector<float> rows;  // every source row attention reads, once per value held [N, D]
   std::int64_t num_rows = 0;
@@ -92,7 +92,7 @@ Result<LayerInput> read_layer(const DumpReader& reader, std::size_t layer_index)
   input.layout = &layout;
   KVAUDIT_ASSIGN_OR_RETURN(input.source, reader.read_source(layer_index));
   const int width = layout.attrs.row_width();
-  std::vector<float> current = input.source;
+  std::vector<float> current(input.source.begin(), input.source.end());
   std::vector<char> counted(static_cast<std::size_t>(layout.num_slots()), 0);
   for (std::size_t s = 0; s < layout.steps.size(); ++s) {
     LayerStep step;
@@ -282,7 +282,7 @@ class CandidatePool {
 Status source_references(const LayerInput& input, int threads,
                          std::vector<StepReference>& references) {
   const int width = input.attrs->row_width();
-  std::vector<float> current = input.source;
+  std::vector<float> current(input.source.begin(), input.source.end());
   for (std::size_t s = 0; s < input.steps.size(); ++s) {
     const StepMeta& meta = input.layout->steps[s];
     apply_writes(meta, input.steps[s].tensors, width, current);
@@ -301,7 +301,7 @@ Status evaluate_candidate(const LayerInput& input, CandidateResult& candidate,
                           int threads, bool held_out_only = false) {
   const DumpAttributes& attrs = *input.attrs;
   const int width = attrs.row_width();
-  std::vector<float> current = input.source;
+  std::vector<float> current(input.source.begin(), input.source.end());
   CandidatePool pool(input, form_of(candidate, attrs));
   CandidateSums sums;
   for (std::size_t s = 0; s < input.steps.size(); ++s) {

@@ -38,7 +38,7 @@ nlohmann::json group_scales_info(const DumpAttributes& a) {
 // the slot, whatever the pool holds (the source's fault, not a kernel's). null without kv_source.
 Result<nlohmann::json> source_nan_info(const DumpReader& reader, std::size_t layer_index) {
   if (!reader.layout().layers[layer_index].has_source) return nlohmann::json(nullptr);
-  KVAUDIT_ASSIGN_OR_RETURN(const std::vector<float> source, reader.read_source(layer_index));
+  KVAUDIT_ASSIGN_OR_RETURN(const CachedFloats source, reader.read_source(layer_index));
   const std::size_t width = static_cast<std::size_t>(reader.layout().attrs.row_width());
   constexpr std::size_t kListed = 8;
   std::int64_t values = 0;

@@ -6,6 +6,7 @@
 #include <CLI/CLI.hpp>
 #include <catch2/catch.hpp>
 #include <cstring>
+#include <span>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -35,7 +36,7 @@ inline int run_synth_cli(const std::vector<std::string>& args) {
   return runner ? runner() : kExitBadInput;
 }
 
-inline bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+inline bool same_bits(std::span<const float> a, std::span<const float> b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 

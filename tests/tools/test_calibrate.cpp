@@ -70,7 +70,7 @@ Sums independent_error(const DumpReader& reader, float scale, const std::vector<
   const int width = a.row_width();
   auto source = reader.read_source(0);
   REQUIRE(source);
-  std::vector<float> current = *source;
+  std::vector<float> current(source->begin(), source->end());
   Sums sums;
   for (std::size_t s = 0; s < layout.steps.size(); ++s) {
     const StepMeta& step = layout.steps[s];
