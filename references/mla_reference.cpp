@@ -42,7 +42,7 @@ KvRows KvRows::from_values(std::span<const float> values, int row_width, double 
   rows.row_width_ = row_width;
   rows.num_slots_ = row_width > 0 ? static_cast<std::int64_t>(values.size()) / row_width : 0;
   rows.scale_ = scale;
-  if (residuals.empty()) rows.find_value_grid(values, false, threads);
+  if (residuals.empty()) rows.find_value_grid(values, threads);
   return rows;
 }
 
@@ -60,22 +60,42 @@ void decode_grouped_row(const KvPool& pool, std::int64_t slot, float kv_scale, f
   }
 }
 
-void decode_pool_row(const KvPool& pool, std::int64_t slot, float* dst) {
+// Returns, for an e4m3 row, the code of its largest finite magnitude with the sign cleared: e4m3
+// codes order as their magnitudes do, so the largest value is read off the codes (0x7f, NaN, left
+// out); 0 for a bf16 row.
+std::uint8_t decode_pool_row(const KvPool& pool, std::int64_t slot, float* dst) {
   if (pool.dtype == KvDtype::kBfloat16) {
     for (int c = 0; c < pool.row_width; ++c) dst[c] = bf16_to_float(pool.bf16_bits(slot, c));
-  } else {
-    const std::uint8_t* codes = pool.row(slot);
-    const float* values = e4m3_value_table().data();
-    for (int c = 0; c < pool.row_width; ++c) dst[c] = values[codes[c]];
+    return 0;
   }
+  const std::uint8_t* codes = pool.row(slot);
+  const float* values = e4m3_value_table().data();
+  std::uint8_t largest = 0;
+  for (int c = 0; c < pool.row_width; ++c) {
+    dst[c] = values[codes[c]];
+    const std::uint8_t magnitude = codes[c] & 0x7f;
+    largest = std::max<std::uint8_t>(largest, magnitude == 0x7f ? 0 : magnitude);
+  }
+  return largest;
 }
 
 }  // namespace
 
-void KvRows::decode_row(const KvPool& pool, float kv_scale, std::int64_t slot, std::int64_t row) {
+std::uint8_t KvRows::decode_row(const KvPool& pool, float kv_scale, std::int64_t slot,
+                                std::int64_t row) {
   float* hi = owned_.data() + row * row_width_;
   if (!pool.grouped()) return decode_pool_row(pool, slot, hi);
   decode_grouped_row(pool, slot, kv_scale, hi, owned_lo_.data() + row * row_width_);
+  return 0;
+}
+
+// The value grid of the decoded rows, e4m3 (largest_code from decode_row) or not.
+void KvRows::find_pool_grid(const KvPool& pool, std::uint8_t largest_code, int threads) {
+  if (has_residual()) return;
+  const bool e4m3_values = pool.dtype == KvDtype::kFloat8E4m3fn &&
+                           pool.rope_dtype == KvDtype::kFloat8E4m3fn && !pool.grouped();
+  if (e4m3_values) return set_e4m3_value_grid(e4m3_value_table()[largest_code]);
+  find_value_grid(owned_, threads);
 }
 
 // A grouped pool's rows carry their scales (scale 1); the residual array is dropped when every
@@ -104,14 +124,13 @@ KvRows KvRows::from_pool(const KvPool& pool, float kv_scale) {
   rows.scale_ = kv_scale;
   rows.owned_.resize(static_cast<std::size_t>(pool.num_slots) * pool.row_width);
   if (pool.grouped()) rows.owned_lo_.resize(rows.owned_.size());
-  for (std::int64_t s = 0; s < pool.num_slots; ++s) rows.decode_row(pool, kv_scale, s, s);
+  std::uint8_t largest_code = 0;
+  for (std::int64_t s = 0; s < pool.num_slots; ++s) {
+    largest_code = std::max(largest_code, rows.decode_row(pool, kv_scale, s, s));
+  }
   rows.values_ = rows.owned_.data();
   rows.finish_grouped(pool);
-  if (!rows.has_residual()) {
-    rows.find_value_grid(rows.owned_, pool.dtype == KvDtype::kFloat8E4m3fn &&
-                                          pool.rope_dtype == KvDtype::kFloat8E4m3fn &&
-                                          !pool.grouped());
-  }
+  rows.find_pool_grid(pool, largest_code, 1);
   return rows;
 }
 
@@ -130,25 +149,25 @@ KvRows KvRows::from_pool_slots(const KvPool& pool, float kv_scale,
   if (pool.grouped()) rows.owned_lo_.resize(rows.owned_.size());
   // Each held slot decodes into its own row, so the threads share the slots freely.
   constexpr std::int64_t kSlotsPerUnit = 1024;
-  parallel_for(static_cast<std::size_t>((pool.num_slots + kSlotsPerUnit - 1) / kSlotsPerUnit),
-               threads, [&] {
-                 return [&](std::size_t unit) {
-                   const std::int64_t first = static_cast<std::int64_t>(unit) * kSlotsPerUnit;
-                   const std::int64_t end = std::min(pool.num_slots, first + kSlotsPerUnit);
-                   for (std::int64_t s = first; s < end; ++s) {
-                     const std::int64_t row = rows.compact_row_[s];
-                     if (row >= 0) rows.decode_row(pool, kv_scale, s, row);
-                   }
-                 };
-               });
+  const auto units = static_cast<std::size_t>((pool.num_slots + kSlotsPerUnit - 1) / kSlotsPerUnit);
+  std::vector<std::uint8_t> unit_largest_code(units, 0);
+  parallel_for(units, threads, [&] {
+    return [&](std::size_t unit) {
+      const std::int64_t first = static_cast<std::int64_t>(unit) * kSlotsPerUnit;
+      const std::int64_t end = std::min(pool.num_slots, first + kSlotsPerUnit);
+      std::uint8_t largest = 0;
+      for (std::int64_t s = first; s < end; ++s) {
+        const std::int64_t row = rows.compact_row_[s];
+        if (row >= 0) largest = std::max(largest, rows.decode_row(pool, kv_scale, s, row));
+      }
+      unit_largest_code[unit] = largest;
+    };
+  });
   rows.values_ = rows.owned_.data();
   rows.finish_grouped(pool);
-  if (!rows.has_residual()) {
-    rows.find_value_grid(rows.owned_,
-                         pool.dtype == KvDtype::kFloat8E4m3fn &&
-                             pool.rope_dtype == KvDtype::kFloat8E4m3fn && !pool.grouped(),
-                         threads);
-  }
+  const std::uint8_t largest_code =
+      units == 0 ? 0 : *std::max_element(unit_largest_code.begin(), unit_largest_code.end());
+  rows.find_pool_grid(pool, largest_code, threads);
   return rows;
 }
 
@@ -174,181 +193,36 @@ FloatExponents float_exponents(float v) {
 
 namespace {
 
-// What a scan of some held values found: their largest magnitude (e4m3 values), or the lowest and
-// highest exponents of their finite nonzero values; `unbounded` once an infinity is met or (other
-// values) they span more than KvRows::kMaxGridBits bits, where the scan may stop. Minimum, maximum
-// and "any" are exact and order-free, so scans of chunks merge into the scan of the whole.
-struct GridScan {
-  float largest = 0.0f;
-  int low = std::numeric_limits<int>::max();
-  int top = std::numeric_limits<int>::min();
-  bool unbounded = false;
+// What one row's finite nonzero values span: the bits of the largest magnitude, the lowest
+// last-bit exponent (+ 150, as float_exponents' low + 150), and whether the row holds an infinity
+// (NaNs are skipped). Maximum, minimum and "any" are exact and order-free, so rows' spans merge
+// into the span of all values whatever the threads.
+struct RowSpan {
+  static constexpr std::int32_t kNone = 1 << 20;
+  std::int32_t largest = 0;
+  std::int32_t lowest = kNone;
+  bool infinite = false;
 
-  void merge(const GridScan& other) {
+  void merge(const RowSpan& other) {
     largest = std::max(largest, other.largest);
-    low = std::min(low, other.low);
-    top = std::max(top, other.top);
-    unbounded = unbounded || other.unbounded;
+    lowest = std::min(lowest, other.lowest);
+    infinite = infinite || other.infinite;
+  }
+  // Whether the values span at most `bits` bits (top - lowest last bit) with no infinity.
+  bool at_most(int bits) const {
+    if (infinite) return false;
+    if (largest == 0) return true;
+    return float_exponents(std::bit_cast<float>(largest)).top - (lowest - 150) <= bits;
   }
 };
 
-// max_i |values[i]|, NaNs skipped (m = |v| > m ? |v| : m is false for NaN). Written with vectors
-// and four accumulators: the plain loop does not vectorise (std::max's NaN rule) and waits on
-// each maximum in turn; a maximum is the same in any order.
-KVAUDIT_CPU_CLONES
-float largest_magnitude(std::span<const float> values) {
-  using Float8 = float __attribute__((vector_size(32)));
-  using Int8 = std::int32_t __attribute__((vector_size(32)));
-  constexpr int kAccumulators = 4;
-  constexpr std::size_t kStep = 8 * kAccumulators;
-  Float8 most[kAccumulators] = {};
-  std::size_t i = 0;
-  for (; i + kStep <= values.size(); i += kStep) {
-    for (int k = 0; k < kAccumulators; ++k) {
-      Int8 bits;
-      std::memcpy(&bits, values.data() + i + 8 * k, sizeof bits);
-      bits &= 0x7fffffff;  // |v|
-      Float8 magnitude;
-      std::memcpy(&magnitude, &bits, sizeof magnitude);
-      most[k] = magnitude > most[k] ? magnitude : most[k];
-    }
-  }
-  float largest = 0.0f;
-  for (int k = 0; k < kAccumulators; ++k) {
-    for (int lane = 0; lane < 8; ++lane) largest = std::max(largest, most[k][lane]);
-  }
-  for (; i < values.size(); ++i) largest = std::max(largest, std::fabs(values[i]));  // NaN: out
-  return largest;
-}
-
-GridScan scan_e4m3_values(std::span<const float> values) {
-  GridScan scan;
-  scan.largest = largest_magnitude(values);
-  scan.unbounded = std::isinf(scan.largest);
-  return scan;
-}
-
-GridScan scan_float_values(std::span<const float> values, int max_bits) {
-  GridScan scan;
-  for (const float v : values) {
-    if (v == 0.0f || std::isnan(v)) continue;
-    if (std::isinf(v)) {
-      scan.unbounded = true;
-      break;
-    }
-    const FloatExponents e = float_exponents(v);
-    scan.low = std::min(scan.low, e.low);
-    scan.top = std::max(scan.top, e.top);
-    if (scan.top - scan.low > max_bits) {
-      scan.unbounded = true;
-      break;
-    }
-  }
-  return scan;
-}
-
-// The scan of all values, in fixed chunks on up to `threads` threads, merged in chunk order.
-GridScan scan_values(std::span<const float> values, bool e4m3_values, int max_bits, int threads) {
-  constexpr std::size_t kChunk = std::size_t{1} << 18;
-  std::vector<GridScan> chunks((values.size() + kChunk - 1) / kChunk);
-  parallel_for(chunks.size(), threads, [&] {
-    return [&](std::size_t c) {
-      const std::span<const float> part =
-          values.subspan(c * kChunk, std::min(kChunk, values.size() - c * kChunk));
-      chunks[c] = e4m3_values ? scan_e4m3_values(part) : scan_float_values(part, max_bits);
-    };
-  });
-  GridScan all;
-  for (const GridScan& chunk : chunks) all.merge(chunk);
-  return all;
-}
-
-// Whether some finite nonzero value lies off the grid 2^grid, i.e. v * 2^-grid is not an
-// integer (exact: a power-of-two scaling into binary64); NaNs are skipped. In blocks whose inner
-// loop has no exit, so that it vectorises; stops after the first block with such a value.
-KVAUDIT_CPU_CLONES
-bool any_off_grid(std::span<const float> values, int grid) {
-  constexpr std::size_t kBlock = 1024;
-  const double up = std::ldexp(1.0, -grid);
-  for (std::size_t start = 0; start < values.size(); start += kBlock) {
-    const std::size_t end = std::min(values.size(), start + kBlock);
-    bool off = false;
-    for (std::size_t i = start; i < end; ++i) {
-      const double scaled = static_cast<double>(values[i]) * up;
-      off |= (scaled != std::trunc(scaled)) & (scaled == scaled);
-    }
-    if (off) return true;
-  }
-  return false;
-}
-
-// A quick test that float values span more than max_bits (or hold an infinity), in two passes
-// that vectorise: their largest magnitude gives the highest exponent `top`; a value off the grid
-// 2^(top - max_bits) is one whose last bit lies further below (top - low > max_bits, what
-// scan_float_values looks for). Returns false where the values may still have a grid; then only
-// the full scan says. (bf16 or fp32 source values usually span more: this keeps their per-layer
-// scan from visiting every value's exponents.)
-bool spans_too_many_bits(std::span<const float> values, int max_bits, int threads) {
-  constexpr std::size_t kChunk = std::size_t{1} << 18;
-  const std::size_t chunks = (values.size() + kChunk - 1) / kChunk;
-  auto chunk_of = [&](std::size_t c) {
-    return values.subspan(c * kChunk, std::min(kChunk, values.size() - c * kChunk));
-  };
-  std::vector<float> largest(chunks, 0.0f);
-  parallel_for(chunks, threads,
-               [&] { return [&](std::size_t c) { largest[c] = largest_magnitude(chunk_of(c)); }; });
-  const float all_largest = chunks == 0 ? 0.0f : *std::max_element(largest.begin(), largest.end());
-  if (std::isinf(all_largest)) return true;
-  if (all_largest == 0.0f) return false;
-  const int grid = float_exponents(all_largest).top - max_bits;
-  std::atomic<bool> off{false};  // once one chunk has found a value off the grid, the rest skip
-  parallel_for(chunks, threads, [&] {
-    return [&](std::size_t c) {
-      if (!off.load(std::memory_order_relaxed) && any_off_grid(chunk_of(c), grid)) off = true;
-    };
-  });
-  return off;
-}
-
-}  // namespace
-
-// Scans the held values once (NaNs ignored: they reach the result through the products anyway).
-// e4m3 values are multiples of 2^-9 by their format, so only their largest magnitude is looked
-// for; other values are scanned for their lowest set bit too, stopping once they span too much.
-void KvRows::find_value_grid(std::span<const float> values, bool e4m3_values, int threads) {
-  has_value_grid_ = false;
-  row_on_grid_.clear();
-  if (!e4m3_values && spans_too_many_bits(values, kMaxGridBits, threads)) {
-    return find_row_grids(values, threads);
-  }
-  const GridScan scan = scan_values(values, e4m3_values, kMaxGridBits, threads);
-  if (scan.unbounded) return find_row_grids(values, threads);
-  int low = scan.low;
-  int top = scan.top;
-  if (e4m3_values) {
-    low = -9;
-    top = scan.largest == 0.0f ? -9 : float_exponents(scan.largest).top;
-  } else if (low > top) {
-    low = top = 0;  // no nonzero finite value
-  }
-  if (top - low > kMaxGridBits) return find_row_grids(values, threads);
-  has_value_grid_ = true;
-  grid_exponent_ = low;
-  magnitude_bits_ = top - low;
-}
-
-namespace {
-
-// Whether a row's finite nonzero values span at most `bits` bits (top - lowest last bit, as
-// float_exponents defines them) with no infinity; NaNs are skipped. One pass on the values' bits
-// that the compiler vectorises: a value's last bit is its exponent (at least 1 for subnormals)
-// - 150 plus the position of its significand's lowest set bit, found as the exponent of that bit
-// converted to a float (exact: a power of two).
+// One pass on the row's bits that the compiler vectorises: a value's last bit is its exponent (at
+// least 1 for subnormals) - 150 plus the position of its significand's lowest set bit, found as the
+// exponent of that bit converted to a float (exact: a power of two).
 KVAUDIT_CPU_CLONES_V4
-bool row_spans_at_most(const float* row, int width, int bits) {
-  constexpr std::int32_t kNone = 1 << 20;
-  std::int32_t largest = 0;     // the largest |v|'s bits among finite values
-  std::int32_t lowest = kNone;  // the lowest last-bit exponent, + 150
+RowSpan row_span(const float* row, int width) {
+  std::int32_t largest = 0;              // the largest |v|'s bits among finite values
+  std::int32_t lowest = RowSpan::kNone;  // the lowest last-bit exponent, + 150
   std::int32_t infinite = 0;
   for (int j = 0; j < width; ++j) {
     std::int32_t bits_of_v;
@@ -364,32 +238,55 @@ bool row_spans_at_most(const float* row, int width, int bits) {
     std::memcpy(&lowest_bit_bits, &lowest_bit_value, sizeof lowest_bit_bits);
     const std::int32_t last =
         field + static_cast<std::int32_t>(field == 0) + (lowest_bit_bits >> 23) - 127;
-    lowest = std::min(lowest, (last & keep) | (kNone & ~keep));
+    lowest = std::min(lowest, (last & keep) | (RowSpan::kNone & ~keep));
     largest = std::max(largest, a & keep);
     infinite |= static_cast<std::int32_t>(a == 0x7f800000);
   }
-  if (infinite != 0) return false;
-  if (largest == 0) return true;
-  const int top = float_exponents(std::bit_cast<float>(largest)).top;
-  return top - (lowest - 150) <= bits;
+  return {largest, lowest, infinite != 0};
 }
 
 }  // namespace
 
-// Rows on up to `threads` threads; each row's answer is its own, so the same for any count.
-void KvRows::find_row_grids(std::span<const float> values, int threads) {
+// e4m3 values are multiples of 2^-9 by their format, so their grid follows from the largest
+// magnitude alone (at most 18 bits: 448 < 2^9).
+void KvRows::set_e4m3_value_grid(float largest) {
+  has_value_grid_ = true;
+  row_on_grid_.clear();
+  const int top = largest == 0.0f ? -9 : float_exponents(largest).top;
+  grid_exponent_ = -9;
+  magnitude_bits_ = top + 9;
+}
+
+// One pass over the rows on up to `threads` threads: each row's span decides the row's grid, and
+// their merge the grid of all values (taken where they span at most kMaxGridBits bits, with no
+// infinity). Values that are not whole rows are never read (row() ends before them).
+void KvRows::find_value_grid(std::span<const float> values, int threads) {
+  has_value_grid_ = false;
+  row_on_grid_.clear();
   const std::size_t width = static_cast<std::size_t>(row_width_);
   const std::size_t rows = width > 0 ? values.size() / width : 0;
-  row_on_grid_.assign(rows, 0);
+  std::vector<RowSpan> spans(rows);
   constexpr std::size_t kRowsPerUnit = 1024;
   parallel_for((rows + kRowsPerUnit - 1) / kRowsPerUnit, threads, [&] {
     return [&](std::size_t unit) {
       const std::size_t end = std::min(rows, (unit + 1) * kRowsPerUnit);
       for (std::size_t r = unit * kRowsPerUnit; r < end; ++r) {
-        row_on_grid_[r] = row_spans_at_most(values.data() + r * width, row_width_, kRowGridBits);
+        spans[r] = row_span(values.data() + r * width, row_width_);
       }
     };
   });
+  RowSpan all;
+  for (const RowSpan& span : spans) all.merge(span);
+  if (all.at_most(kMaxGridBits)) {
+    has_value_grid_ = true;
+    grid_exponent_ = all.largest == 0 ? 0 : all.lowest - 150;  // no nonzero finite value: 2^0
+    magnitude_bits_ = all.largest == 0
+                          ? 0
+                          : float_exponents(std::bit_cast<float>(all.largest)).top - grid_exponent_;
+    return;
+  }
+  row_on_grid_.resize(rows);
+  for (std::size_t r = 0; r < rows; ++r) row_on_grid_[r] = spans[r].at_most(kRowGridBits);
 }
 
 bool KvRows::row_on_grid(std::int64_t slot) const {

@@ -130,10 +130,11 @@ class KvRows {
   bool row_on_grid(std::int64_t slot) const;
 
  private:
-  void decode_row(const KvPool& pool, float kv_scale, std::int64_t slot, std::int64_t row);
+  std::uint8_t decode_row(const KvPool& pool, float kv_scale, std::int64_t slot, std::int64_t row);
   void finish_grouped(const KvPool& pool);
-  void find_value_grid(std::span<const float> values, bool e4m3_values, int threads = 1);
-  void find_row_grids(std::span<const float> values, int threads);
+  void find_pool_grid(const KvPool& pool, std::uint8_t largest_code, int threads);
+  void set_e4m3_value_grid(float largest);
+  void find_value_grid(std::span<const float> values, int threads);
 
   // Every element is decoded into before it is read: no zeroing first, and large ones reuse the
   // last layer's pages (CachedFloats, src/core/buffer_cache.hpp).

@@ -113,6 +113,36 @@ TEST_CASE("KvRows from a pool's slots on several threads: each visible row decod
   CHECK(rows.magnitude_bits() == 18);
 }
 
+TEST_CASE("KvRows of an e4m3 pool: the grid's top from the largest finite magnitude of any sign",
+          "[reference][host-copies]") {
+  // The grid's top is read off the codes: NaN codes (0x7f, 0xff) are no magnitude, a negative
+  // code counts by its magnitude, and only slots held count. 0x38 is 1.0 (top 2^1: 10 bits from
+  // 2^-9), 0xc8 is -4.0 (top 2^3: 12 bits), 0x58 is 16.0 (top 2^5: 14 bits).
+  kvaudit::KvPool pool = kvaudit::KvPool::zeros(kvaudit::KvDtype::kFloat8E4m3fn, 2100, 4);
+  pool.row(5)[1] = 0x38;
+  pool.row(7)[0] = 0x7f;
+  pool.row(1500)[3] = 0xff;
+  const std::vector<std::int64_t> first = {5, 7, 1500};
+  const KvRows one = KvRows::from_pool_slots(pool, 1.0f, first, 2);
+  REQUIRE(one.has_value_grid());
+  CHECK(one.grid_exponent() == -9);
+  CHECK(one.magnitude_bits() == 10);
+  CHECK(KvRows::from_pool(pool, 1.0f).magnitude_bits() == 10);
+
+  pool.row(2050)[2] = 0xc8;
+  const std::vector<std::int64_t> second = {5, 2050};
+  CHECK(KvRows::from_pool_slots(pool, 1.0f, second, 2).magnitude_bits() == 12);
+  CHECK(KvRows::from_pool(pool, 1.0f).magnitude_bits() == 12);
+  pool.row(900)[0] = 0x58;  // not among `second`'s slots
+  CHECK(KvRows::from_pool_slots(pool, 1.0f, second, 2).magnitude_bits() == 12);
+  CHECK(KvRows::from_pool(pool, 1.0f).magnitude_bits() == 14);
+
+  const kvaudit::KvPool zeros = kvaudit::KvPool::zeros(kvaudit::KvDtype::kFloat8E4m3fn, 10, 4);
+  const KvRows none = KvRows::from_pool(zeros, 1.0f);
+  REQUIRE(none.has_value_grid());
+  CHECK(none.magnitude_bits() == 0);  // no nonzero value: top 2^-9
+}
+
 TEST_CASE("KvRows value grid: chunks that each fit can together span too much",
           "[reference][host-copies]") {
   // Two 2^18-value chunks of the grid scan: one of 2^-20 and one of 2^k. Each chunk alone spans
