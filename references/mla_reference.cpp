@@ -24,6 +24,7 @@
 
 #include "references/mla_reference_cuda.hpp"
 #include "src/core/cpu_clones.hpp"
+#include "src/core/fp8_e4m3_rows.hpp"
 #include "src/core/parallel_for.hpp"
 
 #if defined(KVAUDIT_HAVE_CPU_V3_TARGET)
@@ -68,15 +69,7 @@ std::uint8_t decode_pool_row(const KvPool& pool, std::int64_t slot, float* dst) 
     for (int c = 0; c < pool.row_width; ++c) dst[c] = bf16_to_float(pool.bf16_bits(slot, c));
     return 0;
   }
-  const std::uint8_t* codes = pool.row(slot);
-  const float* values = e4m3_value_table().data();
-  std::uint8_t largest = 0;
-  for (int c = 0; c < pool.row_width; ++c) {
-    dst[c] = values[codes[c]];
-    const std::uint8_t magnitude = codes[c] & 0x7f;
-    largest = std::max<std::uint8_t>(largest, magnitude == 0x7f ? 0 : magnitude);
-  }
-  return largest;
+  return e4m3_decode_row(pool.row(slot), pool.row_width, dst);
 }
 
 }  // namespace

@@ -6,10 +6,12 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
 #include "src/core/fp8_e4m3.hpp"
+#include "src/core/fp8_e4m3_rows.hpp"
 
 namespace {
 
@@ -107,6 +109,52 @@ TEST_CASE("e4m3 decode matches the (E, M) definition for all 256 codes", "[fp8]"
   CHECK(kvaudit::e4m3_decode(0x7E) == 448.0f);
   CHECK(kvaudit::e4m3_decode(0x01) == 0x1p-9f);
   CHECK(kvaudit::e4m3_decode(0x08) == 0x1p-6f);
+}
+
+TEST_CASE("e4m3 rows decode to the bits of e4m3_decode with their largest finite code", "[fp8]") {
+  // All 256 codes in a row (the vector loop's body and its remainder both), shifted by every
+  // offset in 0..40 so that each code lands in every lane; then the largest finite magnitude's
+  // code against the oracle's largest |value|.
+  std::vector<std::uint8_t> codes;
+  for (int round = 0; round < 3; ++round) {
+    for (int code = 0; code < 256; ++code) codes.push_back(static_cast<std::uint8_t>(code));
+  }
+  for (int offset = 0; offset <= 40; ++offset) {
+    const int n = 256 + offset;
+    std::vector<float> out(static_cast<std::size_t>(n) + 1, -1.0f);
+    const std::uint8_t largest = kvaudit::e4m3_decode_row(codes.data() + offset, n, out.data());
+    int differing = 0;
+    for (int i = 0; i < n; ++i) {
+      const std::uint32_t want =
+          kvaudit::e4m3_decode_float_bits(codes[static_cast<std::size_t>(offset + i)]);
+      std::uint32_t got;
+      std::memcpy(&got, &out[static_cast<std::size_t>(i)], sizeof got);
+      differing += got != want;
+    }
+    CAPTURE(offset);
+    CHECK(differing == 0);
+    CHECK(out[static_cast<std::size_t>(n)] == -1.0f);  // nothing written past n
+    CHECK(largest == 0x7E);                            // 448: every code is present
+  }
+  // The largest finite magnitude, of either sign, NaN codes left out.
+  auto largest_of = [](std::vector<std::uint8_t> row) {
+    std::vector<float> out(row.size());
+    return kvaudit::e4m3_decode_row(row.data(), static_cast<int>(row.size()), out.data());
+  };
+  CHECK(largest_of({0x7f, 0xff, 0x01, 0x80}) == 0x01);
+  CHECK(largest_of({0x38, 0xc8, 0x7f, 0x30}) == 0x48);  // -4.0 beats 1.0
+  CHECK(largest_of({0x7f, 0xff}) == 0);
+  CHECK(largest_of({}) == 0);
+  long double biggest = 0;
+  std::uint8_t biggest_code = 0;
+  for (int code = 0; code < 256; ++code) {
+    if (oracle_is_nan(code)) continue;
+    if (std::fabs(oracle_decode(code)) > biggest) {
+      biggest = std::fabs(oracle_decode(code));
+      biggest_code = static_cast<std::uint8_t>(code & 0x7f);
+    }
+  }
+  CHECK(biggest_code == 0x7E);
 }
 
 TEST_CASE("e4m3 encode is exhaustive-correct over all bf16 bit patterns", "[fp8]") {
