@@ -20,6 +20,7 @@
 #include "kernels/mla_attention_model.hpp"
 #include "src/core/cpu_clones.hpp"
 #include "src/core/fp8_e4m3.hpp"
+#include "src/core/fp8_e4m3_rows.hpp"
 #include "src/core/parallel_for.hpp"
 
 namespace kvaudit {
@@ -58,15 +59,36 @@ void tile_scores(const float* q, const float* cols, int width, int n, float* s) 
   }
 }
 
-// acc[d] = acc[d] * alpha, then acc[d] += p[t] * rows[t][d] for t < n in order (rows: [n,
-// width]), vectorised over d; cloned as tile_scores, the same bits in every clone.
-KVAUDIT_CPU_CLONES_V4
-void tile_pv(const float* p, const float* rows, int width, int dc, int n, float alpha, float* acc) {
-  for (int d = 0; d < dc; ++d) acc[d] *= alpha;
+// kDims dims of tile_pv, their sums held in registers through all n tokens (not loaded and stored
+// once per token). Always inlined: each clone of tile_pv then compiles it for its own target.
+template <int kDims>
+__attribute__((always_inline)) inline void tile_pv_fixed(const float* p, const float* rows,
+                                                         int width, int n, float alpha,
+                                                         float* acc) {
+  float sums[kDims];
+  for (int d = 0; d < kDims; ++d) sums[d] = acc[d] * alpha;
   for (int t = 0; t < n; ++t) {
     const float pt = p[t];
     const float* v = rows + static_cast<std::size_t>(t) * width;
-    for (int d = 0; d < dc; ++d) acc[d] += pt * v[d];
+    for (int d = 0; d < kDims; ++d) sums[d] += pt * v[d];
+  }
+  std::copy_n(sums, kDims, acc);
+}
+
+// acc[d] = acc[d] * alpha, then acc[d] += p[t] * rows[t][d] for t < n in order (rows: [n,
+// width]), vectorised over d, 128 dims at a time; cloned as tile_scores, the same bits in every
+// clone and for any split of the dims (each dim's operations are its own).
+KVAUDIT_CPU_CLONES_V4
+void tile_pv(const float* p, const float* rows, int width, int dc, int n, float alpha, float* acc) {
+  constexpr int kBlock = 128;
+  int d0 = 0;
+  for (; d0 + kBlock <= dc; d0 += kBlock)
+    tile_pv_fixed<kBlock>(p, rows + d0, width, n, alpha, acc + d0);
+  for (int d = d0; d < dc; ++d) acc[d] *= alpha;
+  for (int t = 0; t < n; ++t) {
+    const float pt = p[t];
+    const float* v = rows + static_cast<std::size_t>(t) * width;
+    for (int d = d0; d < dc; ++d) acc[d] += pt * v[d];
   }
 }
 
@@ -191,7 +213,6 @@ class TileWorker {
     const MlaCpuAttention& a = *p_.attention;
     const std::span<const std::uint8_t> pool = a.pool;
     const int width = p_.width();
-    const auto& table = e4m3_value_table();
     for (int t = 0; t < n; ++t) {
       const std::int64_t slot = slot_of(a, request, t0 + t);
       float* dst = tile_rows_.data() + static_cast<std::size_t>(t) * width;
@@ -212,8 +233,7 @@ class TileWorker {
           dst[j] = bf16_to_float(static_cast<std::uint16_t>(bits[2 * j] | (bits[2 * j + 1] << 8)));
         }
       } else {
-        const std::uint8_t* codes = pool.data() + static_cast<std::size_t>(slot) * width;
-        for (int j = 0; j < width; ++j) dst[j] = table[codes[j]];
+        e4m3_decode_row(pool.data() + static_cast<std::size_t>(slot) * width, width, dst);
       }
     }
     transpose_tile(n, width);
