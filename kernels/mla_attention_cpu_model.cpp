@@ -48,6 +48,34 @@ void tile_scores_fixed(const float* q, const float* cols, int width, float* s) {
   std::copy_n(sums, kN, s);
 }
 
+// Two heads' scores of a full tile at once (q_a and q_b against the same columns): each column
+// row is loaded once for both. Each head's sums are tile_scores_fixed's, in the same order.
+template <int kN>
+__attribute__((always_inline)) inline void tile_scores_pair_fixed(const float* q_a,
+                                                                  const float* q_b,
+                                                                  const float* cols, int width,
+                                                                  float* s_a, float* s_b) {
+  float sums_a[kN] = {};
+  float sums_b[kN] = {};
+  for (int j = 0; j < width; ++j) {
+    const float qa = q_a[j];
+    const float qb = q_b[j];
+    const float* col = cols + static_cast<std::size_t>(j) * kTile;
+    for (int t = 0; t < kN; ++t) {
+      sums_a[t] += qa * col[t];
+      sums_b[t] += qb * col[t];
+    }
+  }
+  std::copy_n(sums_a, kN, s_a);
+  std::copy_n(sums_b, kN, s_b);
+}
+
+KVAUDIT_CPU_CLONES_V4
+void tile_scores_pair(const float* q_a, const float* q_b, const float* cols, int width, float* s_a,
+                      float* s_b) {
+  tile_scores_pair_fixed<kTile>(q_a, q_b, cols, width, s_a, s_b);
+}
+
 KVAUDIT_CPU_CLONES_V4
 void tile_scores(const float* q, const float* cols, int width, int n, float* s) {
   if (n == kTile) return tile_scores_fixed<kTile>(q, cols, width, s);
@@ -174,7 +202,11 @@ class TileWorker {
       const int n = static_cast<int>(std::min<std::int64_t>(kTile, visible - t0));
       const int n_read = static_cast<int>(std::min<std::int64_t>(kTile, readable - t0));
       load_tile(request, t0, n_read);
-      for (int h = 0; h < heads; ++h) update_head(h, n, n_read);
+      int h = 0;
+      if (n == kTile) {  // full tiles: the scores of two heads at a time
+        for (; h + 2 <= heads; h += 2) update_head_pair(h, n_read);
+      }
+      for (; h < heads; ++h) update_head(h, n, n_read);
     }
 
     // Epilogue: out = bf16(acc * (kv_scale / l)), lse = (m + log2 l) * ln 2. Kept inline here: as
@@ -259,6 +291,20 @@ class TileWorker {
     qk_scores(h, n, s);
     const float alpha = online_softmax_update(h, n, n_read, s, p);
     rescale_and_accumulate_pv(h, n_read, alpha, p);
+  }
+
+  // update_head for heads h and h + 1 of a full tile, their scores taken together.
+  void update_head_pair(int h, int n_read) {
+    const int width = p_.width();
+    float s[2][kTile];
+    float p[kTile];
+    tile_scores_pair(q_.data() + static_cast<std::size_t>(h) * width,
+                     q_.data() + static_cast<std::size_t>(h + 1) * width, tile_cols_.data(), width,
+                     s[0], s[1]);
+    for (int k = 0; k < 2; ++k) {
+      const float alpha = online_softmax_update(h + k, kTile, n_read, s[k], p);
+      rescale_and_accumulate_pv(h + k, n_read, alpha, p);
+    }
   }
 
   // s[t] = q . k_t for the tile's n visible tokens, each summed in index order j = 0, 1, ...
