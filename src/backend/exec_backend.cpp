@@ -301,7 +301,7 @@ Status ExecBackend::read_pool(const nlohmann::json& reply, KvPool& pool,
     pool.num_slots = descriptor.shape[0];
     pool.row_width = static_cast<int>(descriptor.shape[1]);
   }
-  pool.bytes = std::move(*bytes);
+  pool.bytes.assign(bytes->begin(), bytes->end());
   returned_.take(pool);
   return ok_status();
 }

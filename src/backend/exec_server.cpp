@@ -67,7 +67,8 @@ Result<KvPool> read_pool_file(const std::filesystem::path& dir, const ArrayDescr
   KvPool pool = pool_form(model.attrs, model.num_slots);
   const ArrayDescriptor expected = pool_descriptor(file.file, pool);
   KVAUDIT_TRY(expect_shape(file, "pool", {expected.dtype}, expected.shape));
-  KVAUDIT_ASSIGN_OR_RETURN(pool.bytes, read_array(dir, file, "pool"));
+  KVAUDIT_ASSIGN_OR_RETURN(const std::vector<std::uint8_t> bytes, read_array(dir, file, "pool"));
+  pool.bytes.assign(bytes.begin(), bytes.end());
   return pool;
 }
 

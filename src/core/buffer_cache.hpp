@@ -11,16 +11,18 @@
 // last layer's pages. Like CUDA caching allocators, but for host memory: what is kept stays
 // resident until reused or until the process ends (release_all() frees it sooner).
 //
-// CachedAllocator<T> is that cache behind std::allocator's interface. A vector's value-less
-// construction default-initialises: resize(n) leaves trivially constructible elements unwritten
-// (a reused block holds the last layer's values; a new one's pages are first touched by the
-// threads that fill it, not zeroed beforehand), so it is only for buffers every element of which
-// is written before it is read. Blocks below kMinBytes come from std::allocator as usual.
-// (Boost.Container's default_init does the default-initialising part, but public headers of the
-// references layer must not include Boost: references/CMakeLists.txt.)
+// CachedAllocator<T> is that cache behind std::allocator's interface, and CachedUninitAllocator<T>
+// the same with default-initialising construction: resize(n) leaves trivially constructible
+// elements unwritten (a reused block holds the last layer's values; a new one's pages are first
+// touched by the threads that fill it, not zeroed beforehand), so it is only for buffers every
+// element of which is written before it is read. Blocks below kMinBytes come from std::allocator as
+// usual. (Boost.Container's default_init does the default-initialising part, but public headers of
+// the references layer must not include Boost: references/CMakeLists.txt.)
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -73,6 +75,7 @@ class LargeBufferCache {
   std::size_t reused_ = 0;
 };
 
+// Value-initialising, as std::allocator: a vector's resize(n) zeroes the new elements.
 template <class T>
 struct CachedAllocator {
   using value_type = T;
@@ -96,6 +99,23 @@ struct CachedAllocator {
   }
 
   template <class U>
+  bool operator==(const CachedAllocator<U>&) const noexcept {
+    return true;
+  }
+};
+
+// Default-initialising: resize(n) leaves trivially constructible elements unwritten (see above).
+template <class T>
+struct CachedUninitAllocator : CachedAllocator<T> {
+  template <class U>
+  struct rebind {
+    using other = CachedUninitAllocator<U>;
+  };
+  CachedUninitAllocator() = default;
+  template <class U>
+  CachedUninitAllocator(const CachedUninitAllocator<U>&) noexcept {}
+
+  template <class U>
   void construct(U* p) noexcept(std::is_nothrow_default_constructible_v<U>) {
     ::new (static_cast<void*>(p)) U;
   }
@@ -103,14 +123,21 @@ struct CachedAllocator {
   void construct(U* p, Args&&... args) {
     ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
   }
-
-  template <class U>
-  bool operator==(const CachedAllocator<U>&) const noexcept {
-    return true;
-  }
 };
 
-// A float buffer of that kind: kv_source rows, decoded pool rows.
-using CachedFloats = std::vector<float, CachedAllocator<float>>;
+// A vector of the cache compares equal to any vector of the same elements (as std::vector's own
+// == does for one allocator): element by element.
+template <class T, class A, class B>
+requires(!std::is_same_v<A, B>) bool operator==(const std::vector<T, A>& a,
+                                                const std::vector<T, B>& b) {
+  return std::equal(a.begin(), a.end(), b.begin(), b.end());
+}
+
+// A float buffer of that kind, every element written before it is read: kv_source rows, decoded
+// pool rows.
+using CachedFloats = std::vector<float, CachedUninitAllocator<float>>;
+// A KV pool's bytes (KvPool::bytes, tens of MB a layer, copied per step for the integrity checks),
+// zeroed as a std::vector's are.
+using CachedBytes = std::vector<std::uint8_t, CachedAllocator<std::uint8_t>>;
 
 }  // namespace kvaudit

@@ -152,7 +152,7 @@ struct KvPool {
   KvDtype dtype = KvDtype::kFloat8E4m3fn;
   std::int64_t num_slots = 0;
   int row_width = 0;
-  std::vector<std::uint8_t> bytes;
+  CachedBytes bytes;  // src/core/buffer_cache.hpp: a layer's blocks reuse the last layer's pages
   // per_token_group only (group_size 0: the whole row is `dtype`, one scale per tensor).
   int group_size = 0;
   int latent_width = 0;  // Dc

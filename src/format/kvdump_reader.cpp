@@ -208,9 +208,9 @@ Result<std::vector<std::uint16_t>> read_bf16_pool_bits(const BulkSource& source,
 
 // The bytes of one pool part: e4m3 codes / e8m0 codes / packed bytes as stored, bf16 as
 // little-endian bits, float32 scales as little-endian bits; `elements` = slots * part width.
-Result<std::vector<std::uint8_t>> read_part_bytes(const BulkSource& source, const std::string& path,
-                                                  PoolPartType type, std::size_t elements) {
-  std::vector<std::uint8_t> bytes;
+Result<CachedBytes> read_part_bytes(const BulkSource& source, const std::string& path,
+                                    PoolPartType type, std::size_t elements) {
+  CachedBytes bytes;
   switch (type) {
     case PoolPartType::kE4m3:
     case PoolPartType::kScalesE8m0:
@@ -256,7 +256,7 @@ Result<KvPool> read_grouped_pool(const BulkSource& source, const std::string& gr
     return internal_error(source.where(group_path + pool_name), "out of memory");
   }
   for (const PoolPart& part : parts) {
-    KVAUDIT_ASSIGN_OR_RETURN(const std::vector<std::uint8_t> bytes,
+    KVAUDIT_ASSIGN_OR_RETURN(const CachedBytes bytes,
                              read_part_bytes(source, group_path + part.name, part.type,
                                              slots * static_cast<std::size_t>(part.width)));
     for (std::size_t s = 0; s < slots; ++s) {

@@ -52,7 +52,7 @@ GoldenPool capture_pool(const KvPool& pool, std::span<const std::int32_t> writte
   const bool whole = static_cast<std::int64_t>(pool.bytes.size()) <= whole_pool_max_bytes;
   golden.storage = whole ? PoolStorage::kWhole : PoolStorage::kDigest;
   if (whole) {
-    golden.rows = pool.bytes;
+    golden.rows.assign(pool.bytes.begin(), pool.bytes.end());
     return golden;
   }
   golden.unwritten_sha256 = unwritten_rows_sha256(pool, written_slots);

@@ -261,7 +261,7 @@ TEST_CASE("exec protocol v2: a grouped pool travels as its slots' bytes and keep
       // The slot's bytes are [Dc codes][G scales][Dr RoPE]: slot 2's scale of group 1 sits at
       // byte Dc + 1 * scale_bytes of its row.
       KvPool read = exec::pool_form(attrs, 32);
-      read.bytes = *back;
+      read.bytes.assign(back->begin(), back->end());
       CHECK(read.group_scale(2, 1) == pool.group_scale(2, 1));
       const std::size_t at = 2 * pool.row_bytes() + 512 + pool.scale_bytes();
       if (format == GroupScaleFormat::kE8m0) {

@@ -741,7 +741,7 @@ TEST_CASE("cuda-fp8 injects every fault (and --reciprocal-scale) as cpu-fp8 does
   MlaCase c_saturating = make_mla_case(saturating);
   c_saturating.attrs.rope_factor = c.attrs.rope_factor;
   c_saturating.attrs.rope_mscale_all_dim = c.attrs.rope_mscale_all_dim;
-  const auto nan_codes = [](const std::vector<std::uint8_t>& bytes) {
+  const auto nan_codes = [](const auto& bytes) {
     return std::count_if(bytes.begin(), bytes.end(),
                          [](std::uint8_t code) { return (code & 0x7F) == 0x7F; });
   };
