@@ -13,10 +13,12 @@
 # split the check reports (reading, reference, backend, comparisons) and the wall time.
 #
 # Measured on a 2-core Xeon with AVX-512 and without a GPU (reports/whole-model-speed.md):
-# KVAUDIT_CONTEXT=4096, 2026-12-06: 22.6-24.9 s wall (078f69f), against 26.1-28.3 s for e446bf7
-# in runs alternating with it; 2026-12-05: 26.6-27.6 s (568fad7), and 47.0 s for the code before
-# the reference's AVX-512 loops; context 512: 4.2-4.9 s. The same binary's time drifts by up to
-# 20% within an hour on such a machine: compare only runs made side by side.
+# KVAUDIT_CONTEXT=4096, 2026-12-06 05:09 UTC: 17.3-18.1 s wall (e127a7b), against 19.7-20.9 s
+# for b84808a in runs alternating with it; 01:38 UTC: 22.6-24.9 s (078f69f), against 26.1-28.3 s
+# for e446bf7; 2026-12-05: 26.6-27.6 s (568fad7), and 47.0 s for the code before the reference's
+# AVX-512 loops; context 512: 2.7 s (e127a7b, 05:11 UTC), 4.2-4.9 s on 2026-12-05. The same
+# binary's time drifts by up to 20% within an hour on such a machine: compare only runs made side
+# by side.
 #
 # Usage: scripts/bench-decode-only.sh [KVAUDIT_BINARY] (default build-cpu/kvaudit)
 #   KVAUDIT_DUMP_DIR  where the dump goes (default build/decode-only)
