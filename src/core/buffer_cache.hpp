@@ -50,7 +50,7 @@ class LargeBufferCache {
   // Frees every kept block.
   void release_all();
 
-  // What the cache has done since the process started (for tests and --verbose).
+  // What the cache has done since the process started (for its tests).
   struct Counts {
     std::size_t taken_new = 0;  // blocks allocated
     std::size_t reused = 0;     // requests met by a kept block
