@@ -262,9 +262,9 @@ class DumpReader {
   const DumpLayout& layout() const;
   const std::filesystem::path& path() const;
 
-  Result<KvPool> read_pool(std::size_t layer_index) const;                // kv_cache
-  // kv_source [S, D], in a CachedFloats (src/core/buffer_cache.hpp): a layer's source is tens of MB,
-  // and the next layer's read reuses the block once this one is freed.
+  Result<KvPool> read_pool(std::size_t layer_index) const;  // kv_cache
+  // kv_source [S, D], in a CachedFloats (src/core/buffer_cache.hpp): a layer's source is tens of
+  // MB, and the next layer's read reuses the block once this one is freed.
   Result<CachedFloats> read_source(std::size_t layer_index) const;
   Result<StepLayerTensors> read_step_layer(std::size_t step_index, std::size_t layer_index) const;
   // topk_indices of a sparse (step, layer) [Nq, K], checked by the v1.1 rules (check_topk_indices);

@@ -6,8 +6,8 @@
 #include <CLI/CLI.hpp>
 #include <catch2/catch.hpp>
 #include <cstring>
-#include <span>
 #include <filesystem>
+#include <span>
 #include <string>
 #include <vector>
 
